@@ -1,0 +1,29 @@
+"""jax_cgx: compressed cross-device reductions for JAX.
+
+Bucketed max-min quantization (1-8 bits) as XLA FFI kernels on CPU and CUDA, with a
+bit-identical pure-JAX reference. See README.md and docs/.
+"""
+
+from jax_cgx._ffi import cuda_extension_available
+from jax_cgx.codec import (
+    dequantize,
+    dequantize_sum,
+    dequantize_sum_requantize,
+    quantize,
+)
+from jax_cgx.config import CompressionConfig
+from jax_cgx.quantized import Quantized, num_buckets, payload_bytes
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CompressionConfig",
+    "Quantized",
+    "quantize",
+    "dequantize",
+    "dequantize_sum",
+    "dequantize_sum_requantize",
+    "num_buckets",
+    "payload_bytes",
+    "cuda_extension_available",
+]

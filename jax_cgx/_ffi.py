@@ -1,0 +1,246 @@
+"""The compiled codec: extension loading and one JAX primitive per FFI target.
+
+Each primitive lowers to the XLA FFI custom call of the same name on CPU (always
+built) and CUDA (when the CUDA extension was built), and to the pure-JAX
+reference (:mod:`jax_cgx._reference`) on any other platform, or on a GPU without
+the CUDA extension, with a warning, unless the caller asked for the kernel only.
+Operands and results carry a leading row axis ``R`` (xla_ffi/README.md); the
+batching rule folds vmapped axes into it, so kernels never see more than one
+batch dimension.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable
+
+import jax
+import numpy as np
+from jax.extend.core import Primitive
+from jax.interpreters import batching, mlir
+
+from jax_cgx import _reference
+
+log = logging.getLogger("jax_cgx")
+
+try:
+    from jax_cgx import _cpu
+except ImportError as err:  # pragma: no cover - a broken install
+    raise ImportError(
+        "jax_cgx's compiled CPU extension (jax_cgx._cpu) is missing or does not load: "
+        f"{err}. Reinstall jax_cgx with `pip install .` from a source checkout."
+    ) from err
+
+try:
+    from jax_cgx import _cuda
+    _CUDA_IMPORT_ERROR: Exception | None = None
+except ImportError as err:
+    _cuda = None
+    _CUDA_IMPORT_ERROR = err
+
+
+def cuda_extension_available() -> bool:
+    """True when jax_cgx was built with its CUDA extension (a GPU may still be absent)."""
+    return _cuda is not None
+
+
+def require_cuda_extension() -> None:
+    """Raise a clear error when a GPU-only feature is used without the CUDA extension."""
+    if _cuda is None:
+        raise RuntimeError(
+            "jax_cgx was built without its CUDA extension (jax_cgx._cuda: "
+            f"{_CUDA_IMPORT_ERROR}). Rebuild on a machine with nvcc, e.g. "
+            "`JAX_CGX_CUDA=ON pip install .`, to use the GPU kernels."
+        )
+
+
+def _register_targets() -> None:
+    for name, capsule in _cpu.registrations().items():
+        jax.ffi.register_ffi_target(name, capsule, platform="cpu")
+    if _cuda is not None:
+        for name, capsule in _cuda.registrations().items():
+            jax.ffi.register_ffi_target(name, capsule, platform="CUDA")
+
+
+_register_targets()
+
+# ------------------------------------------------------------- primitives
+
+
+def _aval(like, shape, dtype):
+    """An output aval: ``like``'s varying-axes typing with a new shape and dtype."""
+    return like.update(shape=tuple(shape), dtype=np.dtype(dtype), weak_type=False, sharding=None)
+
+
+def _batch_rows(prim: Primitive, args, dims, **params):
+    """vmap rule: fold the batch axis into the leading row axis of every operand."""
+    size = next(a.shape[d] for a, d in zip(args, dims) if d is not batching.not_mapped)
+    flat = []
+    for a, d in zip(args, dims):
+        a = jax.numpy.broadcast_to(a, (size, *a.shape)) if d is batching.not_mapped else jax.numpy.moveaxis(a, d, 0)
+        flat.append(a.reshape(size * a.shape[1], *a.shape[2:]))
+    outs = prim.bind(*flat, **params)
+    return [o.reshape(size, o.shape[0] // size, *o.shape[1:]) for o in outs], [0] * len(outs)
+
+
+_warned_fallback: set[tuple[str, str]] = set()
+
+
+def _fallback_lowering(prim_name: str, platform: str, reference: Callable):
+    def lowering(ctx, *args, strict: bool, **params):
+        if strict:
+            raise NotImplementedError(
+                f"jax_cgx: no compiled kernel for '{prim_name}' on platform '{platform}' "
+                "(impl='kernel' was requested). Build the CUDA extension, or pass "
+                "impl='auto' to fall back to the pure-JAX reference."
+            )
+        if (prim_name, platform) not in _warned_fallback:
+            _warned_fallback.add((prim_name, platform))
+            log.warning(
+                "jax_cgx: no compiled kernel for %s on %s; using the pure-JAX reference "
+                "(same bytes, slower)",
+                prim_name,
+                platform,
+            )
+        fun = functools.partial(reference, **params)
+        return mlir.lower_fun(fun, multiple_results=True)(ctx, *args)
+
+    return lowering
+
+
+def _ffi_lowering(target: str, attrs: Callable[[dict], dict]):
+    rule = jax.ffi.ffi_lowering(target)
+
+    def lowering(ctx, *args, strict: bool, **params):
+        del strict
+        return rule(ctx, *args, **attrs(params))
+
+    return lowering
+
+
+def _define(name: str, abstract_eval: Callable, reference: Callable, attr_names: tuple[str, ...]):
+    prim = Primitive(name)
+    prim.multiple_results = True
+    prim.def_impl(functools.partial(jax._src.dispatch.apply_primitive, prim))
+    prim.def_abstract_eval(abstract_eval)
+    batching.primitive_batchers[prim] = functools.partial(_batch_rows, prim)
+
+    def attrs(params):
+        out = {"bits": np.int32(params["bits"]), "bucket_size": np.int64(params["bucket_size"])}
+        if "stochastic" in attr_names:
+            out["stochastic"] = bool(params["stochastic"])
+        return out
+
+    ref = _reference_rule(reference)
+    mlir.register_lowering(prim, _ffi_lowering(name, attrs), platform="cpu")
+    if _cuda is not None:
+        mlir.register_lowering(prim, _ffi_lowering(name, attrs), platform="cuda")
+    else:
+        mlir.register_lowering(prim, _fallback_lowering(name, "cuda", ref), platform="cuda")
+    mlir.register_lowering(prim, _fallback_lowering(name, "rocm", ref), platform="rocm")
+    mlir.register_lowering(prim, _fallback_lowering(name, "tpu", ref), platform="tpu")
+    return prim
+
+
+def _reference_rule(reference: Callable) -> Callable:
+    """Adapt a reference function to return a list (primitives have multiple results)."""
+
+    def rule(*args, **params):
+        out = reference(*args, **params)
+        return list(out) if isinstance(out, tuple) else [out]
+
+    return rule
+
+
+def _check_bucketing(m: int, bits: int, bucket_size: int, payload_shape, meta_shape, what: str):
+    from jax_cgx.quantized import num_buckets, payload_bytes
+
+    if payload_shape[-1] != payload_bytes(m, bucket_size, bits) or meta_shape[-2:] != (
+        num_buckets(m, bucket_size),
+        2,
+    ):
+        raise ValueError(
+            f"{what}: payload {payload_shape} / meta {meta_shape} do not hold {m} values "
+            f"at bits={bits}, bucket_size={bucket_size}"
+        )
+
+
+# quantize: x[R,n], seeds[R,2] -> payload[R,P], meta[R,nb,2]
+def _quantize_abstract(x, seeds, *, bits, bucket_size, stochastic, m, strict):
+    from jax_cgx.quantized import num_buckets, payload_bytes
+
+    r = x.shape[0]
+    return (
+        _aval(x, (r, payload_bytes(m, bucket_size, bits)), np.uint8),
+        _aval(x, (r, num_buckets(m, bucket_size), 2), np.float32),
+    )
+
+
+def _quantize_reference(x, seeds, *, bits, bucket_size, stochastic, m):
+    return _reference.quantize(x, seeds, bits=bits, bucket_size=bucket_size, stochastic=stochastic, m=m)
+
+
+quantize_p = _define("jax_cgx_quantize", _quantize_abstract, _quantize_reference, ("stochastic",))
+
+
+# dequantize: payload[R,P], meta[R,nb,2] -> out[R,m]
+def _dequantize_abstract(payload, meta, *, bits, bucket_size, m, dtype, strict):
+    _check_bucketing(m, bits, bucket_size, payload.shape, meta.shape, "dequantize")
+    return (_aval(payload, (payload.shape[0], m), dtype),)
+
+
+def _dequantize_reference(payload, meta, *, bits, bucket_size, m, dtype):
+    return _reference.dequantize(payload, meta, bits=bits, bucket_size=bucket_size, m=m, dtype=dtype)
+
+
+dequantize_p = _define("jax_cgx_dequantize", _dequantize_abstract, _dequantize_reference, ())
+
+
+# dequantize_sum: payload[R,W,P], meta[R,W,nb,2], addend[R,m|0] -> out[R,m]
+def _sum_abstract(payload, meta, addend, *, bits, bucket_size, m, dtype, strict):
+    _check_bucketing(m, bits, bucket_size, payload.shape, meta.shape, "dequantize_sum")
+    return (_aval(payload, (payload.shape[0], m), dtype),)
+
+
+def _addend_or_none(addend):
+    return None if addend.shape[1] == 0 else addend
+
+
+def _sum_reference(payload, meta, addend, *, bits, bucket_size, m, dtype):
+    return _reference.dequantize_sum(
+        payload, meta, _addend_or_none(addend), bits=bits, bucket_size=bucket_size, m=m, dtype=dtype
+    )
+
+
+dequantize_sum_p = _define("jax_cgx_dequantize_sum", _sum_abstract, _sum_reference, ())
+
+
+# dequantize_sum_requantize: ... + seeds[R,2] -> payload[R,P], meta[R,nb,2], out[R,m]
+def _dsr_abstract(payload, meta, addend, seeds, *, bits, bucket_size, stochastic, m, dtype, strict):
+    _check_bucketing(m, bits, bucket_size, payload.shape, meta.shape, "dequantize_sum_requantize")
+    r = payload.shape[0]
+    return (
+        _aval(payload, (r, payload.shape[-1]), np.uint8),
+        _aval(payload, (r, meta.shape[-2], 2), np.float32),
+        _aval(payload, (r, m), dtype),
+    )
+
+
+def _dsr_reference(payload, meta, addend, seeds, *, bits, bucket_size, stochastic, m, dtype):
+    return _reference.dequantize_sum_requantize(
+        payload,
+        meta,
+        _addend_or_none(addend),
+        seeds,
+        bits=bits,
+        bucket_size=bucket_size,
+        stochastic=stochastic,
+        m=m,
+        dtype=dtype,
+    )
+
+
+dequantize_sum_requantize_p = _define(
+    "jax_cgx_dequantize_sum_requantize", _dsr_abstract, _dsr_reference, ("stochastic",)
+)

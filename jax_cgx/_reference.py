@@ -1,0 +1,212 @@
+"""Pure-JAX reference of the codec: the test oracle and the fallback.
+
+Every function transcribes xla_ffi/codec_math.h op for op, so that this code,
+the CPU kernels and the CUDA kernels produce the same bytes. All functions work on
+rows: ``x[R, n]``, ``payload[R, P]``, ``meta[R, nb, 2]`` (see xla_ffi/README.md).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jax_cgx.quantized import num_buckets
+
+_F32 = jnp.float32
+_U32 = jnp.uint32
+MAX_MAGNITUDE = np.float32(2.0**125)
+MIN_SCALE = np.float32(2.0**-100)
+MIN_NORMAL = np.float32(2.0**-126)
+FRAC_BITS = 23
+FRAC_SCALE = np.float32(2.0**FRAC_BITS)
+
+
+def max_level(bits: int) -> int:
+    return (1 << bits) - 1
+
+
+def level_step(bits: int) -> np.float32:
+    return np.float32(1.0) / np.float32(max_level(bits))
+
+
+def flush(x):
+    return jnp.where(jnp.abs(x) < MIN_NORMAL, _F32(0), x)
+
+
+def round_scale_up(s):
+    u = lax.bitcast_convert_type(s, _U32)
+    return lax.bitcast_convert_type((u + _U32(0xFF)) & _U32(0xFFFFFF00), _F32)
+
+
+def make_meta(mn, mx, has_nan, bits: int):
+    bad = has_nan | ~(mn >= -MAX_MAGNITUDE) | ~(mx <= MAX_MAGNITUDE)
+    s = round_scale_up((mx - mn) * level_step(bits))
+    s = jnp.where(s > MIN_SCALE, s, MIN_SCALE)
+    scale = jnp.where(mx > mn, s, _F32(0))
+    nan = _F32(np.nan)
+    return jnp.where(bad, nan, mn), jnp.where(bad, nan, scale)
+
+
+def inverse_scale(scale):
+    return jnp.where(scale > 0, _F32(1) / scale, _F32(0))
+
+
+def mix32(h):
+    h = h ^ (h >> 16)
+    h = h * _U32(0x85EBCA6B)
+    h = h ^ (h >> 13)
+    h = h * _U32(0xC2B2AE35)
+    return h ^ (h >> 16)
+
+
+def random_bits(seed0, seed1, index):
+    return mix32(mix32(index ^ seed0) ^ seed1) >> (32 - FRAC_BITS)
+
+
+def fixed_position(x, mn, inv, bits: int):
+    t = (flush(x) - mn) * inv
+    t = jnp.where(t > 0, t, _F32(0))
+    top = _F32(max_level(bits))
+    t = jnp.where(t < top, t, top)
+    return (t * FRAC_SCALE).astype(jnp.int32)
+
+
+def level_nearest(fixed):
+    return (fixed + (1 << (FRAC_BITS - 1))).astype(_U32) >> FRAC_BITS
+
+
+def level_stochastic(fixed, random23):
+    f = fixed.astype(_U32)
+    up = (f & _U32((1 << FRAC_BITS) - 1)) > random23
+    return (f >> FRAC_BITS) + up.astype(_U32)
+
+
+def decode(level, mn, scale):
+    return flush(mn + level.astype(_F32) * scale)
+
+
+def accumulate(acc, v):
+    return flush(acc + v)
+
+
+# --------------------------------------------------------------- bucketing
+#
+# A row of m values is one piece of m // B whole buckets of B values, then (if
+# m % B) one piece of a single shorter bucket. Values, indices, payload bytes and
+# metadata are all cut into the same pieces.
+
+
+def _layout(m: int, bucket_size: int):
+    """``[(buckets, values per bucket)]`` for the pieces of a row of ``m`` values."""
+    full, rest = divmod(m, bucket_size)
+    return [(k, length) for k, length in ((full, bucket_size), (1 if rest else 0, rest)) if k]
+
+
+def _split(a, m: int, bucket_size: int, unit):
+    """Cut axis 1 of ``a`` into pieces ``[R, buckets, unit(values per bucket), ...]``."""
+    pieces, start = [], 0
+    for k, length in _layout(m, bucket_size):
+        size = unit(length)
+        pieces.append(a[:, start : start + k * size].reshape(a.shape[0], k, size, *a.shape[2:]))
+        start += k * size
+    return pieces
+
+
+def _pack(levels, bits: int):
+    """``levels[R, k, L]`` -> ``uint8[R, k, ceil(L*bits/8)]``, LSB-first bit stream per bucket."""
+    r, k, length = levels.shape
+    nbytes = -(-length * bits // 8)
+    planes = (levels[..., None] >> jnp.arange(bits, dtype=_U32)) & _U32(1)
+    stream = planes.astype(jnp.uint8).reshape(r, k, length * bits)
+    stream = jnp.pad(stream, ((0, 0), (0, 0), (0, nbytes * 8 - length * bits)))
+    weights = (1 << np.arange(8)).astype(np.uint8)
+    return jnp.sum(stream.reshape(r, k, nbytes, 8) * weights, axis=-1, dtype=jnp.uint8)
+
+
+def _unpack(packed, length: int, bits: int):
+    """Inverse of :func:`_pack`: ``uint8[R, k, nbytes]`` -> ``uint32[R, k, length]``."""
+    r, k, nbytes = packed.shape
+    stream = (packed[..., None] >> jnp.arange(8, dtype=jnp.uint8)) & jnp.uint8(1)
+    stream = stream.reshape(r, k, nbytes * 8)[..., : length * bits]
+    planes = stream.reshape(r, k, length, bits).astype(_U32)
+    return jnp.sum(planes << jnp.arange(bits, dtype=_U32), axis=-1, dtype=_U32)
+
+
+# -------------------------------------------------------------- the codec
+
+
+def encode(values, seeds, *, bits: int, bucket_size: int, stochastic: bool):
+    """Quantize f32 rows ``values[R, m]``: returns ``payload[R, P]``, ``meta[R, nb, 2]``."""
+    r, m = values.shape
+    if m == 0:
+        return jnp.zeros((r, 0), jnp.uint8), jnp.zeros((r, 0, 2), _F32)
+    values = flush(values)
+    index = jnp.broadcast_to(jnp.arange(m, dtype=_U32), (r, m))
+    same = lambda length: length  # noqa: E731
+    payloads, metas = [], []
+    for v, idx in zip(_split(values, m, bucket_size, same), _split(index, m, bucket_size, same)):
+        has_nan = jnp.any(jnp.isnan(v), axis=-1)
+        mn, scale = make_meta(jnp.min(v, axis=-1), jnp.max(v, axis=-1), has_nan, bits)
+        fixed = fixed_position(v, mn[..., None], inverse_scale(scale)[..., None], bits)
+        if stochastic:
+            rnd = random_bits(seeds[:, 0, None, None], seeds[:, 1, None, None], idx)
+            levels = level_stochastic(fixed, rnd)
+        else:
+            levels = level_nearest(fixed)
+        levels = jnp.where(jnp.isnan(mn)[..., None], _U32(0), levels)
+        payloads.append(_pack(levels, bits).reshape(r, -1))
+        metas.append(jnp.stack([mn, scale], axis=-1))
+    return jnp.concatenate(payloads, axis=1), jnp.concatenate(metas, axis=1)
+
+
+def decode_rows(payload, meta, *, m: int, bits: int, bucket_size: int):
+    """f32 values ``[R, m]`` of packed rows ``payload[R, P]``, ``meta[R, nb, 2]``."""
+    r = payload.shape[0]
+    if m == 0:
+        return jnp.zeros((r, 0), _F32)
+    packed_pieces = _split(payload, m, bucket_size, lambda length: -(-length * bits // 8))
+    meta_pieces = _split(meta, m, bucket_size, lambda length: 1)
+    parts = []
+    for (k, length), packed, mt in zip(_layout(m, bucket_size), packed_pieces, meta_pieces):
+        levels = _unpack(packed, length, bits)
+        parts.append(decode(levels, mt[:, :, 0, 0, None], mt[:, :, 0, 1, None]).reshape(r, -1))
+    return jnp.concatenate(parts, axis=1)
+
+
+def _sum(payload, meta, addend, *, m: int, bits: int, bucket_size: int):
+    """f32 ``acc[R, m]``: ``flush(addend)`` (or 0) plus the W decoded inputs, in order."""
+    r, w = payload.shape[:2]
+    acc = jnp.zeros((r, m), _F32) if addend is None else flush(addend.astype(_F32))
+    for i in range(w):
+        acc = accumulate(acc, decode_rows(payload[:, i], meta[:, i], m=m, bits=bits, bucket_size=bucket_size))
+    return acc
+
+
+# ------------------------------------------------- the FFI targets, in JAX
+
+
+def quantize(x, seeds, *, bits: int, bucket_size: int, stochastic: bool, m: int):
+    """Target ``jax_cgx_quantize``: encodes the first ``m`` values of each row of ``x``."""
+    return encode(x[:, :m].astype(_F32), seeds, bits=bits, bucket_size=bucket_size, stochastic=stochastic)
+
+
+def dequantize(payload, meta, *, bits: int, bucket_size: int, m: int, dtype):
+    """Target ``jax_cgx_dequantize``."""
+    return decode_rows(payload, meta, m=m, bits=bits, bucket_size=bucket_size).astype(dtype)
+
+
+def dequantize_sum(payload, meta, addend, *, bits: int, bucket_size: int, m: int, dtype):
+    """Target ``jax_cgx_dequantize_sum`` (``addend`` may be None)."""
+    return _sum(payload, meta, addend, m=m, bits=bits, bucket_size=bucket_size).astype(dtype)
+
+
+def dequantize_sum_requantize(
+    payload, meta, addend, seeds, *, bits: int, bucket_size: int, stochastic: bool, m: int, dtype
+):
+    """Target ``jax_cgx_dequantize_sum_requantize``: (payload, meta, decoded re-quantized sum)."""
+    acc = _sum(payload, meta, addend, m=m, bits=bits, bucket_size=bucket_size)
+    out_payload, out_meta = encode(acc, seeds, bits=bits, bucket_size=bucket_size, stochastic=stochastic)
+    out = decode_rows(out_payload, out_meta, m=m, bits=bits, bucket_size=bucket_size)
+    return out_payload, out_meta, out.astype(dtype)

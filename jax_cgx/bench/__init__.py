@@ -1,0 +1,1 @@
+"""Benchmarks: ``python -m jax_cgx.bench codec`` (more subcommands follow)."""

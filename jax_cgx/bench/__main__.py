@@ -1,0 +1,19 @@
+"""``python -m jax_cgx.bench <benchmark> [options]``."""
+
+import argparse
+
+from jax_cgx.bench import codec
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m jax_cgx.bench", description=__doc__)
+    sub = parser.add_subparsers(dest="benchmark", required=True)
+    p = sub.add_parser("codec", help="quantize/dequantize throughput vs a plain copy", description=codec.__doc__)
+    codec.add_arguments(p)
+    p.set_defaults(run=codec.main)
+    args = parser.parse_args(argv)
+    args.run(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,116 @@
+"""Codec throughput against a plain copy of the same buffer, measured side by side.
+
+On CPU the copy is ``numpy.copyto`` (the memory bandwidth a kernel can hope for);
+on GPU it is a device-to-device copy (an XLA elementwise kernel reading and writing
+every byte once). Times are the best of ``--repeats`` runs after a warm-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jax_cgx
+from jax_cgx.bench._table import print_table, save
+
+
+def _best(fn, repeats: int) -> float:
+    fn()  # warm-up and compile
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def _copy_time(x: jax.Array, repeats: int) -> float:
+    if x.devices().pop().platform == "cpu":
+        src = np.asarray(x)
+        dst = np.empty_like(src)
+        return _best(lambda: np.copyto(dst, src), repeats)
+    copy = jax.jit(lambda a: -a)  # one read and one write of every byte
+    return _best(lambda: copy(x).block_until_ready(), repeats)
+
+
+def run(args: argparse.Namespace) -> list[dict]:
+    device = jax.devices(args.platform)[0] if args.platform else jax.devices()[0]
+    dtype = jnp.dtype(args.dtype)
+    records = []
+    for mib in args.sizes_mib:
+        n = int(mib * 2**20) // dtype.itemsize
+        x = jax.device_put(jax.random.normal(jax.random.key(0), (n,), jnp.float32).astype(dtype), device)
+        t_copy = _copy_time(x, args.repeats)
+        for bits in args.bits:
+            config = jax_cgx.CompressionConfig(bits=bits, bucket_size=args.bucket_size, stochastic=args.stochastic)
+            quantize = jax.jit(lambda a, k, c=config: jax_cgx.quantize(a, c, key=k, impl=args.impl))
+            dequantize = jax.jit(lambda q: jax_cgx.dequantize(q, impl=args.impl))
+            key = jax.random.key(1)
+            q = quantize(x, key)
+            t_q = _best(lambda: jax.block_until_ready(quantize(x, key)), args.repeats)
+            t_d = _best(lambda: dequantize(q).block_until_ready(), args.repeats)
+            nbytes = n * dtype.itemsize
+            records.append(
+                dict(
+                    platform=device.platform,
+                    dtype=dtype.name,
+                    size_mib=mib,
+                    bits=bits,
+                    bucket_size=args.bucket_size,
+                    stochastic=args.stochastic,
+                    copy_ms=t_copy * 1e3,
+                    quantize_ms=t_q * 1e3,
+                    dequantize_ms=t_d * 1e3,
+                    quantize_gbps=nbytes / t_q / 1e9,
+                    dequantize_gbps=nbytes / t_d / 1e9,
+                    copy_gbps=nbytes / t_copy / 1e9,
+                    quantize_over_copy=t_q / t_copy,
+                    dequantize_over_copy=t_d / t_copy,
+                    compression_ratio=q.compression_ratio,
+                )
+            )
+    return records
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--sizes-mib", type=float, nargs="+", default=[1, 16, 64], help="buffer sizes in MiB")
+    p.add_argument("--bits", type=int, nargs="+", default=[2, 4, 8])
+    p.add_argument("--bucket-size", type=int, default=512)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--stochastic", action="store_true", help="stochastic rounding")
+    p.add_argument("--impl", default="kernel", choices=["kernel", "reference", "auto"])
+    p.add_argument("--platform", default=None, help="cpu or gpu (default: jax's default device)")
+    p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--output", help="also write the results to this .json or .csv file")
+
+
+def main(args: argparse.Namespace) -> None:
+    records = run(args)
+    rows = [
+        [
+            f"{r['size_mib']:g}",
+            str(r["bits"]),
+            f"{r['copy_ms']:.2f}",
+            f"{r['quantize_ms']:.2f}",
+            f"{r['dequantize_ms']:.2f}",
+            f"{r['quantize_gbps']:.2f}",
+            f"{r['dequantize_gbps']:.2f}",
+            f"{r['quantize_over_copy']:.2f}",
+            f"{r['dequantize_over_copy']:.2f}",
+            f"{r['compression_ratio']:.2f}",
+        ]
+        for r in records
+    ]
+    title = (
+        f"jax_cgx codec on {records[0]['platform']} ({args.dtype}, bucket {args.bucket_size}, "
+        f"{'stochastic' if args.stochastic else 'nearest'}, impl={args.impl})"
+    )
+    columns = ["MiB", "bits", "copy ms", "quant ms", "dequant ms", "quant GB/s", "dequant GB/s",
+               "quant/copy", "dequant/copy", "ratio"]
+    print_table(title, columns, rows)
+    if args.output:
+        save(records, args.output)

@@ -1,0 +1,220 @@
+"""The public codec: quantize, dequantize, and the sums the all-reduce needs.
+
+Each function runs the compiled FFI kernels (``impl="kernel"``), the pure-JAX
+reference (``impl="reference"``), or the kernel where one exists for the platform
+and the reference elsewhere (``impl="auto"``, the default). All three give the same
+bytes. Everything is jittable and vmappable.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_cgx import _ffi, _reference
+from jax_cgx.config import CompressionConfig
+from jax_cgx.quantized import Quantized, quantized_elements
+
+__all__ = ["quantize", "dequantize", "dequantize_sum", "dequantize_sum_requantize", "Impl"]
+
+Impl = Literal["auto", "kernel", "reference"]
+_IMPLS = ("auto", "kernel", "reference")
+SUPPORTED_DTYPES = (np.dtype(jnp.float32), np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
+# Element indices inside a row feed a 32-bit counter hash.
+_MAX_ROW = 2**32 - 1
+
+
+def _check_impl(impl: str) -> None:
+    if impl not in _IMPLS:
+        raise ValueError(f"impl must be one of {_IMPLS}, got {impl!r}")
+
+
+def check_float_dtype(dtype, what: str) -> np.dtype:
+    dtype = np.dtype(dtype)
+    if dtype not in SUPPORTED_DTYPES:
+        raise TypeError(
+            f"{what}: dtype {dtype} cannot be quantized; jax_cgx compresses float32, "
+            "bfloat16 and float16 arrays (cast first, or reduce integer arrays with an "
+            "uncompressed lax.psum)"
+        )
+    return dtype
+
+
+def seeds_from_key(key) -> jax.Array:
+    """The two 32-bit seed words the counter-based hash uses, drawn from a PRNG key."""
+    return jax.random.bits(key, (2,), jnp.uint32)
+
+
+def _seeds(key, stochastic: bool, what: str) -> jax.Array:
+    if not stochastic:
+        return jnp.zeros((2,), jnp.uint32)
+    if key is None:
+        raise ValueError(
+            f"{what}: stochastic rounding needs a PRNG key; pass key=jax.random.key(...) "
+            "(or set stochastic=False)"
+        )
+    return seeds_from_key(key)
+
+
+def quantize(
+    x: jax.Array, config: CompressionConfig | None = None, *, key=None, impl: Impl = "auto"
+) -> Quantized:
+    """Compress ``x`` (float32, bfloat16 or float16, any shape) with bucketed max-min quantization.
+
+    Args:
+      x: the array.
+      config: ``bits`` (1..8), ``bucket_size``, ``stochastic`` and
+        ``skip_incomplete_buckets`` are used; defaults to ``CompressionConfig()``.
+      key: a ``jax.random`` key, required when ``config.stochastic``.
+      impl: ``"auto"``, ``"kernel"`` or ``"reference"``.
+
+    Returns:
+      A :class:`Quantized` pytree; :func:`dequantize` restores an array of ``x``'s
+      shape and dtype.
+    """
+    config = CompressionConfig() if config is None else config
+    if not isinstance(config, CompressionConfig):
+        raise TypeError(f"quantize: config must be a CompressionConfig, got {type(config).__name__}")
+    if not config.quantizes:
+        raise ValueError(
+            f"quantize: config.bits={config.bits} is not a quantization width; use 1..8 "
+            "(16 and 32 only make sense for the all-reduce)"
+        )
+    _check_impl(impl)
+    x = jnp.asarray(x)
+    dtype = check_float_dtype(x.dtype, "quantize")
+    n = math.prod(x.shape)
+    if n > _MAX_ROW:
+        raise ValueError(f"quantize: {n} elements exceed the per-array limit of {_MAX_ROW}")
+    m = quantized_elements(n, config.bucket_size, config.skip_incomplete_buckets)
+    seeds = _seeds(key, config.stochastic, "quantize")
+    rows = x.reshape(1, n)
+    params = dict(bits=config.bits, bucket_size=config.bucket_size, stochastic=config.stochastic, m=m)
+    if impl == "reference":
+        payload, meta = _reference.quantize(rows, seeds[None], **params)
+    else:
+        payload, meta = _ffi.quantize_p.bind(rows, seeds[None], **params, strict=impl == "kernel")
+    return Quantized(
+        payload=payload[0],
+        meta=meta[0],
+        tail=rows[0, m:],
+        shape=tuple(x.shape),
+        dtype=dtype,
+        bits=config.bits,
+        bucket_size=config.bucket_size,
+    )
+
+
+def _check_quantized(q, what: str, stacked: bool) -> None:
+    if not isinstance(q, Quantized):
+        raise TypeError(f"{what}: expected a jax_cgx.Quantized, got {type(q).__name__}")
+    want = 2 if stacked else 1
+    if q.payload.ndim != want:
+        raise ValueError(
+            f"{what}: payload has shape {q.payload.shape}; expected {want} dimension(s)"
+            + (" (stack the W inputs along a leading axis)" if stacked else "")
+        )
+
+
+def dequantize(q: Quantized, *, impl: Impl = "auto") -> jax.Array:
+    """The array ``q`` encodes, in its original shape and dtype."""
+    _check_quantized(q, "dequantize", stacked=False)
+    _check_impl(impl)
+    m = q.num_quantized
+    params = dict(bits=q.bits, bucket_size=q.bucket_size, m=m, dtype=q.dtype)
+    if impl == "reference":
+        out = _reference.dequantize(q.payload[None], q.meta[None], **params)
+    else:
+        (out,) = _ffi.dequantize_p.bind(q.payload[None], q.meta[None], **params, strict=impl == "kernel")
+    return jnp.concatenate([out[0], q.tail]).reshape(q.shape)
+
+
+def _split_addend(addend, q: Quantized, m: int):
+    if addend is None:
+        return jnp.zeros((1, 0), q.dtype), None
+    addend = jnp.asarray(addend)
+    check_float_dtype(addend.dtype, "addend")
+    if addend.shape != tuple(q.shape):
+        raise ValueError(f"addend has shape {addend.shape}; expected {tuple(q.shape)}")
+    flat = addend.reshape(1, -1)
+    return flat[:, :m], flat[0, m:]
+
+
+def _sum_tails(tails, addend_tail):
+    """The uncompressed tails, accumulated exactly like the kernel accumulates values."""
+    acc = jnp.zeros(tails.shape[1:], jnp.float32)
+    if addend_tail is not None:
+        acc = _reference.flush(addend_tail.astype(jnp.float32))
+    for i in range(tails.shape[0]):
+        acc = _reference.accumulate(acc, tails[i].astype(jnp.float32))
+    return acc
+
+
+def dequantize_sum(
+    q: Quantized, addend: jax.Array | None = None, *, dtype=None, impl: Impl = "auto"
+) -> jax.Array:
+    """Decode W stacked arrays and sum them (plus ``addend``), accumulating in float32.
+
+    ``q`` holds W encodings stacked along a leading axis (e.g. from ``jax.vmap(quantize)``).
+    The sum is taken in a fixed order (``addend`` first, then inputs 0..W-1), so
+    every device computing it gets the same bits. Returns ``q.shape`` in ``dtype``
+    (default ``q.dtype``).
+    """
+    _check_quantized(q, "dequantize_sum", stacked=True)
+    _check_impl(impl)
+    dtype = check_float_dtype(q.dtype if dtype is None else dtype, "dequantize_sum")
+    m = q.num_quantized
+    head, tail = _split_addend(addend, q, m)
+    params = dict(bits=q.bits, bucket_size=q.bucket_size, m=m, dtype=dtype)
+    if impl == "reference":
+        out = _reference.dequantize_sum(q.payload[None], q.meta[None], _ffi._addend_or_none(head), **params)
+    else:
+        (out,) = _ffi.dequantize_sum_p.bind(q.payload[None], q.meta[None], head, **params, strict=impl == "kernel")
+    tail_sum = _sum_tails(q.tail, tail).astype(dtype)
+    return jnp.concatenate([out[0], tail_sum]).reshape(q.shape)
+
+
+def dequantize_sum_requantize(
+    q: Quantized,
+    addend: jax.Array | None = None,
+    *,
+    stochastic: bool = False,
+    key=None,
+    impl: Impl = "auto",
+) -> tuple[Quantized, jax.Array]:
+    """Sum W stacked encodings (plus ``addend``) and re-quantize the float32 sum.
+
+    This is the owner's step of the SRA all-reduce (docs/algorithm.md): returns the
+    re-quantized sum (same bits and bucket size) and its decoded value, which is what
+    every replica will decode from it.
+    """
+    _check_quantized(q, "dequantize_sum_requantize", stacked=True)
+    _check_impl(impl)
+    m = q.num_quantized
+    head, tail = _split_addend(addend, q, m)
+    seeds = _seeds(key, stochastic, "dequantize_sum_requantize")
+    params = dict(bits=q.bits, bucket_size=q.bucket_size, stochastic=stochastic, m=m, dtype=q.dtype)
+    args = (q.payload[None], q.meta[None])
+    if impl == "reference":
+        payload, meta, out = _reference.dequantize_sum_requantize(
+            *args, _ffi._addend_or_none(head), seeds[None], **params
+        )
+    else:
+        payload, meta, out = _ffi.dequantize_sum_requantize_p.bind(
+            *args, head, seeds[None], **params, strict=impl == "kernel"
+        )
+    tail_sum = _sum_tails(q.tail, tail).astype(q.dtype)
+    summed = Quantized(
+        payload=payload[0],
+        meta=meta[0],
+        tail=tail_sum,
+        shape=q.shape,
+        dtype=q.dtype,
+        bits=q.bits,
+        bucket_size=q.bucket_size,
+    )
+    return summed, jnp.concatenate([out[0], tail_sum]).reshape(q.shape)

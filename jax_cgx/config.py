@@ -1,0 +1,179 @@
+"""CompressionConfig: what to compress and how, validated once, hashable for jit."""
+
+from __future__ import annotations
+
+import dataclasses
+import numbers
+import os
+from collections.abc import Mapping
+from typing import Literal
+
+__all__ = ["CompressionConfig", "ENV_VARS"]
+
+_QUANT_BITS = tuple(range(1, 9))
+_VALID_BITS = _QUANT_BITS + (16, 32)
+
+# torch_cgx's environment variables, with their defaults (bits=32 means compression off).
+ENV_VARS: Mapping[str, str] = {
+    "CGX_COMPRESSION_QUANTIZATION_BITS": "32",
+    "CGX_COMPRESSION_BUCKET_SIZE": "512",
+    "CGX_COMPRESSION_SKIP_INCOMPLETE_BUCKETS": "0",
+    "CGX_COMPRESSION_MINIMAL_SIZE": "16",
+    "CGX_FUSION_BUFFER_SIZE_MB": "64",
+}
+# torch_cgx never lets the minimal size fall below this.
+_MIN_SIZE_FLOOR = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class CompressionConfig:
+    """Settings of the max-min quantization codec and of the compressed all-reduce.
+
+    Attributes:
+      bits: bits per quantized value, 1..8; 16 means an all-reduce in ``half_dtype``;
+        32 means no compression (a plain ``psum``).
+      bucket_size: consecutive values sharing one (min, scale) pair. Smaller buckets
+        give a smaller error and cost more metadata (8 bytes per bucket).
+      stochastic: stochastic (unbiased) rounding instead of round-to-nearest; needs a
+        PRNG key wherever values are quantized.
+      skip_incomplete_buckets: leave the last, shorter bucket of a buffer uncompressed
+        (as torch_cgx does) instead of quantizing it.
+      min_size: arrays with fewer elements than this are reduced uncompressed.
+      fusion_buffer_mb: small arrays are fused into buffers of at most this many MiB
+        before they are compressed and exchanged.
+      half_dtype: the 16-bit float type used when ``bits == 16``.
+    """
+
+    bits: int = 4
+    bucket_size: int = 512
+    stochastic: bool = False
+    skip_incomplete_buckets: bool = False
+    min_size: int = 16
+    fusion_buffer_mb: float = 64
+    half_dtype: Literal["bfloat16", "float16"] = "bfloat16"
+
+    def __post_init__(self) -> None:
+        _check_int("bits", self.bits)
+        if self.bits not in _VALID_BITS:
+            raise ValueError(
+                f"CompressionConfig: bits={self.bits} is not supported; use 1..8 for "
+                "max-min quantization, 16 for a half-precision all-reduce or 32 for no "
+                "compression"
+            )
+        _check_int("bucket_size", self.bucket_size)
+        if self.bucket_size < 1:
+            raise ValueError(
+                f"CompressionConfig: bucket_size must be >= 1, got {self.bucket_size}"
+            )
+        for name in ("stochastic", "skip_incomplete_buckets"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(
+                    f"CompressionConfig: {name} must be a bool, got "
+                    f"{getattr(self, name)!r}"
+                )
+        _check_int("min_size", self.min_size)
+        if self.min_size < 0:
+            raise ValueError(f"CompressionConfig: min_size must be >= 0, got {self.min_size}")
+        if isinstance(self.fusion_buffer_mb, bool) or not isinstance(
+            self.fusion_buffer_mb, (int, float)
+        ):
+            raise TypeError(
+                "CompressionConfig: fusion_buffer_mb must be a number of MiB, got "
+                f"{self.fusion_buffer_mb!r}"
+            )
+        if not self.fusion_buffer_mb > 0:
+            raise ValueError(
+                f"CompressionConfig: fusion_buffer_mb must be > 0, got {self.fusion_buffer_mb}"
+            )
+        if self.half_dtype not in ("bfloat16", "float16"):
+            raise ValueError(
+                "CompressionConfig: half_dtype must be 'bfloat16' or 'float16', got "
+                f"{self.half_dtype!r}"
+            )
+
+    @property
+    def enabled(self) -> bool:
+        """False when ``bits == 32``: reductions are plain, exact ``psum``s."""
+        return self.bits != 32
+
+    @property
+    def quantizes(self) -> bool:
+        """True for max-min quantization (``bits`` in 1..8)."""
+        return self.bits in _QUANT_BITS
+
+    @property
+    def fusion_buffer_bytes(self) -> int:
+        return int(self.fusion_buffer_mb * 2**20)
+
+    def replace(self, **changes) -> CompressionConfig:
+        """A copy with some fields changed (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_env(
+        cls, environ: Mapping[str, str] | None = None, **overrides
+    ) -> CompressionConfig:
+        """A config from torch_cgx's environment variables.
+
+        ===========================================  =========  ==========================
+        variable                                     default    field
+        ===========================================  =========  ==========================
+        ``CGX_COMPRESSION_QUANTIZATION_BITS``        32 (off)   ``bits``
+        ``CGX_COMPRESSION_BUCKET_SIZE``              512        ``bucket_size``
+        ``CGX_COMPRESSION_SKIP_INCOMPLETE_BUCKETS``  0          ``skip_incomplete_buckets``
+        ``CGX_COMPRESSION_MINIMAL_SIZE``             16         ``min_size`` (never < 16)
+        ``CGX_FUSION_BUFFER_SIZE_MB``                64         ``fusion_buffer_mb``
+        ===========================================  =========  ==========================
+
+        Keyword ``overrides`` win over the environment. A malformed value raises
+        ``ValueError`` naming the variable.
+        """
+        env = os.environ if environ is None else environ
+
+        def read(name: str) -> str:
+            return env.get(name, ENV_VARS[name]).strip()
+
+        def read_int(name: str) -> int:
+            raw = read(name)
+            try:
+                return int(raw)
+            except ValueError:
+                raise ValueError(f"{name}={raw!r} is not an integer") from None
+
+        fields: dict = {}
+        bits = read_int("CGX_COMPRESSION_QUANTIZATION_BITS")
+        if bits not in _VALID_BITS:
+            raise ValueError(
+                f"CGX_COMPRESSION_QUANTIZATION_BITS={bits} is not supported; use 1..8, "
+                "16, or 32 (no compression)"
+            )
+        fields["bits"] = bits
+        bucket = read_int("CGX_COMPRESSION_BUCKET_SIZE")
+        if bucket < 1:
+            raise ValueError(f"CGX_COMPRESSION_BUCKET_SIZE={bucket} must be >= 1")
+        fields["bucket_size"] = bucket
+        skip = read("CGX_COMPRESSION_SKIP_INCOMPLETE_BUCKETS").lower()
+        if skip not in ("0", "1", "true", "false"):
+            raise ValueError(
+                f"CGX_COMPRESSION_SKIP_INCOMPLETE_BUCKETS={skip!r} must be 0 or 1"
+            )
+        fields["skip_incomplete_buckets"] = skip in ("1", "true")
+        min_size = read_int("CGX_COMPRESSION_MINIMAL_SIZE")
+        if min_size < 0:
+            raise ValueError(f"CGX_COMPRESSION_MINIMAL_SIZE={min_size} must be >= 0")
+        fields["min_size"] = max(min_size, _MIN_SIZE_FLOOR)
+        raw_mb = read("CGX_FUSION_BUFFER_SIZE_MB")
+        try:
+            mb = float(raw_mb)
+        except ValueError:
+            raise ValueError(f"CGX_FUSION_BUFFER_SIZE_MB={raw_mb!r} is not a number") from None
+        if not mb > 0:
+            raise ValueError(f"CGX_FUSION_BUFFER_SIZE_MB={raw_mb} must be > 0")
+        fields["fusion_buffer_mb"] = int(mb) if mb.is_integer() else mb
+        fields.update(overrides)
+        return cls(**fields)
+
+
+def _check_int(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"CompressionConfig: {name} must be an int, got {value!r}")

@@ -1,0 +1,322 @@
+"""The codec: bitwise parity CPU kernel vs pure-JAX reference, and its error bounds."""
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from codec_cases import BITS, BUCKETS, DTYPES, error_bound, roundtrip, sample, sum_plain, sum_requantize
+from conftest import assert_same_bits
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import jax_cgx
+from jax_cgx import CompressionConfig
+
+KEY = jax.random.key(1234)
+
+
+def check_parity(x, config, key=KEY):
+    q_k, y_k = roundtrip(x, key, config, "kernel")
+    q_r, y_r = roundtrip(x, key, config, "reference")
+    what = f"n={x.size} {x.dtype} {config}"
+    assert_same_bits(q_k.payload, q_r.payload, "payload " + what)
+    assert_same_bits(q_k.meta, q_r.meta, "meta " + what)
+    assert_same_bits(q_k.tail, q_r.tail, "tail " + what)
+    assert_same_bits(y_k, y_r, "decoded " + what)
+    return q_k, y_k
+
+
+@pytest.mark.parametrize("stochastic", [False, True], ids=["nearest", "stochastic"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("bucket_size", BUCKETS)
+def test_kernel_matches_reference_every_width(bucket_size, dtype, stochastic):
+    """Bitwise parity and the error bound, for every width 1..8."""
+    n = 2 * bucket_size + 7 if bucket_size < 4096 else bucket_size + 1021
+    x = sample(n, dtype, seed=bucket_size)
+    for bits in BITS:
+        config = CompressionConfig(bits=bits, bucket_size=bucket_size, stochastic=stochastic)
+        q, y = check_parity(x, config)
+        err, bound = error_bound(x, np.asarray(y), q.meta, n, bucket_size, stochastic)
+        assert np.all(err <= bound), f"bits={bits}: error {err.max()} above bound"
+
+
+@pytest.mark.parametrize("n", [0, 1, 2, 13, 97, 1009, 4099, 65537])
+@pytest.mark.parametrize("bucket_size", [3, 512])
+def test_kernel_matches_reference_sizes(n, bucket_size):
+    x = sample(n, jnp.float32, seed=n)
+    for bits, stochastic in itertools.product((1, 3, 4, 8), (False, True)):
+        check_parity(x, CompressionConfig(bits=bits, bucket_size=bucket_size, stochastic=stochastic))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
+def test_skip_incomplete_buckets_keeps_tail_exact(dtype):
+    x = sample(1000, dtype)
+    config = CompressionConfig(bits=4, bucket_size=64, skip_incomplete_buckets=True)
+    q, y = check_parity(x, config)
+    assert q.tail.shape == (1000 - 960,)
+    assert q.meta.shape == (15, 2)
+    assert_same_bits(np.asarray(y)[960:], x[960:], "uncompressed tail")
+
+
+def test_shapes_and_dtypes_round_trip():
+    x = jnp.asarray(sample(6 * 7 * 11, jnp.bfloat16)).reshape(6, 7, 11)
+    q, y = roundtrip(x, KEY, CompressionConfig(bits=5, bucket_size=100), "kernel")
+    assert y.shape == x.shape and y.dtype == x.dtype
+    assert q.shape == (6, 7, 11) and q.dtype == np.dtype(jnp.bfloat16)
+
+
+# ---------------------------------------------------------------- format
+
+
+@pytest.mark.parametrize("bits", BITS)
+def test_payload_is_dense_per_bucket(bits):
+    """A bucket of n values costs exactly ceil(n*bits/8) bytes, plus 8 bytes of metadata."""
+    for n, bucket in [(1, 1), (7, 3), (1000, 64), (1000, 500), (513, 512), (5000, 4096)]:
+        full, rest = divmod(n, bucket)
+        expected = full * -(-bucket * bits // 8) + -(-rest * bits // 8)
+        assert jax_cgx.payload_bytes(n, bucket, bits) == expected
+        q = jax_cgx.quantize(jnp.zeros(n), CompressionConfig(bits=bits, bucket_size=bucket))
+        assert q.payload.shape == (expected,)
+        assert q.meta.shape == (-(-n // bucket), 2)
+        assert q.nbytes == expected + 8 * q.meta.shape[0]
+
+
+def _numpy_decode(payload, meta, n, bits, bucket_size):
+    """An independent reading of docs/format.md: LSB-first bit stream per bucket."""
+    payload, meta = np.asarray(payload), np.asarray(meta)
+    per_bucket = -(-bucket_size * bits // 8)
+    out = np.empty(n, np.float32)
+    for k in range(-(-n // bucket_size)):
+        length = min(bucket_size, n - k * bucket_size)
+        stream = np.unpackbits(payload[k * per_bucket : k * per_bucket + -(-length * bits // 8)], bitorder="little")
+        levels = stream[: length * bits].reshape(length, bits) @ (1 << np.arange(bits))
+        if stream[length * bits :].any():
+            raise AssertionError("padding bits must be zero")
+        mn, scale = meta[k]
+        out[k * bucket_size : k * bucket_size + length] = mn + levels.astype(np.float32) * scale
+    return out
+
+
+@pytest.mark.parametrize("bits", BITS)
+def test_byte_layout_matches_spec(bits):
+    x = sample(1000, jnp.float32, seed=bits)
+    for bucket in (3, 64, 500):
+        q, y = roundtrip(x, KEY, CompressionConfig(bits=bits, bucket_size=bucket), "kernel")
+        np.testing.assert_array_equal(_numpy_decode(q.payload, q.meta, 1000, bits, bucket), np.asarray(y))
+
+
+# ------------------------------------------------------- special values
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
+def test_degenerate_buckets_decode_exactly(dtype):
+    x = np.repeat(np.asarray([3.25, -7.0, 0.0, 1e-3], np.float32), 64)
+    x = np.asarray(jnp.asarray(x, dtype))
+    for bits in BITS:
+        q, y = check_parity(x, CompressionConfig(bits=bits, bucket_size=64))
+        assert_same_bits(y, x, f"degenerate bits={bits}")
+        assert np.all(np.asarray(q.meta[:, 1]) == 0)
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf, 2.0**126], ids=["nan", "inf", "-inf", "huge"])
+@pytest.mark.parametrize("stochastic", [False, True])
+def test_non_finite_bucket_decodes_non_finite(bad, stochastic):
+    x = sample(256, jnp.float32)
+    x[70] = bad
+    q, y = check_parity(x, CompressionConfig(bits=4, bucket_size=64, stochastic=stochastic))
+    y = np.asarray(y)
+    assert np.all(np.isnan(y[64:128])), "the bucket holding a non-finite value must decode to NaN"
+    assert np.all(np.isfinite(y[:64])) and np.all(np.isfinite(y[128:])), "other buckets stay finite"
+    assert np.all(np.isnan(np.asarray(q.meta[1])))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float16], ids=["float32", "float16"])
+def test_tiny_values_and_negative_zero(dtype):
+    """Subnormals are flushed to +0 identically everywhere; -0 behaves as +0."""
+    tiny = np.float32(2.0**-130) if dtype == jnp.float32 else np.float32(2.0**-20)
+    x = np.zeros(192, np.float32)
+    x[:64] = -0.0
+    x[64:128] = tiny * np.arange(64)
+    x[128:] = np.linspace(-1, 1, 64)
+    x[130] = tiny
+    x = np.asarray(jnp.asarray(x, dtype))
+    for bits in (1, 4, 8):
+        check_parity(x, CompressionConfig(bits=bits, bucket_size=64))
+        check_parity(x, CompressionConfig(bits=bits, bucket_size=64, stochastic=True))
+
+
+def test_large_range_buckets():
+    x = sample(512, jnp.float32)
+    x[:64] = np.linspace(-(2.0**124), 2.0**124, 64)
+    x[64:128] = np.linspace(2.0**-120, 2.0**-119, 64)
+    for bits in BITS:
+        q, y = check_parity(x, CompressionConfig(bits=bits, bucket_size=64))
+        assert np.all(np.isfinite(np.asarray(y)))
+
+
+# ------------------------------------------------------ stochastic rounding
+
+
+def test_stochastic_rounding_is_unbiased():
+    """E[decode(quantize(x))] = x: the mean over K keys is within 5 standard errors."""
+    k, bits = 4096, 2
+    x = jnp.asarray(sample(64, jnp.float32, seed=7))
+    config = CompressionConfig(bits=bits, bucket_size=64, stochastic=True)
+    keys = jax.random.split(jax.random.key(0), k)
+    ys = jax.jit(jax.vmap(lambda key: roundtrip(x, key, config, "kernel")[1]))(keys)
+    q = jax_cgx.quantize(x, config, key=keys[0])
+    scale = float(q.meta[0, 1])
+    mean = np.asarray(ys, np.float64).mean(axis=0)
+    # Each sample is x + scale*(B - f) with B ~ Bernoulli(f): variance <= scale^2/4.
+    std_error = scale / (2 * np.sqrt(k))
+    assert np.all(np.abs(mean - np.asarray(x)) <= 5 * std_error + 1e-6 * scale)
+    # Pooled over the 64 values the bias must be smaller still.
+    assert abs((mean - np.asarray(x)).mean()) <= 5 * std_error / 8 + 1e-6 * scale
+    # And different keys really give different roundings.
+    assert len({np.asarray(y).tobytes() for y in ys[:16]}) > 1
+
+
+def test_stochastic_needs_a_key():
+    with pytest.raises(ValueError, match="PRNG key"):
+        jax_cgx.quantize(jnp.ones(10), CompressionConfig(stochastic=True))
+
+
+def test_same_key_same_bytes_and_raw_keys_work():
+    x = jnp.asarray(sample(1000, jnp.float32))
+    config = CompressionConfig(bits=3, bucket_size=64, stochastic=True)
+    a = jax_cgx.quantize(x, config, key=jax.random.key(5))
+    b = jax_cgx.quantize(x, config, key=jax.random.key(5))
+    c = jax_cgx.quantize(x, config, key=jax.random.PRNGKey(5))  # legacy uint32[2] key
+    assert_same_bits(a.payload, b.payload)
+    assert c.payload.shape == a.payload.shape
+
+
+# ------------------------------------------------------------ transforms
+
+
+def test_vmap_matches_per_example_calls():
+    xs = jnp.asarray(sample(3 * 500, jnp.float32)).reshape(3, 500)
+    keys = jax.random.split(KEY, 3)
+    config = CompressionConfig(bits=3, bucket_size=64, stochastic=True)
+    for impl in ("kernel", "reference"):
+        qs, ys = jax.vmap(lambda x, k: roundtrip(x, k, config, impl))(xs, keys)
+        for i in range(3):
+            q, y = roundtrip(xs[i], keys[i], config, impl)
+            assert_same_bits(qs.payload[i], q.payload, f"vmap payload {impl}")
+            assert_same_bits(ys[i], y, f"vmap decoded {impl}")
+    # An unbatched key is shared by every example (vmap semantics).
+    qs, _ = jax.vmap(lambda x: roundtrip(x, KEY, config, "kernel"))(xs)
+    assert_same_bits(qs.payload[1], roundtrip(xs[1], KEY, config, "kernel")[0].payload)
+
+
+def test_nested_vmap():
+    xs = jnp.asarray(sample(2 * 3 * 100, jnp.float16)).reshape(2, 3, 100)
+    config = CompressionConfig(bits=6, bucket_size=7)
+    f = jax.vmap(jax.vmap(lambda x: roundtrip(x, KEY, config, "kernel")[1]))
+    g = jax.vmap(jax.vmap(lambda x: roundtrip(x, KEY, config, "reference")[1]))
+    assert_same_bits(f(xs), g(xs))
+
+
+# ------------------------------------------------------ the reduce kernels
+
+
+def _stack(qs):
+    return jax.tree.map(lambda *a: jnp.stack(a), *qs)
+
+
+@pytest.mark.parametrize("w", [1, 3, 8])
+@pytest.mark.parametrize("with_addend", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
+def test_dequantize_sum_matches_reference(w, with_addend, dtype):
+    n, config = 1001, CompressionConfig(bits=4, bucket_size=64)
+    xs = [jnp.asarray(sample(n, dtype, seed=s)) for s in range(w)]
+    q = _stack([jax_cgx.quantize(x, config) for x in xs])
+    addend = jnp.asarray(sample(n, dtype, seed=99)) if with_addend else None
+    out_k = sum_plain(q, addend, "kernel")
+    assert_same_bits(out_k, sum_plain(q, addend, "reference"), "dequantize_sum")
+    # The fixed order: addend first, then each decoded input, in float32.
+    expected = np.zeros(n, np.float32) if addend is None else np.asarray(addend, np.float32)
+    for x in xs:
+        expected = expected + np.asarray(jax_cgx.dequantize(jax_cgx.quantize(x, config)), np.float32)
+    np.testing.assert_array_equal(np.asarray(out_k), expected)
+
+
+@pytest.mark.parametrize("stochastic", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("bits", [1, 2, 4, 5, 8])
+def test_dequantize_sum_requantize_matches_reference(bits, dtype, stochastic):
+    n, config = 777, CompressionConfig(bits=bits, bucket_size=100, skip_incomplete_buckets=bits == 5)
+    q = _stack([jax_cgx.quantize(jnp.asarray(sample(n, dtype, seed=s)), config) for s in range(4)])
+    addend = jnp.asarray(sample(n, dtype, seed=42))
+    s_k, out_k = sum_requantize(q, addend, KEY, stochastic, "kernel")
+    s_r, out_r = sum_requantize(q, addend, KEY, stochastic, "reference")
+    for field in ("payload", "meta", "tail"):
+        assert_same_bits(getattr(s_k, field), getattr(s_r, field), field)
+    assert_same_bits(out_k, out_r, "decoded sum")
+    # The decoded output is exactly what anyone decoding the re-quantized sum gets.
+    assert_same_bits(jax_cgx.dequantize(s_k), out_k, "owner's copy vs everyone's")
+    # And it is within the bound of the exact sum.
+    exact = np.asarray(sum_plain(q, addend, "kernel"))
+    m = s_k.num_quantized
+    err, bound = error_bound(exact.astype(dtype), np.asarray(out_k), s_k.meta, m, 100, stochastic)
+    assert np.all(err <= bound)
+
+
+# -------------------------------------------------------------- hypothesis
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    n=st.integers(0, 3000),
+    bits=st.integers(1, 8),
+    bucket_size=st.sampled_from([1, 2, 3, 5, 8, 16, 31, 64, 100, 512]),
+    dtype=st.sampled_from(DTYPES),
+    stochastic=st.booleans(),
+    skip=st.booleans(),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_property_parity_and_bound(n, bits, bucket_size, dtype, stochastic, skip, seed):
+    x = sample(n, dtype, seed=seed)
+    config = CompressionConfig(
+        bits=bits, bucket_size=bucket_size, stochastic=stochastic, skip_incomplete_buckets=skip
+    )
+    q, y = check_parity(x, config, key=jax.random.key(seed))
+    m = q.num_quantized
+    err, bound = error_bound(x, np.asarray(y), q.meta, m, bucket_size, stochastic)
+    assert np.all(err <= bound)
+    assert q.nbytes == jax_cgx.payload_bytes(m, bucket_size, bits) + 8 * q.meta.shape[0] + (n - m) * x.itemsize
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    values=st.lists(
+        st.floats(width=32, allow_nan=True, allow_infinity=True, allow_subnormal=True), min_size=1, max_size=200
+    ),
+    bits=st.integers(1, 8),
+    bucket_size=st.sampled_from([1, 3, 16, 64]),
+)
+def test_property_parity_on_arbitrary_floats(values, bits, bucket_size):
+    """Any f32 input, special values included, gives the same bytes on kernel and reference."""
+    x = np.asarray(values, np.float32)
+    q, y = check_parity(x, CompressionConfig(bits=bits, bucket_size=bucket_size))
+    finite_bucket = np.repeat(np.isfinite(np.asarray(q.meta[:, 1])), bucket_size)[: x.size]
+    assert np.all(np.isfinite(np.asarray(y)[finite_bucket]))
+    assert np.all(np.isnan(np.asarray(y)[~finite_bucket]))
+
+
+# ------------------------------------------------------------------ errors
+
+
+def test_bad_inputs_raise_clear_errors():
+    with pytest.raises(TypeError, match="int32 cannot be quantized"):
+        jax_cgx.quantize(jnp.arange(10), CompressionConfig())
+    with pytest.raises(ValueError, match="bits=32 is not a quantization width"):
+        jax_cgx.quantize(jnp.ones(10), CompressionConfig(bits=32))
+    with pytest.raises(ValueError, match="impl must be one of"):
+        jax_cgx.quantize(jnp.ones(10), CompressionConfig(), impl="fast")
+    with pytest.raises(ValueError, match="stack the W inputs"):
+        jax_cgx.dequantize_sum(jax_cgx.quantize(jnp.ones(10)))
+    with pytest.raises(TypeError, match="expected a jax_cgx.Quantized"):
+        jax_cgx.dequantize(jnp.ones(10))

@@ -1,0 +1,97 @@
+"""CUDA kernels: bitwise parity with the CPU kernel (and so the reference), same properties.
+
+Marked `gpu`: skipped where jax sees no GPU. tools/gpu_check.sh runs them on a GPU machine.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from codec_cases import BITS, BUCKETS, DTYPES, error_bound, roundtrip, sample, sum_plain, sum_requantize
+from conftest import assert_same_bits
+
+import jax_cgx
+from jax_cgx import CompressionConfig
+
+pytestmark = pytest.mark.gpu
+KEY = jax.random.key(99)
+
+
+def _on(device, tree):
+    return jax.device_put(tree, device)
+
+
+@pytest.fixture(scope="module")
+def devices():
+    assert jax_cgx.cuda_extension_available(), "jax_cgx was built without its CUDA extension"
+    return jax.devices("gpu")[0], jax.devices("cpu")[0]
+
+
+@pytest.mark.parametrize("stochastic", [False, True], ids=["nearest", "stochastic"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("bucket_size", BUCKETS)
+def test_cuda_matches_cpu_every_width(devices, bucket_size, dtype, stochastic):
+    gpu, cpu = devices
+    for n in (0, 1, 97, 2 * bucket_size + 7, 100_003):
+        x = sample(n, dtype, seed=n + bucket_size)
+        for bits in BITS:
+            config = CompressionConfig(bits=bits, bucket_size=bucket_size, stochastic=stochastic)
+            q_g, y_g = roundtrip(_on(gpu, x), _on(gpu, KEY), config, "kernel")
+            q_c, y_c = roundtrip(_on(cpu, x), _on(cpu, KEY), config, "kernel")
+            what = f"n={n} bits={bits} B={bucket_size} {np.dtype(dtype).name}"
+            assert_same_bits(q_g.payload, q_c.payload, "payload " + what)
+            assert_same_bits(q_g.meta, q_c.meta, "meta " + what)
+            assert_same_bits(y_g, y_c, "decoded " + what)
+            err, bound = error_bound(x, np.asarray(y_g), q_g.meta, n, bucket_size, stochastic)
+            assert np.all(err <= bound), what
+
+
+def test_cuda_special_values(devices):
+    gpu, cpu = devices
+    x = sample(4096, jnp.float32)
+    x[70], x[200], x[330], x[460] = np.nan, np.inf, -np.inf, 2.0**126
+    x[512:576] = 2.0**-130  # subnormal
+    x[600:664] = -0.0
+    x[700:764] = 5.0  # degenerate
+    for bits in BITS:
+        for stochastic in (False, True):
+            config = CompressionConfig(bits=bits, bucket_size=64, stochastic=stochastic)
+            q_g, y_g = roundtrip(_on(gpu, x), _on(gpu, KEY), config, "kernel")
+            q_c, y_c = roundtrip(_on(cpu, x), _on(cpu, KEY), config, "kernel")
+            assert_same_bits(q_g.payload, q_c.payload, f"payload bits={bits}")
+            assert_same_bits(q_g.meta, q_c.meta, f"meta bits={bits}")
+            assert_same_bits(y_g, y_c, f"decoded bits={bits}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("stochastic", [False, True])
+@pytest.mark.parametrize("w", [1, 4])
+def test_cuda_reduce_kernels_match_cpu(devices, dtype, stochastic, w):
+    gpu, cpu = devices
+    for bits, bucket in [(1, 3), (4, 512), (5, 500), (8, 4096)]:
+        config = CompressionConfig(bits=bits, bucket_size=bucket)
+        n = 3 * bucket + 11
+        xs = [jnp.asarray(sample(n, dtype, seed=s)) for s in range(w)]
+        q = jax.tree.map(lambda *a: jnp.stack(a), *[jax_cgx.quantize(x, config) for x in xs])
+        addend = jnp.asarray(sample(n, dtype, seed=77))
+        for dev_args in ((q, addend), (q, None)):
+            out_g = sum_plain(*_on(gpu, dev_args), "kernel")
+            out_c = sum_plain(*_on(cpu, dev_args), "kernel")
+            assert_same_bits(out_g, out_c, f"dequantize_sum bits={bits}")
+        s_g, o_g = sum_requantize(*_on(gpu, (q, addend, KEY)), stochastic, "kernel")
+        s_c, o_c = sum_requantize(*_on(cpu, (q, addend, KEY)), stochastic, "kernel")
+        assert_same_bits(s_g.payload, s_c.payload, f"requantized payload bits={bits}")
+        assert_same_bits(s_g.meta, s_c.meta, f"requantized meta bits={bits}")
+        assert_same_bits(o_g, o_c, f"requantized decoded bits={bits}")
+
+
+def test_cuda_large_buffer(devices):
+    """256 MiB of float32: the sizes the benchmarks use, with int64 offsets."""
+    gpu, cpu = devices
+    n = 64 * 2**20
+    x = jax.random.normal(jax.random.key(3), (n,), jnp.float32)
+    config = CompressionConfig(bits=4, bucket_size=512)
+    q_g, y_g = roundtrip(_on(gpu, x), _on(gpu, KEY), config, "kernel")
+    q_c, y_c = roundtrip(_on(cpu, x), _on(cpu, KEY), config, "kernel")
+    assert_same_bits(q_g.payload, q_c.payload, "payload 256 MiB")
+    assert_same_bits(y_g, y_c, "decoded 256 MiB")

@@ -1,0 +1,112 @@
+"""CompressionConfig validation and torch_cgx's environment variables."""
+
+import pytest
+
+from jax_cgx import CompressionConfig
+
+
+def test_defaults_and_hashable():
+    c = CompressionConfig()
+    assert (c.bits, c.bucket_size, c.stochastic, c.skip_incomplete_buckets) == (4, 512, False, False)
+    assert (c.min_size, c.fusion_buffer_mb) == (16, 64)
+    assert hash(c) == hash(CompressionConfig())
+    assert {c: 1}[CompressionConfig()] == 1
+    with pytest.raises(AttributeError):
+        c.bits = 8  # frozen
+
+
+@pytest.mark.parametrize("bits", [*range(1, 9), 16, 32])
+def test_valid_bits(bits):
+    assert CompressionConfig(bits=bits).bits == bits
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        (dict(bits=0), ValueError, "bits=0 is not supported"),
+        (dict(bits=9), ValueError, "bits=9 is not supported"),
+        (dict(bits=12), ValueError, "bits=12"),
+        (dict(bits=4.0), TypeError, "bits must be an int"),
+        (dict(bits=True), TypeError, "bits must be an int"),
+        (dict(bucket_size=0), ValueError, "bucket_size must be >= 1"),
+        (dict(bucket_size=-5), ValueError, "bucket_size must be >= 1"),
+        (dict(stochastic=1), TypeError, "stochastic must be a bool"),
+        (dict(skip_incomplete_buckets="yes"), TypeError, "skip_incomplete_buckets must be a bool"),
+        (dict(min_size=-1), ValueError, "min_size must be >= 0"),
+        (dict(fusion_buffer_mb=0), ValueError, "fusion_buffer_mb must be > 0"),
+        (dict(fusion_buffer_mb="64"), TypeError, "fusion_buffer_mb must be a number"),
+        (dict(half_dtype="float8"), ValueError, "half_dtype must be"),
+    ],
+)
+def test_invalid_values_raise(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        CompressionConfig(**kwargs)
+
+
+def test_replace_validates():
+    assert CompressionConfig().replace(bits=8).bits == 8
+    with pytest.raises(ValueError):
+        CompressionConfig().replace(bits=10)
+
+
+def test_properties():
+    assert not CompressionConfig(bits=32).enabled
+    assert CompressionConfig(bits=16).enabled and not CompressionConfig(bits=16).quantizes
+    assert CompressionConfig(bits=3).quantizes
+    assert CompressionConfig(fusion_buffer_mb=1.5).fusion_buffer_bytes == 3 * 2**19
+
+
+def test_from_env_defaults_are_torch_cgx_defaults():
+    c = CompressionConfig.from_env({})
+    assert c.bits == 32 and not c.enabled  # compression off unless asked for
+    assert (c.bucket_size, c.skip_incomplete_buckets, c.min_size, c.fusion_buffer_mb) == (512, False, 16, 64)
+
+
+def test_from_env_reads_every_variable():
+    env = {
+        "CGX_COMPRESSION_QUANTIZATION_BITS": "3",
+        "CGX_COMPRESSION_BUCKET_SIZE": "1024",
+        "CGX_COMPRESSION_SKIP_INCOMPLETE_BUCKETS": "1",
+        "CGX_COMPRESSION_MINIMAL_SIZE": "4096",
+        "CGX_FUSION_BUFFER_SIZE_MB": "8",
+    }
+    c = CompressionConfig.from_env(env)
+    assert (c.bits, c.bucket_size, c.skip_incomplete_buckets, c.min_size, c.fusion_buffer_mb) == (
+        3,
+        1024,
+        True,
+        4096,
+        8,
+    )
+
+
+def test_from_env_minimal_size_never_below_16():
+    assert CompressionConfig.from_env({"CGX_COMPRESSION_MINIMAL_SIZE": "2"}).min_size == 16
+
+
+def test_from_env_overrides_win():
+    c = CompressionConfig.from_env({"CGX_COMPRESSION_QUANTIZATION_BITS": "8"}, stochastic=True, bits=2)
+    assert c.bits == 2 and c.stochastic
+
+
+def test_from_env_reads_os_environ(monkeypatch):
+    monkeypatch.setenv("CGX_COMPRESSION_QUANTIZATION_BITS", "6")
+    assert CompressionConfig.from_env().bits == 6
+
+
+@pytest.mark.parametrize(
+    "name, value",
+    [
+        ("CGX_COMPRESSION_QUANTIZATION_BITS", "four"),
+        ("CGX_COMPRESSION_QUANTIZATION_BITS", "9"),
+        ("CGX_COMPRESSION_BUCKET_SIZE", "0"),
+        ("CGX_COMPRESSION_BUCKET_SIZE", "1.5"),
+        ("CGX_COMPRESSION_SKIP_INCOMPLETE_BUCKETS", "2"),
+        ("CGX_COMPRESSION_MINIMAL_SIZE", "-1"),
+        ("CGX_FUSION_BUFFER_SIZE_MB", "lots"),
+        ("CGX_FUSION_BUFFER_SIZE_MB", "0"),
+    ],
+)
+def test_from_env_bad_values_name_the_variable(name, value):
+    with pytest.raises(ValueError, match=name):
+        CompressionConfig.from_env({name: value})

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# The whole GPU check, for a fresh GPU machine with no network (jax, nanobind,
+# scikit-build-core, cmake and ninja preinstalled): build, run every test
+# (GPU tests included), run the codec benchmark on the GPU and on the CPU, and
+# write logs plus a results summary into a directory.
+#
+#   tools/gpu_check.sh [OUTDIR]        (default: $OUT if set, else ./gpu-check)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out="${1:-${OUT:-gpu-check}}"
+mkdir -p "$out"
+status=0
+step() {  # step NAME CMD...: run, log to $out/NAME.log, remember failures
+  local name=$1; shift
+  echo "== $name: $*" | tee -a "$out/summary.txt"
+  if "$@" >"$out/$name.log" 2>&1; then
+    echo "   ok" | tee -a "$out/summary.txt"
+  else
+    echo "   FAILED (exit $?), see $name.log" | tee -a "$out/summary.txt"
+    status=1
+  fi
+}
+
+{ nvidia-smi; python --version; python -c "import jax; print(jax.__version__, jax.devices())"; } \
+  >"$out/environment.log" 2>&1
+step build env JAX_CGX_CUDA=ON pip install --no-build-isolation --no-deps -v -e .
+step import python -c "import jax_cgx; assert jax_cgx.cuda_extension_available(); print('cuda extension ok')"
+step tests_gpu python -m pytest tests -m gpu -v
+step tests_all python -m pytest tests -q
+step bench_codec_gpu python -m jax_cgx.bench codec --platform gpu --sizes-mib 16 64 256 --bits 2 4 8 \
+  --output "$out/bench_codec_gpu.json"
+step bench_codec_cpu python -m jax_cgx.bench codec --platform cpu --sizes-mib 64 --bits 4 8 \
+  --output "$out/bench_codec_cpu.json"
+tail -n 30 "$out/bench_codec_gpu.log" >>"$out/summary.txt" 2>/dev/null
+echo "exit status $status" | tee -a "$out/summary.txt"
+exit $status
