@@ -1,0 +1,82 @@
+// Host interface of the jax_cgx CUDA codec kernels (cuda/codec_kernels.cu).
+//
+// Plain C++: the FFI handlers (xla_ffi/cuda_handlers.cc) include it without
+// nvcc. Every launcher only enqueues work on `stream` and returns the launch
+// status (cudaGetLastError); nothing here allocates, synchronizes or blocks the
+// host. The byte format and the per-element arithmetic are those of
+// xla_ffi/README.md and xla_ffi/codec_math.h.
+#ifndef JAX_CGX_CUDA_CODEC_KERNELS_H_
+#define JAX_CGX_CUDA_CODEC_KERNELS_H_
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+namespace jax_cgx::cuda {
+
+// Element type of a float buffer (x, addend, out).
+enum class FloatType : int32_t { kF32 = 0, kBF16 = 1, kF16 = 2 };
+
+inline int64_t FloatTypeBytes(FloatType t) { return t == FloatType::kF32 ? 4 : 2; }
+
+// Bytes taken by `count` packed `bits`-bit levels: ceil(count*bits/8).
+inline int64_t PackedBytes(int64_t count, int bits) { return (count * bits + 7) / 8; }
+
+// Bucket geometry of one row, shared by all rows of a call.
+struct RowLayout {
+  int64_t rows = 0;          // R
+  int64_t elems = 0;         // m: elements per row covered by buckets
+  int64_t bucket = 0;        // B, clamped to m (the same layout when nb <= 1)
+  int64_t buckets = 0;       // nb = ceil(m / bucket)
+  int64_t bucket_bytes = 0;  // ceil(bucket*bits/8): payload stride between buckets
+  int64_t row_bytes = 0;     // P: payload bytes per row
+  int bits = 0;              // 1..8
+};
+
+// The layout of rows of m elements cut into buckets of bucket_size (>= 1).
+// bits must be in 1..8; m >= 0. Callers validate shapes against it.
+inline RowLayout MakeRowLayout(int64_t rows, int64_t m, int64_t bucket_size, int bits) {
+  RowLayout l;
+  l.rows = rows;
+  l.elems = m;
+  l.bits = bits;
+  if (m <= 0) return l;  // no buckets, no payload
+  // With a single bucket its size does not matter; clamping keeps every later
+  // product (bucket*bits, bucket*8) far from int64 overflow.
+  l.bucket = bucket_size < m ? bucket_size : m;
+  l.buckets = (m - 1) / l.bucket + 1;
+  l.bucket_bytes = PackedBytes(l.bucket, bits);
+  const int64_t last = m - (l.buckets - 1) * l.bucket;
+  l.row_bytes = (l.buckets - 1) * l.bucket_bytes + PackedBytes(last, bits);
+  return l;
+}
+
+// quantize: x[R, x_row_stride] (the first layout.elems of each row are encoded),
+// seeds[R, 2] (read only when stochastic) -> payload[R, P] u8, meta[R, nb, 2] f32.
+cudaError_t LaunchQuantize(cudaStream_t stream, const RowLayout& layout, FloatType x_type,
+                           const void* x, int64_t x_row_stride, const uint32_t* seeds,
+                           bool stochastic, uint8_t* payload, float* meta);
+
+// dequantize: payload[R, P], meta[R, nb, 2] -> out[R, m] (decode of every level).
+cudaError_t LaunchDequantize(cudaStream_t stream, const RowLayout& layout, const uint8_t* payload,
+                             const float* meta, FloatType out_type, void* out);
+
+// dequantize_sum: payload[R, W, P], meta[R, W, nb, 2], addend[R, m] (nullptr when
+// absent) -> out[R, m]. (LaunchDequantize is the case W = 1 without addend.)
+cudaError_t LaunchDequantizeSum(cudaStream_t stream, const RowLayout& layout, int64_t inputs,
+                                const uint8_t* payload, const float* meta, FloatType addend_type,
+                                const void* addend, FloatType out_type, void* out);
+
+// dequantize_sum_requantize: as LaunchDequantizeSum, then the f32 sums are
+// quantized like an f32 input of LaunchQuantize into out_payload[R, P] and
+// out_meta[R, nb, 2], and out[R, m] receives the decoded re-quantized sums.
+cudaError_t LaunchDequantizeSumRequantize(cudaStream_t stream, const RowLayout& layout,
+                                          int64_t inputs, const uint8_t* payload,
+                                          const float* meta, FloatType addend_type,
+                                          const void* addend, const uint32_t* seeds,
+                                          bool stochastic, uint8_t* out_payload,
+                                          float* out_meta, FloatType out_type, void* out);
+
+}  // namespace jax_cgx::cuda
+
+#endif  // JAX_CGX_CUDA_CODEC_KERNELS_H_
