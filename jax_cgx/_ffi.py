@@ -21,6 +21,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import batching, mlir
 
 from jax_cgx import _reference
+from jax_cgx._compat import apply_primitive
 
 log = logging.getLogger("jax_cgx")
 
@@ -75,10 +76,10 @@ def _aval(like, shape, dtype):
 
 def _batch_rows(prim: Primitive, args, dims, **params):
     """vmap rule: fold the batch axis into the leading row axis of every operand."""
-    size = next(a.shape[d] for a, d in zip(args, dims) if d is not batching.not_mapped)
+    size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
     flat = []
     for a, d in zip(args, dims):
-        a = jax.numpy.broadcast_to(a, (size, *a.shape)) if d is batching.not_mapped else jax.numpy.moveaxis(a, d, 0)
+        a = jax.numpy.broadcast_to(a, (size, *a.shape)) if d is None else jax.numpy.moveaxis(a, d, 0)
         flat.append(a.reshape(size * a.shape[1], *a.shape[2:]))
     outs = prim.bind(*flat, **params)
     return [o.reshape(size, o.shape[0] // size, *o.shape[1:]) for o in outs], [0] * len(outs)
@@ -122,7 +123,7 @@ def _ffi_lowering(target: str, attrs: Callable[[dict], dict]):
 def _define(name: str, abstract_eval: Callable, reference: Callable, attr_names: tuple[str, ...]):
     prim = Primitive(name)
     prim.multiple_results = True
-    prim.def_impl(functools.partial(jax._src.dispatch.apply_primitive, prim))
+    prim.def_impl(functools.partial(apply_primitive, prim))
     prim.def_abstract_eval(abstract_eval)
     batching.primitive_batchers[prim] = functools.partial(_batch_rows, prim)
 

@@ -60,6 +60,55 @@ def _seeds(key, stochastic: bool, what: str) -> jax.Array:
     return seeds_from_key(key)
 
 
+# ------------------------------------------------------------ row level
+#
+# The FFI targets' own shapes (xla_ffi/README.md), for callers that already hold
+# rows: the public functions below and the all-reduce.
+
+
+def quantize_rows(x, seeds, *, bits, bucket_size, stochastic, m, impl: Impl):
+    """``x[R, n]``, ``seeds[R, 2]`` -> ``payload[R, P]``, ``meta[R, nb, 2]`` (first ``m`` values)."""
+    params = dict(bits=bits, bucket_size=bucket_size, stochastic=stochastic, m=m)
+    if impl == "reference":
+        return _reference.quantize(x, seeds, **params)
+    return tuple(_ffi.quantize_p.bind(x, seeds, **params, strict=impl == "kernel"))
+
+
+def dequantize_rows(payload, meta, *, bits, bucket_size, m, dtype, impl: Impl):
+    """``payload[R, P]``, ``meta[R, nb, 2]`` -> ``out[R, m]`` in ``dtype``."""
+    params = dict(bits=bits, bucket_size=bucket_size, m=m, dtype=np.dtype(dtype))
+    if impl == "reference":
+        return _reference.dequantize(payload, meta, **params)
+    (out,) = _ffi.dequantize_p.bind(payload, meta, **params, strict=impl == "kernel")
+    return out
+
+
+def dequantize_sum_rows(payload, meta, addend, *, bits, bucket_size, m, dtype, impl: Impl):
+    """``payload[R, W, P]``, ``meta[R, W, nb, 2]``, ``addend[R, m]`` (or ``[R, 0]``) -> ``out[R, m]``."""
+    params = dict(bits=bits, bucket_size=bucket_size, m=m, dtype=np.dtype(dtype))
+    if impl == "reference":
+        return _reference.dequantize_sum(payload, meta, _ffi._addend_or_none(addend), **params)
+    (out,) = _ffi.dequantize_sum_p.bind(payload, meta, addend, **params, strict=impl == "kernel")
+    return out
+
+
+def dequantize_sum_requantize_rows(
+    payload, meta, addend, seeds, *, bits, bucket_size, stochastic, m, dtype, impl: Impl
+):
+    """As :func:`dequantize_sum_rows`, plus ``seeds[R, 2]``: -> ``payload[R, P]``, ``meta``, ``out[R, m]``."""
+    params = dict(bits=bits, bucket_size=bucket_size, stochastic=stochastic, m=m, dtype=np.dtype(dtype))
+    if impl == "reference":
+        return _reference.dequantize_sum_requantize(
+            payload, meta, _ffi._addend_or_none(addend), seeds, **params
+        )
+    return tuple(
+        _ffi.dequantize_sum_requantize_p.bind(payload, meta, addend, seeds, **params, strict=impl == "kernel")
+    )
+
+
+# ---------------------------------------------------------- public API
+
+
 def quantize(
     x: jax.Array, config: CompressionConfig | None = None, *, key=None, impl: Impl = "auto"
 ) -> Quantized:
@@ -93,11 +142,15 @@ def quantize(
     m = quantized_elements(n, config.bucket_size, config.skip_incomplete_buckets)
     seeds = _seeds(key, config.stochastic, "quantize")
     rows = x.reshape(1, n)
-    params = dict(bits=config.bits, bucket_size=config.bucket_size, stochastic=config.stochastic, m=m)
-    if impl == "reference":
-        payload, meta = _reference.quantize(rows, seeds[None], **params)
-    else:
-        payload, meta = _ffi.quantize_p.bind(rows, seeds[None], **params, strict=impl == "kernel")
+    payload, meta = quantize_rows(
+        rows,
+        seeds[None],
+        bits=config.bits,
+        bucket_size=config.bucket_size,
+        stochastic=config.stochastic,
+        m=m,
+        impl=impl,
+    )
     return Quantized(
         payload=payload[0],
         meta=meta[0],
@@ -124,12 +177,10 @@ def dequantize(q: Quantized, *, impl: Impl = "auto") -> jax.Array:
     """The array ``q`` encodes, in its original shape and dtype."""
     _check_quantized(q, "dequantize", stacked=False)
     _check_impl(impl)
-    m = q.num_quantized
-    params = dict(bits=q.bits, bucket_size=q.bucket_size, m=m, dtype=q.dtype)
-    if impl == "reference":
-        out = _reference.dequantize(q.payload[None], q.meta[None], **params)
-    else:
-        (out,) = _ffi.dequantize_p.bind(q.payload[None], q.meta[None], **params, strict=impl == "kernel")
+    out = dequantize_rows(
+        q.payload[None], q.meta[None], bits=q.bits, bucket_size=q.bucket_size, m=q.num_quantized,
+        dtype=q.dtype, impl=impl,
+    )
     return jnp.concatenate([out[0], q.tail]).reshape(q.shape)
 
 
@@ -169,11 +220,10 @@ def dequantize_sum(
     dtype = check_float_dtype(q.dtype if dtype is None else dtype, "dequantize_sum")
     m = q.num_quantized
     head, tail = _split_addend(addend, q, m)
-    params = dict(bits=q.bits, bucket_size=q.bucket_size, m=m, dtype=dtype)
-    if impl == "reference":
-        out = _reference.dequantize_sum(q.payload[None], q.meta[None], _ffi._addend_or_none(head), **params)
-    else:
-        (out,) = _ffi.dequantize_sum_p.bind(q.payload[None], q.meta[None], head, **params, strict=impl == "kernel")
+    out = dequantize_sum_rows(
+        q.payload[None], q.meta[None], head, bits=q.bits, bucket_size=q.bucket_size, m=m, dtype=dtype,
+        impl=impl,
+    )
     tail_sum = _sum_tails(q.tail, tail).astype(dtype)
     return jnp.concatenate([out[0], tail_sum]).reshape(q.shape)
 
@@ -197,16 +247,10 @@ def dequantize_sum_requantize(
     m = q.num_quantized
     head, tail = _split_addend(addend, q, m)
     seeds = _seeds(key, stochastic, "dequantize_sum_requantize")
-    params = dict(bits=q.bits, bucket_size=q.bucket_size, stochastic=stochastic, m=m, dtype=q.dtype)
-    args = (q.payload[None], q.meta[None])
-    if impl == "reference":
-        payload, meta, out = _reference.dequantize_sum_requantize(
-            *args, _ffi._addend_or_none(head), seeds[None], **params
-        )
-    else:
-        payload, meta, out = _ffi.dequantize_sum_requantize_p.bind(
-            *args, head, seeds[None], **params, strict=impl == "kernel"
-        )
+    payload, meta, out = dequantize_sum_requantize_rows(
+        q.payload[None], q.meta[None], head, seeds[None], bits=q.bits, bucket_size=q.bucket_size,
+        stochastic=stochastic, m=m, dtype=q.dtype, impl=impl,
+    )
     tail_sum = _sum_tails(q.tail, tail).astype(q.dtype)
     summed = Quantized(
         payload=payload[0],

@@ -21,6 +21,16 @@ def roundtrip(x, key, config, impl):
     return q, jax_cgx.dequantize(q, impl=impl)
 
 
+@functools.partial(jax.jit, static_argnames=("configs", "impl"))
+def roundtrip_all(x, key, configs, impl):
+    """:func:`roundtrip` for several configs in one program (one compilation, not one each)."""
+    out = []
+    for config in configs:
+        q = jax_cgx.quantize(x, config, key=key, impl=impl)
+        out.append((q, jax_cgx.dequantize(q, impl=impl)))
+    return out
+
+
 @functools.partial(jax.jit, static_argnames=("impl",))
 def sum_plain(q, addend, impl):
     return jax_cgx.dequantize_sum(q, addend, dtype=jnp.float32, impl=impl)
@@ -39,7 +49,7 @@ def sample(n: int, dtype, seed: int = 0) -> np.ndarray:
     if n >= 40:
         x[5:25] = np.float32(1.5)
         x[25:35] = 0.0
-    return np.asarray(jnp.asarray(x, dtype))
+    return np.array(jnp.asarray(x, dtype))  # a writable copy
 
 
 def bucket_scales(meta, m: int, bucket_size: int) -> np.ndarray:
@@ -52,6 +62,7 @@ def error_bound(x, out, meta, m, bucket_size, stochastic):
     scale = bucket_scales(meta, m, bucket_size)
     x64 = np.asarray(x[:m], np.float64)
     out64 = np.asarray(out[:m], np.float64)
-    rounding = EPS[np.dtype(x.dtype)] * np.maximum(np.abs(x64), np.abs(out64))
+    # The decoded value is rounded once to the output's dtype.
+    rounding = EPS[np.dtype(out.dtype)] * np.maximum(np.abs(x64), np.abs(out64))
     factor = 1.0 if stochastic else 0.5
     return np.abs(out64 - x64), scale * (factor + 1e-4) + rounding

@@ -25,6 +25,11 @@ step() {  # step NAME CMD...: run, log to $out/NAME.log, remember failures
   >"$out/environment.log" 2>&1
 step build env JAX_CGX_CUDA=ON pip install --no-build-isolation --no-deps -v -e .
 step import python -c "import jax_cgx; assert jax_cgx.cuda_extension_available(); print('cuda extension ok')"
+arch=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader | head -n1 | tr -d .)
+step device_test_build nvcc -std=c++17 -O3 --fmad=false --expt-relaxed-constexpr -arch="sm_${arch:-90}" \
+  -I. -Icuda/tests cuda/tests/device_test.cu cuda/codec_kernels.cu -o "$out/device_test"
+step device_test "$out/device_test"
+step device_bench "$out/device_test" bench
 step tests_gpu python -m pytest tests -m gpu -v
 step tests_all python -m pytest tests -q
 step bench_codec_gpu python -m jax_cgx.bench codec --platform gpu --sizes-mib 16 64 256 --bits 2 4 8 \

@@ -1,0 +1,57 @@
+"""The package: imports without a GPU, reports its extensions, lowers to the FFI kernels."""
+
+import logging
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import jax_cgx
+from jax_cgx import CompressionConfig, _ffi
+
+
+def test_import_needs_no_gpu_and_no_nccl():
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", JAX_PLATFORMS="cpu", LD_LIBRARY_PATH="")
+    code = "import jax_cgx, jax.numpy as jnp; print(jax_cgx.dequantize(jax_cgx.quantize(jnp.ones(8))).sum())"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "8.0"
+
+
+def test_missing_cuda_extension_is_a_clear_error(monkeypatch):
+    monkeypatch.setattr(_ffi, "_cuda", None)
+    monkeypatch.setattr(_ffi, "_CUDA_IMPORT_ERROR", ImportError("not built"))
+    assert not _ffi.cuda_extension_available()
+    with pytest.raises(RuntimeError, match="built without its CUDA extension.*JAX_CGX_CUDA=ON"):
+        _ffi.require_cuda_extension()
+
+
+def test_cpu_lowering_is_the_ffi_custom_call():
+    f = jax.jit(lambda x: jax_cgx.dequantize(jax_cgx.quantize(x, CompressionConfig(bits=3)), impl="kernel"))
+    hlo = f.lower(jnp.ones(1000)).as_text()
+    assert "jax_cgx_quantize" in hlo and "jax_cgx_dequantize" in hlo
+
+
+@pytest.mark.skipif(not jax_cgx.cuda_extension_available(), reason="CUDA extension not built")
+def test_cuda_lowering_is_the_ffi_custom_call():
+    """Cross-lowering for CUDA works without a GPU and must name our targets."""
+    f = jax.jit(lambda x: jax_cgx.quantize(x, CompressionConfig(bits=4), impl="kernel").payload)
+    hlo = f.trace(jnp.ones(1000)).lower(lowering_platforms=("cuda",)).as_text()
+    assert "jax_cgx_quantize" in hlo
+
+
+def test_platform_without_kernel_falls_back_to_reference_with_a_warning(caplog):
+    f = jax.jit(lambda x: jax_cgx.quantize(x, CompressionConfig(bits=4), impl="auto").payload)
+    with caplog.at_level(logging.WARNING, logger="jax_cgx"):
+        hlo = f.trace(jnp.ones(1000)).lower(lowering_platforms=("tpu",)).as_text()
+    assert "jax_cgx_quantize" not in hlo
+    assert any("pure-JAX reference" in r.message for r in caplog.records)
+
+
+def test_platform_without_kernel_and_impl_kernel_raises():
+    f = jax.jit(lambda x: jax_cgx.quantize(x, CompressionConfig(bits=4), impl="kernel").payload)
+    with pytest.raises(NotImplementedError, match="no compiled kernel.*impl='auto'"):
+        f.trace(jnp.ones(1000)).lower(lowering_platforms=("tpu",))
