@@ -71,7 +71,7 @@ _register_targets()
 
 def _aval(like, shape, dtype):
     """An output aval: ``like``'s varying-axes typing with a new shape and dtype."""
-    return like.update(shape=tuple(shape), dtype=np.dtype(dtype), weak_type=False, sharding=None)
+    return like.update(shape=tuple(shape), dtype=np.dtype(dtype), weak_type=False)
 
 
 def _batch_rows(prim: Primitive, args, dims, **params):

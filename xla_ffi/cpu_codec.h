@@ -1,0 +1,84 @@
+// CPU kernels of the jax_cgx codec and the XLA FFI handlers that call them.
+//
+// The per-element arithmetic is codec_math.h; this file only adds the
+// bucketing, the bit packing and the loops. Every kernel writes the same bytes
+// as a plain scalar loop over the codec_math.h functions (NaN payloads aside,
+// which codec_math.h leaves unspecified), whichever ISA variant (baseline
+// x86-64, AVX2, AVX-512) is dispatched at run time, with or without FTZ/DAZ.
+//
+// Byte layout of one row (see xla_ffi/README.md): m elements in
+// nb = ceil(m / B) buckets of B consecutive elements; bucket k's packed levels
+// start at byte k * ceil(B * bits / 8); element i of a bucket occupies bits
+// [i * bits, (i + 1) * bits) of the bucket's bytes, least significant bit
+// first; unused high bits of a bucket's last byte are zero.
+#ifndef JAX_CGX_XLA_FFI_CPU_CODEC_H_
+#define JAX_CGX_XLA_FFI_CPU_CODEC_H_
+
+#include <cstdint>
+
+#include "xla/ffi/api/c_api.h"
+
+namespace jax_cgx::cpu {
+
+enum class FloatType : int { kF32 = 0, kBF16 = 1, kF16 = 2 };
+
+// Buckets covering m elements: ceil(m / B), without overflow for any B >= 1.
+int64_t bucket_count(int64_t m, int64_t bucket_size);
+
+// Payload bytes of one row: (nb-1) * ceil(B*bits/8) + ceil(last*bits/8).
+int64_t payload_bytes(int64_t m, int64_t bucket_size, int bits);
+
+// All kernels take row-major [rows, ...] arrays as in README.md and assume
+// validated arguments: bits in 1..8, bucket_size >= 1, consistent sizes.
+
+// x[rows, n] -> payload[rows, P], meta[rows, nb, 2]; encodes the first m <= n
+// elements of each row. seeds[rows, 2] is read only when `stochastic`.
+void quantize(const void* x, FloatType x_type, int64_t rows, int64_t n, int64_t m,
+              const uint32_t* seeds, int bits, int64_t bucket_size, bool stochastic,
+              uint8_t* payload, float* meta);
+
+// payload[rows, P], meta[rows, nb, 2] -> out[rows, m].
+void dequantize(const uint8_t* payload, const float* meta, int64_t rows, int64_t m, int bits,
+                int64_t bucket_size, void* out, FloatType out_type);
+
+// payload[rows, W, P], meta[rows, W, nb, 2], optional addend[rows, m]
+// (nullptr when absent) -> out[rows, m]; f32 accumulation in order
+// addend, input 0, ..., input W-1.
+void dequantize_sum(const uint8_t* payload, const float* meta, int64_t rows, int64_t inputs,
+                    int64_t m, int bits, int64_t bucket_size, const void* addend,
+                    FloatType addend_type, void* out, FloatType out_type);
+
+// As dequantize_sum, then quantizes the f32 sum of each row into
+// payload_out[rows, P], meta_out[rows, nb, 2] and writes its decoded value
+// to out[rows, m].
+void dequantize_sum_requantize(const uint8_t* payload, const float* meta, int64_t rows,
+                               int64_t inputs, int64_t m, int bits, int64_t bucket_size,
+                               const void* addend, FloatType addend_type, const uint32_t* seeds,
+                               bool stochastic, uint8_t* payload_out, float* meta_out, void* out,
+                               FloatType out_type);
+
+// ISA variants: "avx512", "avx2", "baseline". The active one is the best the
+// CPU supports unless the environment variable JAX_CGX_CPU_ISA names another
+// (or "auto"), or set_isa() picked one.
+const char* active_isa();
+// Whether this CPU can run the named variant.
+bool isa_supported(const char* name);
+// Selects a variant ("auto" = best supported); false (and no change) when the
+// name is unknown or the CPU lacks it. Meant for tests and benchmarks.
+bool set_isa(const char* name);
+// Elements processed per piece of a bucket (stack buffers are this long).
+int64_t piece_elements();
+
+}  // namespace jax_cgx::cpu
+
+// XLA FFI handlers, registered for platform "cpu" by jax_cgx._cpu. All bind
+// the attributes bits (int32) and bucket_size (int64); the two that quantize
+// (CpuQuantize, CpuDequantizeSumRequantize) also bind stochastic (bool).
+extern "C" {
+XLA_FFI_Error* CpuQuantize(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* CpuDequantize(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* CpuDequantizeSum(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* CpuDequantizeSumRequantize(XLA_FFI_CallFrame* call_frame);
+}
+
+#endif  // JAX_CGX_XLA_FFI_CPU_CODEC_H_
