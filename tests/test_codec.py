@@ -345,3 +345,34 @@ def test_bad_inputs_raise_clear_errors():
         jax_cgx.dequantize_sum(jax_cgx.quantize(jnp.ones(10)))
     with pytest.raises(TypeError, match="expected a jax_cgx.Quantized"):
         jax_cgx.dequantize(jnp.ones(10))
+
+
+# ------------------------------------------------- every CPU kernel variant
+
+
+@pytest.mark.parametrize("isa", ["baseline", "avx2", "avx512"])
+def test_every_cpu_isa_variant_gives_the_same_bytes(isa):
+    """The run-time ISA choice (baseline x86-64, AVX2, AVX-512) never changes a bit."""
+    from jax_cgx import _cpu
+
+    if isa not in _cpu.kernel_info()["isa_supported"]:
+        pytest.skip(f"this CPU has no {isa}")
+    assert _cpu.set_isa(isa)
+    try:
+        x = sample(3001, jnp.bfloat16, seed=11)
+        configs = [
+            CompressionConfig(bits=bits, bucket_size=bucket, stochastic=stochastic)
+            for bits, bucket, stochastic in [(1, 64, False), (3, 500, True), (4, 512, False), (7, 3, True), (8, 4096, False)]
+        ]
+        # The handler picks its variant each time it runs, so cached programs follow set_isa.
+        check_parity_all(x, configs, key=jax.random.key(len(isa)))
+        n, config = 1001, CompressionConfig(bits=5, bucket_size=100)
+        q = _stack([jax_cgx.quantize(jnp.asarray(sample(n, jnp.float32, seed=s)), config) for s in range(3)])
+        addend = jnp.asarray(sample(n, jnp.float16, seed=5))
+        assert_same_bits(sum_plain(q, addend, "kernel"), sum_plain(q, addend, "reference"))
+        s_k, o_k = sum_requantize(q, addend, KEY, True, "kernel")
+        s_r, o_r = sum_requantize(q, addend, KEY, True, "reference")
+        assert_same_bits(s_k.payload, s_r.payload)
+        assert_same_bits(o_k, o_r)
+    finally:
+        _cpu.set_isa("auto")

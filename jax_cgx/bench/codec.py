@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_cgx
+from jax_cgx.bench._memory import reuse_large_allocations
 from jax_cgx.bench._table import print_table, save
 
 
@@ -86,9 +87,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--platform", default=None, help="cpu or gpu (default: jax's default device)")
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--output", help="also write the results to this .json or .csv file")
+    p.add_argument(
+        "--fresh-pages",
+        action="store_true",
+        help="keep glibc's default of fresh mmaps for large buffers (XLA:CPU outputs then "
+        "page-fault on every call; see jax_cgx/bench/_memory.py)",
+    )
 
 
 def main(args: argparse.Namespace) -> None:
+    reused = False if args.fresh_pages else reuse_large_allocations()
     records = run(args)
     rows = [
         [
@@ -107,7 +115,8 @@ def main(args: argparse.Namespace) -> None:
     ]
     title = (
         f"jax_cgx codec on {records[0]['platform']} ({args.dtype}, bucket {args.bucket_size}, "
-        f"{'stochastic' if args.stochastic else 'nearest'}, impl={args.impl})"
+        f"{'stochastic' if args.stochastic else 'nearest'}, impl={args.impl}, "
+        f"{'reused' if reused else 'fresh'} large buffers)"
     )
     columns = ["MiB", "bits", "copy ms", "quant ms", "dequant ms", "quant GB/s", "dequant GB/s",
                "quant/copy", "dequant/copy", "ratio"]
