@@ -5,6 +5,7 @@ bit-identical pure-JAX reference. See README.md and docs/.
 """
 
 from jax_cgx._ffi import cuda_extension_available
+from jax_cgx.allreduce import compressed_pmean, compressed_psum
 from jax_cgx.codec import (
     dequantize,
     dequantize_sum,
@@ -18,6 +19,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CompressionConfig",
+    "compressed_psum",
+    "compressed_pmean",
     "Quantized",
     "quantize",
     "dequantize",

@@ -2,7 +2,7 @@
 
 import argparse
 
-from jax_cgx.bench import codec
+from jax_cgx.bench import allreduce, codec
 
 
 def main(argv=None) -> None:
@@ -11,6 +11,11 @@ def main(argv=None) -> None:
     p = sub.add_parser("codec", help="quantize/dequantize throughput vs a plain copy", description=codec.__doc__)
     codec.add_arguments(p)
     p.set_defaults(run=codec.main)
+    p = sub.add_parser(
+        "allreduce", help="compressed_psum vs lax.psum over all local devices", description=allreduce.__doc__
+    )
+    allreduce.add_arguments(p)
+    p.set_defaults(run=allreduce.main)
     args = parser.parse_args(argv)
     args.run(args)
 

@@ -1,0 +1,205 @@
+"""SRA: the compressed all-reduce of one buffer, as a JAX primitive.
+
+Scatter-reduce / all-gather with every value quantized exactly twice, whatever the
+world size W (docs/algorithm.md):
+
+1. pad the buffer and cut it into W chunks; chunk j is owned by rank j;
+2. quantize every chunk (each with its own seed) and ``all_to_all`` the packed
+   bytes, so rank j receives the W encodings of chunk j;
+3. the owner decodes the W-1 chunks from its peers, adds its own chunk in full
+   precision (its own encoding is ignored: its metadata is zeroed so it decodes
+   to +0), accumulates in float32 and re-quantizes the sum, in one fused kernel;
+4. ``all_gather`` the packed sums and decode them: every replica decodes the
+   same bytes with the same kernel, so all replicas hold bitwise equal results.
+
+The primitive works on rows ``x[R, n]`` (vmapped examples become rows) with
+``seeds[R, W+1, 2]`` (one seed per chunk plus one for the re-quantization). Its JAX
+rules make it behave like ``psum``: abstract evaluation drops the reduced axes from
+the varying-axes type, differentiation is linear (transpose = ``pvary`` of the
+cotangent under ``check_vma``, the same compressed sum without it), and vmap over
+a non-reduced axis folds into rows.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.extend.core import Primitive
+from jax.interpreters import ad, batching, mlir
+
+from jax_cgx import _compat, codec
+from jax_cgx.quantized import META_BYTES, num_buckets, payload_bytes
+
+__all__ = ["chunk_length", "sra_rows", "compressed_allreduce_p"]
+
+# Chunks of buffers at least this many buckets per rank are whole buckets long.
+_WHOLE_BUCKETS_ABOVE = 64
+
+
+def chunk_length(n: int, world: int, bucket_size: int, whole_buckets: bool) -> int:
+    """Values per chunk when ``n`` values are split over ``world`` ranks.
+
+    Chunks are bucket-aligned (no short bucket inside a chunk) when
+    ``whole_buckets`` or when the buffer is large enough for the padding to be
+    negligible (< 1/64 of the buffer); otherwise a multiple of 16 values, which keeps
+    every chunk's start aligned for the kernels' vector loads.
+    """
+    per_rank = -(-n // world)
+    if whole_buckets or per_rank >= _WHOLE_BUCKETS_ABOVE * bucket_size:
+        align = bucket_size
+    else:
+        align = 16
+    return -(-per_rank // align) * align
+
+
+def _to_wire(payload, meta):
+    """Packed levels and their metadata as one byte array per chunk: payload || meta."""
+    meta_bytes = lax.bitcast_convert_type(meta, jnp.uint8).reshape(*meta.shape[:-2], -1)
+    return jnp.concatenate([payload, meta_bytes], axis=-1)
+
+
+def _from_wire(wire, p: int, nb: int):
+    payload = wire[..., :p]
+    meta = lax.bitcast_convert_type(wire[..., p:].reshape(*wire.shape[:-1], nb, 2, 4), jnp.float32)
+    return payload, meta
+
+
+def sra_rows(x, seeds, *, axes, world, chunk, bits, bucket_size, stochastic, impl):
+    """The per-device program of the compressed all-reduce of rows ``x[R, n]``."""
+    r, n = x.shape
+    if n == 0:
+        return x
+    w, c = world, chunk
+    p, nb = payload_bytes(c, bucket_size, bits), num_buckets(c, bucket_size)
+    me = lax.axis_index(axes)
+    codec_args = dict(bits=bits, bucket_size=bucket_size, m=c, impl=impl)
+
+    # Zero padding up to W chunks, written in place (cheaper on XLA:CPU than pad + reshape).
+    padded = x if w * c == n else lax.dynamic_update_slice(jnp.zeros((r, w * c), x.dtype), x, (0, 0))
+    chunks = padded.reshape(r, w, c)
+    payload, meta = codec.quantize_rows(
+        chunks.reshape(r * w, c), seeds[:, :w].reshape(r * w, 2), stochastic=stochastic, **codec_args
+    )
+    wire = _to_wire(payload.reshape(r, w, p), meta.reshape(r, w, nb, 2))
+    received = lax.all_to_all(wire, axes, split_axis=1, concat_axis=1, tiled=True)
+    recv_payload, recv_meta = _from_wire(received, p, nb)
+    # Our own chunk enters in full precision; its received encoding must add exactly +0.
+    recv_meta = lax.dynamic_update_index_in_dim(recv_meta, jnp.zeros((r, 1, nb, 2), jnp.float32), me, axis=1)
+    own = lax.dynamic_index_in_dim(chunks, me, axis=1, keepdims=False)
+    sum_payload, sum_meta, _ = codec.dequantize_sum_requantize_rows(
+        recv_payload, recv_meta, own, seeds[:, w], stochastic=stochastic, dtype=x.dtype, **codec_args
+    )
+    gathered = lax.all_gather(_to_wire(sum_payload, sum_meta), axes, axis=1, tiled=False)
+    out_payload, out_meta = _from_wire(gathered, p, nb)
+    out = codec.dequantize_rows(
+        out_payload.reshape(r * w, p), out_meta.reshape(r * w, nb, 2), dtype=x.dtype, **codec_args
+    )
+    return out.reshape(r, w * c)[:, :n]
+
+
+def wire_bytes_per_rank(n: int, world: int, bits: int, bucket_size: int, whole_buckets: bool) -> int:
+    """Bytes one rank sends for a buffer of ``n`` values (all_to_all plus all_gather)."""
+    if world == 1 or n == 0:
+        return 0
+    c = chunk_length(n, world, bucket_size, whole_buckets)
+    per_chunk = payload_bytes(c, bucket_size, bits) + num_buckets(c, bucket_size) * META_BYTES
+    return 2 * (world - 1) * per_chunk
+
+
+# -------------------------------------------------------------- primitive
+
+compressed_allreduce_p = Primitive("jax_cgx_compressed_allreduce")
+
+
+def _abstract_eval(x, seeds, *, axes, **params):
+    del seeds, params
+    _compat.check_axis_names(axes, "compressed_psum")
+    out = x
+    if _compat.check_vma_enabled():
+        out = _compat.remove_varying(x, axes)
+    return out, {_compat.NamedAxisEffect(a) for a in axes}
+
+
+compressed_allreduce_p.def_effectful_abstract_eval(_abstract_eval)
+compressed_allreduce_p.def_impl(functools.partial(_compat.apply_primitive, compressed_allreduce_p))
+mlir.register_lowering(compressed_allreduce_p, mlir.lower_fun(sra_rows, multiple_results=False))
+
+
+def _jvp(primals, tangents, **params):
+    x, seeds = primals
+    tx, _ = tangents
+    out = compressed_allreduce_p.bind(x, seeds, **params)
+    if type(tx) is ad.Zero:
+        return out, ad.Zero.from_primal_value(out)
+    return out, compressed_allreduce_p.bind(tx, seeds, **params)
+
+
+def _transpose(ct, x, seeds, *, axes, **params):
+    assert ad.is_undefined_primal(x) and not ad.is_undefined_primal(seeds)
+    if type(ct) is ad.Zero:
+        return ad.Zero(x.aval), None
+    if _compat.is_varying(x.aval, axes):
+        # check_vma: the sum is invariant over `axes`; like psum, send the cotangent back as varying.
+        return _compat.pvary(ct, axes), None
+    return compressed_allreduce_p.bind(ct, seeds, axes=axes, **params), None
+
+
+ad.primitive_jvps[compressed_allreduce_p] = _jvp
+ad.primitive_transposes[compressed_allreduce_p] = _transpose
+
+
+def _batch(axis_data, args, dims, *, axes, **params):
+    if axis_data.name is not None and axis_data.name in axes:
+        raise NotImplementedError(
+            f"compressed_psum over the vmapped axis {axis_data.name!r} is not supported: vmap "
+            "has no wire to compress. Reduce it with jax.lax.psum, or map that axis with "
+            "jax.shard_map / jax.pmap."
+        )
+    size = axis_data.size
+    flat = []
+    for a, d in zip(args, dims):
+        a = jnp.broadcast_to(a, (size, *a.shape)) if d is None else jnp.moveaxis(a, d, 0)
+        flat.append(a.reshape(size * a.shape[1], *a.shape[2:]))
+    out = compressed_allreduce_p.bind(*flat, axes=axes, **params)
+    return out.reshape(size, out.shape[0] // size, *out.shape[1:]), 0
+
+
+batching.fancy_primitive_batchers[compressed_allreduce_p] = _batch
+
+
+# ------------------------------------------------------- the test oracle
+
+
+def simulate(xs, seeds, *, chunk, bits, bucket_size, stochastic, impl="reference"):
+    """SRA over W simulated ranks in one program: what every rank ends up holding.
+
+    ``xs[W, n]`` are the ranks' buffers and ``seeds[W, W+1, 2]`` their seed rows (as
+    :func:`sra_rows` receives them). Returns ``(out[n], scales)`` where ``scales``
+    holds, for the error bound, ``quantized[o][r]``: the per-bucket scales of chunk
+    ``o`` as rank ``r`` quantized it, and ``summed[o]``: those of the re-quantized sum.
+    """
+    w, n = xs.shape
+    c = chunk
+    chunks = jnp.pad(xs, ((0, 0), (0, w * c - n))).reshape(w, w, c)  # [rank, chunk, value]
+    args = dict(bits=bits, bucket_size=bucket_size, m=c, impl=impl)
+    payload, meta = codec.quantize_rows(
+        chunks.reshape(w * w, c), seeds[:, :w].reshape(w * w, 2), stochastic=stochastic, **args
+    )
+    payload = payload.reshape(w, w, -1)
+    meta = meta.reshape(w, w, -1, 2)
+    outs, summed_scales = [], []
+    for owner in range(w):
+        recv_payload = payload[:, owner][None]  # [1, W, P]: chunk `owner` from every rank
+        recv_meta = meta[:, owner].at[owner].set(0)[None]
+        sum_payload, sum_meta, _ = codec.dequantize_sum_requantize_rows(
+            recv_payload, recv_meta, chunks[owner, owner][None], seeds[owner, w][None],
+            stochastic=stochastic, dtype=xs.dtype, **args,
+        )
+        outs.append(codec.dequantize_rows(sum_payload, sum_meta, dtype=xs.dtype, **args)[0])
+        summed_scales.append(sum_meta[0, :, 1])
+    out = jnp.concatenate(outs)[:n]
+    return out, dict(quantized=meta[..., 1].transpose(1, 0, 2), summed=jnp.stack(summed_scales))

@@ -1,0 +1,301 @@
+"""compressed_psum / compressed_pmean: ``lax.psum`` / ``lax.pmean`` that move fewer bytes.
+
+A pytree goes through four lanes, leaf by leaf:
+
+- **exact**: integer leaves, leaves smaller than ``min_size``, leaves whose config
+  is ``None`` or has ``bits=32``: a plain ``lax.psum``;
+- **half**: ``bits=16``: a ``lax.psum`` in bfloat16 (or float16);
+- **quantized**: ``bits`` 1..8: leaves of one dtype and config are fused into
+  buffers of at most ``fusion_buffer_mb`` and each buffer is reduced by the SRA
+  primitive (:mod:`jax_cgx._sra`).
+
+With ``skip_incomplete_buckets`` the last ``n mod bucket_size`` values of a buffer
+take the exact lane, as in torch_cgx.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+from typing import Any, Union
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jax_cgx import _compat
+from jax_cgx._sra import chunk_length, compressed_allreduce_p, wire_bytes_per_rank
+from jax_cgx.codec import SUPPORTED_DTYPES, Impl, _check_impl
+from jax_cgx.config import CompressionConfig
+
+__all__ = ["compressed_psum", "compressed_pmean", "bytes_on_wire", "ConfigSpec"]
+
+# A config for every leaf, a pytree of configs (None = reduce exactly), or a function
+# of the leaf's path and value (torch_cgx's layer-wise hook).
+ConfigSpec = Union[
+    CompressionConfig, None, Callable[[tuple, jax.Array], "CompressionConfig | None"], Any
+]
+
+
+def _axes(axis_name) -> tuple:
+    return tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
+
+
+def _world_size(axes: tuple, api: str) -> int:
+    _compat.check_axis_names(axes, api)
+    return math.prod(lax.axis_size(a) for a in axes)
+
+
+def _leaf_configs(spec: ConfigSpec, tree, paths: Sequence[tuple]) -> list[CompressionConfig | None]:
+    if spec is None:
+        return [CompressionConfig.from_env()] * len(paths)
+    if isinstance(spec, CompressionConfig):
+        return [spec] * len(paths)
+    leaves = jax.tree.leaves(tree)
+    if callable(spec):
+        configs = [spec(path, leaf) for path, leaf in zip(paths, leaves)]
+    else:
+        is_cfg = lambda c: c is None or isinstance(c, CompressionConfig)  # noqa: E731
+        try:
+            configs = jax.tree.leaves(
+                jax.tree.map(lambda c, sub: [c] * len(jax.tree.leaves(sub)), spec, tree, is_leaf=is_cfg),
+                is_leaf=lambda v: isinstance(v, list),
+            )
+            configs = [c for group in configs for c in group]
+        except ValueError as err:
+            raise ValueError(
+                "compressed_psum: the config pytree must match the structure of the values "
+                f"(or be a prefix of it): {err}"
+            ) from None
+    for path, c in zip(paths, configs):
+        if c is not None and not isinstance(c, CompressionConfig):
+            raise TypeError(
+                f"compressed_psum: config for leaf {jax.tree_util.keystr(path)} must be a "
+                f"CompressionConfig or None, got {type(c).__name__}"
+            )
+    return configs
+
+
+@dataclasses.dataclass(frozen=True)
+class _Group:
+    """Leaves reduced together: same dtype, same codec settings."""
+
+    dtype: np.dtype
+    config: CompressionConfig
+
+
+@dataclasses.dataclass
+class _Plan:
+    """How each leaf is reduced: its lane, and the fusion groups of quantized leaves."""
+
+    lanes: list[str]
+    configs: list[CompressionConfig | None]
+    groups: dict[_Group, list[int]]
+
+    def buffers(self, group: _Group, sizes: Sequence[int]) -> list[tuple[int, int]]:
+        """``(start, stop)`` of each fusion buffer over the group's concatenated values."""
+        total = sum(sizes[i] for i in self.groups[group])
+        cap = max(1, group.config.fusion_buffer_bytes // group.dtype.itemsize)
+        return [(start, min(start + cap, total)) for start in range(0, total, cap)]
+
+
+def _plan(paths, leaves, spec: ConfigSpec, tree) -> _Plan:
+    configs = _leaf_configs(spec, tree, paths)
+    lanes, groups = [], {}
+    for i, (path, leaf, c) in enumerate(zip(paths, leaves, configs)):
+        lane = _lane(path, leaf, c)
+        lanes.append(lane)
+        if lane == "quantized":
+            groups.setdefault(_Group(np.dtype(leaf.dtype), c), []).append(i)
+    return _Plan(lanes, configs, groups)
+
+
+def compressed_psum(
+    x,
+    axis_name,
+    config: ConfigSpec = None,
+    *,
+    key: jax.Array | None = None,
+    impl: Impl = "auto",
+):
+    """Sum a pytree over mapped axes, moving quantized bytes instead of full-precision ones.
+
+    Use it wherever ``jax.lax.psum`` works: inside ``jax.shard_map`` (``check_vma``
+    on or off) or ``jax.pmap``, under ``jit``, ``grad`` (it differentiates like
+    ``psum``), ``vmap`` over other axes, ``scan`` and ``cond``.
+
+    Args:
+      x: a pytree of arrays.
+      axis_name: a mapped axis name, or a tuple of them.
+      config: a :class:`CompressionConfig` for every leaf; ``None`` for
+        ``CompressionConfig.from_env()`` (torch_cgx's variables; compression is off
+        unless ``CGX_COMPRESSION_QUANTIZATION_BITS`` is set); a pytree of configs
+        matching ``x`` (``None`` entries are reduced exactly); or a function
+        ``(path, leaf) -> CompressionConfig | None``.
+      key: a PRNG key, required when any leaf uses stochastic rounding. Every rank
+        folds in its axis index, so ranks round independently.
+      impl: codec implementation: ``"auto"``, ``"kernel"`` or ``"reference"``.
+
+    Returns:
+      A pytree like ``x``: the sum, bitwise identical on every rank.
+    """
+    _check_impl(impl)
+    axes = _axes(axis_name)
+    world = _world_size(axes, "compressed_psum")
+    leaves_with_paths, treedef = jax.tree_util.tree_flatten_with_path(x)
+    paths = [p for p, _ in leaves_with_paths]
+    leaves = [jnp.asarray(v) for _, v in leaves_with_paths]
+    plan = _plan(paths, leaves, config, x)
+
+    out: list[jax.Array | None] = [None] * len(leaves)
+    for i, (leaf, lane, c) in enumerate(zip(leaves, plan.lanes, plan.configs)):
+        if lane == "exact":
+            out[i] = lax.psum(leaf, axes)
+        elif lane == "half":
+            out[i] = lax.psum(leaf.astype(jnp.dtype(c.half_dtype)), axes).astype(leaf.dtype)
+
+    if plan.groups:
+        if any(g.config.stochastic for g in plan.groups) and key is None:
+            raise ValueError(
+                "compressed_psum: stochastic rounding needs a PRNG key; pass "
+                "key=jax.random.key(...) (the same on every rank; each rank folds in its index)"
+            )
+        rank_key = None if key is None else jax.random.fold_in(key, lax.axis_index(axes))
+        buffer_index = 0
+        sizes = [leaf.size for leaf in leaves]
+        for group, members in plan.groups.items():
+            flat = [leaves[i].reshape(-1) for i in members]
+            bounds = np.cumsum([0] + [sizes[i] for i in members])
+            reduced = []
+            for start, stop in plan.buffers(group, sizes):
+                buf_key = None if rank_key is None else jax.random.fold_in(rank_key, buffer_index)
+                buffer_index += 1
+                buf = _assemble(flat, bounds, start, stop, group.dtype)
+                reduced.append(_reduce_buffer(buf, axes, world, group.config, buf_key, impl))
+            summed = jnp.concatenate(reduced) if len(reduced) > 1 else reduced[0]
+            for j, i in enumerate(members):
+                out[i] = summed[bounds[j] : bounds[j + 1]].reshape(leaves[i].shape)
+    return treedef.unflatten(out)
+
+
+def bytes_on_wire(x, world: int, config: ConfigSpec = None) -> int:
+    """Bytes one rank sends to reduce the pytree ``x`` (arrays or ShapeDtypeStructs) over ``world`` ranks.
+
+    Uncompressed lanes are counted as a bandwidth-optimal all-reduce, ``2(W-1)/W`` times
+    the array's bytes; a quantized buffer as the SRA exchange: ``W-1`` packed chunks out
+    in the all_to_all and ``W-1`` in the all_gather (payload plus 8 bytes per bucket).
+    """
+    leaves_with_paths = jax.tree_util.tree_flatten_with_path(x)[0]
+    paths = [p for p, _ in leaves_with_paths]
+    leaves = [v for _, v in leaves_with_paths]
+    plan = _plan(paths, leaves, config, x)
+    if world <= 1:
+        return 0
+    ring = 2 * (world - 1) / world
+    total = 0.0
+    for leaf, lane, c in zip(leaves, plan.lanes, plan.configs):
+        if lane == "exact":
+            total += ring * leaf.size * np.dtype(leaf.dtype).itemsize
+        elif lane == "half":
+            total += ring * leaf.size * 2
+    sizes = [leaf.size for leaf in leaves]
+    for group in plan.groups:
+        cfg = group.config
+        for start, stop in plan.buffers(group, sizes):
+            n = stop - start
+            head = (n // cfg.bucket_size) * cfg.bucket_size if cfg.skip_incomplete_buckets else n
+            total += wire_bytes_per_rank(head, world, cfg.bits, cfg.bucket_size, cfg.skip_incomplete_buckets)
+            total += ring * (n - head) * group.dtype.itemsize
+    return int(round(total))
+
+
+def compressed_pmean(
+    x,
+    axis_name,
+    config: ConfigSpec = None,
+    *,
+    key: jax.Array | None = None,
+    impl: Impl = "auto",
+):
+    """The mean of a pytree over mapped axes: :func:`compressed_psum` divided by the axis size."""
+    axes = _axes(axis_name)
+    world = _world_size(axes, "compressed_pmean")
+    summed = compressed_psum(x, axes, config, key=key, impl=impl)
+    return jax.tree.map(lambda s: s / world, summed)
+
+
+def _assemble(flat, bounds, start: int, stop: int, dtype) -> jax.Array:
+    """Values ``[start, stop)`` of the concatenation of ``flat``, written into one buffer.
+
+    Built with in-place ``dynamic_update_slice``s rather than ``concatenate``: XLA:CPU
+    fuses a many-operand concatenate into the consumers of the buffer and then runs
+    it ~10x slower than a copy (measured: 400 ms instead of 30 ms per step for 6 leaves
+    of 5 MiB on 8 virtual devices).
+    """
+    pieces = [
+        (j, max(start, lo) - lo, min(stop, hi) - lo)
+        for j, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:]))
+        if lo < stop and hi > start
+    ]
+    if len(pieces) == 1:
+        j, a, b = pieces[0]
+        return flat[j][a:b]
+    buf = jnp.zeros((stop - start,), dtype)
+    for j, a, b in pieces:
+        buf = lax.dynamic_update_slice(buf, flat[j][a:b], (int(bounds[j] + a - start),))
+    return buf
+
+
+def _lane(path, leaf, config: CompressionConfig | None) -> str:
+    if config is None or not config.enabled:
+        return "exact"
+    dtype = np.dtype(leaf.dtype)
+    if dtype.kind in "iub":
+        return "exact"
+    if leaf.size < config.min_size:
+        return "exact"
+    if dtype not in SUPPORTED_DTYPES:
+        raise TypeError(
+            f"compressed_psum: leaf {jax.tree_util.keystr(path)} has dtype {dtype}, which cannot "
+            "be compressed (float32, bfloat16 and float16 can). Give it config=None to reduce "
+            "it exactly, or cast it."
+        )
+    return "half" if config.bits == 16 else "quantized"
+
+
+def _reduce_buffer(buf, axes, world, config: CompressionConfig, key, impl):
+    """One fusion buffer through SRA (its uncompressed tail, if skipped, through psum)."""
+    if world == 1:
+        return buf  # a sum over one rank moves nothing: exact
+    n = buf.size
+    head_n = (n // config.bucket_size) * config.bucket_size if config.skip_incomplete_buckets else n
+    parts = []
+    if head_n:
+        head = buf[:head_n]
+        if _compat.check_vma_enabled():
+            # Like psum: a value that is the same on every rank of an axis is summed W times.
+            missing = tuple(a for a in axes if a not in _compat.varying_axes(jax.typeof(head)))
+            if missing:
+                head = _compat.pvary(head, missing)
+        if key is None:
+            seeds = jnp.zeros((1, world + 1, 2), jnp.uint32)
+        else:
+            seeds = jax.random.bits(key, (1, world + 1, 2), jnp.uint32)
+        chunk = chunk_length(head_n, world, config.bucket_size, config.skip_incomplete_buckets)
+        reduced = compressed_allreduce_p.bind(
+            head[None],
+            seeds,
+            axes=axes,
+            world=world,
+            chunk=chunk,
+            bits=config.bits,
+            bucket_size=config.bucket_size,
+            stochastic=config.stochastic,
+            impl=impl,
+        )
+        parts.append(reduced[0])
+    if head_n < n:
+        parts.append(lax.psum(buf[head_n:], axes))
+    return jnp.concatenate(parts) if len(parts) > 1 else parts[0]

@@ -1,0 +1,61 @@
+"""compressed_psum across 2 processes x 2 CPU devices (jax.distributed on 127.0.0.1, gloo)."""
+
+import pathlib
+import socket
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+from allreduce_cases import oracle, sra_bound
+from conftest import assert_same_bits
+
+sys.path.insert(0, str(pathlib.Path(__file__).parent))
+from mp_worker import CASES, inputs  # noqa: E402
+
+pytestmark = pytest.mark.multiprocess
+WORKER = pathlib.Path(__file__).parent / "mp_worker.py"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_processes_two_devices_each(tmp_path):
+    nproc, port = 2, _free_port()
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(WORKER), str(i), str(nproc), str(port), str(tmp_path)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for i in range(nproc)
+    ]
+    try:
+        logs = [p.communicate(timeout=300)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for p, log in zip(procs, logs):
+        assert p.returncode == 0, log[-4000:]
+
+    results = {}
+    for i in range(nproc):
+        results.update(np.load(tmp_path / f"process{i}.npz"))
+    world = 2 * nproc
+    xs = inputs(world, 1003)
+    for name, config in CASES.items():
+        outs = [results[f"{name}/device{d}"] for d in range(world)]
+        for d in range(1, world):
+            assert_same_bits(outs[d], outs[0], f"{name}: device {d} vs device 0 (other process)")
+        key = jax.random.key(3) if config.stochastic else None
+        expected, scales, chunk = oracle(xs, config, key)
+        assert_same_bits(outs[0], expected, f"{name}: vs the single-program oracle")
+        err, bound = sra_bound(xs, outs[0], scales, chunk, config.bucket_size, config.stochastic)
+        assert np.all(err <= bound), name
