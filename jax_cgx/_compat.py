@@ -19,22 +19,33 @@ def check_vma_enabled() -> bool:
     return bool(_config._check_vma.value)
 
 
+# jax 0.10 spells an aval's varying manual axes `aval.mat.varying`; earlier releases
+# spelled them `aval.vma`.
+_HAS_MAT = hasattr(_core.ShapedArray((), "float32"), "mat")
+
+
 def varying_axes(aval) -> frozenset:
-    return aval.mat.varying
+    return frozenset(aval.mat.varying if _HAS_MAT else getattr(aval, "vma", frozenset()))
 
 
 def is_varying(aval, axes) -> bool:
-    return bool(set(axes) & set(aval.mat.varying))
+    return bool(set(axes) & varying_axes(aval))
 
 
 def remove_varying(aval, axes):
-    keep = frozenset(a for a in aval.mat.varying if a not in axes)
-    return aval.update(manual_axis_type=aval.mat.update(varying=keep))
+    keep = frozenset(a for a in varying_axes(aval) if a not in axes)
+    if _HAS_MAT:
+        return aval.update(manual_axis_type=aval.mat.update(varying=keep))
+    return aval.update(vma=keep)
 
 
 def pvary(x, axes):
     """Mark ``x`` as varying over ``axes`` (the transpose of an invariant-producing reduction)."""
-    return _core.pvary(x, axis_name=tuple(axes))
+    if hasattr(_core, "pvary"):
+        return _core.pvary(x, axis_name=tuple(axes))
+    from jax import lax
+
+    return lax.pcast(x, tuple(axes), to="varying")
 
 
 def check_axis_names(axes, api_name: str) -> None:

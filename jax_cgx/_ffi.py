@@ -28,10 +28,18 @@ log = logging.getLogger("jax_cgx")
 try:
     from jax_cgx import _cpu
 except ImportError as err:  # pragma: no cover - a broken install
-    raise ImportError(
-        "jax_cgx's compiled CPU extension (jax_cgx._cpu) is missing or does not load: "
-        f"{err}. Reinstall jax_cgx with `pip install .` from a source checkout."
-    ) from err
+    import os
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    hint = f"Reinstall jax_cgx with `pip install .` from a source checkout ({err})."
+    if os.path.exists(os.path.join(os.path.dirname(here), "CMakeLists.txt")):
+        hint = (
+            f"Python imported jax_cgx from the source tree {here}, which holds no compiled "
+            "extension, instead of the installed package: run from another directory, use "
+            "`pytest` rather than `python -m pytest` (which puts the current directory first), "
+            "or install in editable mode (`pip install -e .`)."
+        )
+    raise ImportError(f"jax_cgx's compiled CPU extension (jax_cgx._cpu) cannot be imported. {hint}") from err
 
 try:
     from jax_cgx import _cuda

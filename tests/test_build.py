@@ -13,10 +13,13 @@ import jax_cgx
 from jax_cgx import CompressionConfig, _ffi
 
 
-def test_import_needs_no_gpu_and_no_nccl():
+def test_import_needs_no_gpu_and_no_nccl(tmp_path):
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", JAX_PLATFORMS="cpu", LD_LIBRARY_PATH="")
     code = "import jax_cgx, jax.numpy as jnp; print(jax_cgx.dequantize(jax_cgx.quantize(jnp.ones(8))).sum())"
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    # cwd outside the checkout: `python -c` puts the current directory first on sys.path.
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120, cwd=tmp_path
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "8.0"
 
