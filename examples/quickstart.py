@@ -1,8 +1,11 @@
 """A data-parallel training step with compressed_pmean next to pmean.
 
     python examples/quickstart.py [--bits 4] [--bucket-size 512] [--steps 20] [--devices 8]
+    python -m jax_cgx.launch -n 2 --devices-per-process 4 examples/quickstart.py
+    mpirun -np 2 python examples/quickstart.py
 
-By default it runs on 8 simulated CPU devices. Each device computes the gradient of a
+By default it runs on 8 simulated CPU devices in one process; under a launcher, on all
+processes' devices. Each device computes the gradient of a
 small MLP on its shard of the batch; the gradients are averaged once with jax.lax.pmean
 and once with jax_cgx.compressed_pmean. It prints the error of the compressed mean, the
 step times, the bytes each device puts on the wire, and the loss curves of both runs.
@@ -30,13 +33,30 @@ if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "
         os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={args.devices}"
     )
 
+import jax_cgx.distributed  # noqa: E402
+
+# Joins the other processes under jax_cgx.launch, mpirun or SLURM; a no-op when run alone.
+PROCESS = jax_cgx.distributed.initialize()
+
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jax_cgx  # noqa: E402
 from jax_cgx.allreduce import bytes_on_wire  # noqa: E402
+
+
+def report(*args) -> None:
+    if PROCESS.process_index == 0:
+        print(*args, flush=True)
+
+
+def global_array(value, sharding):
+    """The same host value on every process, as one array over the whole mesh."""
+    value = np.asarray(value)
+    return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
 
 
 def init(key, sizes):
@@ -59,14 +79,15 @@ def main() -> None:
     mesh = jax.make_mesh((world,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
     config = jax_cgx.CompressionConfig(bits=args.bits, bucket_size=args.bucket_size)
     sizes = [256, args.width, args.width, 16]
-    params = init(jax.random.key(0), sizes)
+    replicated = NamedSharding(mesh, P())
+    params = jax.tree.map(lambda v: global_array(v, replicated), init(jax.random.key(0), sizes))
     n_params = sum(v.size for v in jax.tree.leaves(params))
 
     # A regression problem: y = tanh(x @ A), 64 examples per device.
     kx, ka = jax.random.split(jax.random.key(1))
     x = jax.random.normal(kx, (world * 64, sizes[0]))
     y = jnp.tanh(x @ jax.random.normal(ka, (sizes[0], sizes[-1])) / 8)
-    batch = jax.device_put((x, y), NamedSharding(mesh, P("data")))
+    batch = tuple(global_array(v, NamedSharding(mesh, P("data"))) for v in (x, y))
 
     def make_step(reduce):
         def local(params, x, y):
@@ -84,7 +105,8 @@ def main() -> None:
         "pmean": make_step(lambda g: jax.lax.pmean(g, "data")),
         f"compressed_pmean ({args.bits} bits)": make_step(lambda g: jax_cgx.compressed_pmean(g, "data", config)),
     }
-    print(f"jax_cgx {jax_cgx.__version__}: {world} x {devices[0].platform} devices, MLP {sizes} "
+    report(f"jax_cgx {jax_cgx.__version__}: {world} x {devices[0].platform} devices "
+          f"({PROCESS.process_count} process(es)), MLP {sizes} "
           f"({n_params:,} parameters, {n_params * 4 / 2**20:.1f} MiB of float32 gradients)")
 
     # Error of one compressed mean, on the same gradients.
@@ -92,7 +114,7 @@ def main() -> None:
     _, _, approx = steps[f"compressed_pmean ({args.bits} bits)"](params, *batch)
     num = sum(jnp.sum((a - e) ** 2) for a, e in zip(jax.tree.leaves(approx), jax.tree.leaves(exact)))
     den = sum(jnp.sum(e**2) for e in jax.tree.leaves(exact))
-    print(f"relative L2 error of the compressed mean gradient: {float(jnp.sqrt(num / den)):.2e}")
+    report(f"relative L2 error of the compressed mean gradient: {float(jnp.sqrt(num / den)):.2e}")
 
     wire = {
         "pmean": bytes_on_wire(params, world, jax_cgx.CompressionConfig(bits=32)),
@@ -106,7 +128,7 @@ def main() -> None:
             times.append(time.perf_counter() - t0)
             losses.append(float(loss))
         median = sorted(times[1:])[len(times[1:]) // 2] if len(times) > 1 else times[0]
-        print(f"{name:>28}: step {median * 1e3:7.1f} ms (median), {wire[name] / 2**20:7.2f} MiB on the wire "
+        report(f"{name:>28}: step {median * 1e3:7.1f} ms (median), {wire[name] / 2**20:7.2f} MiB on the wire "
               f"per device per step, loss {losses[0]:.4f} -> {losses[-1]:.4f}")
 
 

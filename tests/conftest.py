@@ -61,3 +61,43 @@ def _elementwise_same(a, b):
         view = {2: np.uint16, 4: np.uint32}[a.dtype.itemsize]
         return (np.isnan(fa) & np.isnan(fb)) | (a.view(view) == b.view(view))
     return a == b
+
+
+# Scripts the tests start in other processes; none may outlive the test session.
+_WORKER_SCRIPTS = ("launch_check.py", "mp_worker.py", "jax_cgx.launch", "emu_test")
+
+
+def _stray_processes() -> list[str]:
+    me = os.getpid()
+    strays = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == me:
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        state, ppid = stat.rsplit(")", 1)[1].split()[:2]
+        if state == "Z":
+            continue
+        if int(ppid) == me or any(s in cmdline for s in _WORKER_SCRIPTS):
+            strays.append(f"{entry}: {cmdline.strip()[:200]}")
+    return strays
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if not os.path.isdir("/proc"):
+        return
+    import time
+
+    deadline = time.monotonic() + 10
+    strays = _stray_processes()
+    while strays and time.monotonic() < deadline:
+        time.sleep(0.2)
+        strays = _stray_processes()
+    if strays:
+        print("\nstray processes left by the tests:\n  " + "\n  ".join(strays))
+        session.exitstatus = 1
