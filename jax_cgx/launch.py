@@ -145,12 +145,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("-n", "--nproc", type=int, required=True, help="number of processes")
     parser.add_argument("--devices-per-process", type=int, default=None, help="simulated CPU devices per process")
     parser.add_argument("--grace", type=float, default=5.0, help="seconds between SIGTERM and SIGKILL when stopping")
-    parser.add_argument("script", help="a Python script, or -m and a module")
+    parser.add_argument("script", help="the Python script every process runs")
     parser.add_argument("args", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
     if args.nproc < 1:
         parser.error("-n must be at least 1")
-    command = [sys.executable, *(["-m", args.args[0], *args.args[1:]] if args.script == "-m" else [args.script, *args.args])]
+    command = [sys.executable, args.script, *args.args]
 
     job = Job(command, args.nproc, args.devices_per_process)
 

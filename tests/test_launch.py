@@ -55,7 +55,7 @@ def _check_results(out: pathlib.Path, nproc: int, devices_per_process: int) -> N
 
 def test_launcher_runs_a_compressed_psum(tmp_path):
     run = subprocess.run([*LAUNCH, "-n", "2", "--devices-per-process", "2", CHECK, str(tmp_path)],
-                         capture_output=True, text=True, timeout=180)
+                         capture_output=True, text=True, timeout=180, cwd=tmp_path)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert "[0] rank 0 of 2 (jax_cgx.launch): 4 devices, ok" in run.stdout
     assert "[1] rank 1 of 2 (jax_cgx.launch): 4 devices, ok" in run.stdout
@@ -68,7 +68,7 @@ def test_a_failing_rank_stops_the_job(tmp_path):
     run = subprocess.run(
         [*LAUNCH, "-n", "3", "--devices-per-process", "1", "--grace", "2", CHECK, str(tmp_path),
          "--fail-rank", "1", "--hang-rank", "0"],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True, text=True, timeout=120, cwd=tmp_path,
     )
     assert run.returncode == 1, run.stdout[-3000:] + run.stderr[-3000:]
     assert "process 1 exited with 1" in run.stderr
@@ -81,13 +81,13 @@ def test_a_failing_rank_stops_the_job(tmp_path):
 def test_a_signal_to_the_launcher_leaves_no_children(tmp_path, sig):
     proc = subprocess.Popen(
         [*LAUNCH, "-n", "2", "--devices-per-process", "1", "--grace", "2", CHECK, str(tmp_path), "--hang-rank", "0"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
     )
     try:
         deadline = time.monotonic() + 60
-        while len(_pids(tmp_path)) < 2 and time.monotonic() < deadline:
+        while len(_pids(tmp_path)) < 2 and time.monotonic() < deadline and proc.poll() is None:
             time.sleep(0.1)
-        assert len(_pids(tmp_path)) == 2, "the processes did not start"
+        assert len(_pids(tmp_path)) == 2, f"the processes did not start: {proc.communicate()[1][-2000:] if proc.poll() is not None else ''}"
         proc.send_signal(sig)
         proc.wait(timeout=30)
     finally:
@@ -102,11 +102,12 @@ def test_a_signal_to_the_launcher_leaves_no_children(tmp_path, sig):
 def test_killing_the_launcher_outright_leaves_no_children(tmp_path):
     proc = subprocess.Popen(
         [*LAUNCH, "-n", "2", "--devices-per-process", "1", CHECK, str(tmp_path), "--hang-rank", "0"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=tmp_path,
     )
     deadline = time.monotonic() + 60
-    while len(_pids(tmp_path)) < 2 and time.monotonic() < deadline:
+    while len(_pids(tmp_path)) < 2 and time.monotonic() < deadline and proc.poll() is None:
         time.sleep(0.1)
+    assert len(_pids(tmp_path)) == 2, "the processes did not start"
     proc.kill()  # SIGKILL: no handler runs
     proc.wait()
     _assert_no_leak(tmp_path, 2)
@@ -120,7 +121,7 @@ def test_mpirun(tmp_path):
     run = subprocess.run(
         ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", "2", "-x", "XLA_FLAGS",
          sys.executable, CHECK, str(tmp_path)],
-        capture_output=True, text=True, timeout=180, env=env,
+        capture_output=True, text=True, timeout=180, env=env, cwd=tmp_path,
     )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert "(openmpi)" in run.stdout
@@ -137,7 +138,7 @@ def test_explicit_coordinator_arguments(tmp_path):
         subprocess.Popen(
             [sys.executable, CHECK, str(tmp_path), "--coordinator", f"127.0.0.1:{port}",
              "--num-processes", "2", "--process-id", str(i)],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=tmp_path,
         )
         for i in range(2)
     ]
