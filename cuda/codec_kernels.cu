@@ -920,6 +920,23 @@ cudaError_t LaunchQuantize(cudaStream_t stream, const RowLayout& layout, FloatTy
   return cudaErrorInvalidValue;
 }
 
+namespace detail {
+
+// The source and sink of the two summing launchers; 16-byte paths where aligned.
+SumInput MakeSumInput(const RowLayout& layout, int64_t inputs, const uint8_t* payload,
+                      const float* meta, FloatType addend_type, const void* addend) {
+  return SumInput{payload, meta, inputs, addend, addend_type,
+                  addend != nullptr && groups_aligned16(addend, layout.rows, layout.elems, layout,
+                                                        FloatTypeBytes(addend_type))};
+}
+
+ArrayOutput MakeArrayOutput(const RowLayout& layout, FloatType out_type, void* out) {
+  return ArrayOutput{out, out_type,
+                     groups_aligned16(out, layout.rows, layout.elems, layout, FloatTypeBytes(out_type))};
+}
+
+}  // namespace detail
+
 cudaError_t LaunchDequantizeSum(cudaStream_t stream, const RowLayout& layout, int64_t inputs,
                                 const uint8_t* payload, const float* meta, FloatType addend_type,
                                 const void* addend, FloatType out_type, void* out) {
@@ -928,12 +945,8 @@ cudaError_t LaunchDequantizeSum(cudaStream_t stream, const RowLayout& layout, in
   if (!valid_type(out_type) || (addend != nullptr && !valid_type(addend_type))) {
     return cudaErrorInvalidValue;
   }
-  const SumInput src{payload, meta, inputs, addend, addend_type,
-                     addend != nullptr && groups_aligned16(addend, layout.rows, layout.elems, layout,
-                                                           FloatTypeBytes(addend_type))};
-  const ArrayOutput sink{out, out_type,
-                         groups_aligned16(out, layout.rows, layout.elems, layout,
-                                          FloatTypeBytes(out_type))};
+  const SumInput src = MakeSumInput(layout, inputs, payload, meta, addend_type, addend);
+  const ArrayOutput sink = MakeArrayOutput(layout, out_type, out);
   const int64_t groups = layout.rows * layout.buckets * groups_in(layout.bucket);
   dequantize_sum_kernel<<<grid_for(groups, kThreads), kThreads, 0, stream>>>(src, sink, layout);
   return cudaGetLastError();
@@ -957,12 +970,8 @@ cudaError_t LaunchDequantizeSumRequantize(cudaStream_t stream, const RowLayout& 
     return cudaErrorInvalidValue;
   }
   if (stochastic && seeds == nullptr) return cudaErrorInvalidValue;
-  const SumInput src{payload, meta, inputs, addend, addend_type,
-                     addend != nullptr && groups_aligned16(addend, layout.rows, layout.elems, layout,
-                                                           FloatTypeBytes(addend_type))};
-  const ArrayOutput sink{out, out_type,
-                         groups_aligned16(out, layout.rows, layout.elems, layout,
-                                          FloatTypeBytes(out_type))};
+  const SumInput src = MakeSumInput(layout, inputs, payload, meta, addend_type, addend);
+  const ArrayOutput sink = MakeArrayOutput(layout, out_type, out);
   const QuantOut q{out_payload, out_meta, seeds, stochastic};
   return launch_quantize(stream, layout, src, sink, q);
 }

@@ -4,6 +4,7 @@ Bucketed max-min quantization (1-8 bits) as XLA FFI kernels on CPU and CUDA, wit
 bit-identical pure-JAX reference. See README.md and docs/.
 """
 
+from jax_cgx import distributed
 from jax_cgx._ffi import cuda_extension_available
 from jax_cgx.allreduce import compressed_pmean, compressed_psum
 from jax_cgx.codec import (
@@ -29,4 +30,5 @@ __all__ = [
     "num_buckets",
     "payload_bytes",
     "cuda_extension_available",
+    "distributed",
 ]

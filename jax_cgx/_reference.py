@@ -7,12 +7,9 @@ rows: ``x[R, n]``, ``payload[R, P]``, ``meta[R, nb, 2]`` (see xla_ffi/README.md)
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-
-from jax_cgx.quantized import num_buckets
 
 _F32 = jnp.float32
 _U32 = jnp.uint32

@@ -1,6 +1,6 @@
 """compressed_psum / compressed_pmean: ``lax.psum`` / ``lax.pmean`` that move fewer bytes.
 
-A pytree goes through four lanes, leaf by leaf:
+A pytree goes through three lanes, leaf by leaf:
 
 - **exact**: integer leaves, leaves smaller than ``min_size``, leaves whose config
   is ``None`` or has ``bits=32``: a plain ``lax.psum``;
