@@ -82,15 +82,23 @@ def _aval(like, shape, dtype):
     return like.update(shape=tuple(shape), dtype=np.dtype(dtype), weak_type=False)
 
 
-def _batch_rows(prim: Primitive, args, dims, **params):
-    """vmap rule: fold the batch axis into the leading row axis of every operand."""
+def batch_rows(prim: Primitive, args, dims, **params):
+    """vmap rule: fold the batch axis into the leading row axis of every operand.
+
+    Shared by every row-shaped primitive (the codec's and the all-reduce's): rows are
+    independent problems, so a vmapped axis is just more rows.
+    """
     size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
     flat = []
     for a, d in zip(args, dims):
         a = jax.numpy.broadcast_to(a, (size, *a.shape)) if d is None else jax.numpy.moveaxis(a, d, 0)
         flat.append(a.reshape(size * a.shape[1], *a.shape[2:]))
-    outs = prim.bind(*flat, **params)
-    return [o.reshape(size, o.shape[0] // size, *o.shape[1:]) for o in outs], [0] * len(outs)
+    out = prim.bind(*flat, **params)
+    outs = out if prim.multiple_results else [out]
+    unfolded = [o.reshape(size, o.shape[0] // size, *o.shape[1:]) for o in outs]
+    if prim.multiple_results:
+        return unfolded, [0] * len(unfolded)
+    return unfolded[0], 0
 
 
 _warned_fallback: set[tuple[str, str]] = set()
@@ -133,7 +141,7 @@ def _define(name: str, abstract_eval: Callable, reference: Callable, attr_names:
     prim.multiple_results = True
     prim.def_impl(functools.partial(apply_primitive, prim))
     prim.def_abstract_eval(abstract_eval)
-    batching.primitive_batchers[prim] = functools.partial(_batch_rows, prim)
+    batching.primitive_batchers[prim] = functools.partial(batch_rows, prim)
 
     def attrs(params):
         out = {"bits": np.int32(params["bits"]), "bucket_size": np.int64(params["bucket_size"])}

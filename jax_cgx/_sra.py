@@ -29,7 +29,7 @@ from jax import lax
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
-from jax_cgx import _compat, codec
+from jax_cgx import _compat, _ffi, codec
 from jax_cgx.quantized import META_BYTES, num_buckets, payload_bytes
 
 __all__ = ["chunk_length", "sra_rows", "compressed_allreduce_p"]
@@ -157,13 +157,7 @@ def _batch(axis_data, args, dims, *, axes, **params):
             "has no wire to compress. Reduce it with jax.lax.psum, or map that axis with "
             "jax.shard_map / jax.pmap."
         )
-    size = axis_data.size
-    flat = []
-    for a, d in zip(args, dims):
-        a = jnp.broadcast_to(a, (size, *a.shape)) if d is None else jnp.moveaxis(a, d, 0)
-        flat.append(a.reshape(size * a.shape[1], *a.shape[2:]))
-    out = compressed_allreduce_p.bind(*flat, axes=axes, **params)
-    return out.reshape(size, out.shape[0] // size, *out.shape[1:]), 0
+    return _ffi.batch_rows(compressed_allreduce_p, args, dims, axes=axes, **params)
 
 
 batching.fancy_primitive_batchers[compressed_allreduce_p] = _batch

@@ -25,7 +25,8 @@ import threading
 import time
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free now (for a coordinator)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -79,7 +80,7 @@ class Job:
     """The launched processes, each the leader of its own process group."""
 
     def __init__(self, argv: list[str], n: int, devices: int | None):
-        port = _free_port()
+        port = free_port()
         self.procs: list[subprocess.Popen] = []
         self.pumps: list[threading.Thread] = []
         width = len(str(n - 1))

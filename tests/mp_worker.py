@@ -9,7 +9,9 @@ process's devices are written to OUT_DIR/process<ID>.npz.
 import os
 import sys
 
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+if __name__ == "__main__":
+    # Only as a worker: tests import CASES and inputs from here, and must keep their 8 devices.
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402

@@ -4,7 +4,6 @@ import os
 import pathlib
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -13,9 +12,11 @@ import numpy as np
 import pytest
 from allreduce_cases import oracle
 from conftest import assert_same_bits
+from processes import run_all
 
 from jax_cgx import CompressionConfig
 from jax_cgx.distributed import detect
+from jax_cgx.launch import free_port
 
 pytestmark = pytest.mark.multiprocess
 CHECK = str(pathlib.Path(__file__).parent / "launch_check.py")
@@ -130,26 +131,16 @@ def test_mpirun(tmp_path):
 
 
 def test_explicit_coordinator_arguments(tmp_path):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2")
-    procs = [
-        subprocess.Popen(
-            [sys.executable, CHECK, str(tmp_path), "--coordinator", f"127.0.0.1:{port}",
-             "--num-processes", "2", "--process-id", str(i)],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=tmp_path,
-        )
+    commands = [
+        [sys.executable, CHECK, str(tmp_path), "--coordinator", f"127.0.0.1:{port}",
+         "--num-processes", "2", "--process-id", str(i)]
         for i in range(2)
     ]
-    try:
-        logs = [p.communicate(timeout=180)[0] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    assert all(p.returncode == 0 for p in procs), "\n".join(log[-2000:] for log in logs)
+    results = run_all(commands, timeout=180, env=env, cwd=tmp_path)
+    logs = [log for _, log in results]
+    assert all(rc == 0 for rc, _ in results), "\n".join(log[-2000:] for log in logs)
     assert "(arguments)" in logs[0]
     _check_results(tmp_path, 2, 2)
     _assert_no_leak(tmp_path, 2)

@@ -1,8 +1,6 @@
 """compressed_psum across 2 processes x 2 CPU devices (jax.distributed on 127.0.0.1, gloo)."""
 
 import pathlib
-import socket
-import subprocess
 import sys
 
 import jax
@@ -10,6 +8,9 @@ import numpy as np
 import pytest
 from allreduce_cases import oracle, sra_bound
 from conftest import assert_same_bits
+from processes import run_all
+
+from jax_cgx.launch import free_port
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 from mp_worker import CASES, inputs  # noqa: E402
@@ -18,32 +19,11 @@ pytestmark = pytest.mark.multiprocess
 WORKER = pathlib.Path(__file__).parent / "mp_worker.py"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_two_processes_two_devices_each(tmp_path):
-    nproc, port = 2, _free_port()
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(WORKER), str(i), str(nproc), str(port), str(tmp_path)],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for i in range(nproc)
-    ]
-    try:
-        logs = [p.communicate(timeout=300)[0] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    for p, log in zip(procs, logs):
-        assert p.returncode == 0, log[-4000:]
+    nproc, port = 2, free_port()
+    commands = [[sys.executable, str(WORKER), str(i), str(nproc), str(port), str(tmp_path)] for i in range(nproc)]
+    for returncode, log in run_all(commands, timeout=300):
+        assert returncode == 0, log[-4000:]
 
     results = {}
     for i in range(nproc):
