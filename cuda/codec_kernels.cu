@@ -678,7 +678,7 @@ template <class Sink>
 CGX_HD void encode_round(const Sink& sink, const RowLayout& l, const WordPlan& plan,
                          const BucketTarget& t, int64_t r, int64_t k, int64_t g, int64_t before,
                          int cnt, const float (&v)[kGroup]) {
-  const uint32_t index0 = static_cast<uint32_t>(k * l.bucket + g * kGroup);
+  const uint32_t index0 = static_cast<uint32_t>(l.index_base + k * l.bucket + g * kGroup);
   const uint64_t packed = encode_group(t.enc, v, cnt, index0);  // 0 when cnt == 0
   store_round(t.bytes > 0 ? t.dst + before : t.dst, t.bytes - before, packed, plan);
   if constexpr (Sink::kEnabled) {
@@ -971,9 +971,9 @@ cudaError_t LaunchDequantizeSumRequantize(cudaStream_t stream, const RowLayout& 
   }
   if (stochastic && seeds == nullptr) return cudaErrorInvalidValue;
   const SumInput src = MakeSumInput(layout, inputs, payload, meta, addend_type, addend);
-  const ArrayOutput sink = MakeArrayOutput(layout, out_type, out);
   const QuantOut q{out_payload, out_meta, seeds, stochastic};
-  return launch_quantize(stream, layout, src, sink, q);
+  if (out == nullptr) return launch_quantize(stream, layout, src, NoOutput{}, q);
+  return launch_quantize(stream, layout, src, MakeArrayOutput(layout, out_type, out), q);
 }
 
 }  // namespace jax_cgx::cuda

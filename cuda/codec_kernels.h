@@ -31,6 +31,11 @@ struct RowLayout {
   int64_t bucket_bytes = 0;  // ceil(bucket*bits/8): payload stride between buckets
   int64_t row_bytes = 0;     // P: payload bytes per row
   int bits = 0;              // 1..8
+  // Index of each row's first element in the row it was cut from: the counter
+  // of stochastic rounding is index_base + position, so quantizing a segment
+  // [off, off + m) of a longer row (index_base = off, off a multiple of the
+  // bucket size) gives the bytes of that row's buckets. 0 for whole rows.
+  int64_t index_base = 0;
 };
 
 // The layout of rows of m elements cut into buckets of bucket_size (>= 1).
@@ -69,7 +74,8 @@ cudaError_t LaunchDequantizeSum(cudaStream_t stream, const RowLayout& layout, in
 
 // dequantize_sum_requantize: as LaunchDequantizeSum, then the f32 sums are
 // quantized like an f32 input of LaunchQuantize into out_payload[R, P] and
-// out_meta[R, nb, 2], and out[R, m] receives the decoded re-quantized sums.
+// out_meta[R, nb, 2], and out[R, m] receives the decoded re-quantized sums
+// (out may be nullptr when they are not wanted: nothing is written then).
 cudaError_t LaunchDequantizeSumRequantize(cudaStream_t stream, const RowLayout& layout,
                                           int64_t inputs, const uint8_t* payload,
                                           const float* meta, FloatType addend_type,

@@ -107,6 +107,40 @@ void test_quantize(std::mt19937& rng, int64_t R, int64_t n, int64_t B, bool skip
   CHECK(xb.guards_intact(), "%s: x guards", what.c_str());
 }
 
+// ------------------------------------------------------ row segments
+
+// Quantizing segments [off, off + len) of a row (off a multiple of B) with
+// layout.index_base = off gives exactly the bytes of the whole row's buckets:
+// what the NCCL backend's segment pipelining relies on (stochastic included).
+template <class E>
+void test_segments(std::mt19937& rng, int64_t n, int64_t B, int bits, int64_t buckets_per_segment) {
+  using S = typename E::Storage;
+  std::vector<S> x(n);
+  const std::vector<float> v = make_values(rng, n, B, true);
+  for (int64_t i = 0; i < n; ++i) x[i] = to_storage<E>(v[i]);
+  std::vector<uint32_t> seeds = {static_cast<uint32_t>(rng()), static_cast<uint32_t>(rng())};
+  const RowLayout whole = MakeRowLayout(1, n, B, bits);
+  std::vector<uint8_t> payload(whole.row_bytes);
+  std::vector<float> meta(2 * whole.buckets);
+  run_quantize(ArrayInput<E, false>{x.data(), n}, NoOutput{}, whole,
+               QuantOut{payload.data(), meta.data(), seeds.data(), true}, 2, 128);
+  for (int64_t k0 = 0; k0 < whole.buckets; k0 += buckets_per_segment) {
+    const int64_t off = k0 * whole.bucket;
+    const int64_t len = std::min(n, off + buckets_per_segment * whole.bucket) - off;
+    RowLayout l = MakeRowLayout(1, len, B, bits);
+    l.index_base = off;
+    std::vector<uint8_t> sp(l.row_bytes);
+    std::vector<float> sm(2 * l.buckets);
+    run_quantize(ArrayInput<E, false>{x.data() + off, len}, NoOutput{}, l,
+                 QuantOut{sp.data(), sm.data(), seeds.data(), true}, 1, 64);
+    const bool same_payload =
+        std::memcmp(sp.data(), payload.data() + k0 * whole.bucket_bytes, sp.size()) == 0;
+    const bool same_meta = std::memcmp(sm.data(), meta.data() + 2 * k0, sm.size() * sizeof(float)) == 0;
+    CHECK(same_payload && same_meta, "segment n=%ld B=%ld bits=%d off=%ld len=%ld: payload %d meta %d",
+          (long)n, (long)B, bits, (long)off, (long)len, same_payload, same_meta);
+  }
+}
+
 // -------------------------------------------- dequantize_sum(_requantize)
 
 template <class EA, class EO>
@@ -319,6 +353,12 @@ int main(int argc, char** argv) {
   std::mt19937 rng(12345);
   test_units(rng);
   std::fprintf(stderr, "units: %ld checks, %ld failures\n", g_checks, g_failures);
+  for (int bits : {1, 4, 7, 8}) {
+    test_segments<F32Type>(rng, 10 * 64 + 13, 64, bits, 3);
+    test_segments<BF16Type>(rng, 7 * 100, 100, bits, 2);
+    test_segments<F16Type>(rng, 3 * 5000 + 1, 5000, bits, 1);  // block kernel
+  }
+  std::fprintf(stderr, "segments: %ld checks, %ld failures\n", g_checks, g_failures);
 
   if (argc > 1 && std::string(argv[1]) == "big") {
     // Large buckets (block kernel, many pass-2 rounds) and edge cases.
