@@ -56,3 +56,13 @@ def check_axis_names(axes, api_name: str) -> None:
                 f"{api_name}: axis name {name!r} is not bound. Call it inside jax.shard_map "
                 f"(with {name!r} a mesh axis) or jax.pmap(axis_name={name!r})."
             )
+
+
+def all_gather_invariant(x, axis_name):
+    """A tiled all-gather typed varying -> invariant (jax 0.10 keeps it in jax._src)."""
+    from jax import lax
+
+    gather = getattr(lax, "all_gather_invariant", None)
+    if gather is None:
+        from jax._src.lax.parallel import all_gather_invariant as gather
+    return gather(x, axis_name, axis=0, tiled=True)

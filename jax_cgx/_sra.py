@@ -32,7 +32,7 @@ from jax.interpreters import ad, batching, mlir
 from jax_cgx import _compat, _ffi, codec
 from jax_cgx.quantized import META_BYTES, num_buckets, payload_bytes
 
-__all__ = ["chunk_length", "sra_rows", "compressed_allreduce_p"]
+__all__ = ["chunk_length", "sra_rows", "xla_rows", "compressed_allreduce_p"]
 
 # Chunks of buffers at least this many buckets per rank are whole buckets long.
 _WHOLE_BUCKETS_ABOVE = 64
@@ -122,9 +122,33 @@ def _abstract_eval(x, seeds, *, axes, **params):
     return out, {_compat.NamedAxisEffect(a) for a in axes}
 
 
+def xla_rows(x, seeds, *, algorithm, backend, segments, **params):
+    """The xla backend: the chosen algorithm written with XLA collectives."""
+    del backend, segments  # execution settings of the nccl backend
+    if algorithm == "ring":
+        from jax_cgx._ring import ring_rows
+
+        return ring_rows(x, seeds, **params)
+    return sra_rows(x, seeds, **params)
+
+
+def _lower_xla(ctx, x, seeds, *, backend, **params):
+    if backend == "nccl":
+        platforms = ", ".join(ctx.module_context.platforms)
+        raise NotImplementedError(
+            f"compressed_psum: backend='nccl' runs on CUDA GPUs only, but this computation is "
+            f"lowered for {platforms}. Use backend='auto' (nccl where available, else xla) or "
+            "backend='xla'."
+        )
+    return mlir.lower_fun(functools.partial(xla_rows, backend=backend, **params), multiple_results=False)(
+        ctx, x, seeds
+    )
+
+
 compressed_allreduce_p.def_effectful_abstract_eval(_abstract_eval)
 compressed_allreduce_p.def_impl(functools.partial(_compat.apply_primitive, compressed_allreduce_p))
-mlir.register_lowering(compressed_allreduce_p, mlir.lower_fun(sra_rows, multiple_results=False))
+# Every platform; jax_cgx._nccl_lowering registers the CUDA rule that may pick the nccl backend.
+mlir.register_lowering(compressed_allreduce_p, _lower_xla)
 
 
 def _jvp(primals, tangents, **params):

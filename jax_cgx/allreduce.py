@@ -180,17 +180,30 @@ def compressed_psum(
     return treedef.unflatten(out)
 
 
-def bytes_on_wire(x, world: int, config: ConfigSpec = None) -> int:
+def bytes_on_wire(x, world: int, config: ConfigSpec = None, *, inner_world: int | None = None) -> int:
     """Bytes one rank sends to reduce the pytree ``x`` (arrays or ShapeDtypeStructs) over ``world`` ranks.
 
     Uncompressed lanes are counted as a bandwidth-optimal all-reduce, ``2(W-1)/W`` times
-    the array's bytes; a quantized buffer as the SRA exchange: ``W-1`` packed chunks out
-    in the all_to_all and ``W-1`` in the all_gather (payload plus 8 bytes per bucket).
+    the array's bytes; a quantized buffer as the compressed exchange: ``W-1`` packed
+    chunks out in the all_to_all (SRA) or around the ring (``algorithm="ring"``, the
+    same bytes) and ``W-1`` in the all_gather (payload plus 8 bytes per bucket).
+
+    Args:
+      x: the pytree.
+      world: the number of ranks the sum runs over (all reduced axes together).
+      config: as for :func:`compressed_psum`.
+      inner_world: for ``hierarchical`` configs, the size of the inner (last, intra-node)
+        axis; required by them, ignored otherwise. A hierarchical buffer is counted as an
+        uncompressed reduce-scatter plus all-gather of the (padded) buffer over the inner
+        axis, ``2(Wi-1)/Wi`` times its bytes, plus the compressed exchange of one shard
+        over the ``world / inner_world`` outer ranks.
     """
     leaves_with_paths = jax.tree_util.tree_flatten_with_path(x)[0]
     paths = [p for p, _ in leaves_with_paths]
     leaves = [v for _, v in leaves_with_paths]
     plan = _plan(paths, leaves, config, x)
+    if inner_world is not None and (inner_world < 1 or world % inner_world):
+        raise ValueError(f"bytes_on_wire: inner_world={inner_world} must divide world={world}")
     if world <= 1:
         return 0
     ring = 2 * (world - 1) / world
@@ -203,12 +216,36 @@ def bytes_on_wire(x, world: int, config: ConfigSpec = None) -> int:
     sizes = [leaf.size for leaf in leaves]
     for group in plan.groups:
         cfg = group.config
+        if cfg.hierarchical and inner_world is None:
+            raise ValueError(
+                "bytes_on_wire: hierarchical configs need inner_world= (the size of the inner, "
+                "intra-node axis)"
+            )
         for start, stop in plan.buffers(group, sizes):
             n = stop - start
             head = (n // cfg.bucket_size) * cfg.bucket_size if cfg.skip_incomplete_buckets else n
-            total += wire_bytes_per_rank(head, world, cfg.bits, cfg.bucket_size, cfg.skip_incomplete_buckets)
+            if cfg.hierarchical:
+                total += _hierarchical_wire_bytes(head, world, inner_world, cfg, group.dtype.itemsize)
+            else:
+                total += wire_bytes_per_rank(
+                    head, world, cfg.bits, cfg.bucket_size, cfg.skip_incomplete_buckets
+                )
             total += ring * (n - head) * group.dtype.itemsize
     return int(round(total))
+
+
+def _hierarchical_wire_bytes(n: int, world: int, inner_world: int, cfg: CompressionConfig, itemsize: int):
+    """Bytes one rank sends for ``n`` values reduced by :func:`_reduce_hierarchical`."""
+    outer_world = world // inner_world
+    if n == 0:
+        return 0
+    if outer_world == 1:
+        return 2 * (world - 1) / world * n * itemsize  # an exact psum
+    shard_n = _hierarchical_shard(n, inner_world, cfg)
+    inner = 2 * (inner_world - 1) * shard_n * itemsize  # reduce-scatter + all-gather
+    return inner + wire_bytes_per_rank(
+        shard_n, outer_world, cfg.bits, cfg.bucket_size, cfg.skip_incomplete_buckets
+    )
 
 
 def compressed_pmean(
@@ -266,7 +303,19 @@ def _lane(path, leaf, config: CompressionConfig | None) -> str:
 
 
 def _reduce_buffer(buf, axes, world, config: CompressionConfig, key, impl):
-    """One fusion buffer through SRA (its uncompressed tail, if skipped, through psum)."""
+    """One fusion buffer through the compressed primitive (its uncompressed tail, if skipped, through psum).
+
+    With ``config.hierarchical`` the compressed part is reduced in two levels
+    (:func:`_reduce_hierarchical`).
+    """
+    if config.hierarchical and len(axes) < 2:
+        raise ValueError(
+            "compressed_psum: hierarchical=True needs a reduction over (cross-node axes..., "
+            "intra-node axis), e.g. axis_name=('node', 'local') on a 2-D mesh, but got "
+            f"axis_name={axes[0]!r}. The last axis is summed uncompressed within a node and the "
+            "others exchange compressed bytes; set hierarchical=False (JAX_CGX_HIERARCHICAL=0) "
+            "to compress over a single axis."
+        )
     if world == 1:
         return buf  # a sum over one rank moves nothing: exact
     n = buf.size
@@ -279,23 +328,73 @@ def _reduce_buffer(buf, axes, world, config: CompressionConfig, key, impl):
             missing = tuple(a for a in axes if a not in _compat.varying_axes(jax.typeof(head)))
             if missing:
                 head = _compat.pvary(head, missing)
-        if key is None:
-            seeds = jnp.zeros((1, world + 1, 2), jnp.uint32)
+        if config.hierarchical:
+            parts.append(_reduce_hierarchical(head, axes, world, config, key, impl))
         else:
-            seeds = jax.random.bits(key, (1, world + 1, 2), jnp.uint32)
-        chunk = chunk_length(head_n, world, config.bucket_size, config.skip_incomplete_buckets)
-        reduced = compressed_allreduce_p.bind(
-            head[None],
-            seeds,
-            axes=axes,
-            world=world,
-            chunk=chunk,
-            bits=config.bits,
-            bucket_size=config.bucket_size,
-            stochastic=config.stochastic,
-            impl=impl,
-        )
-        parts.append(reduced[0])
+            parts.append(_compressed_sum(head, axes, world, config, key, impl))
     if head_n < n:
         parts.append(lax.psum(buf[head_n:], axes))
     return jnp.concatenate(parts) if len(parts) > 1 else parts[0]
+
+
+def _compressed_sum(values, axes, world, config: CompressionConfig, key, impl):
+    """``values[n]`` summed over ``axes`` (``world`` ranks) by the compressed all-reduce primitive."""
+    if key is None:
+        seeds = jnp.zeros((1, world + 1, 2), jnp.uint32)
+    else:
+        seeds = jax.random.bits(key, (1, world + 1, 2), jnp.uint32)
+    chunk = chunk_length(values.size, world, config.bucket_size, config.skip_incomplete_buckets)
+    reduced = compressed_allreduce_p.bind(
+        values[None],
+        seeds,
+        axes=axes,
+        world=world,
+        chunk=chunk,
+        bits=config.bits,
+        bucket_size=config.bucket_size,
+        stochastic=config.stochastic,
+        impl=impl,
+        algorithm=config.algorithm,
+        backend=config.backend,
+        segments=config.pipeline_segments,
+    )
+    return reduced[0]
+
+
+def _hierarchical_shard(n: int, inner_world: int, config: CompressionConfig) -> int:
+    """Values per intra-node shard: ``n`` padded to a multiple of ``inner_world``.
+
+    With ``skip_incomplete_buckets`` (``n`` is whole buckets) to a multiple of
+    ``inner_world`` buckets, so that no bucket mixes values and padding.
+    """
+    align = inner_world * (config.bucket_size if config.skip_incomplete_buckets else 1)
+    return -(-n // align) * align // inner_world
+
+
+def _reduce_hierarchical(head, axes, world, config: CompressionConfig, key, impl):
+    """Two-level sum over ``axes = (outer..., inner)``, torch_cgx's intra/cross-node split.
+
+    An uncompressed reduce-scatter over the inner (intra-node) axis leaves every rank a
+    shard of the node's sum; the shards are reduced by the compressed primitive over
+    the outer axes (each rank with the ranks that hold the same shard on other nodes),
+    and an all-gather over the inner axis reassembles the buffer.
+    """
+    inner, outer = axes[-1], axes[:-1]
+    inner_world = lax.axis_size(inner)
+    outer_world = world // inner_world
+    if outer_world == 1:
+        return lax.psum(head, axes)  # one node: nothing is compressed, an exact sum
+    n = head.size
+    shard_n = _hierarchical_shard(n, inner_world, config)
+    padded = head
+    if shard_n * inner_world != n:
+        padded = lax.dynamic_update_slice(jnp.zeros((shard_n * inner_world,), head.dtype), head, (0,))
+    shard = lax.psum_scatter(padded, inner, scatter_dimension=0, tiled=True)
+    reduced = _compressed_sum(shard, outer, outer_world, config, key, impl)
+    if _compat.check_vma_enabled():
+        # The shard varies over the inner axis; the gathered sum does not (like psum's), and
+        # its transpose hands each rank its own shard of the cotangent.
+        full = _compat.all_gather_invariant(reduced, inner)
+    else:
+        full = lax.all_gather(reduced, inner, axis=0, tiled=True)
+    return full[:n]

@@ -8,7 +8,7 @@ import os
 from collections.abc import Mapping
 from typing import Literal
 
-__all__ = ["CompressionConfig", "ENV_VARS"]
+__all__ = ["CompressionConfig", "ENV_VARS", "JAX_CGX_ENV_VARS", "BACKENDS", "ALGORITHMS"]
 
 _QUANT_BITS = tuple(range(1, 9))
 _VALID_BITS = _QUANT_BITS + (16, 32)
@@ -21,6 +21,18 @@ ENV_VARS: Mapping[str, str] = {
     "CGX_COMPRESSION_MINIMAL_SIZE": "16",
     "CGX_FUSION_BUFFER_SIZE_MB": "64",
 }
+# jax_cgx's own variables (the execution settings torch_cgx has no variable for).
+JAX_CGX_ENV_VARS: Mapping[str, str] = {
+    "JAX_CGX_BACKEND": "auto",
+    "JAX_CGX_ALGORITHM": "sra",
+    "JAX_CGX_HIERARCHICAL": "0",
+    "JAX_CGX_PIPELINE_SEGMENTS": "0",
+}
+BACKENDS = ("auto", "xla", "nccl")
+ALGORITHMS = ("sra", "ring")
+# torch_cgx's transport choices, accepted for its cross-node communicator.
+_CROSS_COMMUNICATORS = {"NCCL": "nccl", "MPI": "xla", "SHM": "xla"}
+_MAX_SEGMENTS = 64
 # torch_cgx never lets the minimal size fall below this.
 _MIN_SIZE_FLOOR = 16
 
@@ -42,6 +54,22 @@ class CompressionConfig:
       fusion_buffer_mb: small arrays are fused into buffers of at most this many MiB
         before they are compressed and exchanged.
       half_dtype: the 16-bit float type used when ``bits == 16``.
+      backend: who runs the compressed exchange. ``"xla"``: XLA collectives
+        (``all_to_all``/``all_gather``/``ppermute``) around the codec kernels, on any
+        platform. ``"nccl"``: one custom call per fusion buffer over jax_cgx's own NCCL
+        communicators (GPU only; see :func:`jax_cgx.nccl.setup`). ``"auto"``: ``nccl`` on
+        GPU when communicators exist for the mesh, otherwise ``xla``. Both backends give
+        bitwise the same result.
+      algorithm: ``"sra"`` (scatter-reduce/all-gather: every value quantized twice) or
+        ``"ring"`` (a ring reduce-scatter re-quantizing the partial sum at every hop, then
+        an all-gather: W quantizations, the same bytes on the wire, neighbour-only
+        traffic). See docs/algorithm.md.
+      hierarchical: for a reduction over several axes ``(outer..., inner)``, sum over the
+        last (intra-node) axis uncompressed with a reduce-scatter, run the compressed
+        exchange over the other axes, and all-gather back over the inner axis.
+      pipeline_segments: nccl backend only: split each chunk into this many segments so
+        that quantizing one segment overlaps sending the previous; 0 picks by size.
+        Does not change the result.
     """
 
     bits: int = 4
@@ -51,6 +79,10 @@ class CompressionConfig:
     min_size: int = 16
     fusion_buffer_mb: float = 64
     half_dtype: Literal["bfloat16", "float16"] = "bfloat16"
+    backend: Literal["auto", "xla", "nccl"] = "auto"
+    algorithm: Literal["sra", "ring"] = "sra"
+    hierarchical: bool = False
+    pipeline_segments: int = 0
 
     def __post_init__(self) -> None:
         _check_int("bits", self.bits)
@@ -90,6 +122,23 @@ class CompressionConfig:
                 "CompressionConfig: half_dtype must be 'bfloat16' or 'float16', got "
                 f"{self.half_dtype!r}"
             )
+        if self.backend not in BACKENDS:
+            raise ValueError(
+                f"CompressionConfig: backend must be one of {', '.join(map(repr, BACKENDS))}, "
+                f"got {self.backend!r}"
+            )
+        if self.algorithm not in ALGORITHMS:
+            raise ValueError(
+                f"CompressionConfig: algorithm must be 'sra' or 'ring', got {self.algorithm!r}"
+            )
+        if not isinstance(self.hierarchical, bool):
+            raise TypeError(f"CompressionConfig: hierarchical must be a bool, got {self.hierarchical!r}")
+        _check_int("pipeline_segments", self.pipeline_segments)
+        if not 0 <= self.pipeline_segments <= _MAX_SEGMENTS:
+            raise ValueError(
+                f"CompressionConfig: pipeline_segments must be in 0..{_MAX_SEGMENTS} (0 = by size), "
+                f"got {self.pipeline_segments}"
+            )
 
     @property
     def enabled(self) -> bool:
@@ -123,7 +172,17 @@ class CompressionConfig:
         ``CGX_COMPRESSION_SKIP_INCOMPLETE_BUCKETS``  0          ``skip_incomplete_buckets``
         ``CGX_COMPRESSION_MINIMAL_SIZE``             16         ``min_size`` (never < 16)
         ``CGX_FUSION_BUFFER_SIZE_MB``                64         ``fusion_buffer_mb``
+        ``CGX_CROSS_COMMUNICATOR_TYPE``              (unset)    ``backend``: NCCL -> nccl,
+                                                                MPI or SHM -> xla
+        ``JAX_CGX_BACKEND``                          auto       ``backend`` (wins over the above)
+        ``JAX_CGX_ALGORITHM``                        sra        ``algorithm``
+        ``JAX_CGX_HIERARCHICAL``                     0          ``hierarchical``
+        ``JAX_CGX_PIPELINE_SEGMENTS``                0          ``pipeline_segments``
         ===========================================  =========  ==========================
+
+        torch_cgx's ``CGX_INNER_COMMUNICATOR_TYPE`` and ``CGX_INTRA_BROADCAST`` are
+        validated but change nothing: jax_cgx's intra-node stage (hierarchical mode) is
+        always XLA's uncompressed reduce-scatter and all-gather (docs/algorithm.md).
 
         Keyword ``overrides`` win over the environment. A malformed value raises
         ``ValueError`` naming the variable.
@@ -170,8 +229,48 @@ class CompressionConfig:
         if not mb > 0:
             raise ValueError(f"CGX_FUSION_BUFFER_SIZE_MB={raw_mb} must be > 0")
         fields["fusion_buffer_mb"] = int(mb) if mb.is_integer() else mb
+        fields.update(_execution_from_env(env))
         fields.update(overrides)
         return cls(**fields)
+
+
+def _execution_from_env(env: Mapping[str, str]) -> dict:
+    """backend, algorithm, hierarchical and pipeline_segments from the environment."""
+    fields: dict = {}
+    cross = env.get("CGX_CROSS_COMMUNICATOR_TYPE", "").strip().upper()
+    if cross:
+        if cross not in _CROSS_COMMUNICATORS:
+            raise ValueError(f"CGX_CROSS_COMMUNICATOR_TYPE={cross!r} must be NCCL, MPI or SHM")
+        fields["backend"] = _CROSS_COMMUNICATORS[cross]
+    inner = env.get("CGX_INNER_COMMUNICATOR_TYPE", "").strip().upper()
+    if inner and inner not in ("NCCL", "MPI", "SHM"):
+        raise ValueError(f"CGX_INNER_COMMUNICATOR_TYPE={inner!r} must be NCCL, MPI or SHM")
+    intra = env.get("CGX_INTRA_BROADCAST", "").strip().lower()
+    if intra and intra not in ("0", "1", "true", "false"):
+        raise ValueError(f"CGX_INTRA_BROADCAST={intra!r} must be 0 or 1")
+
+    def read(name: str) -> str | None:
+        raw = env.get(name)
+        return None if raw is None or not raw.strip() else raw.strip()
+
+    if (backend := read("JAX_CGX_BACKEND")) is not None:
+        if backend.lower() not in BACKENDS:
+            raise ValueError(f"JAX_CGX_BACKEND={backend!r} must be auto, xla or nccl")
+        fields["backend"] = backend.lower()
+    if (algorithm := read("JAX_CGX_ALGORITHM")) is not None:
+        if algorithm.lower() not in ALGORITHMS:
+            raise ValueError(f"JAX_CGX_ALGORITHM={algorithm!r} must be sra or ring")
+        fields["algorithm"] = algorithm.lower()
+    if (hier := read("JAX_CGX_HIERARCHICAL")) is not None:
+        if hier.lower() not in ("0", "1", "true", "false"):
+            raise ValueError(f"JAX_CGX_HIERARCHICAL={hier!r} must be 0 or 1")
+        fields["hierarchical"] = hier.lower() in ("1", "true")
+    if (segments := read("JAX_CGX_PIPELINE_SEGMENTS")) is not None:
+        try:
+            fields["pipeline_segments"] = int(segments)
+        except ValueError:
+            raise ValueError(f"JAX_CGX_PIPELINE_SEGMENTS={segments!r} is not an integer") from None
+    return fields
 
 
 def _check_int(name: str, value) -> None:

@@ -110,3 +110,50 @@ def test_from_env_reads_os_environ(monkeypatch):
 def test_from_env_bad_values_name_the_variable(name, value):
     with pytest.raises(ValueError, match=name):
         CompressionConfig.from_env({name: value})
+
+
+def test_execution_fields_defaults_and_validation():
+    c = CompressionConfig()
+    assert (c.backend, c.algorithm, c.hierarchical, c.pipeline_segments) == ("auto", "sra", False, 0)
+    with pytest.raises(ValueError, match="backend must be one of"):
+        CompressionConfig(backend="mpi")
+    with pytest.raises(ValueError, match="algorithm must be 'sra' or 'ring'"):
+        CompressionConfig(algorithm="tree")
+    with pytest.raises(TypeError, match="hierarchical must be a bool"):
+        CompressionConfig(hierarchical=1)
+    with pytest.raises(ValueError, match="pipeline_segments must be in 0..64"):
+        CompressionConfig(pipeline_segments=65)
+    with pytest.raises(TypeError, match="pipeline_segments must be an int"):
+        CompressionConfig(pipeline_segments=2.0)
+
+
+def test_from_env_execution_variables():
+    env = {"JAX_CGX_BACKEND": "NCCL", "JAX_CGX_ALGORITHM": "ring", "JAX_CGX_HIERARCHICAL": "1",
+           "JAX_CGX_PIPELINE_SEGMENTS": "4"}
+    c = CompressionConfig.from_env(env)
+    assert (c.backend, c.algorithm, c.hierarchical, c.pipeline_segments) == ("nccl", "ring", True, 4)
+    # torch_cgx's cross-node communicator type maps to a backend; ours wins when both are set
+    assert CompressionConfig.from_env({"CGX_CROSS_COMMUNICATOR_TYPE": "nccl"}).backend == "nccl"
+    assert CompressionConfig.from_env({"CGX_CROSS_COMMUNICATOR_TYPE": "MPI"}).backend == "xla"
+    assert CompressionConfig.from_env({"CGX_CROSS_COMMUNICATOR_TYPE": "SHM", "JAX_CGX_BACKEND": "auto"}).backend == "auto"
+    # accepted for compatibility (validated, no effect)
+    assert CompressionConfig.from_env({"CGX_INNER_COMMUNICATOR_TYPE": "SHM", "CGX_INTRA_BROADCAST": "1"}) == (
+        CompressionConfig.from_env({})
+    )
+
+
+@pytest.mark.parametrize(
+    "env, match",
+    [
+        ({"JAX_CGX_BACKEND": "gloo"}, "JAX_CGX_BACKEND='gloo' must be auto, xla or nccl"),
+        ({"JAX_CGX_ALGORITHM": "tree"}, "JAX_CGX_ALGORITHM='tree' must be sra or ring"),
+        ({"JAX_CGX_HIERARCHICAL": "yes"}, "JAX_CGX_HIERARCHICAL='yes' must be 0 or 1"),
+        ({"JAX_CGX_PIPELINE_SEGMENTS": "x"}, "JAX_CGX_PIPELINE_SEGMENTS='x' is not an integer"),
+        ({"CGX_CROSS_COMMUNICATOR_TYPE": "UCX"}, "CGX_CROSS_COMMUNICATOR_TYPE='UCX' must be NCCL, MPI or SHM"),
+        ({"CGX_INNER_COMMUNICATOR_TYPE": "UCX"}, "CGX_INNER_COMMUNICATOR_TYPE='UCX' must be NCCL, MPI or SHM"),
+        ({"CGX_INTRA_BROADCAST": "2"}, "CGX_INTRA_BROADCAST='2' must be 0 or 1"),
+    ],
+)
+def test_from_env_execution_variables_malformed(env, match):
+    with pytest.raises(ValueError, match=match):
+        CompressionConfig.from_env(env)
