@@ -1,0 +1,503 @@
+// jax_cgx_nccl_allreduce: the compressed all-reduce of one row as one custom
+// call on jax_cgx's NCCL communicators (see nccl_allreduce.h).
+//
+// Streams. Kernels run on XLA's stream; NCCL runs on the communicator's side
+// stream; events order the two per segment, so quantizing segment s+1
+// overlaps sending segment s, and reducing s+1 overlaps gathering s:
+//
+//   XLA stream:  Q0 Q1 ... | D0 D1 ... | U0 U1 ...      Q quantize, D fused
+//   side stream:    X0 X1 ...| G0 G1 ...                 dequantize-sum-requantize,
+//                                                        U decode; X exchange,
+//                                                        G all-gather
+//
+// The side stream's first operation waits for work enqueued on XLA's stream
+// during this call, so it never touches the workspace before XLA is done with
+// its previous use; XLA's stream waits for the last all-gather, so everything
+// is finished, as far as XLA can tell, when the call's stream work is.
+// Nothing here allocates device memory or waits on the host.
+#include "xla_ffi/nccl_allreduce.h"
+
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <memory>
+#include <mutex>
+#include <utility>
+#include <string>
+#include <string_view>
+
+#include "cuda/codec_kernels.h"
+#include "xla/ffi/api/ffi.h"
+#include "xla_ffi/nccl_api.h"
+#include "xla_ffi/nccl_comms.h"
+
+namespace ffi = xla::ffi;
+
+namespace jax_cgx::nccl {
+
+namespace {
+
+constexpr int64_t kAlign = 256;
+
+int64_t AlignUp(int64_t v) { return (v + kAlign - 1) / kAlign * kAlign; }
+int64_t CeilDiv(int64_t a, int64_t b) { return a / b + (a % b != 0 ? 1 : 0); }
+
+}  // namespace
+
+std::string MakePlan(int64_t n, int64_t world, int64_t chunk, int bits, int64_t bucket_size,
+                     int64_t elem_bytes, Algorithm algorithm, int64_t segments, Plan* plan) {
+  if (n < 1) return "the row must hold at least one value, got " + std::to_string(n);
+  if (world < 2) return "world must be >= 2, got " + std::to_string(world);
+  if (chunk < 1 || chunk > (int64_t{1} << 40) / world || chunk * world < n) {
+    return "chunk=" + std::to_string(chunk) + " does not cut " + std::to_string(n) +
+           " values into " + std::to_string(world) + " chunks";
+  }
+  if (bits < 1 || bits > 8) return "bits must be in 1..8, got " + std::to_string(bits);
+  if (bucket_size < 1) return "bucket_size must be >= 1, got " + std::to_string(bucket_size);
+  if (elem_bytes != 2 && elem_bytes != 4) return "values must be f32, bf16 or f16";
+  if (algorithm != Algorithm::kSra && algorithm != Algorithm::kRing) {
+    return "algorithm must be 0 (sra) or 1 (ring), got " + std::to_string(static_cast<int>(algorithm));
+  }
+  if (segments < 0 || segments > kMaxSegments) {
+    return "segments must be in 0.." + std::to_string(kMaxSegments) + ", got " + std::to_string(segments);
+  }
+  Plan& p = *plan;
+  p = Plan();
+  p.n = n;
+  p.world = world;
+  p.chunk = chunk;
+  p.bucket = bucket_size;
+  p.bits = bits;
+  p.elem_bytes = elem_bytes;
+  p.algorithm = algorithm;
+  p.full_chunks = std::min(world, n / chunk);
+  p.tail_chunks = world - p.full_chunks;
+
+  // Segments are runs of whole buckets of a chunk (the chunk's last bucket may be short).
+  const int64_t bucket = std::min(bucket_size, chunk);
+  const int64_t buckets = CeilDiv(chunk, bucket);
+  int64_t wanted = segments;
+  if (wanted == 0) {
+    wanted = std::clamp<int64_t>(CeilDiv(chunk * elem_bytes, kAutoSegmentBytes), 1, kAutoMaxSegments);
+  }
+  wanted = std::min(wanted, buckets);
+  const int64_t per_segment = CeilDiv(buckets, wanted);  // buckets
+  p.segments = static_cast<int>(CeilDiv(buckets, per_segment));
+
+  int64_t cursor = 0;
+  auto take = [&cursor](int64_t bytes) {
+    const int64_t at = cursor;
+    cursor += AlignUp(bytes);
+    return at;
+  };
+  p.x_tail = take(p.tail_chunks * chunk * elem_bytes);
+  p.out_tail = take(p.tail_chunks * chunk * elem_bytes);
+  const int64_t send_slots = algorithm == Algorithm::kSra ? world : 2;
+  const int64_t recv_slots = algorithm == Algorithm::kSra ? world : 1;
+  for (int s = 0; s < p.segments; ++s) {
+    Segment& seg = p.segment[s];
+    seg.offset = s * per_segment * bucket;
+    seg.length = std::min(chunk, seg.offset + per_segment * bucket) - seg.offset;
+    seg.layout = cuda::MakeRowLayout(1, seg.length, bucket_size, bits);
+    seg.layout.index_base = seg.offset;
+    const int64_t row_bytes = seg.layout.row_bytes;
+    const int64_t meta_bytes = seg.layout.buckets * 2 * static_cast<int64_t>(sizeof(float));
+    auto region = [&](int64_t slots) {
+      Region r;
+      r.payload = take(slots * row_bytes);
+      r.meta = take(slots * meta_bytes);
+      return r;
+    };
+    seg.send = region(send_slots);
+    seg.recv = region(recv_slots);
+    seg.gathered = region(world);
+  }
+  p.workspace_bytes = std::max<int64_t>(cursor, 1);
+  return "";
+}
+
+namespace {
+
+// ------------------------------------------------------------------ errors
+
+constexpr std::string_view kTarget = "jax_cgx_nccl_allreduce";
+
+ffi::Error Invalid(const std::string& message) {
+  return ffi::Error(ffi::ErrorCode::kInvalidArgument, std::string(kTarget) + ": " + message);
+}
+
+ffi::Error Internal(const std::string& message) {
+  return ffi::Error(ffi::ErrorCode::kInternal, std::string(kTarget) + ": " + message);
+}
+
+#define CGX_CUDA(expr)                                                                   \
+  do {                                                                                   \
+    const cudaError_t _cgx_err = (expr);                                                 \
+    if (_cgx_err != cudaSuccess) {                                                       \
+      return Internal(std::string(#expr) + " failed: " + cudaGetErrorString(_cgx_err)); \
+    }                                                                                    \
+  } while (0)
+
+#define CGX_NCCL(expr, comm)                                                              \
+  do {                                                                                    \
+    const ncclResult_t _cgx_rc = (expr);                                                  \
+    if (_cgx_rc != ncclSuccess) {                                                         \
+      return Internal(std::string(#expr) + " failed: " + NcclErrorText(_cgx_rc, (comm))); \
+    }                                                                                     \
+  } while (0)
+
+#define CGX_TRY(expr)                            \
+  do {                                           \
+    ffi::Error _cgx_e = (expr);                  \
+    if (_cgx_e.failure()) return _cgx_e;         \
+  } while (0)
+
+// An open ncclGroupStart that is always closed: NCCL's group depth is per
+// thread and shared with XLA's own collectives, so an error return inside a
+// group must still end it.
+class NcclGroup {
+ public:
+  explicit NcclGroup(const NcclApi& api) : api_(api) {}
+  ~NcclGroup() {
+    if (open_) api_.GroupEnd();
+  }
+  ncclResult_t Start() {
+    const ncclResult_t rc = api_.GroupStart();
+    open_ = rc == ncclSuccess;
+    return rc;
+  }
+  ncclResult_t End() {
+    open_ = false;
+    return api_.GroupEnd();
+  }
+
+ private:
+  const NcclApi& api_;
+  bool open_ = false;
+};
+
+bool FloatTypeOf(ffi::DataType t, cuda::FloatType* out) {
+  switch (t) {
+    case ffi::DataType::F32: *out = cuda::FloatType::kF32; return true;
+    case ffi::DataType::BF16: *out = cuda::FloatType::kBF16; return true;
+    case ffi::DataType::F16: *out = cuda::FloatType::kF16; return true;
+    default: return false;
+  }
+}
+
+// ---------------------------------------------------------------- schedule
+
+// One call's buffers and the communicator it runs on.
+struct Call {
+  const Plan& plan;
+  Communicator& comm;
+  const NcclApi& api;
+  cudaStream_t main;  // XLA's stream
+  cuda::FloatType type;
+  const char* x;
+  char* out;
+  char* ws;
+  const uint32_t* seeds;  // [W + 1, 2]
+  bool stochastic;
+
+  int64_t Bytes(int64_t values) const { return values * plan.elem_bytes; }
+  // First value of chunk j of the zero-padded input: x itself, or its staged tail.
+  const char* ChunkIn(int64_t j) const {
+    return j < plan.full_chunks ? x + Bytes(j * plan.chunk)
+                                : ws + plan.x_tail + Bytes((j - plan.full_chunks) * plan.chunk);
+  }
+  char* ChunkOut(int64_t j) const {
+    return j < plan.full_chunks ? out + Bytes(j * plan.chunk)
+                                : ws + plan.out_tail + Bytes((j - plan.full_chunks) * plan.chunk);
+  }
+  uint8_t* Payload(const Region& r, const Segment& s, int64_t slot) const {
+    return reinterpret_cast<uint8_t*>(ws + r.payload + slot * s.layout.row_bytes);
+  }
+  float* Meta(const Region& r, const Segment& s, int64_t slot) const {
+    return reinterpret_cast<float*>(ws + r.meta) + slot * 2 * s.layout.buckets;
+  }
+  int64_t MetaBytes(const Segment& s) const {
+    return s.layout.buckets * 2 * static_cast<int64_t>(sizeof(float));
+  }
+  int Peer(int64_t offset) const {
+    return static_cast<int>(((comm.rank + offset) % plan.world + plan.world) % plan.world);
+  }
+};
+
+ffi::Error Launched(cudaError_t err, const char* what) {
+  if (err != cudaSuccess) return Internal(std::string(what) + " launch failed: " + cudaGetErrorString(err));
+  return ffi::Error::Success();
+}
+
+// Zero padding: chunks past x's end are read from a staged copy of x's tail.
+ffi::Error StageTail(const Call& c) {
+  const Plan& p = c.plan;
+  if (p.tail_chunks == 0) return ffi::Error::Success();
+  CGX_CUDA(cudaMemsetAsync(c.ws + p.x_tail, 0, c.Bytes(p.tail_chunks * p.chunk), c.main));
+  const int64_t rem = p.n - p.full_chunks * p.chunk;
+  if (rem > 0) {
+    CGX_CUDA(cudaMemcpyAsync(c.ws + p.x_tail, c.x + c.Bytes(p.full_chunks * p.chunk), c.Bytes(rem),
+                             cudaMemcpyDeviceToDevice, c.main));
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error UnstageTail(const Call& c) {
+  const Plan& p = c.plan;
+  const int64_t rem = p.n - p.full_chunks * p.chunk;
+  if (p.tail_chunks == 0 || rem <= 0) return ffi::Error::Success();
+  CGX_CUDA(cudaMemcpyAsync(c.out + c.Bytes(p.full_chunks * p.chunk), c.ws + p.out_tail, c.Bytes(rem),
+                           cudaMemcpyDeviceToDevice, c.main));
+  return ffi::Error::Success();
+}
+
+// Segment s of chunks [j0, j1) into send slots j0..j1-1, each with its seed
+// row j: one launch per source (x itself, the staged tail).
+ffi::Error QuantizeChunks(const Call& c, const Segment& s, int64_t j0, int64_t j1) {
+  for (const auto& [a, b] : {std::pair{j0, std::min(j1, c.plan.full_chunks)},
+                             std::pair{std::max(j0, c.plan.full_chunks), j1}}) {
+    if (a >= b) continue;
+    cuda::RowLayout l = s.layout;
+    l.rows = b - a;
+    CGX_TRY(Launched(cuda::LaunchQuantize(c.main, l, c.type, c.ChunkIn(a) + c.Bytes(s.offset), c.plan.chunk,
+                                          c.seeds + 2 * a, c.stochastic, c.Payload(s.send, s, a),
+                                          c.Meta(s.send, s, a)),
+                     "quantize"));
+  }
+  return ffi::Error::Success();
+}
+
+// Decodes `inputs` encodings (slots of `in`) plus chunk k of x in full
+// precision, re-quantizes into slot `dst_slot` of `dst`.
+ffi::Error ReduceInto(const Call& c, const Segment& s, const Region& in, int64_t inputs, int64_t k,
+                      int64_t seed_row, const Region& dst, int64_t dst_slot) {
+  return Launched(cuda::LaunchDequantizeSumRequantize(
+                      c.main, s.layout, inputs, c.Payload(in, s, 0), c.Meta(in, s, 0), c.type,
+                      c.ChunkIn(k) + c.Bytes(s.offset), c.seeds + 2 * seed_row, c.stochastic,
+                      c.Payload(dst, s, dst_slot), c.Meta(dst, s, dst_slot), c.type, nullptr),
+                  "dequantize_sum_requantize");
+}
+
+// Side stream: after `ready` (XLA stream), all-gather every rank's reduced chunk.
+ffi::Error AllGather(const Call& c, const Segment& s, cudaEvent_t ready, cudaEvent_t done) {
+  const Region& g = s.gathered;
+  const int me = c.comm.rank;
+  CGX_CUDA(cudaStreamWaitEvent(c.comm.stream, ready, 0));
+  NcclGroup group(c.api);
+  CGX_NCCL(group.Start(), c.comm.comm);
+  CGX_NCCL(c.api.AllGather(c.Payload(g, s, me), c.Payload(g, s, 0), s.layout.row_bytes, ncclUint8,
+                           c.comm.comm, c.comm.stream),
+           c.comm.comm);
+  CGX_NCCL(c.api.AllGather(c.Meta(g, s, me), c.Meta(g, s, 0), c.MetaBytes(s), ncclUint8, c.comm.comm,
+                           c.comm.stream),
+           c.comm.comm);
+  CGX_NCCL(group.End(), c.comm.comm);
+  CGX_CUDA(cudaEventRecord(done, c.comm.stream));
+  return ffi::Error::Success();
+}
+
+// XLA stream: after `gathered`, decode the W reduced chunks into the output.
+ffi::Error Decode(const Call& c, const Segment& s, cudaEvent_t gathered) {
+  CGX_CUDA(cudaStreamWaitEvent(c.main, gathered, 0));
+  for (int64_t j = 0; j < c.plan.world; ++j) {
+    CGX_TRY(Launched(cuda::LaunchDequantize(c.main, s.layout, c.Payload(s.gathered, s, j),
+                                            c.Meta(s.gathered, s, j), c.type, c.ChunkOut(j) + c.Bytes(s.offset)),
+                     "dequantize"));
+  }
+  return ffi::Error::Success();
+}
+
+// SRA (jax_cgx/_sra.py): every rank quantizes its W chunks, chunk j goes to
+// rank j, the owner sums the W encodings (its own with zeroed metadata) plus
+// its chunk in full precision and re-quantizes; then all-gather and decode.
+ffi::Error RunSra(const Call& c) {
+  const Plan& p = c.plan;
+  Communicator& comm = c.comm;
+  const int me = comm.rank;
+  for (int i = 0; i < p.segments; ++i) {
+    const Segment& s = p.segment[i];
+    // Chunks [0, me) and (me, W): our own chunk is never sent (it enters the sum exactly).
+    CGX_TRY(QuantizeChunks(c, s, 0, me));
+    CGX_TRY(QuantizeChunks(c, s, me + 1, p.world));
+    CGX_CUDA(cudaEventRecord(comm.quantized[i], c.main));
+    CGX_CUDA(cudaStreamWaitEvent(comm.stream, comm.quantized[i], 0));
+    NcclGroup group(c.api);
+    CGX_NCCL(group.Start(), comm.comm);
+    for (int j = 0; j < p.world; ++j) {
+      if (j == me) continue;
+      CGX_NCCL(c.api.Send(c.Payload(s.send, s, j), s.layout.row_bytes, ncclUint8, j, comm.comm, comm.stream),
+               comm.comm);
+      CGX_NCCL(c.api.Send(c.Meta(s.send, s, j), c.MetaBytes(s), ncclUint8, j, comm.comm, comm.stream),
+               comm.comm);
+      CGX_NCCL(c.api.Recv(c.Payload(s.recv, s, j), s.layout.row_bytes, ncclUint8, j, comm.comm, comm.stream),
+               comm.comm);
+      CGX_NCCL(c.api.Recv(c.Meta(s.recv, s, j), c.MetaBytes(s), ncclUint8, j, comm.comm, comm.stream),
+               comm.comm);
+    }
+    CGX_NCCL(group.End(), comm.comm);
+    CGX_CUDA(cudaEventRecord(comm.exchanged[i], comm.stream));
+  }
+  for (int i = 0; i < p.segments; ++i) {
+    const Segment& s = p.segment[i];
+    CGX_CUDA(cudaStreamWaitEvent(c.main, comm.exchanged[i], 0));
+    // Our own chunk enters in full precision: its slot must decode to +0.
+    CGX_CUDA(cudaMemsetAsync(c.Meta(s.recv, s, me), 0, c.MetaBytes(s), c.main));
+    CGX_TRY(ReduceInto(c, s, s.recv, p.world, me, p.world, s.gathered, me));
+    CGX_CUDA(cudaEventRecord(comm.reduced[i], c.main));
+    CGX_TRY(AllGather(c, s, comm.reduced[i], comm.gathered[i]));
+  }
+  for (int i = 0; i < p.segments; ++i) CGX_TRY(Decode(c, p.segment[i], comm.gathered[i]));
+  return ffi::Error::Success();
+}
+
+// Side stream: send slot `slot` of `send` to the next rank, receive the
+// previous rank's encoding into `recv`, after `ready`.
+ffi::Error RingHop(const Call& c, const Segment& s, int64_t slot, cudaEvent_t ready, cudaEvent_t done) {
+  Communicator& comm = c.comm;
+  const int next = c.Peer(1), prev = c.Peer(-1);
+  CGX_CUDA(cudaStreamWaitEvent(comm.stream, ready, 0));
+  NcclGroup group(c.api);
+  CGX_NCCL(group.Start(), comm.comm);
+  CGX_NCCL(c.api.Send(c.Payload(s.send, s, slot), s.layout.row_bytes, ncclUint8, next, comm.comm, comm.stream),
+           comm.comm);
+  CGX_NCCL(c.api.Send(c.Meta(s.send, s, slot), c.MetaBytes(s), ncclUint8, next, comm.comm, comm.stream),
+           comm.comm);
+  CGX_NCCL(c.api.Recv(c.Payload(s.recv, s, 0), s.layout.row_bytes, ncclUint8, prev, comm.comm, comm.stream),
+           comm.comm);
+  CGX_NCCL(c.api.Recv(c.Meta(s.recv, s, 0), c.MetaBytes(s), ncclUint8, prev, comm.comm, comm.stream),
+           comm.comm);
+  CGX_NCCL(group.End(), comm.comm);
+  CGX_CUDA(cudaEventRecord(done, comm.stream));
+  return ffi::Error::Success();
+}
+
+// Ring (jax_cgx/_ring.py): rank r quantizes chunk r-1 (seed row 0) and sends
+// it on; at hop t it receives chunk r-t-2, adds its own copy in full precision
+// and re-quantizes (seed row t+1), and at the last hop (t = W-2, chunk r) uses
+// seed row W, giving the final encoding of chunk r; then all-gather, decode.
+ffi::Error RunRing(const Call& c) {
+  const Plan& p = c.plan;
+  Communicator& comm = c.comm;
+  const int me = comm.rank;
+  for (int i = 0; i < p.segments; ++i) {
+    const Segment& s = p.segment[i];
+    const int64_t first = c.Peer(-1);
+    CGX_TRY(Launched(cuda::LaunchQuantize(c.main, s.layout, c.type, c.ChunkIn(first) + c.Bytes(s.offset), p.chunk,
+                                          c.seeds, c.stochastic, c.Payload(s.send, s, 0), c.Meta(s.send, s, 0)),
+                     "quantize"));
+    CGX_CUDA(cudaEventRecord(comm.quantized[i], c.main));
+    CGX_TRY(RingHop(c, s, 0, comm.quantized[i], comm.exchanged[i]));
+  }
+  for (int64_t t = 0; t + 1 < p.world; ++t) {
+    const bool last = t + 2 == p.world;
+    const int64_t k = c.Peer(-t - 2);
+    for (int i = 0; i < p.segments; ++i) {
+      const Segment& s = p.segment[i];
+      CGX_CUDA(cudaStreamWaitEvent(c.main, comm.exchanged[i], 0));
+      if (last) {
+        CGX_TRY(ReduceInto(c, s, s.recv, 1, k, p.world, s.gathered, me));
+      } else {
+        CGX_TRY(ReduceInto(c, s, s.recv, 1, k, t + 1, s.send, (t + 1) % 2));
+      }
+      CGX_CUDA(cudaEventRecord(comm.reduced[i], c.main));
+      if (last) {
+        CGX_TRY(AllGather(c, s, comm.reduced[i], comm.gathered[i]));
+      } else {
+        CGX_TRY(RingHop(c, s, (t + 1) % 2, comm.reduced[i], comm.exchanged[i]));
+      }
+    }
+  }
+  for (int i = 0; i < p.segments; ++i) CGX_TRY(Decode(c, p.segment[i], comm.gathered[i]));
+  return ffi::Error::Success();
+}
+
+// ----------------------------------------------------------------- handler
+
+ffi::Error NcclAllreduceImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x, ffi::AnyBuffer seeds,
+                             ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> workspace,
+                             int64_t comm_key, int64_t world, int64_t chunk, int32_t bits,
+                             int64_t bucket_size, bool stochastic, int32_t algorithm, int64_t segments) {
+  cuda::FloatType type;
+  if (!FloatTypeOf(x.element_type(), &type)) return Invalid("x must be f32, bf16 or f16");
+  if (x.dimensions().size() != 1) return Invalid("x must be one row [n]");
+  const int64_t n = x.dimensions()[0];
+  if (out->element_type() != x.element_type() || out->dimensions().size() != 1 || out->dimensions()[0] != n) {
+    return Invalid("out must have x's dtype and shape [n]");
+  }
+  if (seeds.element_type() != ffi::DataType::U32 || seeds.dimensions().size() != 2 ||
+      seeds.dimensions()[0] != world + 1 || seeds.dimensions()[1] != 2) {
+    return Invalid("seeds must be u32[world + 1, 2]");
+  }
+  if (workspace->element_type() != ffi::DataType::U8 || workspace->dimensions().size() != 1) {
+    return Invalid("workspace must be u8[bytes]");
+  }
+  Plan plan;
+  const std::string bad = MakePlan(n, world, chunk, bits, bucket_size, cuda::FloatTypeBytes(type),
+                                   static_cast<Algorithm>(algorithm), segments, &plan);
+  if (!bad.empty()) return Invalid(bad);
+  if (workspace->dimensions()[0] < plan.workspace_bytes) {
+    return Invalid("workspace has " + std::to_string(workspace->dimensions()[0]) + " bytes, needs " +
+                   std::to_string(plan.workspace_bytes));
+  }
+  const NcclApi* api = Nccl();
+  if (api == nullptr) {
+    return Internal("NCCL is not loaded in this process; call jax_cgx.nccl.setup(mesh) first");
+  }
+  const std::shared_ptr<Communicator> comm = FindCommunicator(comm_key, ordinal);
+  if (comm == nullptr) {
+    return Internal("device " + std::to_string(ordinal) + " has no jax_cgx NCCL communicator for this " +
+                    "reduction (key " + std::to_string(comm_key) + "): call jax_cgx.nccl.setup(mesh) on " +
+                    "every process with the mesh this program runs on, before running it");
+  }
+  if (comm->world != world) {
+    return Internal("communicator '" + comm->description + "' has " + std::to_string(comm->world) +
+                    " ranks but the reduction has " + std::to_string(world));
+  }
+  std::lock_guard<std::mutex> lock(comm->mu);
+  if (comm->broken) {
+    return Internal("communicator '" + comm->description + "' is unusable: an earlier call failed midway " +
+                    "(its ranks may be out of step) or it was torn down; call jax_cgx.nccl.teardown(abort=True) " +
+                    "and jax_cgx.nccl.setup(mesh) again on every process");
+  }
+  ncclResult_t async_error = ncclSuccess;
+  CGX_NCCL(api->CommGetAsyncError(comm->comm, &async_error), comm->comm);
+  if (async_error != ncclSuccess) {
+    return Internal("communicator '" + comm->description + "' failed earlier: " +
+                    NcclErrorText(async_error, comm->comm));
+  }
+  const Call call{plan, *comm, *api, stream, type, static_cast<const char*>(x.untyped_data()),
+                  static_cast<char*>(out->untyped_data()), static_cast<char*>(workspace->untyped_data()),
+                  static_cast<const uint32_t*>(seeds.untyped_data()), stochastic};
+  CGX_TRY(StageTail(call));
+  ffi::Error result = plan.algorithm == Algorithm::kSra ? RunSra(call) : RunRing(call);
+  if (result.failure()) {
+    // Work may be queued on the side stream: XLA must not reuse x, out or the
+    // workspace before it is done, and the ranks are now out of step.
+    comm->broken = true;
+    if (cudaEventRecord(comm->joined, comm->stream) == cudaSuccess) {
+      cudaStreamWaitEvent(stream, comm->joined, 0);
+    }
+    return result;
+  }
+  return UnstageTail(call);
+}
+
+}  // namespace
+}  // namespace jax_cgx::nccl
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(CudaNcclAllreduce, jax_cgx::nccl::NcclAllreduceImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Arg<ffi::AnyBuffer>()  // x[n]
+                                  .Arg<ffi::AnyBuffer>()  // seeds[W + 1, 2]
+                                  .Ret<ffi::AnyBuffer>()  // out[n]
+                                  .Ret<ffi::AnyBuffer>()  // workspace[bytes]
+                                  .Attr<int64_t>("comm_key")
+                                  .Attr<int64_t>("world")
+                                  .Attr<int64_t>("chunk")
+                                  .Attr<int32_t>("bits")
+                                  .Attr<int64_t>("bucket_size")
+                                  .Attr<bool>("stochastic")
+                                  .Attr<int32_t>("algorithm")
+                                  .Attr<int64_t>("segments"));
