@@ -1,10 +1,11 @@
 """jax_cgx: compressed cross-device reductions for JAX.
 
 Bucketed max-min quantization (1-8 bits) as XLA FFI kernels on CPU and CUDA, with a
-bit-identical pure-JAX reference. See README.md and docs/.
+bit-identical pure-JAX reference, and a compressed all-reduce over XLA collectives or
+jax_cgx's own NCCL communicators (:mod:`jax_cgx.nccl`). See README.md and docs/.
 """
 
-from jax_cgx import distributed
+from jax_cgx import _nccl_lowering, distributed, nccl  # noqa: F401  (_nccl_lowering registers the CUDA rule)
 from jax_cgx._ffi import cuda_extension_available
 from jax_cgx.allreduce import compressed_pmean, compressed_psum
 from jax_cgx.codec import (
@@ -31,4 +32,5 @@ __all__ = [
     "payload_bytes",
     "cuda_extension_available",
     "distributed",
+    "nccl",
 ]

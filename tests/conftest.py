@@ -64,7 +64,7 @@ def _elementwise_same(a, b):
 
 
 # Scripts the tests start in other processes; none may outlive the test session.
-_WORKER_SCRIPTS = ("launch_check.py", "mp_worker.py", "jax_cgx.launch", "emu_test")
+_WORKER_SCRIPTS = ("launch_check.py", "mp_worker.py", "nccl_worker.py", "nccl_gpu_worker.py", "jax_cgx.launch", "emu_test")
 
 
 def _stray_processes() -> list[str]:

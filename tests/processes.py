@@ -3,14 +3,16 @@
 import subprocess
 
 
-def run_all(commands, timeout: float, **popen) -> list[tuple[int, str]]:
+def run_all(commands, timeout: float, envs=None, **popen) -> list[tuple[int, str]]:
     """Start every command, wait for all, return ``(returncode, combined output)`` each.
 
-    On a timeout or any error, processes still running are killed before raising.
+    ``envs``: one environment per command (default: inherit). On a timeout or any
+    error, processes still running are killed before raising.
     """
+    envs = envs or [popen.pop("env", None)] * len(commands)
     procs = [
-        subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **popen)
-        for cmd in commands
+        subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, **popen)
+        for cmd, env in zip(commands, envs)
     ]
     try:
         logs = [p.communicate(timeout=timeout)[0] for p in procs]

@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # The whole GPU check, for a fresh GPU machine with no network (jax, nanobind,
-# scikit-build-core, cmake and ninja preinstalled): build, run every test
-# (GPU tests included), run the codec benchmark on the GPU and on the CPU, and
-# write logs plus a results summary into a directory.
+# scikit-build-core, cmake, ninja and nvidia-nccl-cu13 preinstalled): build
+# (CUDA kernels and the nccl backend), run every test (GPU tests included, and
+# the one-GPU multi-rank NCCL test), run the codec benchmark on the GPU and the
+# CPU and the all-reduce benchmark with 2 and 4 ranks sharing the GPU (psum vs
+# the xla and nccl backends), and write logs, JSON and a results table into a
+# directory.
 #
 #   tools/gpu_check.sh [OUTDIR]        (default: $OUT if set, else ./gpu-check)
 set -uo pipefail
@@ -23,19 +26,28 @@ step() {  # step NAME CMD...: run, log to $out/NAME.log, remember failures
 
 { nvidia-smi; python --version; python -c "import jax; print(jax.__version__, jax.devices())"; } \
   >"$out/environment.log" 2>&1
-step build env JAX_CGX_CUDA=ON pip install --no-build-isolation --no-deps -v -e .
-step import python -c "import jax_cgx; assert jax_cgx.cuda_extension_available(); print('cuda extension ok')"
+# Tests and benchmarks start several processes on the one GPU: no preallocation.
+export XLA_PYTHON_CLIENT_PREALLOCATE=false
+step build env JAX_CGX_CUDA=ON JAX_CGX_NCCL=ON pip install --no-build-isolation --no-deps -v -e .
+step import python -c "import jax_cgx; assert jax_cgx.cuda_extension_available(); \
+from jax_cgx import _cuda; assert _cuda.nccl_compiled(); print('cuda extension ok, NCCL', jax_cgx.nccl.load())"
 arch=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader | head -n1 | tr -d .)
 step device_test_build nvcc -std=c++17 -O3 --fmad=false --expt-relaxed-constexpr -arch="sm_${arch:-90}" \
   -I. -Icuda/tests cuda/tests/device_test.cu cuda/codec_kernels.cu -o "$out/device_test"
 step device_test "$out/device_test"
 step device_bench "$out/device_test" bench
-step tests_gpu python -m pytest tests -m gpu -v
-step tests_all python -m pytest tests -q
+step tests_gpu pytest tests -m gpu -v
+step tests_all pytest tests -q
 step bench_codec_gpu python -m jax_cgx.bench codec --platform gpu --sizes-mib 16 64 256 --bits 2 4 8 \
   --output "$out/bench_codec_gpu.json"
 step bench_codec_cpu python -m jax_cgx.bench codec --platform cpu --sizes-mib 64 --bits 4 8 \
   --output "$out/bench_codec_cpu.json"
+for n in 2 4; do
+  step "bench_allreduce_gpu_w$n" python -m jax_cgx.launch -n "$n" benchmarks/allreduce.py --share-gpu \
+    --sizes-mib 16 64 256 --bits 4 8 --backends xla nccl --repeats 10 --output "$out/bench_allreduce_gpu_w$n.json"
+done
+python tools/results_table.py "$out"/bench_allreduce_gpu_w*.json >"$out/allreduce_table.md" 2>>"$out/summary.txt"
 tail -n 30 "$out/bench_codec_gpu.log" >>"$out/summary.txt" 2>/dev/null
+cat "$out/allreduce_table.md" >>"$out/summary.txt" 2>/dev/null
 echo "exit status $status" | tee -a "$out/summary.txt"
 exit $status

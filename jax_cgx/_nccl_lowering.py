@@ -1,0 +1,92 @@
+"""The CUDA lowering of the compressed all-reduce: the nccl backend, or the xla one.
+
+On CUDA, ``compressed_allreduce_p`` lowers to one ``jax_cgx_nccl_allreduce`` custom
+call per row (xla_ffi/nccl_allreduce.cc) when :func:`jax_cgx.nccl.select_backend`
+picks ``nccl`` (communicators exist for the mesh and axes being reduced, or
+``backend="nccl"`` was asked for), and to the xla backend's collectives otherwise.
+The custom call computes the same bytes as the xla backend's program: only the
+transport and the scheduling differ.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend.core import Primitive
+from jax.interpreters import mlir
+
+from jax_cgx import _ffi, _sra, nccl
+
+__all__ = ["nccl_allreduce_p", "workspace_bytes"]
+
+_ALGORITHMS = {"sra": 0, "ring": 1}
+
+
+def workspace_bytes(n: int, world: int, chunk: int, bits: int, bucket_size: int, dtype, algorithm: str,
+                    segments: int) -> tuple[int, int]:
+    """(workspace bytes, segments) of one custom call, as the C++ plan computes them."""
+    _ffi.require_cuda_extension()
+    return _ffi._cuda.nccl_workspace_bytes(
+        n, world, chunk, bits, bucket_size, np.dtype(dtype).itemsize, _ALGORITHMS[algorithm], segments
+    )
+
+
+# One row: x[n], seeds[W+1, 2] -> out[n], workspace u8[bytes] (scratch, discarded).
+nccl_allreduce_p = Primitive("jax_cgx_nccl_allreduce")
+nccl_allreduce_p.multiple_results = True
+
+
+def _abstract(x, seeds, *, key, world, chunk, bits, bucket_size, stochastic, algorithm, segments):
+    del seeds, key, stochastic
+    ws, _ = workspace_bytes(x.shape[0], world, chunk, bits, bucket_size, x.dtype, algorithm, segments)
+    return x, x.update(shape=(ws,), dtype=np.dtype(np.uint8), weak_type=False)
+
+
+def _lower_row(ctx, x, seeds, *, key, world, chunk, bits, bucket_size, stochastic, algorithm, segments):
+    return jax.ffi.ffi_lowering("jax_cgx_nccl_allreduce")(
+        ctx,
+        x,
+        seeds,
+        comm_key=np.int64(key),
+        world=np.int64(world),
+        chunk=np.int64(chunk),
+        bits=np.int32(bits),
+        bucket_size=np.int64(bucket_size),
+        stochastic=bool(stochastic),
+        algorithm=np.int32(_ALGORITHMS[algorithm]),
+        segments=np.int64(segments),
+    )
+
+
+nccl_allreduce_p.def_abstract_eval(_abstract)
+mlir.register_lowering(nccl_allreduce_p, _lower_row, platform="cuda")
+
+
+def _context_mesh(ctx):
+    """The mesh of the shard_map/pmap being lowered (None outside one)."""
+    return getattr(ctx.module_context.axis_context, "mesh", None)
+
+
+def _lower_cuda(ctx, x, seeds, *, backend, axes, world, chunk, bits, bucket_size, stochastic, impl,
+                algorithm, segments):
+    choice, _ = nccl.select_backend(backend, "cuda", _context_mesh(ctx), axes)
+    params = dict(axes=axes, world=world, chunk=chunk, bits=bits, bucket_size=bucket_size,
+                  stochastic=stochastic, impl=impl, algorithm=algorithm, segments=segments)
+    if choice != "nccl":
+        return _sra._lower_xla(ctx, x, seeds, backend="xla", **params)
+    key = nccl.lookup(_context_mesh(ctx), axes)
+
+    def rows(x, seeds):
+        row = functools.partial(
+            nccl_allreduce_p.bind, key=key, world=world, chunk=chunk, bits=bits, bucket_size=bucket_size,
+            stochastic=stochastic, algorithm=algorithm, segments=segments,
+        )
+        return jnp.stack([row(x[i], seeds[i])[0] for i in range(x.shape[0])])
+
+    return mlir.lower_fun(rows, multiple_results=False)(ctx, x, seeds)
+
+
+mlir.register_lowering(_sra.compressed_allreduce_p, _lower_cuda, platform="cuda")

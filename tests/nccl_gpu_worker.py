@@ -1,0 +1,91 @@
+"""One process of the one-GPU multi-rank NCCL test (tests/test_nccl_gpu.py).
+
+    python tests/nccl_gpu_worker.py PROCESS_ID NUM_PROCESSES PORT OUT_DIR
+
+Every process drives the same GPU (device 0): NCCL accepts that when each process has
+its own NCCL_HOSTID (the parent sets it, with the socket transport on `lo`), which
+makes the ranks look like separate hosts. Each process runs every case with the nccl
+and the xla backend, checks which backend each program used (from its HLO), and
+writes its rank's results to OUT_DIR/process<ID>.npz.
+"""
+
+import os
+import sys
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jax_cgx
+from jax_cgx import CompressionConfig
+
+N = 100_003  # odd: a short last chunk and zero padding
+CASES = {
+    "sra_b4": CompressionConfig(bits=4, bucket_size=512),
+    "sra_b8_stochastic": CompressionConfig(bits=8, bucket_size=128, stochastic=True),
+    "sra_b2_segments3": CompressionConfig(bits=2, bucket_size=64, pipeline_segments=3),
+    "sra_b4_stochastic_segments5": CompressionConfig(bits=4, bucket_size=100, stochastic=True, pipeline_segments=5),
+    "ring_b4": CompressionConfig(bits=4, bucket_size=512, algorithm="ring"),
+    "ring_b3_stochastic_segments2": CompressionConfig(bits=3, bucket_size=256, stochastic=True, algorithm="ring",
+                                                      pipeline_segments=2),
+}
+DTYPES = {"f32": np.float32, "bf16": jax.numpy.bfloat16}
+
+
+def inputs(world: int, n: int = N, dtype=np.float32) -> np.ndarray:
+    return np.random.default_rng(0).standard_normal((world, n)).astype(dtype)
+
+
+def _run(mesh, axes, spec, config, x):
+    def body(v):
+        return jax_cgx.compressed_psum(v.reshape(-1), axes, config, key=jax.random.key(3)).reshape(v.shape)
+
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec))
+    hlo = f.lower(x).compile().as_text()
+    return f(x), "jax_cgx_nccl_allreduce" in hlo
+
+
+def _local(out) -> dict:
+    return {s.device.id: np.asarray(s.data).reshape(-1) for s in out.addressable_shards}
+
+
+def main() -> None:
+    pid, nproc, port, out_dir = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+    jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=nproc, process_id=pid, local_device_ids=[0])
+    devices = jax.devices()
+    assert len(devices) == nproc and devices[0].platform == "gpu", devices
+    meshes = {"flat": (jax.make_mesh((nproc,), ("i",), devices=devices), "i", P("i"))}
+    if nproc == 4:
+        meshes["2d"] = (jax.make_mesh((2, 2), ("node", "local"), devices=devices), ("node", "local"),
+                        P(("node", "local")))
+    results = {}
+    for mesh_name, (mesh, axes, spec) in meshes.items():
+        jax_cgx.nccl.setup(mesh)
+        cases = dict(CASES)
+        if mesh_name == "2d":
+            cases = {"2d_sra_b4": CASES["sra_b4"], "2d_hier_b4": CASES["sra_b4"].replace(hierarchical=True),
+                     "2d_hier_ring_b4": CASES["ring_b4"].replace(hierarchical=True)}
+        for dtype_name, dtype in DTYPES.items():
+            if mesh_name == "2d" and dtype_name != "f32":
+                continue
+            xs = inputs(nproc, dtype=dtype)
+            x = jax.make_array_from_callback(xs.shape, NamedSharding(mesh, spec), lambda idx: xs[idx])
+            for name, config in cases.items():
+                for backend in ("nccl", "xla"):
+                    out, used_nccl = _run(mesh, axes, spec, config.replace(backend=backend), x)
+                    assert used_nccl == (backend == "nccl"), (name, backend, used_nccl)
+                    for device_id, value in _local(out).items():
+                        results[f"{name}/{dtype_name}/{backend}/device{device_id}"] = value.astype(np.float32)
+                # auto picks nccl once communicators exist
+                _, used_nccl = _run(mesh, axes, spec, config.replace(backend="auto"), x)
+                assert used_nccl, f"{name}: backend='auto' did not pick nccl"
+    info = jax_cgx.nccl.communicators()
+    print(f"process {pid}: {len(info)} communicators: {info}", flush=True)
+    np.savez(os.path.join(out_dir, f"process{pid}.npz"), **results)
+    jax_cgx.nccl.teardown()
+    jax.distributed.shutdown()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,102 @@
+"""The CUDA lowering of compressed_psum: the nccl backend's custom call, checked by
+cross-lowering on a machine without a GPU (the custom call itself runs in
+tests/test_nccl_gpu.py)."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jax_cgx
+from jax_cgx import CompressionConfig, _ffi, _nccl_lowering, nccl
+
+pytestmark = pytest.mark.skipif(
+    not (_ffi.cuda_extension_available() and _ffi._cuda.nccl_compiled()),
+    reason="CUDA extension with the nccl backend not built",
+)
+
+
+def _lower(config, n=10_001, rows=None, monkeypatch=None, key=None):
+    mesh = jax.make_mesh((4,), ("d",), devices=jax.devices()[:4])
+
+    def body(v):
+        if rows is None:
+            return jax_cgx.compressed_psum(v[0], "d", config, key=key)[None]
+        return jax.vmap(lambda r: jax_cgx.compressed_psum(r, "d", config, key=key))(v[0])[None]
+
+    shape = (4, n) if rows is None else (4, rows, n)
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("d"), out_specs=P("d")))
+    x = jax.ShapeDtypeStruct(shape, jnp.float32, sharding=NamedSharding(mesh, P("d")))
+    return f.trace(x).lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.fixture
+def communicators(monkeypatch):
+    """Pretend jax_cgx.nccl.setup ran: lookups find family key 1234."""
+    monkeypatch.setattr(nccl, "lookup", lambda mesh, axes: 1234)
+    monkeypatch.setattr(
+        nccl, "select_backend", lambda req, plat, mesh, axes: ("xla", "requested") if req == "xla" else ("nccl", "test")
+    )
+
+
+def test_nccl_backend_lowers_to_one_custom_call_per_buffer(communicators):
+    hlo = _lower(CompressionConfig(bits=4, bucket_size=64, pipeline_segments=3))
+    calls = re.findall(r"custom_call @jax_cgx_nccl_allreduce\(", hlo)
+    assert len(calls) == 1, hlo
+    assert "comm_key = 1234" in hlo and "segments = 3" in hlo and "world = 4" in hlo
+    # no XLA collective carries the buffer
+    assert "all_to_all" not in hlo and "all_gather" not in hlo
+
+
+def test_vmapped_rows_are_one_call_each(communicators):
+    hlo = _lower(CompressionConfig(bits=8), rows=3)
+    assert len(re.findall(r"custom_call @jax_cgx_nccl_allreduce\(", hlo)) == 3
+
+
+def test_xla_backend_and_auto_without_communicators_use_collectives(communicators):
+    hlo = _lower(CompressionConfig(bits=4, backend="xla"))
+    assert "jax_cgx_nccl_allreduce" not in hlo and "all_to_all" in hlo
+
+
+def test_auto_without_communicators_is_xla_and_nccl_raises():
+    assert "jax_cgx_nccl_allreduce" not in _lower(CompressionConfig(bits=4, backend="auto"))
+    with pytest.raises(nccl.NcclError, match=r"jax_cgx\.nccl\.setup"):
+        _lower(CompressionConfig(bits=4, backend="nccl"))
+
+
+def test_nccl_backend_on_cpu_raises():
+    mesh = jax.make_mesh((4,), ("d",), devices=jax.devices()[:4])
+    f = jax.jit(jax.shard_map(lambda v: jax_cgx.compressed_psum(v[0], "d", CompressionConfig(backend="nccl"))[None],
+                              mesh=mesh, in_specs=P("d"), out_specs=P("d")))
+    with pytest.raises(Exception, match="CUDA GPUs only"):
+        f.lower(jax.ShapeDtypeStruct((4, 1000), jnp.float32, sharding=NamedSharding(mesh, P("d"))))
+
+
+@pytest.mark.parametrize("algorithm", ["sra", "ring"])
+def test_workspace_plan(algorithm):
+    # 64 MiB f32 over 4 ranks at 4 bits: every region of the plan fits, segments by size
+    n = 16 << 20
+    chunk = n // 4
+    ws, segments = _nccl_lowering.workspace_bytes(n, 4, chunk, 4, 512, jnp.float32, algorithm, 0)
+    assert segments == 1  # 16 MiB chunks: one 16 MiB segment each
+    encoded = chunk // 2 + (chunk // 512) * 8  # payload + metadata of one chunk
+    slots = (4 + 4 + 4) if algorithm == "sra" else (2 + 1 + 4)
+    assert slots * encoded <= ws <= slots * encoded + 64 * 1024 + 4 * 4 * chunk
+    ws3, s3 = _nccl_lowering.workspace_bytes(n, 4, chunk, 4, 512, jnp.float32, algorithm, 3)
+    assert s3 == 3
+    with pytest.raises(RuntimeError, match="bits must be in 1..8"):
+        _nccl_lowering.workspace_bytes(n, 4, chunk, 9, 512, jnp.float32, algorithm, 0)
+    with pytest.raises(RuntimeError, match="does not cut"):
+        _nccl_lowering.workspace_bytes(n, 4, chunk - 1, 4, 512, jnp.float32, algorithm, 0)
+
+
+def test_nccl_library_loads_where_installed():
+    """CI installs nvidia-nccl-cu13: the library loads (no GPU needed to dlopen it)."""
+    try:
+        version = nccl.load()
+    except nccl.NcclNotFoundError as err:
+        pytest.skip(f"NCCL not installed here: {err}")
+    assert version >= 21300
