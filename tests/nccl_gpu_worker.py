@@ -1,18 +1,22 @@
 """One process of the one-GPU multi-rank NCCL test (tests/test_nccl_gpu.py).
 
-    python tests/nccl_gpu_worker.py PROCESS_ID NUM_PROCESSES PORT OUT_DIR
+    python tests/nccl_gpu_worker.py PROCESS_ID NUM_PROCESSES PORT OUT_DIR [--cpu]
 
 Every process drives the same GPU (device 0): NCCL accepts that when each process has
 its own NCCL_HOSTID (the parent sets it, with the socket transport on `lo`), which
 makes the ranks look like separate hosts. Each process runs every case with the nccl
 and the xla backend, checks which backend each program used (from its HLO), and
 writes its rank's results to OUT_DIR/process<ID>.npz.
+
+``--cpu`` runs the same harness on one CPU device per process (gloo) with the xla
+backend only: CI checks the harness itself that way.
 """
 
 import os
 import sys
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -47,21 +51,29 @@ def _run(mesh, axes, spec, config, x):
 
 
 def _local(out) -> dict:
-    return {s.device.id: np.asarray(s.data).reshape(-1) for s in out.addressable_shards}
+    """This process's results by rank (the row of the global array each shard holds)."""
+    return {s.index[0].start or 0: np.asarray(s.data).reshape(-1) for s in out.addressable_shards}
 
 
 def main() -> None:
     pid, nproc, port, out_dir = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
-    jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=nproc, process_id=pid, local_device_ids=[0])
+    cpu = "--cpu" in sys.argv[5:]
+    if cpu:
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=nproc, process_id=pid)
+    else:
+        jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=nproc, process_id=pid, local_device_ids=[0])
     devices = jax.devices()
-    assert len(devices) == nproc and devices[0].platform == "gpu", devices
+    assert len(devices) == nproc and devices[0].platform == ("cpu" if cpu else "gpu"), devices
+    backends = ("xla",) if cpu else ("nccl", "xla")
     meshes = {"flat": (jax.make_mesh((nproc,), ("i",), devices=devices), "i", P("i"))}
     if nproc == 4:
         meshes["2d"] = (jax.make_mesh((2, 2), ("node", "local"), devices=devices), ("node", "local"),
                         P(("node", "local")))
     results = {}
     for mesh_name, (mesh, axes, spec) in meshes.items():
-        jax_cgx.nccl.setup(mesh)
+        if not cpu:
+            jax_cgx.nccl.setup(mesh)
         cases = dict(CASES)
         if mesh_name == "2d":
             cases = {"2d_sra_b4": CASES["sra_b4"], "2d_hier_b4": CASES["sra_b4"].replace(hierarchical=True),
@@ -72,18 +84,38 @@ def main() -> None:
             xs = inputs(nproc, dtype=dtype)
             x = jax.make_array_from_callback(xs.shape, NamedSharding(mesh, spec), lambda idx: xs[idx])
             for name, config in cases.items():
-                for backend in ("nccl", "xla"):
+                for backend in backends:
                     out, used_nccl = _run(mesh, axes, spec, config.replace(backend=backend), x)
                     assert used_nccl == (backend == "nccl"), (name, backend, used_nccl)
-                    for device_id, value in _local(out).items():
-                        results[f"{name}/{dtype_name}/{backend}/device{device_id}"] = value.astype(np.float32)
+                    for rank, value in _local(out).items():
+                        results[f"{name}/{dtype_name}/{backend}/rank{rank}"] = value.astype(np.float32)
                 # auto picks nccl once communicators exist
                 _, used_nccl = _run(mesh, axes, spec, config.replace(backend="auto"), x)
-                assert used_nccl, f"{name}: backend='auto' did not pick nccl"
-    info = jax_cgx.nccl.communicators()
-    print(f"process {pid}: {len(info)} communicators: {info}", flush=True)
+                assert used_nccl != cpu, f"{name}: backend='auto' picked {'nccl' if used_nccl else 'xla'}"
+    # A pytree: a large leaf through the custom call next to small leaves that XLA sums
+    # with its own NCCL collectives, in one program (ordering of both kinds of calls).
+    mesh, axes, spec = meshes["flat"]
+    xs = inputs(nproc)
+    x = jax.make_array_from_callback(xs.shape, NamedSharding(mesh, spec), lambda idx: xs[idx])
+    for backend in backends:
+        config = CompressionConfig(bits=4, min_size=1024, fusion_buffer_mb=0.1, backend=backend)
+
+        def tree_body(v, config=config):
+            v = v.reshape(-1)
+            tree = {"big": v, "small": v[:100] * 2.0, "big2": v[::-1] + 1.0}
+            out = jax_cgx.compressed_psum(tree, axes, config, key=jax.random.key(5))
+            return jnp.concatenate([out["big"], out["small"], out["big2"]])[None]
+
+        f = jax.jit(jax.shard_map(tree_body, mesh=mesh, in_specs=spec, out_specs=spec))
+        assert ("jax_cgx_nccl_allreduce" in f.lower(x).compile().as_text()) == (backend == "nccl")
+        for rank, value in _local(f(x)).items():
+            results[f"tree/f32/{backend}/rank{rank}"] = value
+
     np.savez(os.path.join(out_dir, f"process{pid}.npz"), **results)
-    jax_cgx.nccl.teardown()
+    if not cpu:
+        info = jax_cgx.nccl.communicators()
+        print(f"process {pid}: {len(info)} communicators: {info}", flush=True)
+        jax_cgx.nccl.teardown()
     jax.distributed.shutdown()
 
 

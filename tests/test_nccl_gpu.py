@@ -26,13 +26,21 @@ from jax_cgx.launch import free_port
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 from nccl_gpu_worker import CASES, DTYPES, inputs  # noqa: E402
 
-pytestmark = pytest.mark.gpu
 WORKER = pathlib.Path(__file__).parent / "nccl_gpu_worker.py"
 
 
-def _worker_env(pid: int, nproc: int) -> dict:
+# XLA settings the nccl backend must work under: its custom calls run between XLA's own
+# (async) collectives, with the latency-hiding scheduler and command buffers on or off.
+XLA_VARIANTS = {
+    "default": "",
+    "lhs-on-cmdbuf-off": "--xla_gpu_enable_latency_hiding_scheduler=true --xla_gpu_enable_command_buffer=",
+    "lhs-off": "--xla_gpu_enable_latency_hiding_scheduler=false",
+}
+
+
+def _worker_env(pid: int, nproc: int, xla_flags: str) -> dict:
     env = dict(os.environ)
-    env.pop("XLA_FLAGS", None)  # the workers use the GPU, not 8 virtual CPU devices
+    env["XLA_FLAGS"] = xla_flags  # the workers use the GPU, not 8 virtual CPU devices
     env.update(
         CUDA_VISIBLE_DEVICES=env.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0],
         NCCL_HOSTID=f"jax-cgx-test-host-{pid}",
@@ -54,25 +62,48 @@ def _ring_oracle(xs, config, key):
     return out
 
 
+@pytest.mark.gpu
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("nproc", [2, 4])
-def test_ranks_on_one_gpu_nccl_equals_xla_equals_oracle(tmp_path, nproc):
+@pytest.mark.parametrize(
+    "nproc, variant", [(2, "default"), (4, "default"), (2, "lhs-on-cmdbuf-off"), (2, "lhs-off")]
+)
+def test_ranks_on_one_gpu_nccl_equals_xla_equals_oracle(tmp_path, nproc, variant):
+    envs = [_worker_env(i, nproc, XLA_VARIANTS[variant]) for i in range(nproc)]
+    _check(_run_workers(tmp_path, nproc, envs), nproc, backends=("nccl", "xla"))
+
+
+@pytest.mark.multiprocess
+def test_the_same_harness_on_cpu(tmp_path):
+    """The worker and the checks above, on 2 CPU processes with the xla backend (runs in CI)."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
+    _check(_run_workers(tmp_path, 2, [env, env], "--cpu"), 2, backends=("xla",))
+
+
+def _run_workers(tmp_path, nproc, envs, *flags) -> dict:
     port = free_port()
-    commands = [[sys.executable, str(WORKER), str(i), str(nproc), str(port), str(tmp_path)] for i in range(nproc)]
-    envs = [_worker_env(i, nproc) for i in range(nproc)]
+    commands = [[sys.executable, str(WORKER), str(i), str(nproc), str(port), str(tmp_path), *flags]
+                for i in range(nproc)]
     for i, (returncode, log) in enumerate(run_all(commands, timeout=900, envs=envs)):
         assert returncode == 0, f"process {i}:\n{log[-6000:]}"
     results = {}
     for i in range(nproc):
         results.update(np.load(tmp_path / f"process{i}.npz"))
+    return results
+
+
+def _check(results: dict, nproc: int, backends) -> None:
+    """Every backend bitwise equal to the first, on every rank, and to the oracle."""
+    first = backends[0]
     key = jax.random.key(3)
     for dtype_name, dtype in DTYPES.items():
         xs = inputs(nproc, dtype=dtype)
         for name, config in CASES.items():
-            nccl = [results[f"{name}/{dtype_name}/nccl/device{d}"] for d in range(nproc)]
-            xla = [results[f"{name}/{dtype_name}/xla/device{d}"] for d in range(nproc)]
+            nccl = [results[f"{name}/{dtype_name}/{first}/rank{d}"] for d in range(nproc)]
             for d in range(nproc):
-                assert_same_bits(nccl[d], xla[d], f"{name}/{dtype_name}: nccl vs xla backend, rank {d}")
+                for other in backends[1:]:
+                    xla = results[f"{name}/{dtype_name}/{other}/rank{d}"]
+                    assert_same_bits(nccl[d], xla, f"{name}/{dtype_name}: {first} vs {other} backend, rank {d}")
                 assert_same_bits(nccl[d], nccl[0], f"{name}/{dtype_name}: rank {d} vs rank 0")
             k = key if config.stochastic else None
             if config.algorithm == "ring":
@@ -80,15 +111,16 @@ def test_ranks_on_one_gpu_nccl_equals_xla_equals_oracle(tmp_path, nproc):
             else:
                 expected = oracle(xs, config, k)[0]
             assert_same_bits(nccl[0], np.asarray(expected, np.float32), f"{name}/{dtype_name}: vs the oracle")
-    if nproc == 4:
-        for name in ("2d_sra_b4", "2d_hier_b4", "2d_hier_ring_b4"):
-            nccl = [results[f"{name}/f32/nccl/device{d}"] for d in range(nproc)]
-            xla = [results[f"{name}/f32/xla/device{d}"] for d in range(nproc)]
-            for d in range(nproc):
-                assert_same_bits(nccl[d], xla[d], f"{name}: nccl vs xla backend, rank {d}")
-                assert_same_bits(nccl[d], nccl[0], f"{name}: rank {d} vs rank 0")
+    names = ["tree"] + (["2d_sra_b4", "2d_hier_b4", "2d_hier_ring_b4"] if nproc == 4 else [])
+    for name in names:
+        nccl = [results[f"{name}/f32/{first}/rank{d}"] for d in range(nproc)]
+        for d in range(nproc):
+            for other in backends[1:]:
+                assert_same_bits(nccl[d], results[f"{name}/f32/{other}/rank{d}"], f"{name}: {first} vs {other}, rank {d}")
+            assert_same_bits(nccl[d], nccl[0], f"{name}: rank {d} vs rank 0")
 
 
+@pytest.mark.gpu
 def test_setup_on_one_gpu_and_errors():
     """One process, one GPU: setup is idempotent, W=1 reductions need no communicator,
     and backend='nccl' without communicators fails with instructions."""
