@@ -307,6 +307,20 @@ ffi::Error Decode(const Call& c, const Segment& s, cudaEvent_t gathered) {
   return ffi::Error::Success();
 }
 
+// Inside an open NCCL group on the side stream: send the encoding in slot
+// `send_slot` of s.send to rank `to` and receive one into slot `recv_slot` of
+// s.recv from rank `from` (payload and metadata, as bytes).
+ffi::Error SendRecv(const Call& c, const Segment& s, int64_t send_slot, int to, int64_t recv_slot, int from) {
+  ncclComm_t comm = c.comm.comm;
+  cudaStream_t stream = c.comm.stream;
+  const size_t row_bytes = s.layout.row_bytes, meta_bytes = c.MetaBytes(s);
+  CGX_NCCL(c.api.Send(c.Payload(s.send, s, send_slot), row_bytes, ncclUint8, to, comm, stream), comm);
+  CGX_NCCL(c.api.Send(c.Meta(s.send, s, send_slot), meta_bytes, ncclUint8, to, comm, stream), comm);
+  CGX_NCCL(c.api.Recv(c.Payload(s.recv, s, recv_slot), row_bytes, ncclUint8, from, comm, stream), comm);
+  CGX_NCCL(c.api.Recv(c.Meta(s.recv, s, recv_slot), meta_bytes, ncclUint8, from, comm, stream), comm);
+  return ffi::Error::Success();
+}
+
 // SRA (jax_cgx/_sra.py): every rank quantizes its W chunks, chunk j goes to
 // rank j, the owner sums the W encodings (its own with zeroed metadata) plus
 // its chunk in full precision and re-quantizes; then all-gather and decode.
@@ -324,15 +338,7 @@ ffi::Error RunSra(const Call& c) {
     NcclGroup group(c.api);
     CGX_NCCL(group.Start(), comm.comm);
     for (int j = 0; j < p.world; ++j) {
-      if (j == me) continue;
-      CGX_NCCL(c.api.Send(c.Payload(s.send, s, j), s.layout.row_bytes, ncclUint8, j, comm.comm, comm.stream),
-               comm.comm);
-      CGX_NCCL(c.api.Send(c.Meta(s.send, s, j), c.MetaBytes(s), ncclUint8, j, comm.comm, comm.stream),
-               comm.comm);
-      CGX_NCCL(c.api.Recv(c.Payload(s.recv, s, j), s.layout.row_bytes, ncclUint8, j, comm.comm, comm.stream),
-               comm.comm);
-      CGX_NCCL(c.api.Recv(c.Meta(s.recv, s, j), c.MetaBytes(s), ncclUint8, j, comm.comm, comm.stream),
-               comm.comm);
+      if (j != me) CGX_TRY(SendRecv(c, s, j, j, j, j));
     }
     CGX_NCCL(group.End(), comm.comm);
     CGX_CUDA(cudaEventRecord(comm.exchanged[i], comm.stream));
@@ -358,14 +364,7 @@ ffi::Error RingHop(const Call& c, const Segment& s, int64_t slot, cudaEvent_t re
   CGX_CUDA(cudaStreamWaitEvent(comm.stream, ready, 0));
   NcclGroup group(c.api);
   CGX_NCCL(group.Start(), comm.comm);
-  CGX_NCCL(c.api.Send(c.Payload(s.send, s, slot), s.layout.row_bytes, ncclUint8, next, comm.comm, comm.stream),
-           comm.comm);
-  CGX_NCCL(c.api.Send(c.Meta(s.send, s, slot), c.MetaBytes(s), ncclUint8, next, comm.comm, comm.stream),
-           comm.comm);
-  CGX_NCCL(c.api.Recv(c.Payload(s.recv, s, 0), s.layout.row_bytes, ncclUint8, prev, comm.comm, comm.stream),
-           comm.comm);
-  CGX_NCCL(c.api.Recv(c.Meta(s.recv, s, 0), c.MetaBytes(s), ncclUint8, prev, comm.comm, comm.stream),
-           comm.comm);
+  CGX_TRY(SendRecv(c, s, slot, next, 0, prev));
   CGX_NCCL(group.End(), comm.comm);
   CGX_CUDA(cudaEventRecord(done, comm.stream));
   return ffi::Error::Success();
