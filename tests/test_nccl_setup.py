@@ -266,6 +266,8 @@ def test_library_candidates(monkeypatch, tmp_path):
     wheel = types.ModuleType("nvidia.nccl")
     wheel.__path__ = [str(tmp_path)]
     monkeypatch.setitem(sys.modules, "nvidia.nccl", wheel)
+    (tmp_path / "lib").mkdir()
+    (tmp_path / "lib" / "libnccl.so.2").touch()  # else the real wheel's file list is consulted
     assert nccl.library_candidates() == [str(tmp_path / "lib" / "libnccl.so.2"), ""]
     monkeypatch.setenv(nccl.LIBRARY_ENV, "/opt/nccl/libnccl.so.2")
     assert nccl.library_candidates() == ["/opt/nccl/libnccl.so.2", str(tmp_path / "lib" / "libnccl.so.2"), ""]
