@@ -46,7 +46,8 @@ def _abstract(x, seeds, *, key, world, chunk, bits, bucket_size, stochastic, alg
 
 
 def _lower_row(ctx, x, seeds, *, key, world, chunk, bits, bucket_size, stochastic, algorithm, segments):
-    return jax.ffi.ffi_lowering("jax_cgx_nccl_allreduce")(
+    # has_side_effect: a collective; XLA must neither drop it nor merge two of them.
+    return jax.ffi.ffi_lowering("jax_cgx_nccl_allreduce", has_side_effect=True)(
         ctx,
         x,
         seeds,

@@ -47,6 +47,7 @@ def test_nccl_backend_lowers_to_one_custom_call_per_buffer(communicators):
     calls = re.findall(r"custom_call @jax_cgx_nccl_allreduce\(", hlo)
     assert len(calls) == 1, hlo
     assert "comm_key = 1234" in hlo and "segments = 3" in hlo and "world = 4" in hlo
+    assert "has_side_effect = true" in hlo  # a collective: never dropped or merged by XLA
     # no XLA collective carries the buffer
     assert "all_to_all" not in hlo and "all_gather" not in hlo
 
