@@ -299,10 +299,18 @@ ffi::Error AllGather(const Call& c, const Segment& s, cudaEvent_t ready, cudaEve
 // XLA stream: after `gathered`, decode the W reduced chunks into the output.
 ffi::Error Decode(const Call& c, const Segment& s, cudaEvent_t gathered) {
   CGX_CUDA(cudaStreamWaitEvent(c.main, gathered, 0));
-  for (int64_t j = 0; j < c.plan.world; ++j) {
-    CGX_TRY(Launched(cuda::LaunchDequantize(c.main, s.layout, c.Payload(s.gathered, s, j),
-                                            c.Meta(s.gathered, s, j), c.type, c.ChunkOut(j) + c.Bytes(s.offset)),
+  const Plan& p = c.plan;
+  // A whole-chunk segment decodes into consecutive rows: one launch per
+  // destination (the output, the staged tail); otherwise one per chunk.
+  const bool whole = s.length == p.chunk;
+  for (int64_t a = 0; a < p.world;) {
+    const int64_t b = !whole ? a + 1 : (a < p.full_chunks ? p.full_chunks : p.world);
+    cuda::RowLayout l = s.layout;
+    l.rows = b - a;
+    CGX_TRY(Launched(cuda::LaunchDequantize(c.main, l, c.Payload(s.gathered, s, a), c.Meta(s.gathered, s, a),
+                                            c.type, c.ChunkOut(a) + c.Bytes(s.offset)),
                      "dequantize"));
+    a = b;
   }
   return ffi::Error::Success();
 }
