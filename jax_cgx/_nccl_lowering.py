@@ -6,11 +6,16 @@ picks ``nccl`` (communicators exist for the mesh and axes being reduced, or
 ``backend="nccl"`` was asked for), and to the xla backend's collectives otherwise.
 The custom call computes the same bytes as the xla backend's program: only the
 transport and the scheduling differ.
+
+``compressed_allreduce_residual_p`` (``compressed_psum(return_residual=True)``, error
+feedback) always lowers to the xla backend: ``backend="nccl"`` raises, ``"auto"`` picks
+xla (logged at debug level).
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 
 import jax
 import jax.numpy as jnp
@@ -21,6 +26,8 @@ from jax.interpreters import mlir
 from jax_cgx import _ffi, _sra, nccl
 
 __all__ = ["nccl_allreduce_p", "workspace_bytes"]
+
+log = logging.getLogger("jax_cgx")
 
 _ALGORITHMS = {"sra": 0, "ring": 1}
 
@@ -91,3 +98,19 @@ def _lower_cuda(ctx, x, seeds, *, backend, axes, world, chunk, bits, bucket_size
 
 
 mlir.register_lowering(_sra.compressed_allreduce_p, _lower_cuda, platform="cuda")
+
+
+def _lower_cuda_residual(ctx, x, seeds, *, backend, axes, **params):
+    """Error-feedback residuals: the xla backend's program (the custom call computes no residual)."""
+    if backend == "nccl":
+        raise NotImplementedError(_sra.RESIDUAL_BACKEND_ERROR)
+    if backend == "auto":
+        log.debug(
+            "jax_cgx: compressed_psum(return_residual=True) over axes %r uses the xla backend: error "
+            "feedback residuals are computed by the xla backend only",
+            axes,
+        )
+    return _sra._lower_residual_xla(ctx, x, seeds, backend="xla", axes=axes, **params)
+
+
+mlir.register_lowering(_sra.compressed_allreduce_residual_p, _lower_cuda_residual, platform="cuda")

@@ -37,20 +37,27 @@ from jax_cgx.quantized import num_buckets, payload_bytes
 __all__ = ["ring_rows", "simulate_ring"]
 
 
-def ring_rows(x, seeds, *, axes, world, chunk, bits, bucket_size, stochastic, impl):
+def ring_rows(x, seeds, *, axes, world, chunk, bits, bucket_size, stochastic, impl, residual=False):
     """The per-device program of the ring compressed all-reduce of rows ``x[R, n]``.
 
     ``seeds[R, W+1, 2]``: row 0 for the first quantization, row ``t+1`` for the
     re-quantization at step ``t < W-2``, row ``W`` for the final one.
+
+    With ``residual=True`` returns ``(out, residual)``: this rank handles every chunk
+    exactly once (its first quantization of chunk ``r-1``, then one re-quantization per
+    hop, of chunk ``(r-t-2) mod W``, the last being chunk ``r``), and ``residual[chunk k]``
+    is the float32 input of that quantization minus its decoded result, in ``x.dtype``.
+    The exchanged bytes and ``out`` are the same either way.
     """
     r, n = x.shape
     if n == 0:
-        return x
+        return (x, x) if residual else x
     w, c = world, chunk
     p, nb = payload_bytes(c, bucket_size, bits), num_buckets(c, bucket_size)
     me = lax.axis_index(axes)
     codec_args = dict(bits=bits, bucket_size=bucket_size, m=c, impl=impl)
     to_next = _ring_perm(axes, w)
+    f32 = jnp.float32
 
     padded = x if w * c == n else lax.dynamic_update_slice(jnp.zeros((r, w * c), x.dtype), x, (0, 0))
     chunks = padded.reshape(r, w, c)
@@ -59,35 +66,51 @@ def ring_rows(x, seeds, *, axes, world, chunk, bits, bucket_size, stochastic, im
         return lax.dynamic_index_in_dim(chunks, k, axis=1, keepdims=False)
 
     # Step 0: our chunk (r-1) mod W starts its trip around the ring.
-    payload, meta = codec.quantize_rows(
-        own_chunk((me + w - 1) % w), seeds[:, 0], stochastic=stochastic, **codec_args
-    )
+    first = (me + w - 1) % w
+    payload, meta = codec.quantize_rows(own_chunk(first), seeds[:, 0], stochastic=stochastic, **codec_args)
     wire = _to_wire(payload, meta)
+    if residual:
+        lost = own_chunk(first).astype(f32) - codec.dequantize_rows(payload, meta, dtype=f32, **codec_args)
+        res = lax.dynamic_update_index_in_dim(jnp.zeros((r, w, c), f32), lost, first, axis=1)
 
-    def step(t, wire):
+    def step(t, carry):
+        wire = carry[0] if residual else carry
         received = lax.ppermute(wire, axes, to_next)
         recv_payload, recv_meta = _from_wire(received, p, nb)
         k = (me + 2 * w - t - 2) % w
         row = jnp.where(t == w - 2, w, t + 1)
-        sum_payload, sum_meta, _ = codec.dequantize_sum_requantize_rows(
+        # With residuals, decode in float32: the next hop adds exactly these float32 values.
+        sum_payload, sum_meta, decoded = codec.dequantize_sum_requantize_rows(
             recv_payload[:, None],
             recv_meta[:, None],
             own_chunk(k),
             lax.dynamic_index_in_dim(seeds, row, axis=1, keepdims=False),
             stochastic=stochastic,
-            dtype=x.dtype,
+            dtype=f32 if residual else x.dtype,
             **codec_args,
         )
-        return _to_wire(sum_payload, sum_meta)
+        wire = _to_wire(sum_payload, sum_meta)
+        if not residual:
+            return wire
+        summed = codec.dequantize_sum_rows(
+            recv_payload[:, None], recv_meta[:, None], own_chunk(k), dtype=f32, **codec_args
+        )
+        # The final encoding (k == r) is what every replica decodes, in x.dtype.
+        decoded = jnp.where(t == w - 2, decoded.astype(x.dtype).astype(f32), decoded)
+        return wire, lax.dynamic_update_index_in_dim(carry[1], summed - decoded, k, axis=1)
 
     # After the last step (t = W-2, k = r) `wire` is the final encoding of our chunk.
-    wire = lax.fori_loop(0, w - 1, step, wire)
+    carry = lax.fori_loop(0, w - 1, step, (wire, res) if residual else wire)
+    wire = carry[0] if residual else carry
     gathered = lax.all_gather(wire, axes, axis=1, tiled=False)
     out_payload, out_meta = _from_wire(gathered, p, nb)
     out = codec.dequantize_rows(
         out_payload.reshape(r * w, p), out_meta.reshape(r * w, nb, 2), dtype=x.dtype, **codec_args
     )
-    return out.reshape(r, w * c)[:, :n]
+    out = out.reshape(r, w * c)[:, :n]
+    if not residual:
+        return out
+    return out, carry[1].reshape(r, w * c)[:, :n].astype(x.dtype)
 
 
 def _ring_perm(axes, world: int) -> list[tuple[int, int]]:

@@ -18,6 +18,9 @@ rules make it behave like ``psum``: abstract evaluation drops the reduced axes f
 the varying-axes type, differentiation is linear (transpose = ``pvary`` of the
 cotangent under ``check_vma``, the same compressed sum without it), and vmap over
 a non-reduced axis folds into rows.
+
+``compressed_allreduce_residual_p`` runs the same program and also returns each rank's
+share of the compression error, for error feedback (docs/algorithm.md, "Error feedback").
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from jax.interpreters import ad, batching, mlir
 from jax_cgx import _compat, _ffi, codec
 from jax_cgx.quantized import META_BYTES, num_buckets, payload_bytes
 
-__all__ = ["chunk_length", "sra_rows", "xla_rows", "compressed_allreduce_p"]
+__all__ = ["chunk_length", "sra_rows", "xla_rows", "compressed_allreduce_p", "compressed_allreduce_residual_p"]
 
 # Chunks of buffers at least this many buckets per rank are whole buckets long.
 _WHOLE_BUCKETS_ABOVE = 64
@@ -66,11 +69,16 @@ def _from_wire(wire, p: int, nb: int):
     return payload, meta
 
 
-def sra_rows(x, seeds, *, axes, world, chunk, bits, bucket_size, stochastic, impl):
-    """The per-device program of the compressed all-reduce of rows ``x[R, n]``."""
+def sra_rows(x, seeds, *, axes, world, chunk, bits, bucket_size, stochastic, impl, residual=False):
+    """The per-device program of the compressed all-reduce of rows ``x[R, n]``.
+
+    With ``residual=True`` returns ``(out, residual)``: this rank's share of the
+    compression error (:func:`_sra_residual`), in ``x.dtype``. The exchanged bytes and
+    ``out`` are the same either way.
+    """
     r, n = x.shape
     if n == 0:
-        return x
+        return (x, x) if residual else x
     w, c = world, chunk
     p, nb = payload_bytes(c, bucket_size, bits), num_buckets(c, bucket_size)
     me = lax.axis_index(axes)
@@ -88,7 +96,7 @@ def sra_rows(x, seeds, *, axes, world, chunk, bits, bucket_size, stochastic, imp
     # Our own chunk enters in full precision; its received encoding must add exactly +0.
     recv_meta = lax.dynamic_update_index_in_dim(recv_meta, jnp.zeros((r, 1, nb, 2), jnp.float32), me, axis=1)
     own = lax.dynamic_index_in_dim(chunks, me, axis=1, keepdims=False)
-    sum_payload, sum_meta, _ = codec.dequantize_sum_requantize_rows(
+    sum_payload, sum_meta, own_out = codec.dequantize_sum_requantize_rows(
         recv_payload, recv_meta, own, seeds[:, w], stochastic=stochastic, dtype=x.dtype, **codec_args
     )
     gathered = lax.all_gather(_to_wire(sum_payload, sum_meta), axes, axis=1, tiled=False)
@@ -96,7 +104,31 @@ def sra_rows(x, seeds, *, axes, world, chunk, bits, bucket_size, stochastic, imp
     out = codec.dequantize_rows(
         out_payload.reshape(r * w, p), out_meta.reshape(r * w, nb, 2), dtype=x.dtype, **codec_args
     )
-    return out.reshape(r, w * c)[:, :n]
+    out = out.reshape(r, w * c)[:, :n]
+    if not residual:
+        return out
+    res = _sra_residual(chunks, payload, meta, recv_payload, recv_meta, own, own_out, me, codec_args)
+    return out, res.reshape(r, w * c)[:, :n].astype(x.dtype)
+
+
+def _sra_residual(chunks, payload, meta, recv_payload, recv_meta, own, own_out, me, codec_args):
+    """This rank's share of the SRA compression error, float32 ``[R, W, c]``.
+
+    Chunk ``j != me``: what quantizing it lost, ``chunk_j - decode(quantize(chunk_j))``
+    (the encodings sent in the all_to_all). Chunk ``me``: what re-quantizing the owner's
+    sum lost, ``S_me - out_me``, with ``S_me`` the float32 sum the fused kernel
+    re-quantized (recomputed by ``dequantize_sum`` from the same received encodings and
+    own addend: the same kernel order, the same float32 sums) and ``out_me`` the decoded
+    re-quantized sum every replica holds. Summed over the ranks, the residuals of chunk
+    ``o`` telescope to ``sum_r x_r[o] - out[o]`` (docs/algorithm.md, "Error feedback").
+    """
+    r, w, c = chunks.shape
+    f32 = jnp.float32
+    sent = codec.dequantize_rows(payload, meta, dtype=f32, **codec_args).reshape(r, w, c)
+    err = chunks.astype(f32) - sent
+    summed = codec.dequantize_sum_rows(recv_payload, recv_meta, own, dtype=f32, **codec_args)
+    own_err = summed - own_out.astype(f32)
+    return lax.dynamic_update_index_in_dim(err, own_err, me, axis=1)
 
 
 def wire_bytes_per_rank(n: int, world: int, bits: int, bucket_size: int, whole_buckets: bool) -> int:
@@ -123,7 +155,10 @@ def _abstract_eval(x, seeds, *, axes, **params):
 
 
 def xla_rows(x, seeds, *, algorithm, backend, segments, **params):
-    """The xla backend: the chosen algorithm written with XLA collectives."""
+    """The xla backend: the chosen algorithm written with XLA collectives.
+
+    ``residual=True`` (in ``params``) also returns this rank's compression error.
+    """
     del backend, segments  # execution settings of the nccl backend
     if algorithm == "ring":
         from jax_cgx._ring import ring_rows
@@ -185,6 +220,62 @@ def _batch(axis_data, args, dims, *, axes, **params):
 
 
 batching.fancy_primitive_batchers[compressed_allreduce_p] = _batch
+
+
+# ------------------------------------------ the primitive with error feedback
+
+# (x[R, n], seeds[R, W+1, 2]) -> (out[R, n], residual[R, n]), the same params as
+# compressed_allreduce_p. `out` is bitwise what compressed_allreduce_p computes; `residual`
+# is this rank's share of the compression error: summed over the ranks of the reduction,
+# sum_r residual_r == sum_r x_r - out (up to float32 rounding). A separate primitive, so
+# that the plain all-reduce's rules, lowerings and programs stay as they are.
+compressed_allreduce_residual_p = Primitive("jax_cgx_compressed_allreduce_residual")
+compressed_allreduce_residual_p.multiple_results = True
+
+RESIDUAL_BACKEND_ERROR = (
+    "compressed_psum(return_residual=True): error feedback residuals are computed by the xla "
+    "backend only; use backend='auto' or 'xla'."
+)
+
+
+def _residual_abstract_eval(x, seeds, *, axes, **params):
+    out, effects = _abstract_eval(x, seeds, axes=axes, **params)
+    return (out, x), effects  # the residual differs per rank: x's (varying) type
+
+
+def _lower_residual_xla(ctx, x, seeds, *, backend, **params):
+    if backend == "nccl":
+        raise NotImplementedError(RESIDUAL_BACKEND_ERROR)
+    fun = functools.partial(xla_rows, backend=backend, residual=True, **params)
+    return mlir.lower_fun(fun, multiple_results=True)(ctx, x, seeds)
+
+
+def _residual_jvp(primals, tangents, **params):
+    del primals, tangents, params
+    raise TypeError(
+        "compressed_psum(return_residual=True) cannot be differentiated: the error-feedback "
+        "residual is meant for gradient values (see jax_cgx.optax.compressed_mean). "
+        "Differentiate compressed_psum without return_residual, or wrap the values in "
+        "jax.lax.stop_gradient."
+    )
+
+
+def _batch_residual(axis_data, args, dims, *, axes, **params):
+    if axis_data.name is not None and axis_data.name in axes:
+        raise NotImplementedError(
+            f"compressed_psum over the vmapped axis {axis_data.name!r} is not supported: vmap "
+            "has no wire to compress. Reduce it with jax.lax.psum, or map that axis with "
+            "jax.shard_map / jax.pmap."
+        )
+    return _ffi.batch_rows(compressed_allreduce_residual_p, args, dims, axes=axes, **params)
+
+
+compressed_allreduce_residual_p.def_effectful_abstract_eval(_residual_abstract_eval)
+compressed_allreduce_residual_p.def_impl(functools.partial(_compat.apply_primitive, compressed_allreduce_residual_p))
+# Every platform; jax_cgx._nccl_lowering registers the CUDA rule (xla, or a clear error for nccl).
+mlir.register_lowering(compressed_allreduce_residual_p, _lower_residual_xla)
+ad.primitive_jvps[compressed_allreduce_residual_p] = _residual_jvp
+batching.fancy_primitive_batchers[compressed_allreduce_residual_p] = _batch_residual
 
 
 # ------------------------------------------------------- the test oracle

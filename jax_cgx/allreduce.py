@@ -11,6 +11,9 @@ A pytree goes through three lanes, leaf by leaf:
 
 With ``skip_incomplete_buckets`` the last ``n mod bucket_size`` values of a buffer
 take the exact lane, as in torch_cgx.
+
+``return_residual=True`` also returns each rank's share of the compression error, for
+error feedback (docs/algorithm.md, "Error feedback").
 """
 
 from __future__ import annotations
@@ -26,7 +29,12 @@ import numpy as np
 from jax import lax
 
 from jax_cgx import _compat
-from jax_cgx._sra import chunk_length, compressed_allreduce_p, wire_bytes_per_rank
+from jax_cgx._sra import (
+    chunk_length,
+    compressed_allreduce_p,
+    compressed_allreduce_residual_p,
+    wire_bytes_per_rank,
+)
 from jax_cgx.codec import SUPPORTED_DTYPES, Impl, _check_impl
 from jax_cgx.config import CompressionConfig
 
@@ -119,6 +127,7 @@ def compressed_psum(
     *,
     key: jax.Array | None = None,
     impl: Impl = "auto",
+    return_residual: bool = False,
 ):
     """Sum a pytree over mapped axes, moving quantized bytes instead of full-precision ones.
 
@@ -137,9 +146,22 @@ def compressed_psum(
       key: a PRNG key, required when any leaf uses stochastic rounding. Every rank
         folds in its axis index, so ranks round independently.
       impl: codec implementation: ``"auto"``, ``"kernel"`` or ``"reference"``.
+      return_residual: also return this rank's compression error, for error feedback.
 
     Returns:
-      A pytree like ``x``: the sum, bitwise identical on every rank.
+      A pytree like ``x``: the sum, bitwise identical on every rank. With
+      ``return_residual=True``, ``(sum, residual)``: ``sum`` is bitwise the same as
+      without it, and ``residual`` is a pytree like ``x`` (same dtypes, different on
+      every rank) such that, summed over the ranks of the reduction,
+      ``sum_r residual_r == sum_r x_r - sum`` up to float32 rounding (and the rounding of
+      the residual to the leaf's dtype, for bfloat16/float16 leaves): every rank holds
+      exactly the compression error attributable to it. Per lane: exact leaves and the
+      uncompressed tail of ``skip_incomplete_buckets``: zeros; ``bits=16``: the local cast
+      error ``x - cast(x)`` (the rounding of the half-precision sum itself is not
+      attributable to a rank and is not included); quantized: what each quantization
+      this rank ran lost (see docs/algorithm.md, "Error feedback"); a single rank:
+      zeros. Residuals are computed by the ``xla`` backend only (``backend="nccl"``
+      raises); they cannot be differentiated.
     """
     _check_impl(impl)
     axes = _axes(axis_name)
@@ -150,11 +172,17 @@ def compressed_psum(
     plan = _plan(paths, leaves, config, x)
 
     out: list[jax.Array | None] = [None] * len(leaves)
+    res: list[jax.Array | None] = [None] * len(leaves)
     for i, (leaf, lane, c) in enumerate(zip(leaves, plan.lanes, plan.configs)):
         if lane == "exact":
             out[i] = lax.psum(leaf, axes)
+            if return_residual:
+                res[i] = jnp.zeros_like(leaf)
         elif lane == "half":
-            out[i] = lax.psum(leaf.astype(jnp.dtype(c.half_dtype)), axes).astype(leaf.dtype)
+            half = leaf.astype(jnp.dtype(c.half_dtype))
+            out[i] = lax.psum(half, axes).astype(leaf.dtype)
+            if return_residual:  # the local cast error; the half-precision sum's rounding is no rank's
+                res[i] = (leaf.astype(jnp.float32) - half.astype(jnp.float32)).astype(leaf.dtype)
 
     if plan.groups:
         if any(g.config.stochastic for g in plan.groups) and key is None:
@@ -168,16 +196,27 @@ def compressed_psum(
         for group, members in plan.groups.items():
             flat = [leaves[i].reshape(-1) for i in members]
             bounds = np.cumsum([0] + [sizes[i] for i in members])
-            reduced = []
+            reduced, lost = [], []
             for start, stop in plan.buffers(group, sizes):
                 buf_key = None if rank_key is None else jax.random.fold_in(rank_key, buffer_index)
                 buffer_index += 1
                 buf = _assemble(flat, bounds, start, stop, group.dtype)
-                reduced.append(_reduce_buffer(buf, axes, world, group.config, buf_key, impl))
-            summed = jnp.concatenate(reduced) if len(reduced) > 1 else reduced[0]
+                result = _reduce_buffer(buf, axes, world, group.config, buf_key, impl, return_residual)
+                reduced.append(result[0] if return_residual else result)
+                lost.append(result[1] if return_residual else None)
+            summed = _join(reduced)
+            residual = _join(lost) if return_residual else None
             for j, i in enumerate(members):
                 out[i] = summed[bounds[j] : bounds[j + 1]].reshape(leaves[i].shape)
+                if return_residual:
+                    res[i] = residual[bounds[j] : bounds[j + 1]].reshape(leaves[i].shape)
+    if return_residual:
+        return treedef.unflatten(out), treedef.unflatten(res)
     return treedef.unflatten(out)
+
+
+def _join(parts):
+    return jnp.concatenate(parts) if len(parts) > 1 else parts[0]
 
 
 def bytes_on_wire(x, world: int, config: ConfigSpec = None, *, inner_world: int | None = None) -> int:
@@ -255,11 +294,21 @@ def compressed_pmean(
     *,
     key: jax.Array | None = None,
     impl: Impl = "auto",
+    return_residual: bool = False,
 ):
-    """The mean of a pytree over mapped axes: :func:`compressed_psum` divided by the axis size."""
+    """The mean of a pytree over mapped axes: :func:`compressed_psum` divided by the axis size.
+
+    With ``return_residual=True`` returns ``(mean, residual)`` where ``residual`` is
+    :func:`compressed_psum`'s: the residual **of the sum**, in the units of the inputs
+    (``sum_r residual_r == sum_r x_r - W * mean``), not divided by ``W``. That is what
+    error feedback adds to the next step's inputs (:func:`jax_cgx.optax.compressed_mean`).
+    """
     axes = _axes(axis_name)
     world = _world_size(axes, "compressed_pmean")
-    summed = compressed_psum(x, axes, config, key=key, impl=impl)
+    summed = compressed_psum(x, axes, config, key=key, impl=impl, return_residual=return_residual)
+    if return_residual:
+        summed, residual = summed
+        return jax.tree.map(lambda s: s / world, summed), residual
     return jax.tree.map(lambda s: s / world, summed)
 
 
@@ -302,11 +351,11 @@ def _lane(path, leaf, config: CompressionConfig | None) -> str:
     return "half" if config.bits == 16 else "quantized"
 
 
-def _reduce_buffer(buf, axes, world, config: CompressionConfig, key, impl):
+def _reduce_buffer(buf, axes, world, config: CompressionConfig, key, impl, residual=False):
     """One fusion buffer through the compressed primitive (its uncompressed tail, if skipped, through psum).
 
     With ``config.hierarchical`` the compressed part is reduced in two levels
-    (:func:`_reduce_hierarchical`).
+    (:func:`_reduce_hierarchical`). With ``residual`` returns ``(sum, residual)``.
     """
     if config.hierarchical and len(axes) < 2:
         raise ValueError(
@@ -317,10 +366,11 @@ def _reduce_buffer(buf, axes, world, config: CompressionConfig, key, impl):
             "to compress over a single axis."
         )
     if world == 1:
-        return buf  # a sum over one rank moves nothing: exact
+        # A sum over one rank moves nothing: exact.
+        return (buf, jnp.zeros_like(buf)) if residual else buf
     n = buf.size
     head_n = (n // config.bucket_size) * config.bucket_size if config.skip_incomplete_buckets else n
-    parts = []
+    parts, lost = [], []
     if head_n:
         head = buf[:head_n]
         if _compat.check_vma_enabled():
@@ -329,22 +379,32 @@ def _reduce_buffer(buf, axes, world, config: CompressionConfig, key, impl):
             if missing:
                 head = _compat.pvary(head, missing)
         if config.hierarchical:
-            parts.append(_reduce_hierarchical(head, axes, world, config, key, impl))
+            result = _reduce_hierarchical(head, axes, world, config, key, impl, residual)
         else:
-            parts.append(_compressed_sum(head, axes, world, config, key, impl))
+            result = _compressed_sum(head, axes, world, config, key, impl, residual)
+        parts.append(result[0] if residual else result)
+        lost.append(result[1] if residual else None)
     if head_n < n:
-        parts.append(lax.psum(buf[head_n:], axes))
-    return jnp.concatenate(parts) if len(parts) > 1 else parts[0]
+        tail = buf[head_n:]
+        parts.append(lax.psum(tail, axes))
+        lost.append(jnp.zeros_like(tail) if residual else None)  # the exact lane loses nothing
+    if residual:
+        return _join(parts), _join(lost)
+    return _join(parts)
 
 
-def _compressed_sum(values, axes, world, config: CompressionConfig, key, impl):
-    """``values[n]`` summed over ``axes`` (``world`` ranks) by the compressed all-reduce primitive."""
+def _compressed_sum(values, axes, world, config: CompressionConfig, key, impl, residual=False):
+    """``values[n]`` summed over ``axes`` (``world`` ranks) by the compressed all-reduce primitive.
+
+    With ``residual``: ``(sum, residual)`` from the primitive with error feedback.
+    """
     if key is None:
         seeds = jnp.zeros((1, world + 1, 2), jnp.uint32)
     else:
         seeds = jax.random.bits(key, (1, world + 1, 2), jnp.uint32)
     chunk = chunk_length(values.size, world, config.bucket_size, config.skip_incomplete_buckets)
-    reduced = compressed_allreduce_p.bind(
+    prim = compressed_allreduce_residual_p if residual else compressed_allreduce_p
+    reduced = prim.bind(
         values[None],
         seeds,
         axes=axes,
@@ -358,6 +418,8 @@ def _compressed_sum(values, axes, world, config: CompressionConfig, key, impl):
         backend=config.backend,
         segments=config.pipeline_segments,
     )
+    if residual:
+        return reduced[0][0], reduced[1][0]
     return reduced[0]
 
 
@@ -371,30 +433,41 @@ def _hierarchical_shard(n: int, inner_world: int, config: CompressionConfig) -> 
     return -(-n // align) * align // inner_world
 
 
-def _reduce_hierarchical(head, axes, world, config: CompressionConfig, key, impl):
+def _reduce_hierarchical(head, axes, world, config: CompressionConfig, key, impl, residual=False):
     """Two-level sum over ``axes = (outer..., inner)``, torch_cgx's intra/cross-node split.
 
     An uncompressed reduce-scatter over the inner (intra-node) axis leaves every rank a
     shard of the node's sum; the shards are reduced by the compressed primitive over
     the outer axes (each rank with the ranks that hold the same shard on other nodes),
     and an all-gather over the inner axis reassembles the buffer.
+
+    With ``residual``: ``(sum, residual)``; the compressed exchange's residual sits at this
+    rank's shard positions of the buffer, zeros elsewhere (the inner reduce-scatter and
+    all-gather are exact up to float32 rounding).
     """
     inner, outer = axes[-1], axes[:-1]
     inner_world = lax.axis_size(inner)
     outer_world = world // inner_world
     if outer_world == 1:
-        return lax.psum(head, axes)  # one node: nothing is compressed, an exact sum
+        # One node: nothing is compressed, an exact sum.
+        return (lax.psum(head, axes), jnp.zeros_like(head)) if residual else lax.psum(head, axes)
     n = head.size
     shard_n = _hierarchical_shard(n, inner_world, config)
     padded = head
     if shard_n * inner_world != n:
         padded = lax.dynamic_update_slice(jnp.zeros((shard_n * inner_world,), head.dtype), head, (0,))
     shard = lax.psum_scatter(padded, inner, scatter_dimension=0, tiled=True)
-    reduced = _compressed_sum(shard, outer, outer_world, config, key, impl)
+    reduced = _compressed_sum(shard, outer, outer_world, config, key, impl, residual)
+    if residual:
+        reduced, lost = reduced
     if _compat.check_vma_enabled():
         # The shard varies over the inner axis; the gathered sum does not (like psum's), and
         # its transpose hands each rank its own shard of the cotangent.
         full = _compat.all_gather_invariant(reduced, inner)
     else:
         full = lax.all_gather(reduced, inner, axis=0, tiled=True)
-    return full[:n]
+    if not residual:
+        return full[:n]
+    # psum_scatter hands shard i to inner rank i: our residual covers those positions.
+    placed = lax.dynamic_update_slice(jnp.zeros_like(padded), lost, (lax.axis_index(inner) * shard_n,))
+    return full[:n], placed[:n]

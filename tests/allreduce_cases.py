@@ -172,3 +172,80 @@ def ring_bound(xs, out, scales, chunk, bucket_size, stochastic=False):
     rounding = 2.0**-22 * (np.abs(xs).sum(0) + np.abs(exact)) * w
     bound = per_value[:n] * (factor + 1e-4) + rounding
     return np.abs(np.asarray(out, np.float64) - exact), bound
+
+
+# ------------------------------------------------------------ error-feedback residuals
+
+
+def residual_grid(xs, mesh, axes, config, key=None, check_vma=True, mean=False, impl="auto"):
+    """compressed_psum(return_residual=True) over ``axes`` of ``xs[*mesh.shape, n]`` (one row per device).
+
+    Returns numpy ``(out, residual, plain)``, each ``[*mesh.shape, n]``: every device's
+    result, its residual, and the result of the same call without ``return_residual``.
+    With ``mean`` the same through compressed_pmean.
+    """
+    names = mesh.axis_names
+    spec = P(*names)
+    lead = (0,) * len(names)
+    fn = jax_cgx.compressed_pmean if mean else jax_cgx.compressed_psum
+    expand = (None,) * len(names)
+
+    def body(x, k):
+        out, res = fn(x[lead], axes, config, key=k, impl=impl, return_residual=True)
+        plain = fn(x[lead], axes, config, key=k, impl=impl)
+        return out[expand], res[expand], plain[expand]
+
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec, P()), out_specs=spec, check_vma=check_vma))
+    return tuple(np.asarray(a) for a in f(jax.device_put(xs, NamedSharding(mesh, spec)), key))
+
+
+def residual_identity_error(xs, out, residual):
+    """``|sum_r residual_r + out - sum_r x_r|`` per element (float64), and its float32 tolerance.
+
+    ``xs``, ``residual``: ``[W, n]`` (one reduction group); ``out``: ``[n]``. The identity
+    is exact in real arithmetic; in float32 each of the (at most W) accumulations of a
+    partial sum and each residual subtraction rounds once, by at most 2^-24 of the
+    magnitudes involved, so the tolerance is ``W * 2^-22 * (sum_r |x_r| + |out| + sum_r
+    |residual_r|)`` (a factor 4 of slack). bfloat16/float16 residuals are rounded to their
+    dtype: add ``2^-(mantissa bits)`` of ``sum_r |residual_r|``.
+    """
+    x64 = np.asarray(xs, np.float64)
+    r64 = np.asarray(residual, np.float64)
+    o64 = np.asarray(out, np.float64)
+    w = x64.shape[0]
+    err = np.abs(r64.sum(0) + o64 - x64.sum(0))
+    magnitude = np.abs(x64).sum(0) + np.abs(o64) + np.abs(r64).sum(0)
+    tol = w * 2.0**-22 * magnitude
+    dtype = np.asarray(residual).dtype
+    if dtype != np.float32:
+        tol = tol + 2.0 ** -jnp.finfo(dtype).nmant * np.abs(r64).sum(0)
+    return err, tol
+
+
+def residual_bound(config, scales, chunk, n):
+    """The analytic bound of each rank's residual, ``[W, n]``: half a quantization step.
+
+    Every value of rank ``r``'s residual is the error of one quantization rank ``r`` ran
+    (SRA: of its chunk ``o`` for the peer ``o``, of the summed chunk ``r`` for itself;
+    ring: the ``h``-th quantization of chunk ``o`` runs on rank ``o+1+h``), so it is at
+    most ``scale/2`` of that bucket with nearest rounding and ``scale`` with stochastic
+    rounding, plus float32 rounding (left to the caller). ``scales`` as the oracles return them.
+    """
+    b = config.bucket_size
+    expand = lambda s: np.repeat(np.asarray(s, np.float64), b, axis=-1)[..., :chunk]  # noqa: E731
+    if config.algorithm == "ring":
+        hops = expand(scales["hops"])  # [owner, hop, value]
+        w = hops.shape[0]
+        bound = np.stack([
+            np.concatenate([hops[o, (r - o - 1) % w] for o in range(w)]) for r in range(w)
+        ])
+    else:
+        q = expand(scales["quantized"])  # [owner, rank, value]
+        s = expand(scales["summed"])  # [owner, value]
+        w = q.shape[0]
+        bound = np.stack([
+            np.concatenate([s[o] if o == r else q[o, r] for o in range(w)]) for r in range(w)
+        ])
+    factor = 1.0 if config.stochastic else 0.5
+    return factor * bound[:, :n]
+
