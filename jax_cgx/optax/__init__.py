@@ -1,0 +1,49 @@
+"""optax gradient transformations that average gradients over a mapped axis, compressed.
+
+Use them inside ``jax.shard_map`` or ``jax.pmap`` (where ``axis_name`` is bound), in place
+of ``jax.lax.pmean(grads, axis_name)``, typically first in an ``optax.chain``::
+
+    tx = optax.chain(jax_cgx.optax.compressed_mean("data", CompressionConfig(bits=4)), optax.adam(1e-3))
+
+=====================  ============================================================
+``compressed_mean``    max-min quantization (compressed_pmean), torch_cgx's layer filter,
+                       optional error feedback
+``cast_mean``          a mean in bfloat16/float16 (PyTorch's fp16/bf16 compress hooks)
+``powersgd_mean``      PowerSGD (PyTorch's powerSGD_hook semantics)
+``topk_mean``          Deep Gradient Compression's top-k sparsification
+=====================  ============================================================
+
+Every factory returns an ``optax.GradientTransformation`` with a NamedTuple state whose
+shapes and dtypes never change across steps (so it works under ``jit``, ``optax.MultiSteps``
+and ``optax.apply_if_finite``). Needs optax (``pip install optax``).
+"""
+
+try:
+    import optax as _optax  # noqa: F401
+except ImportError as err:  # pragma: no cover - optional dependency
+    raise ImportError("jax_cgx.optax needs optax: pip install optax (or jax_cgx[optax])") from err
+
+from jax_cgx.optax._mean import (
+    CastMeanState,
+    CompressedMeanState,
+    cast_mean,
+    compressed_mean,
+    compressed_mean_state_specs,
+)
+from jax_cgx.optax._powersgd import PowerSGDState, powersgd_bytes, powersgd_mean
+from jax_cgx.optax._topk import TopKState, topk_bytes, topk_mean, topk_state_specs
+
+__all__ = [
+    "compressed_mean",
+    "CompressedMeanState",
+    "compressed_mean_state_specs",
+    "cast_mean",
+    "CastMeanState",
+    "powersgd_mean",
+    "PowerSGDState",
+    "powersgd_bytes",
+    "topk_mean",
+    "TopKState",
+    "topk_bytes",
+    "topk_state_specs",
+]

@@ -1,0 +1,489 @@
+"""jax_cgx.optax.topk_mean (Deep Gradient Compression) on 8 virtual CPU devices."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from conftest import assert_same_bits
+from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jax_cgx.optax import TopKState, topk_bytes, topk_mean, topk_state_specs
+from jax_cgx.optax._topk import _first_true
+
+W = 8
+PARAMS = {
+    "w": jnp.zeros((48, 64), jnp.float32),  # 3072: compressed
+    "e": jnp.zeros((2000,), jnp.float32),  # compressed
+    "b": jnp.zeros((10,), jnp.float32),  # small
+    "s": jnp.zeros((), jnp.float32),  # scalar
+}
+COMPRESSED = ("w", "e")
+LITE = {"w": PARAMS["w"], "b": PARAMS["b"]}  # one leaf of each kind: faster to compile
+
+
+def mesh_1d():
+    return jax.make_mesh((W,), ("d",), axis_types=(jax.sharding.AxisType.Explicit,))
+
+
+def grads(step, params=PARAMS, seed=0, scale=1.0):
+    """Per-rank gradients: leaves [W, *shape], different on every rank and step."""
+    leaves, treedef = jax.tree.flatten(params)
+    key = jax.random.fold_in(jax.random.key(seed), step)
+    out = [
+        scale * jax.random.normal(jax.random.fold_in(key, i), (W,) + p.shape, jnp.float32).astype(p.dtype)
+        for i, p in enumerate(leaves)
+    ]
+    return treedef.unflatten(out)
+
+
+def per_rank(x):
+    """A per-rank state leaf (ranks' states concatenated along axis 0) as [W, *shape]."""
+    x = np.asarray(x)
+    return x.reshape((W, x.shape[0] // W) + x.shape[1:])
+
+
+class Runner:
+    """Runs ``tx`` step by step in ``jax.shard_map``, the state crossing the boundary per rank."""
+
+    def __init__(self, tx, params=PARAMS, check_vma=True):
+        self.mesh = mesh_1d()
+        self.specs = topk_state_specs(jax.eval_shape(tx.init, params), "d")
+        self.state = jax.jit(jax.shard_map(tx.init, mesh=self.mesh, in_specs=P(), out_specs=self.specs))(params)
+        self.traces = 0
+
+        def body(g, state):
+            self.traces += 1
+            g = jax.tree.map(lambda x: x[0], g)
+            upd, state = tx.update(g, state)
+            return jax.tree.map(lambda x: x[None], upd), state
+
+        self.step_fn = jax.jit(
+            jax.shard_map(
+                body,
+                mesh=self.mesh,
+                in_specs=(P("d"), self.specs),
+                out_specs=(P("d"), self.specs),
+                check_vma=check_vma,
+            )
+        )
+
+    def step(self, gs):
+        gs = jax.device_put(gs, NamedSharding(self.mesh, P("d")))
+        upd, self.state = self.step_fn(gs, self.state)
+        out = {}
+        for name, x in upd.items():  # every replica gets bitwise the same mean
+            x = np.asarray(x)
+            for r in range(1, W):
+                assert_same_bits(x[r], x[0], f"{name}: replica {r} vs 0")
+            out[name] = x[0]
+        return out
+
+
+def reference(steps, ratio, momentum=0.0, nesterov=False, warmup_steps=0, warmup_ratios=(), min_size=1024):
+    """Single-program DGC with exact top-k thresholds (sample_ratio=1), simulated ranks.
+
+    Returns the updates of every step and the final per-rank (u, v) of the compressed leaves.
+    """
+    m = np.float32(momentum)
+    u, v, u_small, outs = {}, {}, {}, []
+    for t, gs in enumerate(steps):
+        phase = min(t // warmup_steps, len(warmup_ratios)) if warmup_steps else 0
+        r_t = (tuple(warmup_ratios) + (ratio,))[phase] if warmup_steps else ratio
+        out = {}
+        for name, g in gs.items():
+            g = np.asarray(g, np.float32)
+            shape = g.shape[1:]
+            n = math.prod(shape)
+            if g.ndim >= 2 and n >= min_size:
+                g = g.reshape(W, n)
+                u.setdefault(name, np.zeros((W, n), np.float32))
+                v.setdefault(name, np.zeros((W, n), np.float32))
+                k = min(n, max(1, math.ceil(r_t * n)))
+                dense = np.zeros(n, np.float32)
+                for r in range(W):
+                    if momentum:
+                        u[name][r] = m * u[name][r] + g[r]
+                        v[name][r] += g[r] + m * u[name][r] if nesterov else u[name][r]
+                    else:
+                        v[name][r] += g[r]
+                    sel = np.arange(n) if k == n else np.argsort(-np.abs(v[name][r]), kind="stable")[:k]
+                    dense[sel] += v[name][r][sel]
+                    v[name][r][sel] = 0
+                    if k < n:
+                        u[name][r][sel] = 0
+                out[name] = (dense / np.float32(W)).reshape(shape)
+            else:
+                mean = g.mean(0)
+                if momentum:
+                    us = u_small[name] = m * u_small.get(name, np.zeros_like(mean)) + mean
+                    mean = mean + m * us if nesterov else us
+                out[name] = mean
+        outs.append(out)
+    return outs, u, v
+
+
+@pytest.mark.parametrize(
+    "momentum,nesterov,warmup",
+    [(0.0, False, 0), (0.9, False, 0), (0.9, True, 0), (0.9, False, 2)],
+    ids=["plain", "momentum", "nesterov", "warmup"],
+)
+def test_matches_reference(momentum, nesterov, warmup):
+    kw = dict(ratio=0.01, momentum=momentum, nesterov=nesterov, warmup_steps=warmup, warmup_ratios=(0.25, 0.05))
+    tx = topk_mean("d", sample_ratio=1.0, **kw)
+    run = Runner(tx)
+    steps = [grads(t) for t in range(7 if warmup else 4)]
+    expected, u_ref, v_ref = reference(steps, **kw)
+    for t, gs in enumerate(steps):
+        got = run.step(gs)
+        for name in PARAMS:
+            np.testing.assert_allclose(got[name], expected[t][name], rtol=1e-6, atol=1e-5, err_msg=f"step {t} {name}")
+    for name in COMPRESSED:
+        n = math.prod(PARAMS[name].shape)
+        # f32 rounding (XLA may contract m * u + g into an FMA; values up to ~10 cancel)
+        np.testing.assert_allclose(per_rank(run.state.v[name]).reshape(W, n), v_ref[name], rtol=1e-6, atol=1e-5)
+        if momentum:
+            np.testing.assert_allclose(per_rank(run.state.u[name]).reshape(W, n), u_ref[name], rtol=1e-6, atol=1e-5)
+    assert int(run.state.count) == len(steps)
+    assert run.traces == 1
+
+
+def test_ratio_one_is_pmean_and_momentum_of_pmean():
+    steps = [grads(t) for t in range(3)]
+    run = Runner(topk_mean("d", 1.0, momentum=0.0))
+    for gs in steps:
+        got = run.step(gs)
+        for name in PARAMS:
+            np.testing.assert_allclose(got[name], np.asarray(gs[name]).mean(0), rtol=1e-6, atol=1e-7)
+    # ratio=1 sends everything and does not mask u: momentum SGD on the mean (DGC's
+    # reference with compress_ratio=1), for every leaf.
+    run = Runner(topk_mean("d", 1.0, momentum=0.9, nesterov=True))
+    trace = optax.trace(0.9, nesterov=True)
+    tstate = trace.init(PARAMS)
+    for gs in steps:
+        got = run.step(gs)
+        want, tstate = trace.update(jax.tree.map(lambda x: x.mean(0), gs), tstate)
+        for name in PARAMS:
+            np.testing.assert_allclose(got[name], want[name], rtol=1e-5, atol=1e-6)
+
+
+def test_small_leaves_exact_pmean():
+    """Uncompressed leaves: bitwise lax.pmean (momentum=0), optax.trace of it (momentum)."""
+    mesh = mesh_1d()
+    small = {"b": PARAMS["b"], "s": PARAMS["s"], "big_int": jnp.zeros((4096,), jnp.int32)}
+    gs = grads(0, {"b": small["b"], "s": small["s"]})
+    gs["big_int"] = jnp.arange(W * 4096, dtype=jnp.int32).reshape(W, 4096)
+    for momentum in (0.0, 0.9):
+        tx = topk_mean("d", 0.01, momentum=momentum)
+
+        def body(g):
+            g = jax.tree.map(lambda x: x[0], g)
+            upd, _ = tx.update(g, tx.init(small))
+            return jax.tree.map(lambda x: x[None], upd), jax.tree.map(lambda x: lax.pmean(x, "d")[None], g)
+
+        f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("d"), out_specs=P("d")))
+        got, want = f(jax.device_put(gs, NamedSharding(mesh, P("d"))))
+        for name in small:  # one step from zero momentum: u = pmean(g)
+            assert_same_bits(got[name], want[name], name)
+        state = tx.init(small)
+        assert state.v["b"].shape == (0,) and state.v["big_int"].shape == (0,)
+        assert state.u["b"].shape == ((10,) if momentum else (0,))
+
+
+def _sent_counts(v_before_mask, v_after):
+    """Per rank: elements zeroed by the step (were nonzero, now zero)."""
+    return ((v_before_mask != 0) & (v_after == 0)).reshape(W, -1).sum(1)
+
+
+def test_sparsity_sampled_threshold():
+    """With a sampled threshold each rank contributes at most k = ceil(ratio n) elements."""
+    ratio = 0.01
+    run = Runner(topk_mean("d", ratio, sample_ratio=0.05, momentum=0.9))
+    for t in range(4):
+        got = run.step(grads(t))
+        for name in COMPRESSED:
+            n = math.prod(PARAMS[name].shape)
+            k = math.ceil(ratio * n)
+            zeros = (per_rank(run.state.v[name]) == 0).reshape(W, -1).sum(1)
+            assert np.all(zeros <= k) and np.all(zeros >= 1), (t, name, zeros)
+            # Momentum factor masking: u is zero exactly where v was sent.
+            np.testing.assert_array_equal(per_rank(run.state.u[name]) == 0, per_rank(run.state.v[name]) == 0)
+            assert np.count_nonzero(got[name]) <= W * k
+
+
+def test_nothing_is_lost():
+    """momentum=0: sum of applied means + mean over ranks of v == sum of mean gradients."""
+    run = Runner(topk_mean("d", 0.01, sample_ratio=0.02, momentum=0.0))
+    applied = {name: 0.0 for name in COMPRESSED}
+    true = {name: 0.0 for name in COMPRESSED}
+    for t in range(6):
+        gs = grads(t)
+        got = run.step(gs)
+        for name in COMPRESSED:
+            applied[name] = applied[name] + got[name].astype(np.float64)
+            true[name] = true[name] + np.asarray(gs[name], np.float64).mean(0)
+    for name in COMPRESSED:
+        residual = per_rank(run.state.v[name]).astype(np.float64).mean(0)
+        assert np.abs(residual).max() > 0.1  # most is still held back
+        np.testing.assert_allclose(applied[name] + residual, true[name], atol=1e-5)
+
+
+def test_warmup_schedule():
+    """k per step follows warmup_ratios (each for warmup_steps steps), then ratio; one all_gather of k_t per phase."""
+    n = math.prod(PARAMS["w"].shape)
+    ratios = (0.25, 0.0625)
+    tx = topk_mean("d", 0.01, sample_ratio=1.0, momentum=0.0, warmup_steps=2, warmup_ratios=ratios)
+    run = Runner(tx, {"w": PARAMS["w"]})
+    expected_k = [math.ceil(r * n) for r in (0.25, 0.25, 0.0625, 0.0625, 0.01, 0.01, 0.01)]
+    for t, k in enumerate(expected_k):
+        gs = {"w": grads(t)["w"]}
+        run.step(gs)
+        zeros = (per_rank(run.state.v["w"]) == 0).reshape(W, -1).sum(1)
+        np.testing.assert_array_equal(zeros, k, err_msg=f"step {t}")
+    assert run.traces == 1
+
+    # The program gathers exactly k_t (value, index) pairs per phase (a lax.switch branch each).
+    def gathered_sizes(jaxpr, out):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name.startswith("all_gather"):
+                out.add(eqn.invars[0].aval.shape)
+            for p in eqn.params.values():
+                for sub in p if isinstance(p, (tuple, list)) else (p,):
+                    if hasattr(sub, "jaxpr"):
+                        gathered_sizes(sub.jaxpr if hasattr(sub.jaxpr, "eqns") else sub.jaxpr.jaxpr, out)
+                    elif hasattr(sub, "eqns"):
+                        gathered_sizes(sub, out)
+        return out
+
+    gs = jax.device_put(grads(0, {"w": PARAMS["w"]}), NamedSharding(run.mesh, P("d")))
+    jaxpr = jax.make_jaxpr(run.step_fn)(gs, run.state)
+    assert gathered_sizes(jaxpr.jaxpr, set()) == {(2 * math.ceil(r * n),) for r in (0.25, 0.0625, 0.01)}
+
+
+def test_state_fixed_and_pytree():
+    tx = topk_mean("d", 0.01, momentum=0.9, warmup_steps=1)
+    state0 = tx.init(PARAMS)
+    assert isinstance(state0, TopKState)
+    assert state0.count.dtype == jnp.int32 and state0.count.shape == ()
+    for name in PARAMS:
+        compressed = name in COMPRESSED
+        assert state0.v[name].shape == (PARAMS[name].shape if compressed else (0,))
+        assert state0.u[name].shape == PARAMS[name].shape
+        assert state0.u[name].dtype == state0.v[name].dtype == jnp.float32
+    run = Runner(tx)
+    shapes = jax.tree.map(lambda x: (x.shape, x.dtype), run.state)
+    for t in range(6):  # through every warm-up phase
+        run.step(grads(t))
+        assert jax.tree.map(lambda x: (x.shape, x.dtype), run.state) == shapes
+    assert run.traces == 1
+
+
+def test_ranks_sample_independently_and_deterministic():
+    """Same gradient on every rank, sampled threshold: ranks pick different sets; reruns repeat."""
+    params = {"w": jnp.zeros((64, 256), jnp.float32)}
+    g = jax.random.normal(jax.random.key(3), (64, 256))
+    gs = {"w": jnp.broadcast_to(g, (W, 64, 256))}
+    results = []
+    for _ in range(2):
+        run = Runner(topk_mean("d", 0.01, sample_ratio=0.01, momentum=0.0, seed=5), params)
+        upd = run.step(gs)
+        results.append((upd["w"], per_rank(run.state.v["w"]) == 0))
+    assert_same_bits(results[0][0], results[1][0], "rerun")
+    masks = results[0][1]
+    assert len({masks[r].tobytes() for r in range(W)}) > 1
+
+
+def test_pmap_matches_shard_map():
+    tx = topk_mean("d", 0.02, sample_ratio=0.05, momentum=0.9, nesterov=True, warmup_steps=1, warmup_ratios=(0.1,))
+    run = Runner(tx, LITE)
+    pstep = jax.pmap(tx.update, axis_name="d")
+    pstate = jax.pmap(tx.init)(jax.tree.map(lambda p: jnp.broadcast_to(p, (W,) + p.shape), LITE))
+    for t in range(3):
+        gs = grads(t, LITE)
+        want = run.step(gs)
+        got, pstate = pstep(gs, pstate)
+        for name in LITE:
+            np.testing.assert_allclose(np.asarray(got[name])[0], want[name], rtol=1e-6, atol=1e-7)
+            for r in range(1, W):
+                assert_same_bits(np.asarray(got[name])[r], np.asarray(got[name])[0], name)
+    for name in ("w",):
+        np.testing.assert_allclose(np.asarray(pstate.v[name]), per_rank(run.state.v[name]), rtol=1e-6, atol=1e-7)
+
+
+def test_check_vma_off_and_tuple_axes():
+    tx = topk_mean("d", 0.01, sample_ratio=0.05)
+    steps = [grads(t, LITE) for t in range(2)]
+    want = [Runner(tx, LITE).step(gs) for gs in steps[:1]]
+    got = Runner(tx, LITE, check_vma=False).step(steps[0])
+    for name in LITE:
+        assert_same_bits(got[name], want[0][name], name)
+
+    # Two mesh axes reduced together: ranks numbered row-major, as on the 1-D mesh.
+    mesh = jax.make_mesh((2, 4), ("a", "b"), axis_types=(jax.sharding.AxisType.Explicit,) * 2)
+    tx2 = topk_mean(("a", "b"), 0.01, sample_ratio=0.05)
+    specs = topk_state_specs(jax.eval_shape(tx2.init, LITE), ("a", "b"))
+
+    def body(g):
+        g = jax.tree.map(lambda x: x[0], g)
+        upd, _ = tx2.update(g, tx2.init(LITE))
+        return upd
+
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(("a", "b")), out_specs=P()))
+    out = f(jax.device_put(steps[0], NamedSharding(mesh, P(("a", "b")))))
+    for name in LITE:
+        assert_same_bits(np.asarray(out[name]), want[0][name], name)
+    assert specs.v["w"] == P(("a", "b"))
+
+
+def _loop(tx, steps, params=LITE, check_vma=True):
+    """Runs all steps inside one shard_map; returns the updates and the final state.
+
+    The state (any optax state) is kept per rank by stacking it on a leading axis of size W.
+    """
+    mesh = mesh_1d()
+    state = jax.tree.map(lambda x: jnp.broadcast_to(x, (W,) + x.shape), tx.init(params))
+
+    def body(gs, state):
+        state = jax.tree.map(lambda x: x[0], state)
+        outs = []
+        for g in gs:
+            upd, state = tx.update(jax.tree.map(lambda x: x[0], g), state, params)
+            outs.append(jax.tree.map(lambda x: x[None], upd))
+        return outs, jax.tree.map(lambda x: x[None], state)
+
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("d"), out_specs=P("d"), check_vma=check_vma))
+    sharding = NamedSharding(mesh, P("d"))
+    outs, state = f(jax.device_put(steps, sharding), jax.device_put(state, sharding))
+    return [jax.tree.map(lambda x: np.asarray(x)[0], o) for o in outs], state
+
+
+def test_chain_multisteps():
+    lr = 0.1
+    inner = optax.chain(topk_mean("d", 0.01, sample_ratio=1.0, momentum=0.9), optax.apply_if_finite(optax.sgd(lr), 3))
+    tx = optax.MultiSteps(inner, every_k_schedule=2)
+    steps = [grads(t, LITE) for t in range(4)]
+    # check_vma=False: MultiSteps' own per-rank accumulator starts invariant (optax's zeros).
+    got, _ = _loop(tx, steps, check_vma=False)
+
+    # Expected: topk_mean fed the averages of micro-step pairs.
+    averaged = [jax.tree.map(lambda a, b: (a + b) / 2, steps[i], steps[i + 1]) for i in (0, 2)]
+    want, _ = _loop(inner, averaged)
+    zeros = jax.tree.map(np.zeros_like, want[0])
+    for t, expected in enumerate([zeros, want[0], zeros, want[1]]):
+        for name in LITE:
+            np.testing.assert_allclose(got[t][name], expected[name], rtol=1e-6, atol=1e-6, err_msg=f"{t} {name}")
+
+    # The same under pmap.
+    pstate = jax.pmap(tx.init)(jax.tree.map(lambda p: jnp.broadcast_to(p, (W,) + p.shape), LITE))
+    pupdate = jax.pmap(tx.update, axis_name="d")
+    for t, gs in enumerate(steps):
+        pgot, pstate = pupdate(gs, pstate)
+        for name in LITE:
+            np.testing.assert_allclose(np.asarray(pgot[name])[3], got[t][name], rtol=1e-6, atol=1e-6)
+
+
+def test_apply_if_finite_after_topk_skips_nonfinite_steps():
+    lr = 0.1
+    topk = topk_mean("d", 0.01, sample_ratio=0.05, momentum=0.9)
+    tx = optax.chain(topk, optax.apply_if_finite(optax.sgd(lr), 3))
+    steps = [grads(t, LITE) for t in range(3)]
+    bad = dict(steps[1])
+    bad["w"] = bad["w"].at[5, 7, 17].set(jnp.nan)  # one rank, one element
+    got, state = _loop(tx, [steps[0], bad, steps[2]])
+    want, want_state = _loop(tx, [steps[0], steps[2]])
+    for name in LITE:
+        assert_same_bits(got[0][name], want[0][name], name)
+        assert not np.any(got[1][name])  # skipped on every rank
+        assert_same_bits(got[2][name], want[1][name], name)
+    assert np.all(np.asarray(state[1].total_notfinite) == 1)  # on every rank
+    for a, b in zip(jax.tree.leaves(state[0]), jax.tree.leaves(want_state[0])):
+        assert_same_bits(a, b)
+
+
+def test_scan_with_state_created_inside_shard_map():
+    """init inside shard_map(check_vma=True) gives the per-rank leaves the type update returns."""
+    mesh = mesh_1d()
+    tx = topk_mean("d", 0.01, sample_ratio=0.05, warmup_steps=1, warmup_ratios=(0.1,))
+    xs = jnp.stack([grads(t)["w"] for t in range(3)], axis=1)  # [W, T, 48, 64]
+    params = {"w": PARAMS["w"]}
+
+    def body(x):
+        def step(state, g):
+            upd, state = tx.update({"w": g}, state)
+            return state, upd["w"]
+
+        state, upds = lax.scan(step, tx.init(params), x[0])
+        return upds, state.v["w"][None]
+
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("d"), out_specs=(P(), P("d"))))
+    upds, v = f(jax.device_put(xs, NamedSharding(mesh, P("d"))))
+    run = Runner(tx, params)
+    for t in range(3):
+        want = run.step({"w": xs[:, t]})["w"]
+        assert_same_bits(upds[t], want, f"step {t}")
+    assert_same_bits(v, per_rank(run.state.v["w"]), "v")
+
+
+def test_nonfinite_gradient_poisons_every_rank():
+    """A NaN on one rank that is not selected still makes the mean non-finite everywhere."""
+    steps = [grads(0)]
+    steps[0]["w"] = steps[0]["w"].at[3, 0, 0].set(jnp.nan)
+    tx = topk_mean("d", 0.01, sample_ratio=0.05)
+    got, state = _loop(tx, steps, PARAMS)
+    assert not np.all(np.isfinite(got[0]["w"]))
+    assert np.all(np.isfinite(got[0]["e"]))
+    # ... and the state stays as it was, on every rank.
+    assert np.all(np.asarray(state.count) == 0)
+    for leaf in jax.tree.leaves((state.u, state.v)):
+        assert not np.any(np.asarray(leaf))
+
+
+def test_bfloat16_gradients():
+    params = {"w": jnp.zeros((64, 64), jnp.bfloat16)}
+    got, state = _loop(topk_mean("d", 0.01, momentum=0.9), [grads(0, params)], params)
+    assert got[0]["w"].dtype == jnp.bfloat16
+    assert state.u["w"].dtype == state.v["w"].dtype == jnp.float32
+    assert 0 < np.count_nonzero(np.asarray(got[0]["w"], np.float32)) <= W * math.ceil(0.01 * 64 * 64)
+
+
+@pytest.mark.parametrize("n,k,density", [(1, 1, 0.5), (1000, 7, 0.01), (3000, 50, 0.5), (5000, 20, 0.001)])
+def test_first_true_is_nonzero(n, k, density):
+    first_true = jax.jit(_first_true, static_argnums=1)
+    for seed in range(3):
+        mask = jax.random.uniform(jax.random.key(seed), (n,)) < density
+        assert_same_bits(first_true(mask, k), jnp.nonzero(mask, size=k, fill_value=n)[0].astype(jnp.int32))
+
+
+def test_topk_bytes():
+    params = {
+        "w": jax.ShapeDtypeStruct((1000, 1000), jnp.float32),
+        "b": jnp.zeros((1000,), jnp.float32),  # < min_size
+        "s": jnp.zeros((), jnp.bfloat16),
+    }
+    assert topk_bytes(params, 8, ratio=0.001) == 7 * 1000 * 8 + math.ceil(2 * 7 * 4002 / 8)
+    assert topk_bytes(params, 8, ratio=0.01, min_size=1000) == 7 * (10000 + 10) * 8 + math.ceil(2 * 7 * 2 / 8)
+    assert topk_bytes(params, 1) == 0
+    # density 1: a dense float32 all-reduce
+    assert topk_bytes({"w": params["w"]}, 4, ratio=1.0) == 2 * 3 * 4 * 10**6 // 4
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(ratio=0.0),
+        dict(ratio=1.5),
+        dict(sample_ratio=0.0),
+        dict(momentum=-0.1),
+        dict(momentum=0.0, nesterov=True),
+        dict(warmup_steps=-1),
+        dict(warmup_steps=2, warmup_ratios=(0.5, 2.0)),
+        dict(min_size=0),
+    ],
+)
+def test_validation(kw):
+    with pytest.raises(ValueError):
+        topk_mean("d", **kw)
