@@ -91,9 +91,13 @@ def main() -> None:
 
     def make_step(reduce):
         def local(params, x, y):
-            loss, grads = jax.value_and_grad(loss_fn)(params, x, y)
+            # Differentiate this device's copy: the gradient of the replicated (invariant)
+            # params would come out already summed over "data" by a float32 psum that JAX
+            # inserts, leaving nothing for the reduction below to compress.
+            mine = jax.lax.pcast(params, "data", to="varying")
+            loss, grads = jax.value_and_grad(loss_fn)(mine, x, y)
             grads = reduce(grads)
-            new = jax.tree.map(lambda p, g: p - 0.05 * g, params, grads)
+            new = jax.tree.map(lambda p, g: p - 0.4 * g, params, grads)
             return new, jax.lax.pmean(loss, "data"), grads
 
         spec = jax.tree.map(lambda _: P(), params)
