@@ -2,7 +2,7 @@
 
 import argparse
 
-from jax_cgx.bench import allreduce, codec
+from jax_cgx.bench import allreduce, codec, cost_model
 
 
 def main(argv=None) -> None:
@@ -16,6 +16,10 @@ def main(argv=None) -> None:
     )
     allreduce.add_arguments(p)
     p.set_defaults(run=allreduce.main)
+    p = sub.add_parser("model", help="predicted all-reduce times on a slow link (cost model)",
+                       description=cost_model.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    cost_model.add_arguments(p)
+    p.set_defaults(run=cost_model.main)
     args = parser.parse_args(argv)
     args.run(args)
 

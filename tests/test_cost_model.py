@@ -1,0 +1,53 @@
+"""The all-reduce cost model (jax_cgx/bench/cost_model.py): units and limits."""
+
+import argparse
+import json
+
+import pytest
+
+from jax_cgx._sra import wire_bytes_per_rank
+from jax_cgx.bench.cost_model import CodecRates, LinkModel, encoded_chunk_bytes, parse_rate, predict
+
+RATES = CodecRates(quantize=2e9, dequantize=3e9, add=5e9)
+
+
+def test_parse_rate_follows_tc_units():
+    assert parse_rate("1gbit") == 125e6 and parse_rate("10gbit") == 1.25e9
+    assert parse_rate("125mbps") == 125e6 and parse_rate("8000") == 1000
+    assert parse_rate("unlimited") == float("inf")
+    with pytest.raises(argparse.ArgumentTypeError):
+        parse_rate("fast")
+
+
+@pytest.mark.parametrize("world, bits", [(2, 4), (4, 8), (8, 2)])
+def test_wire_bytes_match_the_algorithm(world, bits):
+    size = 64 * 2**20
+    model = 2 * (world - 1) * encoded_chunk_bytes(size, world, bits, 512)
+    actual = wire_bytes_per_rank(size // 4, world, bits, 512, False)
+    assert model == pytest.approx(actual, rel=1e-3)
+
+
+def test_limits():
+    size, world = 64 * 2**20, 4
+    free = predict(size, world, 4, 512, LinkModel(float("inf"), 0.0), RATES)
+    assert free["wire"] == 0 and free["psum"] == pytest.approx(3 / 4 * size / RATES.add)
+    # On a slower and slower link the speedup tends to the ratio of bytes sent.
+    slow = predict(size, world, 4, 512, LinkModel(1e3, 0.0), RATES)
+    byte_ratio = (2 * 3 / 4 * size) / (2 * 3 * encoded_chunk_bytes(size, world, 4, 512))
+    assert slow["speedup"] == pytest.approx(byte_ratio, rel=1e-3)
+    speedups = [predict(size, world, 4, 512, LinkModel(bw, 2e-4), RATES)["speedup"] for bw in (1e10, 1e9, 1e8)]
+    assert speedups == sorted(speedups)
+    assert predict(size, 1, 4, 512, LinkModel(1e8), RATES)["compressed"] == 0
+
+
+def test_rates_from_codec_json(tmp_path):
+    path = tmp_path / "codec.json"
+    path.write_text(json.dumps([
+        dict(bits=4, size_mib=16, quantize_gbps=1.0, dequantize_gbps=2.0, copy_gbps=5.0),
+        dict(bits=4, size_mib=64, quantize_gbps=1.5, dequantize_gbps=2.5, copy_gbps=6.0),
+    ]))
+    rates = CodecRates.from_codec_json(str(path), 4)
+    assert (rates.quantize, rates.dequantize, rates.add) == (1.5e9, 2.5e9, 6e9)
+    assert CodecRates.from_codec_json(str(path), 4, size_mib=16).quantize == 1e9
+    with pytest.raises(ValueError, match="no rows for bits=8"):
+        CodecRates.from_codec_json(str(path), 8)
