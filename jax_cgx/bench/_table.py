@@ -20,10 +20,14 @@ def print_table(title: str, columns: Sequence[str], rows: Sequence[Sequence[str]
         return
     table = Table(title=title)
     for c in columns:
-        table.add_column(c, justify="right")
+        table.add_column(c, justify="right", no_wrap=True)
     for r in rows:
         table.add_row(*r)
-    Console().print(table)
+    console = Console()
+    if not console.is_terminal:
+        # Logs and pipes: the table's natural width, never truncated to 80 columns.
+        console = Console(width=10_000)
+    console.print(table)
 
 
 def save(records: list[dict], path: str) -> None:
