@@ -76,18 +76,21 @@ def _pump(stream, prefix: str, out) -> None:
     stream.close()
 
 
-class Job:
-    """The launched processes, each the leader of its own process group."""
+class ProcessGroup:
+    """Processes, each the leader of its own process group, output prefixed with its rank.
 
-    def __init__(self, argv: list[str], n: int, devices: int | None):
-        port = free_port()
+    Also used by benchmarks/netem/run.py, which starts its ranks inside network namespaces.
+    """
+
+    def __init__(self, commands: list[list[str]], envs: list[dict[str, str]], cwd=None):
         self.procs: list[subprocess.Popen] = []
         self.pumps: list[threading.Thread] = []
-        width = len(str(n - 1))
-        for rank in range(n):
+        width = len(str(len(commands) - 1))
+        for rank, (argv, env) in enumerate(zip(commands, envs)):
             proc = subprocess.Popen(
                 argv,
-                env=_environment(rank, n, port, devices),
+                env=env,
+                cwd=cwd,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
                 text=True,
@@ -115,6 +118,14 @@ class Job:
         self._signal_all(signal.SIGKILL)
         for proc in self.procs:
             proc.wait()
+
+
+class Job(ProcessGroup):
+    """N processes of one script, wired for ``jax_cgx.distributed.initialize``."""
+
+    def __init__(self, argv: list[str], n: int, devices: int | None):
+        port = free_port()
+        super().__init__([argv] * n, [_environment(rank, n, port, devices) for rank in range(n)])
 
     def wait(self, grace: float) -> int:
         """Wait for all; on the first failure stop the rest. Returns the job's exit code."""

@@ -40,9 +40,10 @@ import shutil
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
+
+from jax_cgx.launch import ProcessGroup
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_SCRIPT = REPO / "benchmarks" / "allreduce.py"
@@ -313,37 +314,12 @@ def existing_namespaces() -> list[str]:
     return [line.split()[0] for line in proc.stdout.splitlines() if line.strip()]
 
 
-def _find_prctl():
-    try:
-        import ctypes
-
-        return ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-
-
-_PRCTL = _find_prctl()
-
-
-def _die_with_launcher() -> None:
-    if _PRCTL is not None:
-        _PRCTL(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
-
-
-def _pump(stream, prefix: str) -> None:
-    for line in iter(stream.readline, ""):
-        sys.stdout.write(f"{prefix}{line}")
-        sys.stdout.flush()
-    stream.close()
-
-
 class Network:
     """Builds the plan's network; `close()` removes it (idempotent, also after a partial build)."""
 
     def __init__(self, plan: Plan):
         self.plan = plan
-        self.procs: list[subprocess.Popen] = []
-        self.pumps: list[threading.Thread] = []
+        self.group: ProcessGroup | None = None
 
     def build(self) -> None:
         clash = set(self.plan.namespaces) & set(existing_namespaces())
@@ -356,23 +332,18 @@ class Network:
             _run(cmd)
 
     def start(self, argv: list[str], python: str) -> None:
-        width = len(str(self.plan.processes - 1))
-        for rank in range(self.plan.processes):
-            proc = subprocess.Popen(
-                self.plan.process_command(rank, argv, python), env=self.plan.environment(rank), cwd=REPO,
-                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                start_new_session=True, preexec_fn=_die_with_launcher if _PRCTL is not None else None,
-            )
-            self.procs.append(proc)
-            pump = threading.Thread(target=_pump, args=(proc.stdout, f"[{rank:>{width}}] "), daemon=True)
-            pump.start()
-            self.pumps.append(pump)
+        ranks = range(self.plan.processes)
+        self.group = ProcessGroup(
+            [self.plan.process_command(rank, argv, python) for rank in ranks],
+            [self.plan.environment(rank) for rank in ranks],
+            cwd=REPO,
+        )
 
     def wait(self, timeout: float | None, grace: float) -> int:
         """Wait for every process; the first failure (or the timeout) stops the rest."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
-            codes = [p.poll() for p in self.procs]
+            codes = [p.poll() for p in self.group.procs]
             failed = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
             if failed:
                 rank, rc = failed[0]
@@ -386,28 +357,15 @@ class Network:
                 self.stop(grace)
                 return 124
             time.sleep(0.05)
-        for pump in self.pumps:
+        for pump in self.group.pumps:
             pump.join(timeout=5)
         return 0
 
-    def _signal_all(self, sig: int) -> None:
-        for proc in self.procs:
-            try:
-                os.killpg(proc.pid, sig)
-            except (ProcessLookupError, PermissionError):
-                pass
-
     def stop(self, grace: float) -> None:
-        if not self.procs:
+        if self.group is None:
             return
-        self._signal_all(signal.SIGTERM)
-        deadline = time.monotonic() + grace
-        while time.monotonic() < deadline and any(p.poll() is None for p in self.procs):
-            time.sleep(0.05)
-        self._signal_all(signal.SIGKILL)
-        for proc in self.procs:
-            proc.wait()
-        for pump in self.pumps:
+        self.group.stop(grace)
+        for pump in self.group.pumps:
             pump.join(timeout=5)
 
     def close(self, grace: float) -> list[str]:
