@@ -30,14 +30,14 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jax_cgx import codec
-from jax_cgx._sra import _from_wire, _to_wire
-from jax_cgx.quantized import num_buckets, payload_bytes
+from jax_cgx import _wire, codec
+from jax_cgx.quantized import META_BYTES, num_buckets, payload_bytes
 
 __all__ = ["ring_rows", "simulate_ring"]
 
 
-def ring_rows(x, seeds, *, axes, world, chunk, bits, bucket_size, stochastic, impl, residual=False):
+def ring_rows(x, seeds, *, axes, world, chunk, bits, bucket_size, stochastic, impl, residual=False,
+              segments=1, message_cap=None):
     """The per-device program of the ring compressed all-reduce of rows ``x[R, n]``.
 
     ``seeds[R, W+1, 2]``: row 0 for the first quantization, row ``t+1`` for the
@@ -47,7 +47,8 @@ def ring_rows(x, seeds, *, axes, world, chunk, bits, bucket_size, stochastic, im
     exactly once (its first quantization of chunk ``r-1``, then one re-quantization per
     hop, of chunk ``(r-t-2) mod W``, the last being chunk ``r``), and ``residual[chunk k]``
     is the float32 input of that quantization minus its decoded result, in ``x.dtype``.
-    The exchanged bytes and ``out`` are the same either way.
+    The exchanged bytes and ``out`` are the same either way, as they are for any cut of the
+    messages (``segments``, ``message_cap``: :mod:`jax_cgx._wire`).
     """
     r, n = x.shape
     if n == 0:
@@ -56,6 +57,7 @@ def ring_rows(x, seeds, *, axes, world, chunk, bits, bucket_size, stochastic, im
     p, nb = payload_bytes(c, bucket_size, bits), num_buckets(c, bucket_size)
     me = lax.axis_index(axes)
     codec_args = dict(bits=bits, bucket_size=bucket_size, m=c, impl=impl)
+    k_msg = _wire.count(segments, p + nb * META_BYTES, message_cap)
     to_next = _ring_perm(axes, w)
     f32 = jnp.float32
 
@@ -68,15 +70,15 @@ def ring_rows(x, seeds, *, axes, world, chunk, bits, bucket_size, stochastic, im
     # Step 0: our chunk (r-1) mod W starts its trip around the ring.
     first = (me + w - 1) % w
     payload, meta = codec.quantize_rows(own_chunk(first), seeds[:, 0], stochastic=stochastic, **codec_args)
-    wire = _to_wire(payload, meta)
+    wire = _wire.to_wire(payload, meta)
     if residual:
         lost = own_chunk(first).astype(f32) - codec.dequantize_rows(payload, meta, dtype=f32, **codec_args)
         res = lax.dynamic_update_index_in_dim(jnp.zeros((r, w, c), f32), lost, first, axis=1)
 
     def step(t, carry):
         wire = carry[0] if residual else carry
-        received = lax.ppermute(wire, axes, to_next)
-        recv_payload, recv_meta = _from_wire(received, p, nb)
+        received = _wire.ppermute(wire, axes, to_next, k_msg)
+        recv_payload, recv_meta = _wire.from_wire(received, p, nb)
         k = (me + 2 * w - t - 2) % w
         row = jnp.where(t == w - 2, w, t + 1)
         # With residuals, decode in float32: the next hop adds exactly these float32 values.
@@ -89,7 +91,7 @@ def ring_rows(x, seeds, *, axes, world, chunk, bits, bucket_size, stochastic, im
             dtype=f32 if residual else x.dtype,
             **codec_args,
         )
-        wire = _to_wire(sum_payload, sum_meta)
+        wire = _wire.to_wire(sum_payload, sum_meta)
         if not residual:
             return wire
         summed = codec.dequantize_sum_rows(
@@ -102,8 +104,8 @@ def ring_rows(x, seeds, *, axes, world, chunk, bits, bucket_size, stochastic, im
     # After the last step (t = W-2, k = r) `wire` is the final encoding of our chunk.
     carry = lax.fori_loop(0, w - 1, step, (wire, res) if residual else wire)
     wire = carry[0] if residual else carry
-    gathered = lax.all_gather(wire, axes, axis=1, tiled=False)
-    out_payload, out_meta = _from_wire(gathered, p, nb)
+    gathered = _wire.all_gather(wire, axes, k_msg)
+    out_payload, out_meta = _wire.from_wire(gathered, p, nb)
     out = codec.dequantize_rows(
         out_payload.reshape(r * w, p), out_meta.reshape(r * w, nb, 2), dtype=x.dtype, **codec_args
     )

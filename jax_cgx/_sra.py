@@ -32,7 +32,7 @@ from jax import lax
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
-from jax_cgx import _compat, _ffi, codec
+from jax_cgx import _compat, _ffi, _wire, codec
 from jax_cgx.quantized import META_BYTES, num_buckets, payload_bytes
 
 __all__ = ["chunk_length", "sra_rows", "xla_rows", "compressed_allreduce_p", "compressed_allreduce_residual_p"]
@@ -57,22 +57,13 @@ def chunk_length(n: int, world: int, bucket_size: int, whole_buckets: bool) -> i
     return -(-per_rank // align) * align
 
 
-def _to_wire(payload, meta):
-    """Packed levels and their metadata as one byte array per chunk: payload || meta."""
-    meta_bytes = lax.bitcast_convert_type(meta, jnp.uint8).reshape(*meta.shape[:-2], -1)
-    return jnp.concatenate([payload, meta_bytes], axis=-1)
-
-
-def _from_wire(wire, p: int, nb: int):
-    payload = wire[..., :p]
-    meta = lax.bitcast_convert_type(wire[..., p:].reshape(*wire.shape[:-1], nb, 2, 4), jnp.float32)
-    return payload, meta
-
-
-def sra_rows(x, seeds, *, axes, world, chunk, bits, bucket_size, stochastic, impl, residual=False):
+def sra_rows(x, seeds, *, axes, world, chunk, bits, bucket_size, stochastic, impl, residual=False,
+             segments=1, message_cap=None):
     """The per-device program of the compressed all-reduce of rows ``x[R, n]``.
 
-    With ``residual=True`` returns ``(out, residual)``: this rank's share of the
+    Each collective moves its per-peer byte rows in ``_wire.count(segments, ...,
+    message_cap)`` messages (:mod:`jax_cgx._wire`; the bytes, and so the result, do not
+    depend on it). With ``residual=True`` returns ``(out, residual)``: this rank's share of the
     compression error (:func:`_sra_residual`), in ``x.dtype``. The exchanged bytes and
     ``out`` are the same either way.
     """
@@ -90,17 +81,18 @@ def sra_rows(x, seeds, *, axes, world, chunk, bits, bucket_size, stochastic, imp
     payload, meta = codec.quantize_rows(
         chunks.reshape(r * w, c), seeds[:, :w].reshape(r * w, 2), stochastic=stochastic, **codec_args
     )
-    wire = _to_wire(payload.reshape(r, w, p), meta.reshape(r, w, nb, 2))
-    received = lax.all_to_all(wire, axes, split_axis=1, concat_axis=1, tiled=True)
-    recv_payload, recv_meta = _from_wire(received, p, nb)
+    k = _wire.count(segments, p + nb * META_BYTES, message_cap)
+    wire = _wire.to_wire(payload.reshape(r, w, p), meta.reshape(r, w, nb, 2))
+    received = _wire.all_to_all(wire, axes, k)
+    recv_payload, recv_meta = _wire.from_wire(received, p, nb)
     # Our own chunk enters in full precision; its received encoding must add exactly +0.
     recv_meta = lax.dynamic_update_index_in_dim(recv_meta, jnp.zeros((r, 1, nb, 2), jnp.float32), me, axis=1)
     own = lax.dynamic_index_in_dim(chunks, me, axis=1, keepdims=False)
     sum_payload, sum_meta, own_out = codec.dequantize_sum_requantize_rows(
         recv_payload, recv_meta, own, seeds[:, w], stochastic=stochastic, dtype=x.dtype, **codec_args
     )
-    gathered = lax.all_gather(_to_wire(sum_payload, sum_meta), axes, axis=1, tiled=False)
-    out_payload, out_meta = _from_wire(gathered, p, nb)
+    gathered = _wire.all_gather(_wire.to_wire(sum_payload, sum_meta), axes, k)
+    out_payload, out_meta = _wire.from_wire(gathered, p, nb)
     out = codec.dequantize_rows(
         out_payload.reshape(r * w, p), out_meta.reshape(r * w, nb, 2), dtype=x.dtype, **codec_args
     )
@@ -154,12 +146,13 @@ def _abstract_eval(x, seeds, *, axes, **params):
     return out, {_compat.NamedAxisEffect(a) for a in axes}
 
 
-def xla_rows(x, seeds, *, algorithm, backend, segments, **params):
+def xla_rows(x, seeds, *, algorithm, backend, **params):
     """The xla backend: the chosen algorithm written with XLA collectives.
 
-    ``residual=True`` (in ``params``) also returns this rank's compression error.
+    ``residual=True`` (in ``params``) also returns this rank's compression error;
+    ``segments`` and ``message_cap`` say how messages are cut (:mod:`jax_cgx._wire`).
     """
-    del backend, segments  # execution settings of the nccl backend
+    del backend
     if algorithm == "ring":
         from jax_cgx._ring import ring_rows
 
@@ -175,9 +168,9 @@ def _lower_xla(ctx, x, seeds, *, backend, **params):
             f"lowered for {platforms}. Use backend='auto' (nccl where available, else xla) or "
             "backend='xla'."
         )
-    return mlir.lower_fun(functools.partial(xla_rows, backend=backend, **params), multiple_results=False)(
-        ctx, x, seeds
-    )
+    cap = _wire.message_cap(ctx.module_context.platforms)
+    fun = functools.partial(xla_rows, backend=backend, message_cap=cap, **params)
+    return mlir.lower_fun(fun, multiple_results=False)(ctx, x, seeds)
 
 
 compressed_allreduce_p.def_effectful_abstract_eval(_abstract_eval)
@@ -246,7 +239,8 @@ def _residual_abstract_eval(x, seeds, *, axes, **params):
 def _lower_residual_xla(ctx, x, seeds, *, backend, **params):
     if backend == "nccl":
         raise NotImplementedError(RESIDUAL_BACKEND_ERROR)
-    fun = functools.partial(xla_rows, backend=backend, residual=True, **params)
+    cap = _wire.message_cap(ctx.module_context.platforms)
+    fun = functools.partial(xla_rows, backend=backend, residual=True, message_cap=cap, **params)
     return mlir.lower_fun(fun, multiple_results=True)(ctx, x, seeds)
 
 

@@ -67,9 +67,12 @@ class CompressionConfig:
       hierarchical: for a reduction over several axes ``(outer..., inner)``, sum over the
         last (intra-node) axis uncompressed with a reduce-scatter, run the compressed
         exchange over the other axes, and all-gather back over the inner axis.
-      pipeline_segments: nccl backend only: split each chunk into this many segments so
-        that quantizing one segment overlaps sending the previous; 0 picks by size.
-        Does not change the result.
+      pipeline_segments: how the exchange is cut; 0 picks by size. nccl backend: each
+        chunk is split into this many segments so that quantizing one segment overlaps
+        sending the previous. xla backend: every collective's per-peer message is sent
+        as this many messages; by size, at most 256 KiB each on CPU with several
+        processes (gloo runs large two-way messages at half the line rate of a slow
+        link), one message elsewhere. Never changes the result.
     """
 
     bits: int = 4

@@ -1,0 +1,99 @@
+"""The xla backend's messages cut into segments (jax_cgx._wire): same bytes, same results."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from allreduce_cases import mesh_2d, psum_grid, residual_grid
+from conftest import assert_same_bits
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jax_cgx
+from jax_cgx import CompressionConfig, _wire
+
+KEY = jax.random.key(5)
+
+
+def test_count_rules():
+    assert _wire.count(0, 10 * 2**20, None) == 1  # no cap: one message
+    assert _wire.count(0, 256 * 1024, 256 * 1024) == 1
+    assert _wire.count(0, 256 * 1024 + 1, 256 * 1024) == 2
+    assert _wire.count(0, 2**30, 256 * 1024) == _wire.MAX_SEGMENTS
+    assert _wire.count(5, 2**20, None) == 5  # asked for: exactly, cap or not
+    assert _wire.count(5, 3, 256 * 1024) == 3  # never an empty message
+    assert _wire.count(7, 0, None) == 1
+
+
+@pytest.mark.parametrize("length,k", [(10, 1), (10, 3), (7, 7), (1000, 64)])
+def test_cuts_cover_the_row(length, k):
+    cuts = _wire._cuts(length, k)
+    assert len(cuts) == k and cuts[0][0] == 0 and cuts[-1][1] == length
+    assert all(a < b for a, b in cuts) and all(b == a2 for (_, b), (a2, _) in zip(cuts, cuts[1:]))
+
+
+def test_message_cap_by_platform(monkeypatch):
+    assert _wire.message_cap(["cuda"]) is None
+    assert _wire.message_cap(["cpu"]) is None  # one process: virtual devices share memory
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    assert _wire.message_cap(["cpu"]) == _wire.CPU_MESSAGE_BYTES
+    assert _wire.message_cap(["cpu", "cuda"]) is None
+
+
+@pytest.mark.parametrize("k", [1, 2, 5])
+def test_segmented_collectives_move_the_same_bytes(k):
+    mesh = mesh_2d((4, 2))
+    rng = np.random.default_rng(0)
+    rows = rng.integers(0, 256, (8, 1, 4, 37), dtype=np.uint8)  # [device, R, W, L] for W = 4 over "a"
+    perm = [(i, (i + 1) % 4) for i in range(4)]
+
+    def body(v):
+        v = v[0]
+        return (
+            _wire.all_to_all(v, "a", k)[None],
+            _wire.all_gather(v[:, 0], "a", k)[None],
+            _wire.ppermute(v, "a", perm, k)[None],
+        )
+
+    spec = P(("a", "b"))
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=(spec, spec, spec)))
+    got = f(jax.device_put(rows, NamedSharding(mesh, spec)))
+    ref = jax.jit(jax.shard_map(lambda v: tuple(
+        o[None] for o in (
+            jax.lax.all_to_all(v[0], "a", 1, 1, tiled=True),
+            jax.lax.all_gather(v[0][:, 0], "a", axis=1, tiled=False),
+            jax.lax.ppermute(v[0], "a", perm),
+        )), mesh=mesh, in_specs=spec, out_specs=(spec, spec, spec)))(jax.device_put(rows, NamedSharding(mesh, spec)))
+    for a, b in zip(got, ref):
+        assert_same_bits(a, b, f"segments={k}")
+
+
+@pytest.mark.parametrize("algorithm", ["sra", "ring"])
+@pytest.mark.parametrize("stochastic", [False, True])
+def test_results_do_not_depend_on_segments(algorithm, stochastic):
+    """Bitwise the same sums and residuals whether each message goes whole or in 3 or 64 pieces."""
+    mesh = mesh_2d((4, 2))
+    xs = np.asarray(jax.random.normal(jax.random.key(1), (4, 2, 3000)) * 3, np.float32)
+    key = KEY if stochastic else None
+    outs, residuals = [], []
+    for segments in (1, 3, 64):
+        config = CompressionConfig(bits=3, bucket_size=64, stochastic=stochastic, algorithm=algorithm,
+                                   pipeline_segments=segments, min_size=0, backend="xla")
+        outs.append(psum_grid(xs, mesh, ("a", "b"), config, key))
+        residuals.append(residual_grid(xs, mesh, ("a", "b"), config, key)[1])
+    for segments, out, res in zip((3, 64), outs[1:], residuals[1:]):
+        assert_same_bits(out, outs[0], f"{algorithm} sum, segments={segments}")
+        assert_same_bits(res, residuals[0], f"{algorithm} residual, segments={segments}")
+
+
+def test_segments_in_the_program():
+    """pipeline_segments=3 on the xla backend: three all-to-alls and three all-gathers."""
+    mesh = mesh_2d((8,), ("d",))
+    config = CompressionConfig(bits=4, pipeline_segments=3, min_size=0, backend="xla")
+    f = jax.jit(jax.shard_map(lambda v: jax_cgx.compressed_psum(v[0], "d", config)[None], mesh=mesh,
+                              in_specs=P("d"), out_specs=P("d")))
+    hlo = f.lower(jax.ShapeDtypeStruct((8, 40000), jnp.float32, sharding=NamedSharding(mesh, P("d")))).as_text()
+    assert len(re.findall(r"stablehlo\.all_to_all", hlo)) == 3
+    assert len(re.findall(r"stablehlo\.all_gather", hlo)) == 3
