@@ -37,3 +37,26 @@ def test_small_sweep_writes_consistent_records(tmp_path, capsys):
         assert 0 < r["max_abs_error"] < r["max_abs_sum"]
     assert png.stat().st_size > 10_000
     assert "busbw GB/s" in capsys.readouterr().out
+
+
+@pytest.mark.multiprocess
+def test_allreduce_phases_on_two_processes(tmp_path):
+    """benchmarks/allreduce_phases.py: every phase timed, on 2 CPU processes under jax_cgx.launch."""
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    out = tmp_path / "phases.json"
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one CPU device per process
+    proc = subprocess.run(
+        [sys.executable, "-m", "jax_cgx.launch", "-n", "2", str(root / "benchmarks" / "allreduce_phases.py"),
+         "--size-mib", "0.25", "--repeats", "1", "--segments", "3", "--output", str(out)],
+        capture_output=True, text=True, timeout=300, cwd=root, env=env)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    records = json.loads(out.read_text())
+    assert [r["phase"] for r in records] == ["quantize", "all_to_all", "dequantize_sum_requantize", "all_gather",
+                                             "decode", "sum of phases", "compressed_psum", "psum", "x * 2"]
+    assert all(r["ms"] > 0 and r["devices"] == 2 and r["messages"] == 3 for r in records)
+    assert records[5]["ms"] == pytest.approx(sum(r["ms"] for r in records[:5]))

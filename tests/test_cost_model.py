@@ -51,3 +51,18 @@ def test_rates_from_codec_json(tmp_path):
     assert CodecRates.from_codec_json(str(path), 4, size_mib=16).quantize == 1e9
     with pytest.raises(ValueError, match="no rows for bits=8"):
         CodecRates.from_codec_json(str(path), 8)
+
+
+def test_ranks_sharing_a_host_slow_compute_not_wire():
+    size, link = 64 * 2**20, LinkModel(125e6, 2e-4)
+    own = predict(size, 4, 4, 512, link, RATES)
+    shared = predict(size, 4, 4, 512, link, RATES, host_cores=2)
+    assert shared["wire"] == own["wire"]
+    assert shared["codec"] == pytest.approx(2 * own["codec"]) and shared["copies"] == pytest.approx(2 * own["copies"])
+    assert predict(size, 2, 4, 512, link, RATES, host_cores=2)["compressed"] == predict(size, 2, 4, 512, link, RATES)["compressed"]
+
+
+def test_measured_reduce_rate_replaces_the_estimate():
+    size, link = 64 * 2**20, LinkModel(125e6)
+    slow_reduce = CodecRates(quantize=2e9, dequantize=3e9, add=5e9, reduce=1e9)
+    assert predict(size, 2, 4, 512, link, slow_reduce)["codec"] == pytest.approx(size / 2e9 + size / 1e9 + size / 3e9)

@@ -436,6 +436,16 @@ def annotate(path: Path, plan: Plan) -> list[dict] | None:
 
 
 def summary(records: list[dict]) -> str:
+    """A few columns of the results: the all-reduce benchmark's, or benchmarks/train_step.py's or
+    allreduce_phases.py's."""
+    if records and "phase" in records[0]:
+        return "\n".join(f"{r['phase']:>26} {r['ms']:>9.1f} ms" for r in records)
+    if records and "step_ms" in records[0]:
+        lines = [f"{'compressor':>12} {'step ms':>9} {'speedup':>7}"]
+        for r in records:
+            speedup = "-" if r.get("speedup") is None else f"{r['speedup']:.2f}"
+            lines.append(f"{r['compressor']:>12} {r['step_ms']:>9.1f} {speedup:>7}")
+        return "\n".join(lines)
     lines = [f"{'MiB':>8} {'bits':>4} {'psum ms':>9} {'cgx ms':>9} {'speedup':>7}"]
     for r in records:
         lines.append(f"{r['size_mib']:>8g} {r['bits']:>4} {r['psum_ms']:>9.1f} {r['compressed_ms']:>9.1f} "

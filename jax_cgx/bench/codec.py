@@ -3,6 +3,11 @@
 On CPU the copy is ``numpy.copyto`` (the memory bandwidth a kernel can hope for);
 on GPU it is a device-to-device copy (an XLA elementwise kernel reading and writing
 every byte once). Times are the best of ``--repeats`` runs after a warm-up.
+
+``reduce`` is the owner's fused step of the all-reduce for ``--world`` W ranks: decode
+W encodings of one chunk of ``size / W`` values, add the chunk in full precision and
+re-quantize the sum. Its GB/s count the buffer's size (the W decoded chunks), so that
+the cost model (``python -m jax_cgx.bench model``) charges ``size / reduce_gbps`` for it.
 """
 
 from __future__ import annotations
@@ -38,6 +43,15 @@ def _copy_time(x: jax.Array, repeats: int) -> float:
     return _best(lambda: copy(x).block_until_ready(), repeats)
 
 
+def _reduce_time(x: jax.Array, config, world: int, impl: str, repeats: int) -> float:
+    """Best time of the fused dequantize-sum-requantize of ``world`` encodings of ``x.size / world`` values."""
+    chunk = x[: x.size // world]
+    stacked = jax.jit(jax.vmap(lambda a: jax_cgx.quantize(a, config, impl=impl)))(
+        jnp.stack([jnp.roll(chunk, i) for i in range(world)]))
+    fused = jax.jit(lambda q, a: jax_cgx.dequantize_sum_requantize(q, a, impl=impl))
+    return _best(lambda: jax.block_until_ready(fused(stacked, chunk)), repeats)
+
+
 def run(args: argparse.Namespace) -> list[dict]:
     device = jax.devices(args.platform)[0] if args.platform else jax.devices()[0]
     dtype = jnp.dtype(args.dtype)
@@ -54,6 +68,7 @@ def run(args: argparse.Namespace) -> list[dict]:
             q = quantize(x, key)
             t_q = _best(lambda: jax.block_until_ready(quantize(x, key)), args.repeats)
             t_d = _best(lambda: dequantize(q).block_until_ready(), args.repeats)
+            t_r = _reduce_time(x, config, args.world, args.impl, args.repeats)
             nbytes = n * dtype.itemsize
             records.append(
                 dict(
@@ -66,8 +81,11 @@ def run(args: argparse.Namespace) -> list[dict]:
                     copy_ms=t_copy * 1e3,
                     quantize_ms=t_q * 1e3,
                     dequantize_ms=t_d * 1e3,
+                    reduce_world=args.world,
+                    reduce_ms=t_r * 1e3,
                     quantize_gbps=nbytes / t_q / 1e9,
                     dequantize_gbps=nbytes / t_d / 1e9,
+                    reduce_gbps=nbytes / t_r / 1e9,
                     copy_gbps=nbytes / t_copy / 1e9,
                     quantize_over_copy=t_q / t_copy,
                     dequantize_over_copy=t_d / t_copy,
@@ -85,6 +103,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stochastic", action="store_true", help="stochastic rounding")
     p.add_argument("--impl", default="kernel", choices=["kernel", "reference", "auto"])
     p.add_argument("--platform", default=None, help="cpu or gpu (default: jax's default device)")
+    p.add_argument("--world", type=int, default=4,
+                   help="ranks for the fused dequantize-sum-requantize (reduce) column, default 4")
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--output", help="also write the results to this .json or .csv file")
     p.add_argument(
@@ -107,6 +127,7 @@ def main(args: argparse.Namespace) -> None:
             f"{r['dequantize_ms']:.2f}",
             f"{r['quantize_gbps']:.2f}",
             f"{r['dequantize_gbps']:.2f}",
+            f"{r['reduce_gbps']:.2f}",
             f"{r['quantize_over_copy']:.2f}",
             f"{r['dequantize_over_copy']:.2f}",
             f"{r['compression_ratio']:.2f}",
@@ -119,7 +140,7 @@ def main(args: argparse.Namespace) -> None:
         f"{'reused' if reused else 'fresh'} large buffers)"
     )
     columns = ["MiB", "bits", "copy ms", "quant ms", "dequant ms", "quant GB/s", "dequant GB/s",
-               "quant/copy", "dequant/copy", "ratio"]
+               f"reduce GB/s (W={args.world})", "quant/copy", "dequant/copy", "ratio"]
     print_table(title, columns, rows)
     if args.output:
         save(records, args.output)

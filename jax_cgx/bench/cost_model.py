@@ -7,7 +7,7 @@ each rank's link limited to ``B`` bytes/s in each direction (what
 * psum (a bandwidth-optimal ring, as gloo's and NCCL's): every rank sends and receives
   ``2(W-1)/W * S`` and adds ``(W-1)/W * S`` bytes::
 
-      t_psum = 2(W-1)/W * S / B  +  (W-1)/W * S / add_rate  +  2(W-1) * latency
+      t_psum = 2(W-1)/W * S / B  +  (W-1)/W * S / copy_rate  +  2(W-1) * latency
 
 * compressed SRA (docs/algorithm.md): a rank quantizes its ``W`` chunks (``S`` bytes of
   input), sends ``W-1`` encoded chunks in the all_to_all and ``W-1`` in the all_gather
@@ -16,14 +16,24 @@ each rank's link limited to ``B`` bytes/s in each direction (what
 
       t_sra = S/quantize_rate                       (quantize)
             + (W-1) * E / B + latency               (all_to_all)
-            + S/dequantize_rate + S/W/quantize_rate (fused dequantize-sum-requantize)
+            + S/reduce_rate                         (fused dequantize-sum-requantize)
             + (W-1) * E / B + latency               (all_gather)
             + S/dequantize_rate                     (decode)
+            + (9 * W * E + S/W) / copy_rate         (copies around the kernels)
 
-Rates are in bytes of float32 input per second, from ``python -m jax_cgx.bench codec``
-(``quantize_gbps``, ``dequantize_gbps``). The model ignores overlap (nothing overlaps on the
-xla backend's CPU path) and assumes the link, not the switch, is the bottleneck.
-``python -m jax_cgx.bench model`` prints predictions, and compares them with measurements.
+  The copies are those of the xla backend's optimized HLO on CPU: the wire layout
+  (payload || meta), XLA's per-destination slices, the segments' reassembly
+  (jax_cgx._wire) and the unpacking, about nine passes over the ``W`` encoded chunks in
+  all; and the rank's own chunk, which the fused kernel takes as a separate operand.
+
+Rates are bytes per second of the float32 buffer, from ``python -m jax_cgx.bench codec``
+(``quantize_gbps``, ``dequantize_gbps``, ``reduce_gbps``, ``copy_gbps``). Nothing
+overlaps on the xla backend's CPU path, so the terms add. ``host_cores`` models several
+ranks sharing one machine, as ``benchmarks/netem`` runs them: with ``W`` processes on
+``host_cores`` cores every compute term takes ``max(1, W / host_cores)`` times longer
+(each kernel runs on one thread). The model assumes the links, not the switch, are the
+bottleneck. ``python -m jax_cgx.bench model`` prints predictions and compares them
+with measurements.
 """
 
 from __future__ import annotations
@@ -57,7 +67,8 @@ class CodecRates:
 
     quantize: float
     dequantize: float
-    add: float = 4e9  # a float32 sum, for psum's reductions (memory bound)
+    add: float = 4e9  # memory bandwidth: psum's float32 sums, the copies around the kernels
+    reduce: float | None = None  # the fused step; None: a decode plus 1/W of a quantize
 
     @classmethod
     def from_codec_json(cls, path: str, bits: int, size_mib: float | None = None) -> CodecRates:
@@ -68,8 +79,9 @@ class CodecRates:
             raise ValueError(f"{path} has no rows for bits={bits}")
         row = max(rows, key=lambda r: r["size_mib"]) if size_mib is None else min(
             rows, key=lambda r: abs(r["size_mib"] - size_mib))
+        reduce = row.get("reduce_gbps")
         return cls(quantize=row["quantize_gbps"] * 1e9, dequantize=row["dequantize_gbps"] * 1e9,
-                   add=row["copy_gbps"] * 1e9)
+                   add=row["copy_gbps"] * 1e9, reduce=None if reduce is None else reduce * 1e9)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,18 +97,30 @@ def encoded_chunk_bytes(size_bytes: float, world: int, bits: int, bucket_size: i
     return values * bits / 8 + -(-values // bucket_size) * 8
 
 
+# Passes over the W encoded chunks that the xla backend's program makes besides the
+# kernels and the transport (counted in its optimized HLO on XLA:CPU).
+WIRE_COPIES = 9
+
+
 def predict(size_bytes: float, world: int, bits: int, bucket_size: int, link: LinkModel,
-            rates: CodecRates) -> dict[str, float]:
-    """Predicted seconds: ``psum``, ``compressed`` and the compressed time's parts."""
+            rates: CodecRates, host_cores: int | None = None) -> dict[str, float]:
+    """Predicted seconds: ``psum``, ``compressed`` and the compressed time's parts.
+
+    ``host_cores``: all ``world`` ranks share one machine with this many cores (compute
+    slows by ``max(1, world / host_cores)``); None: every rank has a core of its own.
+    """
     if world < 2:
-        return dict(psum=0.0, compressed=0.0, wire=0.0, codec=0.0, speedup=1.0)
+        return dict(psum=0.0, compressed=0.0, wire=0.0, codec=0.0, copies=0.0, speedup=1.0)
     s, w, b = float(size_bytes), world, link.bandwidth
-    psum = 2 * (w - 1) / w * s / b + (w - 1) / w * s / rates.add + 2 * (w - 1) * link.latency
+    share = 1.0 if host_cores is None else max(1.0, w / host_cores)
+    psum = 2 * (w - 1) / w * s / b + share * (w - 1) / w * s / rates.add + 2 * (w - 1) * link.latency
     enc = encoded_chunk_bytes(s, w, bits, bucket_size)
     wire = 2 * ((w - 1) * enc / b + link.latency)
-    codec = s / rates.quantize + (s / rates.dequantize + s / w / rates.quantize) + s / rates.dequantize
-    compressed = wire + codec
-    return dict(psum=psum, compressed=compressed, wire=wire, codec=codec, speedup=psum / compressed)
+    reduce = rates.reduce or 1 / (1 / rates.dequantize + 1 / (w * rates.quantize))
+    codec = share * (s / rates.quantize + s / reduce + s / rates.dequantize)
+    copies = share * (WIRE_COPIES * w * enc + s / w) / rates.add
+    compressed = wire + codec + copies
+    return dict(psum=psum, compressed=compressed, wire=wire, codec=codec, copies=copies, speedup=psum / compressed)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -107,6 +131,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sizes-mib", type=float, nargs="+", default=[64])
     p.add_argument("--bits", type=int, nargs="+", default=[4, 8])
     p.add_argument("--bucket-size", type=int, default=512)
+    p.add_argument("--host-cores", type=int, default=None,
+                   help="all ranks share one machine with this many cores (as benchmarks/netem runs "
+                        "them); default: a core per rank")
     p.add_argument("--measured", nargs="*", default=[],
                    help="`bench allreduce --output` JSON files to compare with (rows matched on world/size/bits)")
 
@@ -125,7 +152,7 @@ def main(args: argparse.Namespace) -> None:
         for mib in args.sizes_mib:
             for bits in args.bits:
                 rates = CodecRates.from_codec_json(args.codec_json, bits)
-                p = predict(mib * 2**20, world, bits, args.bucket_size, link, rates)
+                p = predict(mib * 2**20, world, bits, args.bucket_size, link, rates, args.host_cores)
                 m = measured.get((world, round(mib, 3), bits))
                 row = [str(world), f"{mib:g}", str(bits), f"{p['psum'] * 1e3:.1f}", f"{p['compressed'] * 1e3:.1f}",
                        f"{p['speedup']:.2f}"]

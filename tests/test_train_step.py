@@ -1,0 +1,38 @@
+"""benchmarks/train_step.py: the training-step benchmark, on 2 CPU processes under jax_cgx.launch."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_two_processes_time_every_compressor(tmp_path):
+    out = tmp_path / "steps.json"
+    cmd = [sys.executable, "-m", "jax_cgx.launch", "-n", "2", str(ROOT / "benchmarks" / "train_step.py"),
+           "--compressors", "none", "maxmin:4", "powersgd:1", "--steps", "4", "--warmup", "1", "--d-model", "32",
+           "--batch", "4", "--context", "16", "--no-progress", "--output", str(out)]
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one CPU device per process
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    records = json.loads(out.read_text())
+    assert [r["compressor"] for r in records] == ["none", "maxmin:4", "powersgd:1"]
+    for r in records:
+        assert r["devices"] == 2 and r["platform"] == "cpu" and r["steps"] == 4 and r["step_ms"] > 0
+        assert r["final_loss"] > 0 and r["parameters"] == records[0]["parameters"]
+    none, maxmin, powersgd = records
+    assert none["speedup"] == 1.0 and maxmin["speedup"] == pytest.approx(none["step_ms"] / maxmin["step_ms"])
+    assert maxmin["wire_bytes"] < none["wire_bytes"] and powersgd["wire_bytes"] < none["wire_bytes"]
+    assert "training step, char transformer" in proc.stdout
+
+
+def test_bad_compressor_spec_is_refused():
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "train_step.py"), "--compressors", "topk:3",
+                           "--steps", "4"], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode != 0 and "is not none, maxmin:BITS, cast or powersgd:RANK" in proc.stderr
