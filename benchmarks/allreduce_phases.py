@@ -37,10 +37,10 @@ def main(argv=None) -> dict:
     import jax_cgx
 
     args = parse_args(argv)
-    jax_cgx.distributed.initialize()
     from jax_cgx.bench._memory import reuse_large_allocations
 
-    reuse_large_allocations()
+    reuse_large_allocations()  # before jax starts its threads (jax_cgx/bench/_memory.py)
+    jax_cgx.distributed.initialize()
     import jax
     import jax.numpy as jnp
     from jax import lax

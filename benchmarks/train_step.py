@@ -115,10 +115,10 @@ def main(argv=None) -> list[dict]:
     args = parse_args(argv)
     if args.steps <= args.warmup:
         raise SystemExit(f"train_step: --steps {args.steps} must exceed --warmup {args.warmup}")
-    jax_cgx.distributed.initialize()
     from jax_cgx.bench._memory import reuse_large_allocations
 
-    reuse_large_allocations()
+    reuse_large_allocations()  # before jax starts its threads (jax_cgx/bench/_memory.py)
+    jax_cgx.distributed.initialize()
     import jax
 
     from jax_cgx.bench._table import print_table, save

@@ -57,7 +57,7 @@ def ring_rows(x, seeds, *, axes, world, chunk, bits, bucket_size, stochastic, im
     p, nb = payload_bytes(c, bucket_size, bits), num_buckets(c, bucket_size)
     me = lax.axis_index(axes)
     codec_args = dict(bits=bits, bucket_size=bucket_size, m=c, impl=impl)
-    k_msg = _wire.count(segments, p + nb * META_BYTES, message_cap)
+    k_msg = _wire.choose(segments, p + nb * META_BYTES, message_cap)
     to_next = _ring_perm(axes, w)
     f32 = jnp.float32
 

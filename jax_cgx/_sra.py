@@ -81,7 +81,7 @@ def sra_rows(x, seeds, *, axes, world, chunk, bits, bucket_size, stochastic, imp
     payload, meta = codec.quantize_rows(
         chunks.reshape(r * w, c), seeds[:, :w].reshape(r * w, 2), stochastic=stochastic, **codec_args
     )
-    k = _wire.count(segments, p + nb * META_BYTES, message_cap)
+    k = _wire.choose(segments, p + nb * META_BYTES, message_cap)
     wire = _wire.to_wire(payload.reshape(r, w, p), meta.reshape(r, w, nb, 2))
     received = _wire.all_to_all(wire, axes, k)
     recv_payload, recv_meta = _wire.from_wire(received, p, nb)

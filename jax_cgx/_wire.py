@@ -19,12 +19,16 @@ virtual CPU devices, whose "transport" is a memcpy) the default is one message.
 
 from __future__ import annotations
 
+import logging
+
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-__all__ = ["CPU_MESSAGE_BYTES", "MAX_SEGMENTS", "to_wire", "from_wire", "message_cap", "count",
+__all__ = ["CPU_MESSAGE_BYTES", "MAX_SEGMENTS", "to_wire", "from_wire", "message_cap", "count", "choose",
            "all_to_all", "all_gather", "ppermute"]
+
+logger = logging.getLogger("jax_cgx")
 
 # The largest message per peer that the default cuts to on multi-process CPU (gloo).
 CPU_MESSAGE_BYTES = 256 * 1024
@@ -69,6 +73,15 @@ def count(segments: int, message_bytes: int, cap: int | None) -> int:
     if cap is None:
         return 1
     return max(1, min(MAX_SEGMENTS, -(-message_bytes // cap)))
+
+
+def choose(segments: int, message_bytes: int, cap: int | None) -> int:
+    """:func:`count`, logged at debug level when a message is cut (once per traced all-reduce)."""
+    k = count(segments, message_bytes, cap)
+    if k > 1:
+        logger.debug("jax_cgx: xla backend: %d-byte messages cut into %d per collective (pipeline_segments=%d%s)",
+                     message_bytes, k, segments, f", at most {cap} bytes each" if segments == 0 else "")
+    return k
 
 
 def _cuts(length: int, k: int) -> list[tuple[int, int]]:

@@ -239,6 +239,7 @@ def plot(records: list[dict], path: str) -> None:
         ax.set_xlabel("buffer per device (bytes)")
         ax.set_ylabel(ylabel)
         ax.grid(True, alpha=0.3)
+    ax_bw.legend(fontsize=7)
     ax_sp.legend(fontsize=7)
     fig.suptitle(f"compressed_psum vs psum: {r0['devices']} x {r0['platform']}, {r0['dtype']}, {r0['algorithm']}")
     fig.tight_layout()

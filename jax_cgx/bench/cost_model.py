@@ -15,16 +15,19 @@ each rank's link limited to ``B`` bytes/s in each direction (what
   chunk and re-quantizes their sum, and decodes the ``W`` gathered chunks::
 
       t_sra = S/quantize_rate                       (quantize)
-            + (W-1) * E / B + latency               (all_to_all)
+            + (W-1) * E / B + k * latency           (all_to_all)
             + S/reduce_rate                         (fused dequantize-sum-requantize)
-            + (W-1) * E / B + latency               (all_gather)
+            + (W-1) * E / B + k * (W-1) * latency   (all_gather: gloo's ring, W-1 steps)
             + S/dequantize_rate                     (decode)
             + (9 * W * E + S/W) / copy_rate         (copies around the kernels)
 
-  The copies are those of the xla backend's optimized HLO on CPU: the wire layout
-  (payload || meta), XLA's per-destination slices, the segments' reassembly
-  (jax_cgx._wire) and the unpacking, about nine passes over the ``W`` encoded chunks in
-  all; and the rank's own chunk, which the fused kernel takes as a separate operand.
+  ``k`` is the number of messages each collective is cut into (jax_cgx._wire: by
+  default on multi-process CPU, enough for messages of at most 256 KiB); every message
+  pays the fixed ``latency`` once per step. The copies are those of the xla backend's
+  optimized HLO on CPU: the wire layout (payload || meta), XLA's per-destination slices,
+  the segments' reassembly and the unpacking, about nine passes over the ``W`` encoded
+  chunks in all; and the rank's own chunk, which the fused kernel takes as a separate
+  operand.
 
 Rates are bytes per second of the float32 buffer, from ``python -m jax_cgx.bench codec``
 (``quantize_gbps``, ``dequantize_gbps``, ``reduce_gbps``, ``copy_gbps``). Nothing
@@ -42,6 +45,10 @@ import argparse
 import dataclasses
 import json
 import re
+
+import numpy as np
+
+from jax_cgx import _wire
 
 __all__ = ["CodecRates", "LinkModel", "predict", "parse_rate"]
 
@@ -103,30 +110,36 @@ WIRE_COPIES = 9
 
 
 def predict(size_bytes: float, world: int, bits: int, bucket_size: int, link: LinkModel,
-            rates: CodecRates, host_cores: int | None = None) -> dict[str, float]:
+            rates: CodecRates, host_cores: int | None = None, segments: int = 0) -> dict[str, float]:
     """Predicted seconds: ``psum``, ``compressed`` and the compressed time's parts.
 
     ``host_cores``: all ``world`` ranks share one machine with this many cores (compute
     slows by ``max(1, world / host_cores)``); None: every rank has a core of its own.
+    ``segments``: messages per collective, as ``CompressionConfig.pipeline_segments``
+    (0: the xla backend's default on multi-process CPU).
     """
     if world < 2:
-        return dict(psum=0.0, compressed=0.0, wire=0.0, codec=0.0, copies=0.0, speedup=1.0)
+        return dict(psum=0.0, compressed=0.0, wire=0.0, codec=0.0, copies=0.0, messages=0, speedup=1.0)
     s, w, b = float(size_bytes), world, link.bandwidth
     share = 1.0 if host_cores is None else max(1.0, w / host_cores)
     psum = 2 * (w - 1) / w * s / b + share * (w - 1) / w * s / rates.add + 2 * (w - 1) * link.latency
     enc = encoded_chunk_bytes(s, w, bits, bucket_size)
-    wire = 2 * ((w - 1) * enc / b + link.latency)
+    messages = _wire.count(segments, int(enc), _wire.CPU_MESSAGE_BYTES)
+    wire = 2 * (w - 1) * enc / b + messages * w * link.latency
     reduce = rates.reduce or 1 / (1 / rates.dequantize + 1 / (w * rates.quantize))
     codec = share * (s / rates.quantize + s / reduce + s / rates.dequantize)
     copies = share * (WIRE_COPIES * w * enc + s / w) / rates.add
     compressed = wire + codec + copies
-    return dict(psum=psum, compressed=compressed, wire=wire, codec=codec, copies=copies, speedup=psum / compressed)
+    return dict(psum=psum, compressed=compressed, wire=wire, codec=codec, copies=copies, messages=messages,
+                speedup=psum / compressed)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--codec-json", required=True, help="output of `python -m jax_cgx.bench codec --output`")
     p.add_argument("--link", type=parse_rate, default=parse_rate("1gbit"), help="per-rank rate, e.g. 1gbit")
-    p.add_argument("--latency-ms", type=float, default=0.2, help="fixed cost per collective step")
+    p.add_argument("--latency-ms", type=float, default=0.2, help="fixed cost per message and collective step")
+    p.add_argument("--segments", type=int, default=0,
+                   help="messages per collective (pipeline_segments; 0: the xla backend's CPU default)")
     p.add_argument("--world", type=int, nargs="+", default=[2, 4])
     p.add_argument("--sizes-mib", type=float, nargs="+", default=[64])
     p.add_argument("--bits", type=int, nargs="+", default=[4, 8])
@@ -141,25 +154,33 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> None:
     from jax_cgx.bench._table import print_table
 
-    measured = {}
+    measured: dict[tuple, list[dict]] = {}
     for path in args.measured:
         with open(path) as f:
             for r in json.load(f):
-                measured[(r["devices"], round(r["size_mib"], 3), r["bits"])] = r
+                measured.setdefault((r["devices"], round(r["size_mib"], 3), r["bits"]), []).append(r)
     link = LinkModel(args.link, args.latency_ms / 1e3)
+
+    def versus(values: list[float], predicted_ms: float) -> str:
+        """Every run's time, and how far their median is from the prediction."""
+        median = float(np.median(values))
+        runs = " / ".join(f"{v:.1f}" for v in values)
+        return f"{runs} ({median / predicted_ms - 1:+.0%})" if len(values) == 1 else \
+            f"{runs} (median {median:.1f}, {median / predicted_ms - 1:+.0%})"
+
     rows = []
     for world in args.world:
         for mib in args.sizes_mib:
             for bits in args.bits:
                 rates = CodecRates.from_codec_json(args.codec_json, bits)
-                p = predict(mib * 2**20, world, bits, args.bucket_size, link, rates, args.host_cores)
-                m = measured.get((world, round(mib, 3), bits))
+                p = predict(mib * 2**20, world, bits, args.bucket_size, link, rates, args.host_cores, args.segments)
+                runs = measured.get((world, round(mib, 3), bits), [])
                 row = [str(world), f"{mib:g}", str(bits), f"{p['psum'] * 1e3:.1f}", f"{p['compressed'] * 1e3:.1f}",
                        f"{p['speedup']:.2f}"]
-                if m:
-                    row += [f"{m['psum_ms']:.1f} ({m['psum_ms'] / (p['psum'] * 1e3) - 1:+.0%})",
-                            f"{m['compressed_ms']:.1f} ({m['compressed_ms'] / (p['compressed'] * 1e3) - 1:+.0%})",
-                            f"{m['speedup']:.2f}"]
+                if runs:
+                    row += [versus([r["psum_ms"] for r in runs], p["psum"] * 1e3),
+                            versus([r["compressed_ms"] for r in runs], p["compressed"] * 1e3),
+                            " / ".join(f"{r['speedup']:.2f}" for r in runs)]
                 else:
                     row += ["-", "-", "-"]
                 rows.append(row)
