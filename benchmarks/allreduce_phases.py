@@ -15,7 +15,6 @@ slices, allocation). docs/results.md uses it to explain the all-reduce's time.
 from __future__ import annotations
 
 import argparse
-import time
 
 import numpy as np
 
@@ -48,9 +47,10 @@ def main(argv=None) -> dict:
     from jax.sharding import PartitionSpec as P
 
     from jax_cgx import _wire, codec
-    from jax_cgx._sra import chunk_length
+    from jax_cgx._sra import chunk_length, row_plan
     from jax_cgx.bench._table import print_table, save
-    from jax_cgx.quantized import META_BYTES, num_buckets, payload_bytes
+    from jax_cgx.bench.allreduce import median_time
+    from jax_cgx.quantized import META_BYTES
 
     devices = jax.devices()
     w = len(devices)
@@ -58,24 +58,15 @@ def main(argv=None) -> dict:
     sharded = NamedSharding(mesh, P("d"))
     n, bits, bucket = int(args.size_mib * 2**20) // 4, args.bits, args.bucket_size
     c = chunk_length(n, w, bucket, False)
-    p, nb = payload_bytes(c, bucket, bits), num_buckets(c, bucket)
+    p, nb, codec_args, k = row_plan(c, bits, bucket, "kernel", args.segments, _wire.message_cap([devices[0].platform]))
     wire_len = p + nb * META_BYTES
-    k = _wire.count(args.segments, wire_len, _wire.message_cap([devices[0].platform]))
-    codec_args = dict(bits=bits, bucket_size=bucket, m=c, impl="kernel")
     seeds = jnp.zeros((w, 2), jnp.uint32)
 
     def per_device(f):
         return jax.jit(jax.shard_map(lambda v: f(v[0])[None], mesh=mesh, in_specs=P("d"), out_specs=P("d")))
 
     def median_ms(fn, x):
-        for _ in range(2):
-            jax.block_until_ready(fn(x))
-        times = []
-        for _ in range(args.repeats):
-            t0 = time.perf_counter()
-            jax.block_until_ready(fn(x))
-            times.append(time.perf_counter() - t0)
-        return 1e3 * float(np.median(times))
+        return 1e3 * median_time(fn, x, args.repeats, warmup=2)
 
     def global_array(length, dtype, fill):
         return jax.make_array_from_callback((w, length), sharded, lambda idx: fill(idx[0].start or 0, length, dtype))

@@ -60,7 +60,8 @@ def example_args(spec: str, args: argparse.Namespace, world: int) -> argparse.Na
 class Trainer:
     """One compressor's data-parallel training of the char transformer, a step at a time."""
 
-    def __init__(self, spec: str, args: argparse.Namespace):
+    def __init__(self, spec: str, args: argparse.Namespace, corpus):
+        """``corpus``: ``train_charlm.load_corpus()``'s result, read once for every compressor."""
         import _common
         import jax
         import optax
@@ -71,7 +72,7 @@ class Trainer:
             raise SystemExit(f"train_step: --batch {args.batch} must be a multiple of the {len(devices)} devices")
         self.spec, self.ex = spec, example_args(spec, args, len(devices))
         ex = self.ex
-        self.train_ids, _, vocab = train_charlm.load_corpus(ex.val_fraction)
+        self.train_ids, _, vocab = corpus
 
         def loss_fn(params, tokens):
             logits = train_charlm.logits_fn(params, tokens[:, :-1], ex.heads)
@@ -124,7 +125,10 @@ def main(argv=None) -> list[dict]:
     from jax_cgx.bench._table import print_table, save
 
     lead = jax.process_index() == 0
-    trainers = [Trainer(spec, args) for spec in args.compressors]
+    import train_charlm
+
+    corpus = train_charlm.load_corpus()
+    trainers = [Trainer(spec, args, corpus) for spec in args.compressors]
     # Round robin, one step of each compressor in turn: every compressor sees the same load on the
     # machine and the link over the run, so the ratios are measured side by side.
     for i in range(args.steps):

@@ -31,7 +31,7 @@ import numpy as np
 from jax import lax
 
 from jax_cgx import _wire, codec
-from jax_cgx.quantized import META_BYTES, num_buckets, payload_bytes
+from jax_cgx._sra import row_plan
 
 __all__ = ["ring_rows", "simulate_ring"]
 
@@ -54,10 +54,8 @@ def ring_rows(x, seeds, *, axes, world, chunk, bits, bucket_size, stochastic, im
     if n == 0:
         return (x, x) if residual else x
     w, c = world, chunk
-    p, nb = payload_bytes(c, bucket_size, bits), num_buckets(c, bucket_size)
+    p, nb, codec_args, k_msg = row_plan(chunk, bits, bucket_size, impl, segments, message_cap)
     me = lax.axis_index(axes)
-    codec_args = dict(bits=bits, bucket_size=bucket_size, m=c, impl=impl)
-    k_msg = _wire.choose(segments, p + nb * META_BYTES, message_cap)
     to_next = _ring_perm(axes, w)
     f32 = jnp.float32
 

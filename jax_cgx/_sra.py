@@ -57,11 +57,19 @@ def chunk_length(n: int, world: int, bucket_size: int, whole_buckets: bool) -> i
     return -(-per_rank // align) * align
 
 
+def row_plan(chunk: int, bits: int, bucket_size: int, impl: str, segments: int, message_cap: int | None):
+    """What SRA and ring share for a chunk of ``chunk`` values: ``(payload bytes, buckets,
+    codec keyword arguments, messages per collective)``."""
+    p, nb = payload_bytes(chunk, bucket_size, bits), num_buckets(chunk, bucket_size)
+    codec_args = dict(bits=bits, bucket_size=bucket_size, m=chunk, impl=impl)
+    return p, nb, codec_args, _wire.choose(segments, p + nb * META_BYTES, message_cap)
+
+
 def sra_rows(x, seeds, *, axes, world, chunk, bits, bucket_size, stochastic, impl, residual=False,
              segments=1, message_cap=None):
     """The per-device program of the compressed all-reduce of rows ``x[R, n]``.
 
-    Each collective moves its per-peer byte rows in ``_wire.count(segments, ...,
+    Each collective moves its per-peer byte rows in ``_wire.choose(segments, ...,
     message_cap)`` messages (:mod:`jax_cgx._wire`; the bytes, and so the result, do not
     depend on it). With ``residual=True`` returns ``(out, residual)``: this rank's share of the
     compression error (:func:`_sra_residual`), in ``x.dtype``. The exchanged bytes and
@@ -71,9 +79,8 @@ def sra_rows(x, seeds, *, axes, world, chunk, bits, bucket_size, stochastic, imp
     if n == 0:
         return (x, x) if residual else x
     w, c = world, chunk
-    p, nb = payload_bytes(c, bucket_size, bits), num_buckets(c, bucket_size)
+    p, nb, codec_args, k = row_plan(chunk, bits, bucket_size, impl, segments, message_cap)
     me = lax.axis_index(axes)
-    codec_args = dict(bits=bits, bucket_size=bucket_size, m=c, impl=impl)
 
     # Zero padding up to W chunks, written in place (cheaper on XLA:CPU than pad + reshape).
     padded = x if w * c == n else lax.dynamic_update_slice(jnp.zeros((r, w * c), x.dtype), x, (0, 0))
@@ -81,7 +88,6 @@ def sra_rows(x, seeds, *, axes, world, chunk, bits, bucket_size, stochastic, imp
     payload, meta = codec.quantize_rows(
         chunks.reshape(r * w, c), seeds[:, :w].reshape(r * w, 2), stochastic=stochastic, **codec_args
     )
-    k = _wire.choose(segments, p + nb * META_BYTES, message_cap)
     wire = _wire.to_wire(payload.reshape(r, w, p), meta.reshape(r, w, nb, 2))
     received = _wire.all_to_all(wire, axes, k)
     recv_payload, recv_meta = _wire.from_wire(received, p, nb)
@@ -160,8 +166,11 @@ def xla_rows(x, seeds, *, algorithm, backend, **params):
     return sra_rows(x, seeds, **params)
 
 
-def _lower_xla(ctx, x, seeds, *, backend, **params):
+def _lower_xla(ctx, x, seeds, *, backend, residual=False, **params):
+    """The xla backend's program for either primitive (``residual``: the error-feedback one)."""
     if backend == "nccl":
+        if residual:
+            raise NotImplementedError(RESIDUAL_BACKEND_ERROR)
         platforms = ", ".join(ctx.module_context.platforms)
         raise NotImplementedError(
             f"compressed_psum: backend='nccl' runs on CUDA GPUs only, but this computation is "
@@ -169,8 +178,9 @@ def _lower_xla(ctx, x, seeds, *, backend, **params):
             "backend='xla'."
         )
     cap = _wire.message_cap(ctx.module_context.platforms)
-    fun = functools.partial(xla_rows, backend=backend, message_cap=cap, **params)
-    return mlir.lower_fun(fun, multiple_results=False)(ctx, x, seeds)
+    extra = dict(residual=True) if residual else {}
+    fun = functools.partial(xla_rows, backend=backend, message_cap=cap, **extra, **params)
+    return mlir.lower_fun(fun, multiple_results=residual)(ctx, x, seeds)
 
 
 compressed_allreduce_p.def_effectful_abstract_eval(_abstract_eval)
@@ -202,17 +212,22 @@ ad.primitive_jvps[compressed_allreduce_p] = _jvp
 ad.primitive_transposes[compressed_allreduce_p] = _transpose
 
 
-def _batch(axis_data, args, dims, *, axes, **params):
-    if axis_data.name is not None and axis_data.name in axes:
-        raise NotImplementedError(
-            f"compressed_psum over the vmapped axis {axis_data.name!r} is not supported: vmap "
-            "has no wire to compress. Reduce it with jax.lax.psum, or map that axis with "
-            "jax.shard_map / jax.pmap."
-        )
-    return _ffi.batch_rows(compressed_allreduce_p, args, dims, axes=axes, **params)
+def _batcher(prim):
+    """vmap over a non-reduced axis folds into rows; over a reduced axis there is no wire."""
+
+    def batch(axis_data, args, dims, *, axes, **params):
+        if axis_data.name is not None and axis_data.name in axes:
+            raise NotImplementedError(
+                f"compressed_psum over the vmapped axis {axis_data.name!r} is not supported: vmap "
+                "has no wire to compress. Reduce it with jax.lax.psum, or map that axis with "
+                "jax.shard_map / jax.pmap."
+            )
+        return _ffi.batch_rows(prim, args, dims, axes=axes, **params)
+
+    return batch
 
 
-batching.fancy_primitive_batchers[compressed_allreduce_p] = _batch
+batching.fancy_primitive_batchers[compressed_allreduce_p] = _batcher(compressed_allreduce_p)
 
 
 # ------------------------------------------ the primitive with error feedback
@@ -236,12 +251,8 @@ def _residual_abstract_eval(x, seeds, *, axes, **params):
     return (out, x), effects  # the residual differs per rank: x's (varying) type
 
 
-def _lower_residual_xla(ctx, x, seeds, *, backend, **params):
-    if backend == "nccl":
-        raise NotImplementedError(RESIDUAL_BACKEND_ERROR)
-    cap = _wire.message_cap(ctx.module_context.platforms)
-    fun = functools.partial(xla_rows, backend=backend, residual=True, message_cap=cap, **params)
-    return mlir.lower_fun(fun, multiple_results=True)(ctx, x, seeds)
+def _lower_residual_xla(ctx, x, seeds, **params):
+    return _lower_xla(ctx, x, seeds, residual=True, **params)
 
 
 def _residual_jvp(primals, tangents, **params):
@@ -254,22 +265,12 @@ def _residual_jvp(primals, tangents, **params):
     )
 
 
-def _batch_residual(axis_data, args, dims, *, axes, **params):
-    if axis_data.name is not None and axis_data.name in axes:
-        raise NotImplementedError(
-            f"compressed_psum over the vmapped axis {axis_data.name!r} is not supported: vmap "
-            "has no wire to compress. Reduce it with jax.lax.psum, or map that axis with "
-            "jax.shard_map / jax.pmap."
-        )
-    return _ffi.batch_rows(compressed_allreduce_residual_p, args, dims, axes=axes, **params)
-
-
 compressed_allreduce_residual_p.def_effectful_abstract_eval(_residual_abstract_eval)
 compressed_allreduce_residual_p.def_impl(functools.partial(_compat.apply_primitive, compressed_allreduce_residual_p))
 # Every platform; jax_cgx._nccl_lowering registers the CUDA rule (xla, or a clear error for nccl).
 mlir.register_lowering(compressed_allreduce_residual_p, _lower_residual_xla)
 ad.primitive_jvps[compressed_allreduce_residual_p] = _residual_jvp
-batching.fancy_primitive_batchers[compressed_allreduce_residual_p] = _batch_residual
+batching.fancy_primitive_batchers[compressed_allreduce_residual_p] = _batcher(compressed_allreduce_residual_p)
 
 
 # ------------------------------------------------------- the test oracle

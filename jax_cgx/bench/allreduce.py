@@ -44,7 +44,8 @@ from jax_cgx.bench._memory import reuse_large_allocations
 from jax_cgx.bench._table import print_table, save
 
 
-def _median_time(fn, x, repeats: int, warmup: int = 1) -> float:
+def median_time(fn, x, repeats: int, warmup: int = 1) -> float:
+    """Median seconds of ``repeats`` blocking calls ``fn(x)``, after ``warmup`` untimed ones (at least one)."""
     for _ in range(max(warmup, 1)):
         jax.block_until_ready(fn(x))
     times = []
@@ -160,7 +161,7 @@ def run(args: argparse.Namespace) -> list[dict]:
                 (world, n), sharding,
                 lambda idx: np.random.default_rng(idx[0].start or 0).standard_normal((1, n)).astype(dtype),
             )
-            t_psum = _median_time(psum, x, args.repeats, args.warmup)
+            t_psum = median_time(psum, x, args.repeats, args.warmup)
             exact = local(psum(x))
             bar.advance(f"{size / 2**20:g} MiB psum")
             like = jax.ShapeDtypeStruct((n,), dtype)
@@ -171,7 +172,7 @@ def run(args: argparse.Namespace) -> list[dict]:
                     algorithm=args.algorithm, min_size=0,
                 )
                 compressed = reducer(lambda v, c=config: jax_cgx.compressed_psum(v, "d", c, impl=args.impl))
-                t = _median_time(compressed, x, args.repeats, args.warmup)
+                t = median_time(compressed, x, args.repeats, args.warmup)
                 err = float(np.max(np.abs(local(compressed(x)) - exact)))
                 nbytes = n * dtype.itemsize
                 records.append(
