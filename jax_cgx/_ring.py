@@ -31,7 +31,7 @@ import numpy as np
 from jax import lax
 
 from jax_cgx import _wire, codec
-from jax_cgx._sra import row_plan
+from jax_cgx._sra import gather_decode, row_plan
 
 __all__ = ["ring_rows", "simulate_ring"]
 
@@ -102,12 +102,7 @@ def ring_rows(x, seeds, *, axes, world, chunk, bits, bucket_size, stochastic, im
     # After the last step (t = W-2, k = r) `wire` is the final encoding of our chunk.
     carry = lax.fori_loop(0, w - 1, step, (wire, res) if residual else wire)
     wire = carry[0] if residual else carry
-    gathered = _wire.all_gather(wire, axes, k_msg)
-    out_payload, out_meta = _wire.from_wire(gathered, p, nb)
-    out = codec.dequantize_rows(
-        out_payload.reshape(r * w, p), out_meta.reshape(r * w, nb, 2), dtype=x.dtype, **codec_args
-    )
-    out = out.reshape(r, w * c)[:, :n]
+    out = gather_decode(wire, axes, k_msg, p, nb, n, x.dtype, codec_args)
     if not residual:
         return out
     return out, carry[1].reshape(r, w * c)[:, :n].astype(x.dtype)

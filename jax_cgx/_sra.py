@@ -65,6 +65,17 @@ def row_plan(chunk: int, bits: int, bucket_size: int, impl: str, segments: int, 
     return p, nb, codec_args, _wire.choose(segments, p + nb * META_BYTES, message_cap)
 
 
+def gather_decode(wire, axes, k: int, p: int, nb: int, n: int, dtype, codec_args):
+    """The last step of SRA and ring: all-gather every rank's final encoding ``wire[R, L]``
+    of its chunk and decode them all, the first ``n`` values: ``[R, n]``, the same bits on
+    every replica."""
+    gathered = _wire.all_gather(wire, axes, k)
+    r, w = gathered.shape[:2]
+    payload, meta = _wire.from_wire(gathered, p, nb)
+    out = codec.dequantize_rows(payload.reshape(r * w, p), meta.reshape(r * w, nb, 2), dtype=dtype, **codec_args)
+    return out.reshape(r, -1)[:, :n]
+
+
 def sra_rows(x, seeds, *, axes, world, chunk, bits, bucket_size, stochastic, impl, residual=False,
              segments=1, message_cap=None):
     """The per-device program of the compressed all-reduce of rows ``x[R, n]``.
@@ -97,12 +108,7 @@ def sra_rows(x, seeds, *, axes, world, chunk, bits, bucket_size, stochastic, imp
     sum_payload, sum_meta, own_out = codec.dequantize_sum_requantize_rows(
         recv_payload, recv_meta, own, seeds[:, w], stochastic=stochastic, dtype=x.dtype, **codec_args
     )
-    gathered = _wire.all_gather(_wire.to_wire(sum_payload, sum_meta), axes, k)
-    out_payload, out_meta = _wire.from_wire(gathered, p, nb)
-    out = codec.dequantize_rows(
-        out_payload.reshape(r * w, p), out_meta.reshape(r * w, nb, 2), dtype=x.dtype, **codec_args
-    )
-    out = out.reshape(r, w * c)[:, :n]
+    out = gather_decode(_wire.to_wire(sum_payload, sum_meta), axes, k, p, nb, n, x.dtype, codec_args)
     if not residual:
         return out
     res = _sra_residual(chunks, payload, meta, recv_payload, recv_meta, own, own_out, me, codec_args)
