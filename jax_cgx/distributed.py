@@ -4,17 +4,24 @@
 ``python -m jax_cgx.launch`` (``JAX_CGX_*`` variables), Open MPI (``OMPI_COMM_WORLD_*``),
 MPICH/PMI (``PMI_RANK``, ``PMI_SIZE``, ``MPI_LOCALRANKID``) and SLURM (``SLURM_PROCID``...).
 It then starts jax's distributed runtime, selects gloo for CPU collectives, and, when
-several processes share a node, gives each one GPU (its local rank). In a plain
-single-process run it does nothing.
+several processes share a node, gives each one GPU (its local rank). By default a failing
+process (an uncaught exception, a non-zero ``sys.exit``) then ends at once with its status
+instead of waiting in jax's shutdown barrier for the others. In a plain single-process run
+it does nothing.
 """
 
 from __future__ import annotations
 
+import atexit
+import builtins
 import dataclasses
+import dis
+import functools
 import logging
 import os
 import socket
 import sys
+import threading
 import traceback
 from collections.abc import Mapping, Sequence
 
@@ -107,11 +114,23 @@ def initialize(
 
     Call it first, before anything touches a jax device.
 
-    With ``exit_on_uncaught_exception`` (the default), an uncaught exception prints its
-    traceback and ends the process at once with status 1. Otherwise the interpreter would
-    run jax's exit hook, whose shutdown barrier waits (up to 5 minutes) for peers that
-    are still computing, and the launcher (jax_cgx.launch, mpirun, srun) would not learn
-    of the failure in time to stop the job.
+    With ``exit_on_uncaught_exception`` (the default), a failing process ends at once,
+    with its own status, so that the launcher (jax_cgx.launch, mpirun, srun) learns of the
+    failure and stops the job. Otherwise the interpreter would run jax's exit hook, whose
+    shutdown barrier waits (up to 5 minutes) for peers that are still computing or are
+    blocked in a collective with this process:
+
+    - an uncaught exception prints its traceback and exits with status 1;
+    - ``sys.exit(n)``, ``exit(n)`` or ``quit(n)`` with a non-zero status (also
+      ``sys.exit("message")``: status 1, argparse errors: status 2) exits with that status
+      once the ``SystemExit`` reaches the top level uncaught, after the exit hooks that
+      were registered after :func:`initialize` have run.
+
+    A zero status (the script ends, or ``sys.exit(0)``) runs jax's normal shutdown, which
+    waits for the other processes. The hook sees ``sys.exit``, ``exit`` and ``quit`` as
+    looked up when called, so a ``raise SystemExit(n)`` statement, or a ``sys.exit``
+    imported (``from sys import exit``) before :func:`initialize`, still waits in the
+    barrier; the process then says so on stderr.
     """
     info = detect()
     if any(v is not None for v in (coordinator_address, num_processes, process_id)):
@@ -145,7 +164,7 @@ def initialize(
         info.coordinator_address or "(auto)",
     )
     if exit_on_uncaught_exception:
-        _exit_on_uncaught_exception(info.process_index)
+        _install_exit_hooks(info.process_index)
     jax.distributed.initialize(
         coordinator_address=info.coordinator_address,
         num_processes=info.process_count,
@@ -154,6 +173,133 @@ def initialize(
         initialization_timeout=initialization_timeout,
     )
     return info
+
+
+# Exiting without jax's shutdown barrier.
+#
+# jax registers (at import) an exit hook whose ``jax.distributed.shutdown()`` waits for every
+# other process. A process that fails must not wait there: its peers may be computing for
+# hours or blocked in a collective with it, and the launcher only learns of the failure
+# when the process is gone. Uncaught exceptions go through ``sys.excepthook``; a
+# ``SystemExit`` does not, and Python keeps its status to itself until after every exit
+# hook has run. So ``sys.exit``, ``exit`` and ``quit`` raise a ``SystemExit`` subclass that
+# notes its status when it is released with no Python frame left on the main thread: that
+# is, when the interpreter consumed it at the top level (a caught one is released inside
+# the frame that caught it). An exit hook registered after jax's (so it runs before it)
+# then ends the process with that status.
+
+_hooks_installed = False
+_exit_status: int | None = None  # the status of a recorded SystemExit that reached the top level
+
+
+def _status(code: object) -> int:
+    """The process status Python gives ``SystemExit(code)``: None is 0, an int is itself, else 1."""
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code & 0xFF  # what exit(3) reports to the parent (sys.exit(256) exits 0)
+    return 1  # Python has printed the message to stderr
+
+
+class _SystemExit(SystemExit):
+    """A ``SystemExit`` that records its status if the interpreter consumes it uncaught."""
+
+    def __del__(self, _getframe=sys._getframe, _get_ident=threading.get_ident):
+        try:
+            if _get_ident() != _main_thread_ident:
+                return  # SystemExit in another thread only ends that thread
+            try:
+                _getframe(1)
+            except ValueError:  # no caller: released by the interpreter, not by an except clause
+                global _exit_status
+                _exit_status = _status(self.code)
+        except Exception:  # noqa: BLE001 - a finalizer must not raise; late in shutdown globals may be gone
+            pass
+
+    def __reduce__(self):
+        return SystemExit, self.args
+
+
+_SystemExit.__name__ = _SystemExit.__qualname__ = "SystemExit"  # tracebacks and reprs as usual
+_SystemExit.__module__ = "builtins"
+_main_thread_ident = threading.main_thread().ident
+
+
+def _sys_exit(*status):
+    if len(status) > 1:
+        raise TypeError(f"exit expected at most 1 argument, got {len(status)}")
+    raise _SystemExit(*status)
+
+
+class _Quitter:
+    """``exit`` / ``quit`` (site.Quitter), raising a recorded SystemExit."""
+
+    def __init__(self, original):
+        self._original = original
+
+    def __repr__(self) -> str:
+        return repr(self._original)
+
+    def __call__(self, code=None):
+        try:
+            self._original(code)
+        except SystemExit as e:
+            raise _SystemExit(e.code) from None
+
+
+def _ended_by(frame) -> str | None:
+    """How a finished outermost frame ended: "return", "exception", or None if unknown."""
+    try:
+        opname = dis.opname[frame.f_code.co_code[frame.f_lasti]]
+    except Exception:  # noqa: BLE001 - only a cross-check
+        return None
+    return "return" if opname.startswith("RETURN") else "exception"
+
+
+def _exit_now(status: int) -> None:
+    for flush in (logging.shutdown, sys.stdout.flush, sys.stderr.flush):
+        try:
+            flush()
+        except Exception:  # noqa: BLE001 - exiting anyway
+            pass
+    os._exit(status)
+
+
+def _install_exit_hooks(rank: int) -> None:
+    global _hooks_installed
+    if _hooks_installed:
+        return
+    _hooks_installed = True
+    _exit_on_uncaught_exception(rank)
+    sys.exit = functools.wraps(sys.exit)(_sys_exit)
+    for name in ("exit", "quit"):
+        if hasattr(builtins, name):  # absent under python -S
+            setattr(builtins, name, _Quitter(getattr(builtins, name)))
+    outermost = None
+    if threading.get_ident() == _main_thread_ident:
+        outermost = sys._getframe()
+        while outermost.f_back is not None:
+            outermost = outermost.f_back
+
+    def on_exit():
+        if not jax.distributed.is_initialized():
+            return  # no barrier ahead (the script shut jax down itself): exit as Python does
+        ended = _ended_by(outermost) if outermost is not None else None
+        if ended == "return":
+            return  # the script ran to its end: status 0, jax's normal shutdown
+        status = _exit_status
+        if status:
+            print(f"jax_cgx: process {rank} exits with status {status}, without waiting for the "
+                  "other processes in jax's shutdown barrier", file=sys.stderr)
+            _exit_now(status)
+        elif status is None and ended == "exception":
+            print(f"jax_cgx: process {rank} is exiting through an exception whose status jax_cgx "
+                  "cannot see (a `raise SystemExit(...)` statement, or a sys.exit imported before "
+                  "jax_cgx.distributed.initialize()); jax's shutdown barrier now waits for the other "
+                  "processes. Exit with sys.exit(status) to end at once.", file=sys.stderr)
+            sys.stderr.flush()
+
+    atexit.register(on_exit)  # after jax's own (registered when jax was imported): runs before it
 
 
 def _exit_on_uncaught_exception(rank: int) -> None:
@@ -165,8 +311,6 @@ def _exit_on_uncaught_exception(rank: int) -> None:
         else:
             print(f"jax_cgx: process {rank} failed:", file=sys.stderr)
             traceback.print_exception(kind, value, tb)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(1)  # skip jax's blocking shutdown barrier: let the launcher see the failure now
+        _exit_now(1)  # skip jax's blocking shutdown barrier: let the launcher see the failure now
 
     sys.excepthook = hook

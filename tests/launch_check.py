@@ -1,26 +1,62 @@
 """A compressed_psum check for the launch tests: run under jax_cgx.launch or mpirun.
 
-    python tests/launch_check.py OUT_DIR [--fail-rank R] [--hang-rank R]
+    python tests/launch_check.py OUT_DIR [--fail-rank R] [--hang-rank R] [--exit R:STATUS:HOW:WHEN ...]
+                                 [--catch-exit-rank R] [--linger-rank R] [--ignore-term-rank R]
+                                 [--spawn-child]
                                  [--coordinator HOST:PORT --num-processes N --process-id I]
 
-Writes OUT_DIR/pid<rank> (for the no-leak checks) and OUT_DIR/result<rank>.npy.
+--hang-rank: every process sleeps (until stopped) once its rank has run its --exit /
+--fail-rank. --exit: rank R exits with STATUS (an integer, or a message: status 1) through
+HOW (sys.exit, exit: the builtin, raise: a ``raise SystemExit`` statement), WHEN (start:
+right after initialize, end: after the psum, instead of jax.distributed.shutdown()).
+--catch-exit-rank: that rank calls sys.exit(3), catches the SystemExit and carries on.
+--linger-rank: that rank sleeps 2 s after the psum. --ignore-term-rank: that rank ignores
+SIGTERM; the others then end at once on SIGTERM (jax's own handler only logs it).
+--spawn-child: every process starts a `sleep 600` grandchild in its process group.
+
+Writes, in OUT_DIR: pid<rank> (first thing, for the no-leak checks), child<rank> (the
+grandchild's pid), result<rank>.npy, exit<rank> (time.time() just before an --exit),
+done<rank> (time.time() when the work is done) and end<rank> (time.time() in the last exit
+hook, which runs after jax's shutdown: absent if the process skipped it).
 """
 
 import argparse
+import atexit
 import os
 import pathlib
+import signal
+import subprocess
+import sys
 import time
-
-import jax_cgx.distributed
 
 p = argparse.ArgumentParser()
 p.add_argument("out_dir")
 p.add_argument("--fail-rank", type=int, default=None)
 p.add_argument("--hang-rank", type=int, default=None)
+p.add_argument("--exit", action="append", default=[], metavar="R:STATUS:HOW:WHEN")
+p.add_argument("--catch-exit-rank", type=int, default=None)
+p.add_argument("--linger-rank", type=int, default=None)
+p.add_argument("--ignore-term-rank", type=int, default=None)
+p.add_argument("--spawn-child", action="store_true")
 p.add_argument("--coordinator", default=None)
 p.add_argument("--num-processes", type=int, default=None)
 p.add_argument("--process-id", type=int, default=None)
 args = p.parse_args()
+out = pathlib.Path(args.out_dir)
+exits = {}
+for spec in args.exit:
+    r, status, how, when = spec.split(":")
+    assert how in ("sys.exit", "exit", "raise") and when in ("start", "end"), spec
+    exits[int(r)] = (int(status) if status.lstrip("-").isdigit() else status, how, when)
+
+# Registered before jax is imported, so it runs after jax's exit hook (atexit is last in, first out).
+_rank = []
+atexit.register(lambda: _rank and (out / f"end{_rank[0]}").write_text(repr(time.time())))
+
+import jax_cgx.distributed  # noqa: E402  (imports jax)
+
+_rank.append(args.process_id if args.process_id is not None else jax_cgx.distributed.detect().process_index)
+(out / f"pid{_rank[0]}").write_text(str(os.getpid()))
 # First, before anything touches a device; explicit arguments (if any) win over the environment.
 info = jax_cgx.distributed.initialize(args.coordinator, args.num_processes, args.process_id)
 
@@ -32,14 +68,34 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 import jax_cgx  # noqa: E402
 
 
+def leave(rank: int) -> None:
+    status, how, _ = exits[rank]
+    (out / f"exit{rank}").write_text(repr(time.time()))
+    if how == "sys.exit":
+        sys.exit(status)
+    elif how == "exit":
+        exit(status)  # noqa: PLR1722 - the builtin on purpose
+    else:
+        raise SystemExit(status)
+
+
 def main() -> None:
-    out = pathlib.Path(args.out_dir)
     rank = info.process_index
-    (out / f"pid{rank}").write_text(str(os.getpid()))
+    if args.spawn_child:
+        (out / f"child{rank}").write_text(str(subprocess.Popen(["sleep", "600"]).pid))
+    if args.ignore_term_rank is not None:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN if args.ignore_term_rank == rank else signal.SIG_DFL)
+    if args.catch_exit_rank == rank:
+        try:
+            sys.exit(3)
+        except SystemExit:
+            pass
+    if rank in exits and exits[rank][2] == "start":
+        leave(rank)
     if args.fail_rank == rank:
         raise RuntimeError(f"rank {rank} failing on purpose")
     if args.hang_rank is not None:
-        time.sleep(600)  # stopped by the launcher (the failing rank) or a signal
+        time.sleep(600)  # stopped by the launcher (the failing rank, --timeout) or a signal
 
     devices = jax.devices()
     mesh = jax.make_mesh((len(devices),), ("d",), axis_types=(jax.sharding.AxisType.Explicit,), devices=devices)
@@ -52,6 +108,11 @@ def main() -> None:
     local = np.stack([np.asarray(s.data)[0] for s in y.addressable_shards])
     np.save(out / f"result{rank}.npy", local)
     print(f"rank {rank} of {info.process_count} ({info.source}): {len(devices)} devices, ok", flush=True)
+    if args.linger_rank == rank:
+        time.sleep(2)
+    (out / f"done{rank}").write_text(repr(time.time()))
+    if rank in exits:
+        leave(rank)
     jax.distributed.shutdown()
 
 

@@ -2,6 +2,7 @@
 
 import os
 import pathlib
+import pickle
 import shutil
 import signal
 import subprocess
@@ -14,7 +15,7 @@ from allreduce_cases import oracle
 from conftest import assert_same_bits
 from processes import run_all
 
-from jax_cgx import CompressionConfig
+from jax_cgx import CompressionConfig, distributed, launch
 from jax_cgx.distributed import detect
 from jax_cgx.launch import free_port
 
@@ -23,25 +24,61 @@ CHECK = str(pathlib.Path(__file__).parent / "launch_check.py")
 LAUNCH = [sys.executable, "-m", "jax_cgx.launch"]
 
 
-def _alive(pid: int) -> bool:
+def _stat(pid) -> list[str] | None:
+    """Fields of /proc/PID/stat after the command name (state, ppid, pgrp, ...); None if gone."""
     try:
         with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] != "Z"  # a zombie is gone, just not reaped
-    except FileNotFoundError:
-        return False
+            return f.read().rsplit(")", 1)[1].split()
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return None
 
 
-def _pids(out: pathlib.Path) -> list[int]:
-    return [int(p.read_text()) for p in sorted(out.glob("pid*"))]
+def _alive(pid: int) -> bool:
+    fields = _stat(pid)
+    return fields is not None and fields[0] != "Z"  # a zombie is gone, just not reaped
+
+
+def _in_groups(pgids: set[int]) -> list[int]:
+    """Live processes in any of these process groups (each rank leads its own)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            fields = _stat(entry)
+            if fields is not None and fields[0] != "Z" and int(fields[2]) in pgids:
+                found.append(int(entry))
+    return found
+
+
+def _pids(out: pathlib.Path, kind: str = "pid") -> list[int]:
+    return [int(p.read_text()) for p in sorted(out.glob(f"{kind}[0-9]*"))]
 
 
 def _assert_no_leak(out: pathlib.Path, expected: int, timeout: float = 10) -> None:
+    """Every rank (pid files), every grandchild (child files) and every process in a rank's
+    process group is gone."""
     pids = _pids(out)
     assert len(pids) == expected, f"expected {expected} pid files, got {pids}"
+    watched = pids + _pids(out, "child")
     deadline = time.monotonic() + timeout
-    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+    while (any(_alive(p) for p in watched) or _in_groups(set(pids))) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not [p for p in pids if _alive(p)], "processes left behind"
+    assert not [p for p in watched if _alive(p)], "processes left behind"
+    assert not _in_groups(set(pids)), "processes left behind in the ranks' process groups"
+
+
+def _launch(tmp_path, *options, check=(), timeout=120):
+    """Run the launcher (``options``) on launch_check.py (``check``: its options).
+
+    Returns (the completed run, its seconds, time.time() at its end).
+    """
+    t0 = time.monotonic()
+    run = subprocess.run([*LAUNCH, *options, CHECK, str(tmp_path), *check], capture_output=True, text=True,
+                         timeout=timeout, cwd=tmp_path)
+    return run, time.monotonic() - t0, time.time()
+
+
+def _log(run) -> str:
+    return run.stdout[-3000:] + run.stderr[-3000:]
 
 
 def _check_results(out: pathlib.Path, nproc: int, devices_per_process: int) -> None:
@@ -97,6 +134,106 @@ def test_a_signal_to_the_launcher_leaves_no_children(tmp_path, sig):
             proc.wait()
     assert proc.returncode == 128 + sig
     _assert_no_leak(tmp_path, 2)
+
+
+@pytest.mark.parametrize("how, status", [("sys.exit", 3), ("exit", 4)])
+def test_a_rank_exit_status_reaches_the_launcher_at_once(tmp_path, how, status):
+    # Rank 1 exits while rank 0 sleeps: without jax_cgx's exit hook, rank 1 would wait in jax's
+    # shutdown barrier for rank 0 (up to 5 minutes) and its status would be lost.
+    run, _, ended = _launch(tmp_path, "-n", "2", "--devices-per-process", "1", "--grace", "1",
+                            check=["--exit", f"1:{status}:{how}:start", "--hang-rank", "0"])
+    assert run.returncode == status, _log(run)
+    assert f"process 1 exited with {status}" in run.stderr, _log(run)
+    assert "process 0 exited" not in run.stderr, _log(run)
+    assert f"[1] jax_cgx: process 1 exits with status {status}" in run.stdout, _log(run)
+    exited = float((tmp_path / "exit1").read_text())
+    assert ended - exited < 10, f"the launcher took {ended - exited:.1f} s after the exit (jax's barrier waits 30 s+)"
+    assert not (tmp_path / "end1").exists(), "rank 1 ran the exit hooks behind jax's barrier"
+    _assert_no_leak(tmp_path, 2)
+
+
+def test_a_zero_exit_runs_jax_shutdown(tmp_path):
+    # Rank 0 sys.exit(0)s right after the psum; rank 1 first catches a sys.exit(3), lingers
+    # 2 s, then finishes. Rank 0 must wait for rank 1 in jax's shutdown barrier (its last exit
+    # hook runs after rank 1 is done), and the caught status must not leak into the result.
+    run, _, _ = _launch(tmp_path, "-n", "2", "--devices-per-process", "2",
+                        check=["--exit", "0:0:sys.exit:end", "--catch-exit-rank", "1", "--linger-rank", "1"])
+    assert run.returncode == 0, _log(run)
+    assert "exits with status" not in run.stdout + run.stderr, _log(run)
+    _check_results(tmp_path, 2, 2)
+    assert (tmp_path / "end0").exists() and (tmp_path / "end1").exists(), "a rank skipped jax's shutdown"
+    assert float((tmp_path / "end0").read_text()) >= float((tmp_path / "done1").read_text()), \
+        "rank 0 did not wait for rank 1 in jax's shutdown barrier"
+    _assert_no_leak(tmp_path, 2)
+
+
+def test_a_raised_system_exit_is_named_and_its_status_kept(tmp_path):
+    # `raise SystemExit(5)` is not seen by the hook: the process says so, waits for its peer in
+    # jax's barrier as before (here rank 0, which exits 0), and the status still arrives.
+    run, _, _ = _launch(tmp_path, "-n", "2", "--devices-per-process", "1",
+                        check=["--exit", "1:5:raise:start", "--exit", "0:0:sys.exit:start"])
+    assert run.returncode == 5, _log(run)
+    assert "process 1 exited with 5" in run.stderr, _log(run)
+    assert "[1] jax_cgx: process 1 is exiting through an exception whose status jax_cgx cannot see" in run.stdout
+    assert (tmp_path / "end0").exists(), _log(run)
+    _assert_no_leak(tmp_path, 2)
+
+
+def test_timeout_stops_a_hung_job(tmp_path):
+    # Both ranks hang, each with a grandchild; rank 0 ignores SIGTERM and must be killed.
+    run, seconds, _ = _launch(tmp_path, "-n", "2", "--devices-per-process", "1", "--timeout", "8", "--grace", "1",
+                              check=["--hang-rank", "0", "--ignore-term-rank", "0", "--spawn-child"])
+    assert run.returncode == 124, _log(run)
+    assert "--timeout 8 s passed with processes 0, 1 still running" in run.stderr, _log(run)
+    assert "process 0 still running 1 s after SIGTERM (--grace); killed" in run.stderr, _log(run)
+    assert 8 <= seconds < 8 + 1 + 8, seconds
+    assert len(_pids(tmp_path, "child")) == 2, "the grandchildren did not start before the timeout"
+    _assert_no_leak(tmp_path, 2)
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (["-n", "0"], "argument -n/--nproc: must be at least 1, got 0"),
+        (["-n", "two"], "argument -n/--nproc: 'two' is not a whole number"),
+        (["-n", "2", "--devices-per-process", "0"], "argument --devices-per-process: must be at least 1, got 0"),
+        (["-n", "2", "--devices-per-process", "-1"], "argument --devices-per-process: must be at least 1, got -1"),
+        (["-n", "2", "--timeout", "0"], "argument --timeout: must be a finite number of seconds, greater than 0"),
+        (["-n", "2", "--timeout", "-5"], "argument --timeout: must be a finite number of seconds, greater than 0"),
+        (["-n", "2", "--timeout", "nan"], "argument --timeout: must be a finite number of seconds, greater than 0"),
+        (["-n", "2", "--grace", "-1"], "argument --grace: must be a finite number of seconds, 0 or more"),
+        (["-n", "2", "--grace", "inf"], "argument --grace: must be a finite number of seconds, 0 or more"),
+    ],
+)
+def test_bad_arguments_are_rejected_before_starting_anything(tmp_path, capsys, options, message):
+    with pytest.raises(SystemExit) as exited:
+        launch.main([*options, CHECK, str(tmp_path)])
+    assert exited.value.code == 2
+    assert message in capsys.readouterr().err
+    assert not list(tmp_path.iterdir()), "a process was started"
+
+
+def test_devices_per_process_zero_is_an_argument_error(tmp_path):
+    # It used to segfault rank 0 (status 139, no message).
+    run, seconds, _ = _launch(tmp_path, "-n", "2", "--devices-per-process", "0", timeout=60)
+    assert run.returncode == 2, _log(run)
+    assert "error: argument --devices-per-process: must be at least 1, got 0" in run.stderr
+    assert not list(tmp_path.iterdir()), "a process was started"
+
+
+def test_the_recorded_system_exit_behaves_as_python_does():
+    # In-process checks of what the multi-process tests cannot see: the status Python would give
+    # each code, and a caught SystemExit is not taken for the process's exit.
+    assert [distributed._status(c) for c in (None, 0, 3, -1, 256, True, "bye")] == [0, 0, 3, 255, 0, 1, 1]
+    before = distributed._exit_status
+    with pytest.raises(SystemExit) as caught:
+        distributed._sys_exit(7)
+    assert caught.value.code == 7 and repr(caught.value) == "SystemExit(7)"
+    del caught
+    assert distributed._exit_status == before
+    assert type(pickle.loads(pickle.dumps(distributed._SystemExit(2)))) is SystemExit
+    with pytest.raises(TypeError):
+        distributed._sys_exit(1, 2)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux-only")
