@@ -354,7 +354,7 @@ def test_apply_if_finite_after_compressed_mean_skips_a_nan_step_on_every_rank():
     assert_same_bits(p1["w"], p0["w"])
     assert_same_bits(p1["b"], p0["b"])
     assert_same_bits(s1[0].residual["w"], s0[0].residual["w"])
-    assert int(s1[1].total_notfinite) == 1 and int(s1[0].count) == 2
+    assert int(s1[1].total_notfinite) == 1 and int(s1[0].count) == 1  # the bad step does not count
     assert not np.array_equal(p2["w"], p1["w"])
     assert np.all(np.isfinite(s2[0].residual["w"])) and not np.array_equal(s2[0].residual["w"], s1[0].residual["w"])
 
@@ -420,11 +420,137 @@ def test_check_vma_off_and_invariant_gradients():
 def test_bad_arguments():
     with pytest.raises(TypeError, match="config must be"):
         compressed_mean("d", 4)
-    with pytest.raises(ValueError, match="layer_min_size"):
+    with pytest.raises(ValueError, match="layer_min_size must be an integer >= 0, got -1"):
         compressed_mean("d", FOUR, layer_min_size=-1)
+    with pytest.raises(ValueError, match=r"layer_min_size must be an integer >= 0, got 2.5 \(float\); non-integers"):
+        compressed_mean("d", FOUR, layer_min_size=2.5)
+    with pytest.raises(ValueError, match="layer_min_size must be an integer >= 0, got the bool True"):
+        compressed_mean("d", FOUR, layer_min_size=True)
+    with pytest.raises(ValueError, match="seed must be an integer, got 0.5"):
+        compressed_mean("d", FOUR, seed=0.5)
+    with pytest.raises(ValueError, match="seed must be an integer, got the bool True"):
+        compressed_mean("d", FOUR, seed=True)
+    with pytest.raises(ValueError, match="error_feedback must be True or False, got 'yes'"):
+        compressed_mean("d", FOUR, error_feedback="yes")
+    compressed_mean("d", FOUR, layer_min_size=1e3, seed=np.int64(3))  # integral values are fine
     with pytest.raises(ValueError, match="impl"):
         compressed_mean("d", FOUR, impl="gpu")
     with pytest.raises(TypeError, match="floating"):
         cast_mean("d", jnp.int8)
     with pytest.raises(NameError, match="not bound"):
         cast_mean("d").update({"w": jnp.ones(3)}, CastMeanState())
+
+
+# ------------------------------------------------------------- non-finite steps, mismatched states
+
+
+def _stepper(tx, params):
+    """One jit(shard_map) step: ``(step(grads, state) -> (updates [W, ...], state), initial state)``."""
+    mesh = mesh_1d()
+    state, specs = init_per_rank(tx, params, mesh)
+    g_specs = jax.tree.map(lambda _: P("d"), params)
+
+    def body(g, s):
+        u, s = tx.update(local(g), s)
+        return stacked(u), s
+
+    step = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(g_specs, specs), out_specs=(g_specs, specs)))
+    return (lambda g, s: step(put(g, mesh, g_specs), s)), state
+
+
+@pytest.mark.parametrize(
+    "value,leaf,error_feedback",
+    [(np.nan, "w", True), (np.inf, "h", True), (-np.inf, "b", True), (np.nan, "w", False)],
+    ids=["nan-compressed-ef", "inf-bfloat16-ef", "neginf-exact-ef", "nan-compressed"],
+)
+def test_nonfinite_step_keeps_the_state_and_later_steps_are_unaffected(value, leaf, error_feedback):
+    """Stochastic rounding (its key folds in the count) and error feedback: a non-finite gradient on
+    one rank gives a non-finite mean on every rank, leaves the state (count and residuals) bitwise
+    unchanged, and every later update is bitwise the one of a run without the bad step."""
+    params = params_like()
+    tx = compressed_mean("d", FOUR.replace(stochastic=True), layer_min_size=100, error_feedback=error_feedback, seed=1)
+    step, init = _stepper(tx, params)
+    steps = [grads_like(params, seed=20 + t) for t in range(3)]
+    clean, state = [], init
+    for g in steps:
+        u, state = step(g, state)
+        clean.append(u)
+    clean_state = state
+
+    bad = dict(steps[1])
+    bad[leaf] = bad[leaf].at[(2,) + (0,) * params[leaf].ndim].set(value)  # rank 2
+    state = init
+    for t, g in enumerate([steps[0], bad, steps[1], steps[2]]):
+        before = state
+        u, state = step(g, state)
+        if t == 1:
+            for r in range(W):
+                assert not np.isfinite(np.asarray(u[leaf], np.float32)[r]).all(), r
+            for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(state)):
+                assert_same_bits(a, b, "state across the bad step")
+        else:
+            for name in params:
+                assert_same_bits(u[name], clean[t - (t > 1)][name], f"step {t} {name}")
+    for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(clean_state)):
+        assert_same_bits(a, b, "final state")
+    assert int(state.count) == 3
+
+
+def test_mismatched_state_raises_naming_the_leaf_and_both_shapes():
+    params = params_like()
+    tx = compressed_mean("d", FOUR, layer_min_size=100, error_feedback=True)
+
+    def error_of(state, tx=tx, updates=params):
+        with pytest.raises(ValueError) as info:
+            tx.update(updates, state)
+        return str(info.value)
+
+    # before: the mismatched leaf silently lost its error feedback
+    msg = error_of(tx.init(dict(params, w=jnp.zeros((40, 64)))))
+    assert "compressed_mean: state.residual['w'] has shape (40, 64), expected (64, 40)" in msg
+    assert "update ['w'] of shape (64, 40)" in msg and "Build the state with this transformation's init" in msg
+    # a state for another layer_min_size: 'small' kept a residual it does not have here
+    msg = error_of(compressed_mean("d", FOUR, layer_min_size=10, error_feedback=True).init(params))
+    assert "state.residual['small'] has shape (8, 8), expected (0,)" in msg
+    # shard_map's stacked per-rank residuals, as if given the spec P() instead of P("d")
+    state = tx.init(params)
+    global_residual = jax.tree.map(lambda e: jnp.concatenate([e] * W) if e.size else e, state.residual)
+    msg = error_of(state._replace(residual=global_residual))
+    assert "state.residual['h'] has shape (320, 30), expected (40, 30)" in msg and "P(axis_name)" in msg
+    # with and without error feedback
+    msg = error_of(compressed_mean("d", FOUR).init(params))
+    assert "state.residual does not have the structure of the updates" in msg and "['w']" in msg
+    msg = error_of(state, tx=compressed_mean("d", FOUR))
+    assert "built with error_feedback=True" in msg and "this compressed_mean has error_feedback=False" in msg
+    # another structure, another state type, a batched count
+    msg = error_of(state, updates={"w": params["w"]})
+    assert "state leaves not in the updates" in msg and "['small']" in msg
+    assert "expected a CompressedMeanState" in error_of(CastMeanState())
+    msg = error_of(state._replace(count=jnp.zeros((W,), jnp.int32)))
+    assert "state.count must be a scalar, shape (), got shape (8,)" in msg
+    with pytest.raises(ValueError, match="cast_mean: expected a CastMeanState .* got CompressedMeanState"):
+        cast_mean("d").update(params, state)
+
+
+def test_complex_leaves_are_averaged_exactly():
+    """Complex leaves are non-float: compressed_mean (with error feedback) and cast_mean average
+    them exactly, imaginary part included."""
+    mesh = mesh_1d()
+    shape = (64, 40)
+    z = (grads_like({"z": jnp.zeros(shape)})["z"] + 1j * grads_like({"z": jnp.zeros(shape)}, seed=1)["z"]).astype(
+        jnp.complex64
+    )
+    ef = compressed_mean("d", FOUR, layer_min_size=16, error_feedback=True)
+    assert ef.init({"z": z[0]}).residual["z"].shape == (0,)
+
+    def body(z):
+        g = {"z": z[0]}
+        exact = jax.lax.pmean(g["z"], "d")
+        return stacked((ef.update(g, ef.init(g))[0]["z"], cast_mean("d").update(g, CastMeanState())[0]["z"], exact))
+
+    a, b, ref = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("d"), out_specs=P("d")))(
+        jax.device_put(z, NamedSharding(mesh, P("d")))
+    )
+    assert a.dtype == b.dtype == jnp.complex64 and np.abs(np.asarray(ref).imag).max() > 0.1
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(ref))
+    np.testing.assert_array_equal(np.asarray(b), np.asarray(ref))

@@ -11,10 +11,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from conftest import assert_same_bits
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_cgx.optax import PowerSGDState, powersgd_mean
+from jax_cgx.optax import PowerSGDState, TopKState, powersgd_mean
 from jax_cgx.optax import _powersgd as psgd
 from jax_cgx.optax._powersgd import powersgd_bytes
 
@@ -288,12 +289,14 @@ def test_small_and_1d_leaves_are_pmean_bitwise():
         "i": ((3, 4), jnp.int32),
         "wide": ((1, 64), jnp.float32),
         "hb": ((7,), jnp.bfloat16),
+        "c": ((16, 12), jnp.complex64),  # complex: never compressed, the imaginary part kept
     }
     tx = powersgd_mean("d", rank=1, start_iter=0)
     state = to_global(tx.init(params_like(shapes)))
     assert all(x.shape == (0,) for x in jax.tree.leaves((state.q, state.error)))
     rng = np.random.default_rng(2)
     grads = {k: jnp.asarray(rng.standard_normal((W, *s)) * 10, d) for k, (s, d) in shapes.items()}
+    grads["c"] = grads["c"] + 1j * jnp.asarray(rng.standard_normal((W, 16, 12)), jnp.float32)
     upd, _, pmean = shard_map_step(tx, with_pmean=True)(grads, state)
     for k in shapes:
         np.testing.assert_array_equal(np.asarray(upd[k]), np.asarray(pmean[k]), err_msg=k)
@@ -518,10 +521,177 @@ def test_powersgd_bytes():
     assert powersgd_bytes(abstract, 4, min_compression_rate=100.0) == ((16 * 12 + 96 + 12 + 1 + 4) * 4 + 256) * 6 // 4
 
 
-def test_validation_and_unbound_axis():
-    for bad in (dict(rank=0), dict(start_iter=-1), dict(orthogonalization_epsilon=-1.0)):
-        with pytest.raises(ValueError):
-            powersgd_mean("d", **bad)
+@pytest.mark.parametrize(
+    "kw,match",
+    [
+        (dict(rank=0), "rank must be an integer >= 1, got 0"),
+        (dict(rank=2.5), "rank must be an integer >= 1, got 2.5"),
+        (dict(rank=True), "rank must be an integer >= 1, got the bool True"),
+        (dict(rank="2"), "rank must be an integer >= 1, got '2'"),
+        (dict(start_iter=-1), "start_iter must be an integer >= 0, got -1"),
+        (dict(start_iter=2.5), r"start_iter must be an integer >= 0, got 2.5 \(float\); non-integers are not rounded"),
+        (dict(start_iter=np.float32(1.5)), "start_iter must be an integer"),
+        (dict(start_iter=False), "start_iter must be an integer >= 0, got the bool False"),
+        (dict(start_iter=float("nan")), "start_iter must be an integer"),
+        (dict(seed=0.5), "seed must be an integer, got 0.5"),
+        (dict(seed=True), "seed must be an integer, got the bool True"),
+        (dict(seed=2**64), "seed must fit in a signed 64-bit integer"),
+        (dict(min_compression_rate=-1.0), "min_compression_rate must be a real number >= 0.0"),
+        (dict(min_compression_rate=float("nan")), "min_compression_rate must be a real number"),
+        (dict(min_compression_rate="2"), "min_compression_rate must be a real number"),
+        (dict(orthogonalization_epsilon=-1.0), "orthogonalization_epsilon must be a real number >= 0.0"),
+        (dict(error_feedback=1), "error_feedback must be True or False, got 1"),
+        (dict(warm_start="yes"), "warm_start must be True or False, got 'yes'"),
+    ],
+)
+def test_validation(kw, match):
+    with pytest.raises(ValueError, match=match):
+        powersgd_mean("d", **kw)
+
+
+def test_integral_arguments_accepted():
+    # ints, numpy ints and integral floats are the integers they spell (nothing is truncated)
+    init = powersgd_mean("d", rank=2, start_iter=3, seed=5).init(params_like())
+    for kw in (dict(rank=np.int64(2), start_iter=np.int32(3), seed=np.uint8(5)), dict(rank=2.0, start_iter=3.0)):
+        state = powersgd_mean("d", **{"seed": 5, **kw}).init(params_like())
+        for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(init)):
+            assert_same_bits(a, b)
+    with pytest.raises(ValueError, match="world must be an integer >= 1"):
+        powersgd_bytes(params_like(), 0)
+    with pytest.raises(ValueError, match="rank must be an integer >= 1, got 1.5"):
+        powersgd_bytes(params_like(), 8, rank=1.5)
+
+
+def test_unbound_axis():
     tx = powersgd_mean("d", start_iter=0)
     with pytest.raises(NameError, match="not bound"):
         tx.update(params_like(), tx.init(params_like()))
+
+
+# --- non-finite steps -----------------------------------------------------------------------
+
+
+def with_bad_value(grads, leaf, value, rank=5):
+    """``grads`` with one element of ``leaf`` on one rank set to ``value`` (inf or NaN)."""
+    bad = dict(grads)
+    bad[leaf] = bad[leaf].at[(rank,) + (0,) * (bad[leaf].ndim - 1)].set(value)
+    return put(bad, P("d"))
+
+
+@pytest.mark.parametrize(
+    "value,leaf,at,warm_start",
+    [
+        (np.nan, "w", 2, True),  # a compressed leaf, at the first compressed step
+        (np.inf, "conv", 3, True),  # a later compressed step (Q and error warm)
+        (-np.inf, "b", 3, False),  # an uncompressed leaf; fresh Qs depend on the count
+        (np.nan, "h", 1, True),  # during the warm-up (the warm-up lasts a step longer)
+    ],
+)
+def test_nonfinite_step_keeps_the_state_and_later_steps_are_unaffected(value, leaf, at, warm_start):
+    """A non-finite gradient on one rank: that step's mean is non-finite on every rank, the state
+    is bitwise unchanged (count, Q, error, on every rank), and every later update is bitwise the
+    one of a run that never saw the bad step."""
+    tx = powersgd_mean("d", rank=2, start_iter=2, warm_start=warm_start)
+    step = shard_map_step(tx)
+    g = [rank_grads(200 + t) for t in range(5)]
+    init = to_global(tx.init(params_like()))
+
+    clean, state = [], init
+    for grads in g:
+        upd, state = step(grads, state)
+        clean.append(upd)
+    clean_state = state
+
+    state, bad_step = init, None
+    for t, grads in enumerate(g[:at] + [with_bad_value(g[at], leaf, value)] + g[at:]):
+        before = state
+        upd, state = step(grads, state)
+        if t == at:
+            bad_step = upd
+            for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(state)):
+                assert_same_bits(a, b, "state across the bad step")
+        else:
+            for k in SHAPES:
+                assert_same_bits(upd[k], clean[t - (t > at)][k], f"step {t} {k}")
+    for r in range(W):  # the bad leaf's mean is non-finite on every rank
+        assert not np.isfinite(np.asarray(bad_step[leaf][r], np.float32)).all(), r
+    for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(clean_state)):
+        assert_same_bits(a, b, "final state")
+    assert int(state.count) == 5
+
+
+@pytest.mark.parametrize("check_vma", [True, False])
+def test_nonfinite_in_one_group_of_a_2d_mesh_keeps_every_state(check_vma):
+    """Averaging over 'a' of an ('a', 'b') mesh, a NaN in one 'b' group: that group's mean is
+    non-finite, the other's is not, yet every device keeps its state and the replicated count
+    stays the same everywhere."""
+    mesh = jax.make_mesh((4, 2), ("a", "b"), axis_types=(AUTO, AUTO))
+    shapes = {"w": ((16, 12), jnp.float32), "b": ((5,), jnp.float32)}
+    tx = powersgd_mean("a", rank=2, start_iter=1)
+    dev = P(("a", "b"))
+    spec = PowerSGDState(count=P(), q=dev, error=dev)
+
+    def body(g, state):
+        upd, new = tx.update(jax.tree.map(lambda x: x[0], g), state)
+        return jax.tree.map(lambda x: x[None], upd), new, new.count[None]
+
+    step = jax.jit(
+        jax.shard_map(body, mesh=mesh, in_specs=(dev, spec), out_specs=(dev, spec, dev), check_vma=check_vma)
+    )
+    state = to_global(tx.init(params_like(shapes)), q_per_rank=True, mesh=mesh, dev=dev)
+    for t in range(2):  # a warm-up step, then a compressed one
+        _, state, _ = step(put(rank_grads(300 + t, shapes), dev, mesh), state)
+    grads = rank_grads(302, shapes)
+    bad = dict(grads)
+    bad["w"] = bad["w"].at[2, 3, 4].set(jnp.nan)  # device 2: a = 1, b = 0
+    upd, new, counts = step(put(bad, dev, mesh), state)
+    w = np.asarray(upd["w"]).reshape(4, 2, 16, 12)
+    assert all(not np.isfinite(w[a, 0]).all() for a in range(4)) and np.isfinite(w[:, 1]).all()
+    np.testing.assert_array_equal(np.asarray(counts), 2)
+    for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(new)):
+        assert_same_bits(a, b)
+    _, after, counts = step(put(grads, dev, mesh), state)
+    np.testing.assert_array_equal(np.asarray(counts), 3)
+    assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(after))
+
+
+# --- mismatched states ----------------------------------------------------------------------
+
+
+def test_mismatched_state_raises_naming_the_leaf_and_both_shapes():
+    params = {"w": jnp.zeros((16, 12)), "b": jnp.zeros((12,))}
+    other = {"w": jnp.zeros((12, 16)), "b": jnp.zeros((12,))}
+    tx = powersgd_mean("d", rank=2, start_iter=0)
+
+    def error_of(tx, state, updates=params):
+        with pytest.raises(ValueError) as info:
+            tx.update(updates, state)
+        return str(info.value)
+
+    # a state for other shapes: Q is [m, r] with m = 16 instead of 12
+    msg = error_of(tx, tx.init(other))
+    assert "powersgd_mean: state.q['w'] has shape (16, 2), expected (12, 2)" in msg
+    assert "update ['w'] of shape (16, 12)" in msg and "Build the state with this transformation's init" in msg
+    # the errors, without warm start (Q is a placeholder either way)
+    cold = powersgd_mean("d", rank=2, start_iter=0, warm_start=False)
+    msg = error_of(cold, cold.init(other))
+    assert "state.error['w'] has shape (12, 16), expected (16, 12)" in msg
+    # a state of another rank
+    msg = error_of(tx, powersgd_mean("d", rank=1).init(params))
+    assert "state.q['w'] has shape (12, 1), expected (12, 2)" in msg
+    # a state without error feedback for a transformation with it
+    msg = error_of(tx, powersgd_mean("d", rank=2, error_feedback=False).init(params))
+    assert "state.error['w'] has shape (0,), expected (16, 12)" in msg
+    # the stacked (global) error of shard_map's layout, as if given the spec P() instead of P("d")
+    msg = error_of(tx, to_global(tx.init(params)))
+    assert "state.error['w'] has shape (128, 12), expected (16, 12)" in msg and "P(axis_name)" in msg
+    # another structure
+    msg = error_of(tx, tx.init({"w": params["w"]}))
+    assert "state.q does not have the structure of the updates" in msg and "missing from the state: [\"['b']\"]" in msg
+    msg = error_of(tx, tx.init({**params, "extra": jnp.zeros((16, 12))}))
+    assert "state leaves not in the updates: [\"['extra']\"]" in msg
+    # another transformation's state, or a batched count
+    msg = error_of(tx, TopKState(jnp.zeros((), jnp.int32), {}, {}))
+    assert "expected a PowerSGDState" in msg and "got TopKState" in msg
+    msg = error_of(tx, tx.init(params)._replace(count=jnp.zeros((8,), jnp.int32)))
+    assert "state.count must be a scalar, shape (), got shape (8,)" in msg

@@ -472,18 +472,134 @@ def test_topk_bytes():
 
 
 @pytest.mark.parametrize(
-    "kw",
+    "kw,match",
     [
-        dict(ratio=0.0),
-        dict(ratio=1.5),
-        dict(sample_ratio=0.0),
-        dict(momentum=-0.1),
-        dict(momentum=0.0, nesterov=True),
-        dict(warmup_steps=-1),
-        dict(warmup_steps=2, warmup_ratios=(0.5, 2.0)),
-        dict(min_size=0),
+        (dict(ratio=0.0), r"ratio must be a real number in \(0.0, 1.0\], got 0.0"),
+        (dict(ratio=1.5), "ratio must be a real number in"),
+        (dict(ratio=float("nan")), "ratio must be a real number in"),
+        (dict(ratio=True), "ratio must be a real number in .*, got True"),
+        (dict(sample_ratio=0.0), "sample_ratio must be a real number in"),
+        (dict(momentum=-0.1), "momentum must be a real number >= 0.0, got -0.1"),
+        (dict(momentum=0.0, nesterov=True), "nesterov needs momentum > 0"),
+        (dict(nesterov="yes"), "nesterov must be True or False, got 'yes'"),
+        (dict(warmup_steps=-1), "warmup_steps must be an integer >= 0, got -1"),
+        (dict(warmup_steps=2.5), r"warmup_steps must be an integer >= 0, got 2.5 \(float\); non-integers are not"),
+        (dict(warmup_steps=True), "warmup_steps must be an integer >= 0, got the bool True"),
+        (dict(warmup_steps=2, warmup_ratios=(0.5, 2.0)), r"warmup_ratios\[1\] must be a real number in"),
+        (dict(warmup_steps=2, warmup_ratios=()), "warmup_ratios must be a non-empty tuple"),
+        (dict(warmup_steps=2, warmup_ratios=0.5), "warmup_ratios must be a non-empty tuple"),
+        (dict(min_size=0), "min_size must be an integer >= 1, got 0"),
+        (dict(min_size=1.5), "min_size must be an integer >= 1, got 1.5"),
+        (dict(min_size=True), "min_size must be an integer >= 1, got the bool True"),
+        (dict(seed=0.5), "seed must be an integer, got 0.5"),
+        (dict(seed=False), "seed must be an integer, got the bool False"),
     ],
 )
-def test_validation(kw):
-    with pytest.raises(ValueError):
+def test_validation(kw, match):
+    with pytest.raises(ValueError, match=match):
         topk_mean("d", **kw)
+
+
+def test_integral_arguments_accepted_and_bytes_validation():
+    want = topk_mean("d", warmup_steps=3, min_size=100, seed=4).init(PARAMS)
+    numpy_ints = dict(warmup_steps=np.int64(3), min_size=np.int32(100), seed=np.uint8(4))
+    for kw in (numpy_ints, dict(warmup_steps=3.0, min_size=1e2)):
+        got = topk_mean("d", **{"seed": 4, **kw}).init(PARAMS)
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+            assert_same_bits(a, b)
+    with pytest.raises(ValueError, match="topk_bytes: world must be an integer >= 1, got 2.5"):
+        topk_bytes(PARAMS, 2.5)
+    with pytest.raises(ValueError, match="topk_bytes: min_size must be an integer >= 1, got 0"):
+        topk_bytes(PARAMS, 8, min_size=0)
+
+
+@pytest.mark.parametrize(
+    "value,leaf,at",
+    [(np.nan, "w", 1), (np.inf, "b", 2), (-np.inf, "e", 0)],
+    ids=["nan-compressed", "inf-small", "neginf-first-step"],
+)
+def test_nonfinite_step_keeps_the_state_and_later_steps_are_unaffected(value, leaf, at):
+    """A non-finite gradient on one rank: that step's mean is non-finite on every rank, the state
+    is bitwise unchanged, and every later update is bitwise the one of a run without the bad
+    step (with a sampled threshold and a warm-up, both of which depend on the step count)."""
+    tx = topk_mean("d", 0.01, sample_ratio=0.05, momentum=0.9, nesterov=True, warmup_steps=2, warmup_ratios=(0.1,))
+    run = Runner(tx)
+    init = run.state
+    steps = [grads(t, seed=7) for t in range(4)]
+    clean = [run.step(gs) for gs in steps]
+    clean_state = run.state
+
+    bad = dict(steps[at])
+    bad[leaf] = bad[leaf].at[(3,) + (0,) * PARAMS[leaf].ndim].set(value)  # rank 3
+    run.state = init
+    for t, gs in enumerate(steps[:at] + [bad] + steps[at:]):
+        before = run.state
+        got = run.step(gs)  # (asserts every replica got bitwise the same)
+        if t == at:
+            assert not np.isfinite(got[leaf]).all()
+            for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(run.state)):
+                assert_same_bits(a, b, "state across the bad step")
+        else:
+            for name in PARAMS:
+                assert_same_bits(got[name], clean[t - (t > at)][name], f"step {t} {name}")
+    for a, b in zip(jax.tree.leaves(run.state), jax.tree.leaves(clean_state)):
+        assert_same_bits(a, b, "final state")
+    assert run.traces == 1
+
+
+def test_complex_leaves_are_averaged_exactly_with_complex_momentum():
+    """A complex leaf is never sparsified (its imaginary part would be lost): an exact pmean, its
+    momentum kept in complex64 (optax.trace of the mean)."""
+    params = {"z": jnp.zeros((64, 64), jnp.complex64), "w": PARAMS["w"]}
+    tx = topk_mean("d", 0.01, momentum=0.9, nesterov=True)
+    state = tx.init(params)
+    assert state.u["z"].dtype == jnp.complex64 and state.u["z"].shape == (64, 64)
+    assert state.v["z"].shape == (0,)
+    assert topk_state_specs(state, "d").u["z"] == P()  # the momentum of the mean: the same on every rank
+    steps = []
+    for t in range(3):
+        g = grads(t, {"z": jnp.zeros((64, 64)), "w": PARAMS["w"]})
+        g["z"] = (g["z"] + 1j * grads(t, {"z": jnp.zeros((64, 64))}, seed=1)["z"]).astype(jnp.complex64)
+        steps.append(g)
+    got, _ = _loop(tx, steps, params)
+    trace = optax.trace(0.9, nesterov=True)
+    tstate = trace.init({"z": params["z"]})
+    for t, gs in enumerate(steps):
+        want, tstate = trace.update({"z": jnp.asarray(gs["z"]).mean(0)}, tstate)
+        assert got[t]["z"].dtype == np.complex64
+        assert np.abs(np.asarray(want["z"]).imag).max() > 0.1
+        np.testing.assert_allclose(got[t]["z"], np.asarray(want["z"]), rtol=1e-5, atol=1e-6)
+    # counted as a dense all-reduce of its 8-byte elements
+    assert topk_bytes({"z": params["z"]}, 8) == math.ceil(2 * 7 * 64 * 64 * 8 / 8)
+
+
+def test_mismatched_state_raises_naming_the_leaf_and_both_shapes():
+    tx = topk_mean("d", 0.01, momentum=0.9)
+
+    def error_of(state, updates=PARAMS, tx=tx):
+        with pytest.raises(ValueError) as info:
+            tx.update(updates, state)
+        return str(info.value)
+
+    transposed = dict(PARAMS, w=jnp.zeros((64, 48)))
+    msg = error_of(tx.init(transposed))
+    assert "topk_mean: state.u['w'] has shape (64, 48), expected (48, 64)" in msg
+    assert "update ['w'] of shape (48, 64)" in msg and "Build the state with this transformation's init" in msg
+    # a state without momentum
+    msg = error_of(topk_mean("d", 0.01, momentum=0.0).init(PARAMS))
+    assert "state.u['b'] has shape (0,), expected (10,)" in msg
+    # a state for another min_size: 'b' kept a velocity it does not have here
+    msg = error_of(topk_mean("d", 0.01, momentum=0.9, min_size=4).init(PARAMS))
+    assert "state.v['b'] has shape (10,), expected (0,)" in msg
+    # shard_map's stacked per-rank state, as if given the spec P() instead of P("d")
+    state = tx.init(PARAMS)
+    stacked = state._replace(v=jax.tree.map(lambda v: jnp.concatenate([v] * W) if v.size else v, state.v))
+    msg = error_of(stacked)
+    assert "state.v['e'] has shape (16000,), expected (2000,)" in msg and "P(axis_name)" in msg
+    # another structure, another transformation's state, a batched count
+    msg = error_of(tx.init(LITE))
+    assert "state.u does not have the structure of the updates" in msg
+    assert "missing from the state: [\"['e']\", \"['s']\"]" in msg
+    assert "expected a TopKState" in error_of((jnp.zeros((), jnp.int32), state.u, state.v))
+    msg = error_of(state._replace(count=jnp.zeros((1,), jnp.int32)))
+    assert "state.count must be a scalar, shape (), got shape (1,)" in msg

@@ -16,6 +16,13 @@ of ``jax.lax.pmean(grads, axis_name)``, typically first in an ``optax.chain``::
 Every factory returns an ``optax.GradientTransformation`` with a NamedTuple state whose
 shapes and dtypes never change across steps (so it works under ``jit``, ``optax.MultiSteps``
 and ``optax.apply_if_finite``). Needs optax (``pip install optax``).
+
+None of them fails silently: a step whose mean is non-finite (an inf or NaN on any rank)
+gives a non-finite update for that step only and leaves the state bitwise unchanged on every
+rank; a state that does not match the updates (structure or shapes) raises a ``ValueError``
+naming the leaf path and both shapes; a non-integer, bool or out-of-range count argument
+raises a ``ValueError`` when the transformation is built (the checks live in ``_checks``).
+Complex leaves are averaged exactly.
 """
 
 try:

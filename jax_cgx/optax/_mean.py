@@ -26,6 +26,7 @@ from jax_cgx import _compat
 from jax_cgx.allreduce import compressed_pmean
 from jax_cgx.codec import Impl, _check_impl
 from jax_cgx.config import CompressionConfig
+from jax_cgx.optax import _checks
 
 __all__ = [
     "CompressedMeanState",
@@ -39,8 +40,9 @@ __all__ = [
 class CompressedMeanState(NamedTuple):
     """State of :func:`compressed_mean`.
 
-    count: int32 scalar, the number of updates so far (the same on every rank); the
-      stochastic-rounding key of a step folds it in.
+    count: int32 scalar, the number of finite updates so far (the same on every rank; a step
+      whose mean is non-finite does not count); the stochastic-rounding key of a step folds
+      it in.
     residual: with ``error_feedback``, this rank's error-feedback residual: a pytree like
       the parameters, each leaf in the parameter's dtype (zeros at init; it differs between
       ranks), except that leaves the layer filter always reduces exactly (``ndim <= 1``,
@@ -56,10 +58,6 @@ class CastMeanState(NamedTuple):
     """State of :func:`cast_mean`: none (an empty NamedTuple)."""
 
 
-def _axes(axis_name) -> tuple:
-    return tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
-
-
 def _filtered(leaf, layer_min_size: int) -> bool:
     """torch_cgx's layer filter: reduce biases, norms, small and non-float leaves exactly."""
     shape = jnp.shape(leaf)
@@ -68,10 +66,6 @@ def _filtered(leaf, layer_min_size: int) -> bool:
         or math.prod(shape) < layer_min_size
         or not jnp.issubdtype(jnp.result_type(leaf), jnp.floating)
     )
-
-
-def _placeholder():
-    return jnp.zeros((0,), jnp.float32)
 
 
 def _is_bound(axes, api: str) -> bool:
@@ -134,9 +128,11 @@ def compressed_mean(
     were taken. Without error feedback the per-step errors add up instead. For bfloat16
     and float16 leaves the residual is kept in the leaf's dtype (rounded to it).
 
-    If the mean is non-finite anywhere (an inf or NaN in any rank's gradient, which the
-    all-reduce propagates to every rank alike), the step keeps the previous residuals, so a
-    skipped step does not poison the next ones. To skip such steps put
+    **Non-finite steps.** If the mean is non-finite anywhere (an inf or NaN in any rank's
+    gradient, which the all-reduce propagates to every rank alike), that step's update is
+    non-finite and the state is left bitwise unchanged (the residuals and the count, on every
+    rank), so the next finite step gives exactly the update it would have given had the bad
+    step never happened. To skip such steps put
     ``optax.apply_if_finite`` *after* ``compressed_mean``, around the optimizer:
     ``optax.chain(compressed_mean(...), optax.apply_if_finite(optax.adam(lr), 5))``.
     Wrapping ``compressed_mean`` itself (or any transformation with a collective) in
@@ -158,15 +154,20 @@ def compressed_mean(
     The state (:class:`CompressedMeanState`) has fixed shapes and dtypes, so the
     transformation composes with ``jit``, ``optax.chain``, ``optax.MultiSteps`` (which runs
     the inner update, and so the exchange, on every micro-step and keeps the state of the
-    last one) and ``optax.apply_if_finite`` as above. ``init`` uses no collective (it may
-    run outside ``shard_map``). With error feedback the residual differs per rank: under
-    ``jax.pmap`` that is automatic; across ``jax.shard_map`` calls pass the state with the
-    specs of :func:`compressed_mean_state_specs`. Residuals are computed by the ``xla``
-    backend (``backend="nccl"`` raises with error feedback; ``"auto"`` picks ``xla``).
+    last one) and ``optax.apply_if_finite`` as above. ``update`` raises a ``ValueError``
+    naming the leaf and both shapes if the state does not belong to the updates (built for
+    other parameters, with another ``error_feedback`` or ``layer_min_size``, or given the
+    wrong ``shard_map`` specs). Complex leaves are non-float: averaged exactly. ``init``
+    uses no collective (it may run outside ``shard_map``). With error feedback the residual
+    differs per rank: under ``jax.pmap`` that is automatic; across ``jax.shard_map`` calls
+    pass the state with the specs of :func:`compressed_mean_state_specs`. Residuals are
+    computed by the ``xla`` backend (``backend="nccl"`` raises with error feedback;
+    ``"auto"`` picks ``xla``).
     """
     _check_impl(impl)
-    if isinstance(layer_min_size, bool) or int(layer_min_size) != layer_min_size or layer_min_size < 0:
-        raise ValueError(f"compressed_mean: layer_min_size must be an integer >= 0, got {layer_min_size!r}")
+    layer_min_size = _checks.check_int("compressed_mean", "layer_min_size", layer_min_size, minimum=0)
+    error_feedback = _checks.check_bool("compressed_mean", "error_feedback", error_feedback)
+    seed = _checks.check_seed("compressed_mean", seed)
     if config is None:
         config = CompressionConfig.from_env()
     if not (isinstance(config, CompressionConfig) or callable(config)):
@@ -174,8 +175,7 @@ def compressed_mean(
             "compressed_mean: config must be a CompressionConfig, a function (path, leaf) -> "
             f"CompressionConfig | None, or None; got {type(config).__name__}"
         )
-    axes = _axes(axis_name)
-    layer_min_size = int(layer_min_size)
+    axes = _checks.axes(axis_name)
 
     def leaf_config(path, leaf):
         if _filtered(leaf, layer_min_size):
@@ -190,40 +190,58 @@ def compressed_mean(
 
         def zeros(p):
             if _filtered(p, layer_min_size):
-                return _placeholder()
+                return _checks.placeholder()
             z = jnp.zeros(jnp.shape(p), jnp.result_type(p))
             return _mark_per_rank(z, axes) if bound else z
 
         return CompressedMeanState(count, jax.tree.map(zeros, params))
 
+    def residual_shape(g):
+        return _checks.PLACEHOLDER_SHAPE if _filtered(g, layer_min_size) else jnp.shape(g)
+
     def update_fn(updates, state, params=None):
         del params
+        _checks.check_state_type("compressed_mean", state, CompressedMeanState)
+        _checks.check_count("compressed_mean", state.count)
+        if error_feedback:
+            old = _checks.state_leaves("compressed_mean", "residual", updates, state.residual, residual_shape)
+        elif not (isinstance(state.residual, tuple) and len(state.residual) == 0):
+            raise ValueError(
+                "compressed_mean: state.residual holds residuals (a state built with error_feedback=True) "
+                "but this compressed_mean has error_feedback=False: build the state with this "
+                "transformation's init, or pass error_feedback=True."
+            )
         flat, treedef = jax.tree_util.tree_flatten_with_path(updates)
         configs = {jax.tree_util.keystr(path): leaf_config(path, leaf) for path, leaf in flat}
         spec = lambda path, leaf: configs[jax.tree_util.keystr(path)]  # noqa: E731
         key = None
         if any(c is not None and c.stochastic for c in configs.values()):
             key = jax.random.fold_in(jax.random.key(seed), state.count)
-        count = optax.safe_increment(state.count)
         if not error_feedback:
-            return compressed_pmean(updates, axes, spec, key=key, impl=impl), CompressedMeanState(count, ())
+            mean = compressed_pmean(updates, axes, spec, key=key, impl=impl)
+            finite = _checks.step_is_finite(mean, state.count, axes)
+            return mean, CompressedMeanState(_next_count(state.count, finite), ())
 
         leaves = [leaf for _, leaf in flat]
-        old = treedef.flatten_up_to(state.residual)
-        carried = [jnp.shape(e) == jnp.shape(g) and not _filtered(g, layer_min_size) for g, e in zip(leaves, old)]
+        carried = [not _filtered(g, layer_min_size) for g in leaves]
         compensated = [g + e.astype(g.dtype) if c else g for g, e, c in zip(leaves, old, carried)]
         mean, lost = compressed_pmean(
             treedef.unflatten(compensated), axes, spec, key=key, impl=impl, return_residual=True
         )
         # The mean is bitwise the same on every rank: all ranks agree on whether it is finite.
-        finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(m)) for m in jax.tree.leaves(mean)] or [jnp.bool_(True)]))
+        finite = _checks.step_is_finite(mean, state.count, axes)
         residual = [
             _mark_per_rank(jnp.where(finite, new.astype(e.dtype), e), axes) if c else e
             for new, e, c in zip(treedef.flatten_up_to(lost), old, carried)
         ]
-        return mean, CompressedMeanState(count, treedef.unflatten(residual))
+        return mean, CompressedMeanState(_next_count(state.count, finite), treedef.unflatten(residual))
 
     return optax.GradientTransformation(init_fn, update_fn)
+
+
+def _next_count(count, finite):
+    """The count after a step: one more after a finite step, unchanged after a non-finite one."""
+    return jnp.where(finite, optax.safe_increment(count), count)
 
 
 def compressed_mean_state_specs(state: CompressedMeanState, axis_name) -> CompressedMeanState:
@@ -253,8 +271,11 @@ def cast_mean(axis_name, dtype=jnp.bfloat16) -> optax.GradientTransformation:
 
         lax.psum(g.astype(dtype) / W, axis_name).astype(g.dtype)
 
-    Non-float leaves are averaged exactly (``lax.pmean``). Moves half the bytes of a float32
-    mean. The state (:class:`CastMeanState`) is empty; ``init`` uses no collective.
+    Non-float leaves (integers, complex) are averaged exactly (``lax.pmean``). Moves half the
+    bytes of a float32 mean. The state (:class:`CastMeanState`) is empty, so a non-finite step
+    (an inf or NaN on any rank; with float16 also any ``|g|`` above 65504, cast before the
+    division as the hooks do) gives a non-finite mean for that step only. ``update`` raises a
+    ``ValueError`` for any other state. ``init`` uses no collective.
 
     Args:
       axis_name: the mapped axis (or a tuple of axes) to average over.
@@ -264,7 +285,7 @@ def cast_mean(axis_name, dtype=jnp.bfloat16) -> optax.GradientTransformation:
     dtype = jnp.dtype(dtype)
     if not jnp.issubdtype(dtype, jnp.floating):
         raise TypeError(f"cast_mean: dtype must be a floating type (bfloat16, float16), got {dtype}")
-    axes = _axes(axis_name)
+    axes = _checks.axes(axis_name)
 
     def init_fn(params):
         del params
@@ -272,6 +293,7 @@ def cast_mean(axis_name, dtype=jnp.bfloat16) -> optax.GradientTransformation:
 
     def update_fn(updates, state, params=None):
         del params
+        _checks.check_state_type("cast_mean", state, CastMeanState)
         _compat.check_axis_names(axes, "cast_mean")
         world = math.prod(lax.axis_size(a) for a in axes)
 

@@ -24,7 +24,8 @@ approximation of the mean (Vogels et al., *PowerSGD*, NeurIPS 2019), with the se
 
 The state is ``PowerSGDState(count, q, error)``:
 
-- ``count``: int32 scalar, the number of updates so far (warm-up while ``count < start_iter``);
+- ``count``: int32 scalar, the number of finite updates so far (warm-up while
+  ``count < start_iter``);
 - ``q``: a pytree like the gradients. A compressed leaf's entry is its ``[m, r]`` float32 ``Q``
   (the same on every rank) when ``warm_start``; every other entry is a ``(0,)`` float32
   placeholder;
@@ -37,8 +38,19 @@ per-rank: under ``jax.shard_map`` give it the spec ``P(axis_name)`` (each rank's
 of a global array stacked along the leaf's first dimension; ``(0,)`` placeholders stay ``(0,)``)
 and ``count``/``q`` the spec ``P()``; under ``jax.pmap`` every state leaf has the device axis.
 
-Wrapped in ``optax.apply_if_finite`` (or anything that branches on the local gradients), every
-rank must take the same branch: the update holds collectives.
+Non-finite steps: an inf or NaN in any rank's gradient makes that step's mean non-finite on
+every rank (a rank whose local matrix is non-finite sends NaN into the all-reduce of P, and its
+NaN or inf also reaches the all-reduce of Q), and such a step leaves the whole state
+(``count``, ``q``, ``error``) bitwise unchanged, on every rank alike: the next finite step gives
+exactly the update it would have given had the bad step never happened. To skip such steps put
+``optax.apply_if_finite`` *after* ``powersgd_mean``, around the optimizer. Wrapped itself in
+``optax.apply_if_finite`` (or anything that branches on the local gradients), every rank must
+take the same branch: the update holds collectives.
+
+``update`` raises a ``ValueError`` naming the leaf and both shapes when the state does not belong
+to the updates (built for other parameters, another ``rank``, ``min_compression_rate``,
+``warm_start`` or ``error_feedback``, or given the wrong ``shard_map`` specs). Complex leaves
+are non-floating: averaged uncompressed (exactly).
 
 Where this differs from PyTorch:
 
@@ -56,7 +68,10 @@ Where this differs from PyTorch:
 - uncompressed leaves keep no error: in PyTorch they share the bucket's error feedback, whose
   mean over ranks is zero for them, so the result is the same up to rounding;
 - ``start_iter`` may be 0 or 1 (PyTorch needs > 1 with error feedback or warm start, for
-  DDP's bucket rebuild); the count is per ``update`` call, not per DDP iteration over buckets.
+  DDP's bucket rebuild); the count is per finite ``update`` call, not per DDP iteration over
+  buckets;
+- a non-finite step leaves the state unchanged (in PyTorch the error and the warm-start Q turn
+  NaN, and every later step with them).
 """
 
 from __future__ import annotations
@@ -72,6 +87,7 @@ import optax
 from jax import lax
 
 from jax_cgx import _compat
+from jax_cgx.optax import _checks
 
 __all__ = ["PowerSGDState", "powersgd_mean", "powersgd_bytes"]
 
@@ -82,10 +98,6 @@ class PowerSGDState(NamedTuple):
     count: jax.Array  # int32 scalar: updates so far
     q: Any  # pytree like the gradients: [m, r] float32 per compressed leaf (warm start), else (0,)
     error: Any  # pytree like the gradients: leaf-shaped float32 per compressed leaf, else (0,)
-
-
-def _empty() -> jax.Array:
-    return jnp.zeros((0,), jnp.float32)
 
 
 def _plan(shape, dtype, rank: int, min_compression_rate: float):
@@ -144,10 +156,6 @@ def _fresh_qs(count, *, seed: int, sizes: tuple, epsilon: float) -> list:
     return qs
 
 
-def _axes(axis_name) -> tuple:
-    return tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
-
-
 def _varying(x) -> frozenset:
     return _compat.varying_axes(jax.typeof(x))
 
@@ -189,16 +197,15 @@ def powersgd_mean(
       collectives (call it anywhere); ``update`` must run where ``axis_name`` is bound and
       returns the same updates on every rank, in the gradients' dtypes.
     """
-    if not isinstance(rank, (int, np.integer)) or rank < 1:
-        raise ValueError(f"powersgd_mean: rank must be an integer >= 1, got {rank!r}")
-    if start_iter < 0:
-        raise ValueError(f"powersgd_mean: start_iter must be >= 0, got {start_iter!r}")
-    if not min_compression_rate >= 0:
-        raise ValueError(f"powersgd_mean: min_compression_rate must be >= 0, got {min_compression_rate!r}")
-    if not orthogonalization_epsilon >= 0:
-        raise ValueError(f"powersgd_mean: orthogonalization_epsilon must be >= 0, got {orthogonalization_epsilon!r}")
-    rank, start_iter, eps = int(rank), int(start_iter), float(orthogonalization_epsilon)
-    axes = _axes(axis_name)
+    fn = "powersgd_mean"
+    rank = _checks.check_int(fn, "rank", rank, minimum=1)
+    start_iter = _checks.check_int(fn, "start_iter", start_iter, minimum=0)
+    min_compression_rate = _checks.check_real(fn, "min_compression_rate", min_compression_rate, low=0.0)
+    eps = _checks.check_real(fn, "orthogonalization_epsilon", orthogonalization_epsilon, low=0.0)
+    error_feedback = _checks.check_bool(fn, "error_feedback", error_feedback)
+    warm_start = _checks.check_bool(fn, "warm_start", warm_start)
+    seed = _checks.check_seed(fn, seed)
+    axes = _checks.axes(axis_name)
     axis_set = frozenset(axes)
 
     def plan_of(x):
@@ -208,29 +215,39 @@ def powersgd_mean(
         leaves, treedef = jax.tree.flatten(params)
         plans = [plan_of(x) for x in leaves]
         idx = [i for i, plan in enumerate(plans) if plan is not None]
-        qs = [_empty() for _ in leaves]
+        qs = [_checks.placeholder() for _ in leaves]
         if warm_start and idx:
             fresh = _fresh_qs(start_iter, seed=seed, sizes=tuple(plans[i][1:] for i in idx), epsilon=eps)
             for i, q in zip(idx, fresh):
                 qs[i] = q
         errors = [
-            jnp.zeros(jnp.shape(x), jnp.float32) if plan is not None and error_feedback else _empty()
+            jnp.zeros(jnp.shape(x), jnp.float32) if plan is not None and error_feedback else _checks.placeholder()
             for x, plan in zip(leaves, plans)
         ]
         return PowerSGDState(count=jnp.zeros([], jnp.int32), q=treedef.unflatten(qs), error=treedef.unflatten(errors))
 
+    def q_shape(x):
+        plan = plan_of(x)
+        return plan[1:] if plan is not None and warm_start else _checks.PLACEHOLDER_SHAPE
+
+    def error_shape(x):
+        return jnp.shape(x) if plan_of(x) is not None and error_feedback else _checks.PLACEHOLDER_SHAPE
+
     def update_fn(updates, state, params=None):
         del params
-        _compat.check_axis_names(axes, "powersgd_mean")
+        _checks.check_state_type(fn, state, PowerSGDState)
+        _checks.check_count(fn, state.count)
+        q_leaves = _checks.state_leaves(fn, "q", updates, state.q, q_shape)
+        e_leaves = _checks.state_leaves(fn, "error", updates, state.error, error_shape)
+        _compat.check_axis_names(axes, fn)
         leaves, treedef = jax.tree.flatten(updates)
-        q_leaves = treedef.flatten_up_to(state.q)
-        e_leaves = treedef.flatten_up_to(state.error)
         plans = [plan_of(x) for x in leaves]
         out = [None if plan is not None else lax.pmean(x, axis_name) for x, plan in zip(leaves, plans)]
         idx = [i for i, plan in enumerate(plans) if plan is not None]
         new_count = optax.safe_increment(state.count)
         if not idx:
-            return treedef.unflatten(out), state._replace(count=new_count)
+            finite = _checks.step_is_finite(out, state.count, axes)
+            return treedef.unflatten(out), state._replace(count=jnp.where(finite, new_count, state.count))
 
         grads = [leaves[i] for i in idx]
         qs = [q_leaves[i] for i in idx] if warm_start else None
@@ -266,7 +283,10 @@ def powersgd_mean(
                     q = jnp.where(dead, fresh[k], qs[k])
                 else:
                     q = fresh[k]
-                p = lax.psum(_matmul(mat, q), axis_name)
+                # A non-finite local matrix sends NaN, so every rank sees it in P (and in Q: the
+                # estimate is non-finite everywhere, whatever Gram-Schmidt does with a NaN column).
+                mq = jnp.where(jnp.all(jnp.isfinite(mat)), _matmul(mat, q), jnp.nan)
+                p = lax.psum(mq, axis_name)
                 p = _orthogonalize(p, eps)
                 q = lax.pmean(_matmul(mat.T, p), axis_name)
                 o = _matmul(p, q.T).reshape(g.shape).astype(g.dtype)
@@ -296,15 +316,20 @@ def powersgd_mean(
         else:
             outs, new_qs, new_errs = lax.cond(state.count >= start_iter, compressed, warmup, operands)
 
-        new_q_leaves, new_e_leaves = list(q_leaves), list(e_leaves)
         for k, i in enumerate(idx):
             out[i] = outs[k]
+        # The means are the same on every rank: a non-finite step keeps the whole state, everywhere.
+        finite = _checks.step_is_finite(out, state.count, axes)
+        new_q_leaves, new_e_leaves = list(q_leaves), list(e_leaves)
+        for k, i in enumerate(idx):
             if warm_start:
-                new_q_leaves[i] = new_qs[k]
+                new_q_leaves[i] = jnp.where(finite, new_qs[k], q_leaves[i])
             if error_feedback:
-                new_e_leaves[i] = new_errs[k]
+                new_e_leaves[i] = jnp.where(finite, new_errs[k], e_leaves[i])
         new_state = PowerSGDState(
-            count=new_count, q=treedef.unflatten(new_q_leaves), error=treedef.unflatten(new_e_leaves)
+            count=jnp.where(finite, new_count, state.count),
+            q=treedef.unflatten(new_q_leaves),
+            error=treedef.unflatten(new_e_leaves),
         )
         return treedef.unflatten(out), new_state
 
@@ -318,6 +343,9 @@ def powersgd_bytes(params, world: int, rank: int = 1, min_compression_rate: floa
     own dtype) is counted as a bandwidth-optimal all-reduce: ``2 (world - 1) / world`` of its
     bytes. ``params`` may hold arrays or ``jax.ShapeDtypeStruct``s.
     """
+    world = _checks.check_int("powersgd_bytes", "world", world, minimum=1)
+    rank = _checks.check_int("powersgd_bytes", "rank", rank, minimum=1)
+    min_compression_rate = _checks.check_real("powersgd_bytes", "min_compression_rate", min_compression_rate, low=0.0)
     total = 0
     for x in jax.tree.leaves(params):
         if not hasattr(x, "shape") or not hasattr(x, "dtype"):

@@ -32,12 +32,13 @@ Nesterov: DGC's reference code keeps ``u' = momentum * (u' + g)`` and adds ``u' 
 (optax's / PyTorch's form), which is what is implemented -- the same ``v`` every step, and
 masking zeroes ``u`` and ``u'`` alike.
 
-Uncompressed leaves (size < ``min_size``, scalars, non-float) are averaged exactly with
-``lax.pmean``; as in DGC's reference (which applies ``compensate(accumulate=False)`` to the
-all-reduced gradient, and whose ``DGCSGD`` has no gradient momentum) the momentum of those
-leaves is also applied here, to the *mean*: ``u = momentum * u + pmean(g)``, update ``u``
-(Nesterov: ``pmean(g) + momentum * u``). So every leaf leaves this transformation already
-momentum-corrected: follow it with plain SGD, never with a momentum optimizer::
+Uncompressed leaves (size < ``min_size``, scalars, non-float: integer and complex) are
+averaged exactly with ``lax.pmean``; as in DGC's reference (which applies
+``compensate(accumulate=False)`` to the all-reduced gradient, and whose ``DGCSGD`` has no
+gradient momentum) the momentum of those leaves is also applied here, to the *mean*:
+``u = momentum * u + pmean(g)``, update ``u`` (Nesterov: ``pmean(g) + momentum * u``). So every
+leaf leaves this transformation already momentum-corrected: follow it with plain SGD, never
+with a momentum optimizer::
 
     tx = optax.chain(
         optax.clip_by_global_norm(1.0),            # optional: DGC's local (per-rank) clipping
@@ -48,13 +49,22 @@ momentum-corrected: follow it with plain SGD, never with a momentum optimizer::
 
 With ``momentum=0`` the uncompressed leaves are exactly ``lax.pmean`` and keep no state.
 
+Complex leaves are never sparsified (top-k of a complex leaf would have to choose between
+magnitudes and components): they are averaged exactly like the other uncompressed leaves, and
+their momentum is kept in complex64, so nothing of the imaginary part is lost.
+
 Non-finite gradients: an inf or NaN in any rank's gradient makes the mean non-finite on every
-rank (also when the bad element is not selected), and such a step leaves the state unchanged
-(on every rank alike). To skip those steps put ``optax.apply_if_finite`` *after*
-``topk_mean``, around the optimizer: ``optax.chain(topk_mean(...),
-optax.apply_if_finite(optax.sgd(lr), 5))``. Do not wrap ``topk_mean`` itself (nor any
-transformation with a collective) in ``apply_if_finite``: it tests each rank's own gradient,
-so ranks could disagree on whether to run the collective.
+rank (also when the bad element is not selected), and such a step leaves the whole state
+(``count``, ``u``, ``v``) bitwise unchanged (on every rank alike): the next finite step gives
+exactly the update it would have given had the bad step never happened. To skip those steps
+put ``optax.apply_if_finite`` *after* ``topk_mean``, around the optimizer:
+``optax.chain(topk_mean(...), optax.apply_if_finite(optax.sgd(lr), 5))``. Do not wrap
+``topk_mean`` itself (nor any transformation with a collective) in ``apply_if_finite``: it
+tests each rank's own gradient, so ranks could disagree on whether to run the collective.
+
+``update`` raises a ``ValueError`` naming the leaf and both shapes when the state does not
+belong to the updates (built for other parameters, another ``min_size`` or ``momentum``, or
+given the wrong ``shard_map`` specs).
 
 ``optax.MultiSteps(optax.chain(topk_mean(...), ...), k)`` works (the micro-gradients are
 averaged locally, the exchange sees their mean), but note that optax's ``MultiSteps`` runs
@@ -74,6 +84,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from jax_cgx._compat import all_gather_invariant, check_axis_names, check_vma_enabled, pvary
+from jax_cgx.optax import _checks
 
 __all__ = ["TopKState", "topk_mean", "topk_bytes", "topk_state_specs"]
 
@@ -86,11 +97,11 @@ _MAX_ADAPTATION_ITERS = 10
 class TopKState(NamedTuple):
     """State of :func:`topk_mean`.
 
-    count: int32 scalar, steps taken (the same on every rank).
-    u: momentum, float32, a pytree like the parameters. Compressed leaves: this rank's
-       momentum (differs between ranks). Uncompressed leaves: the momentum of the mean (the
-       same on every rank). A zero-size ``(0,)`` placeholder where no momentum is kept
-       (``momentum=0``).
+    count: int32 scalar, finite steps taken (the same on every rank).
+    u: momentum, float32 (complex64 for complex leaves), a pytree like the parameters.
+       Compressed leaves: this rank's momentum (differs between ranks). Uncompressed leaves:
+       the momentum of the mean (the same on every rank). A zero-size ``(0,)`` placeholder
+       where no momentum is kept (``momentum=0``, non-float leaves).
     v: accumulated velocity, float32, like the parameters for compressed leaves (this rank's),
        a ``(0,)`` placeholder for the others.
     """
@@ -100,21 +111,21 @@ class TopKState(NamedTuple):
     v: Any
 
 
-def _axes(axis_name) -> tuple:
-    return tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
-
-
 def _is_compressed(x, min_size: int) -> bool:
+    """Real floating leaves with ``ndim >= 1`` and at least ``min_size`` elements (not complex)."""
     shape = jnp.shape(x)
-    return len(shape) >= 1 and math.prod(shape) >= min_size and jnp.issubdtype(jnp.result_type(x), jnp.inexact)
+    return len(shape) >= 1 and math.prod(shape) >= min_size and jnp.issubdtype(jnp.result_type(x), jnp.floating)
+
+
+def _momentum_dtype(dtype):
+    """The dtype of a leaf's momentum: complex64 for complex leaves, float32 for real ones, else None."""
+    if jnp.issubdtype(dtype, jnp.complexfloating):
+        return jnp.complex64
+    return jnp.float32 if jnp.issubdtype(dtype, jnp.floating) else None
 
 
 def _ceil(r: float, n: int) -> int:
     return min(n, max(1, math.ceil(round(r * n, 6))))  # round: 0.07 * 100 is 7, not 8
-
-
-def _placeholder():
-    return jnp.zeros((0,), jnp.float32)
 
 
 class _LeafPlan(NamedTuple):
@@ -175,42 +186,60 @@ def topk_mean(
     ``jax.shard_map`` calls give it the specs of :func:`topk_state_specs` (or keep the
     training loop inside one ``shard_map``). ``init`` uses no collective.
     """
-    if not 0.0 < ratio <= 1.0:
-        raise ValueError(f"topk_mean: ratio must be in (0, 1], got {ratio}")
-    if not 0.0 < sample_ratio <= 1.0:
-        raise ValueError(f"topk_mean: sample_ratio must be in (0, 1], got {sample_ratio}")
-    if momentum < 0.0:
-        raise ValueError(f"topk_mean: momentum must be >= 0, got {momentum}")
+    fn = "topk_mean"
+    ratio = _checks.check_real(fn, "ratio", ratio, low=0.0, high=1.0, low_open=True)
+    sample_ratio = _checks.check_real(fn, "sample_ratio", sample_ratio, low=0.0, high=1.0, low_open=True)
+    momentum = _checks.check_real(fn, "momentum", momentum, low=0.0)
+    nesterov = _checks.check_bool(fn, "nesterov", nesterov)
     if nesterov and momentum == 0.0:
         raise ValueError("topk_mean: nesterov needs momentum > 0")
-    if int(warmup_steps) != warmup_steps or warmup_steps < 0:
-        raise ValueError(f"topk_mean: warmup_steps must be an integer >= 0, got {warmup_steps}")
-    warmup_ratios = tuple(float(r) for r in warmup_ratios)
-    if warmup_steps and (not warmup_ratios or not all(0.0 < r <= 1.0 for r in warmup_ratios)):
-        raise ValueError(f"topk_mean: warmup_ratios must be non-empty, each in (0, 1], got {warmup_ratios}")
-    if int(min_size) != min_size or min_size < 1:
-        raise ValueError(f"topk_mean: min_size must be an integer >= 1, got {min_size}")
-    axes = _axes(axis_name)
-    warmup_steps = int(warmup_steps)
-    ratios = (warmup_ratios if warmup_steps else ()) + (float(ratio),)
+    warmup_steps = _checks.check_int(fn, "warmup_steps", warmup_steps, minimum=0)
+    min_size = _checks.check_int(fn, "min_size", min_size, minimum=1)
+    seed = _checks.check_seed(fn, seed)
+    if warmup_steps:
+        given = warmup_ratios
+        iterable = np.iterable(given) and not isinstance(given, (str, bytes))
+        warmup_ratios = tuple(given) if iterable else ()
+        if not warmup_ratios:
+            raise ValueError(f"topk_mean: warmup_ratios must be a non-empty tuple of densities, got {given!r}")
+        warmup_ratios = tuple(
+            _checks.check_real(fn, f"warmup_ratios[{i}]", r, low=0.0, high=1.0, low_open=True)
+            for i, r in enumerate(warmup_ratios)
+        )
+    axes = _checks.axes(axis_name)
+    ratios = (warmup_ratios if warmup_steps else ()) + (ratio,)
     use_momentum = momentum != 0.0
 
     def init_fn(params):
         per_rank = _per_rank_marker(axes)
 
         def u0(p):
-            if use_momentum and jnp.issubdtype(jnp.result_type(p), jnp.inexact):
-                z = jnp.zeros(jnp.shape(p), jnp.float32)
+            dtype = _momentum_dtype(jnp.result_type(p))
+            if use_momentum and dtype is not None:
+                z = jnp.zeros(jnp.shape(p), dtype)
                 return per_rank(z) if _is_compressed(p, min_size) else z
-            return _placeholder()
+            return _checks.placeholder()
 
         def v0(p):
-            return per_rank(jnp.zeros(jnp.shape(p), jnp.float32)) if _is_compressed(p, min_size) else _placeholder()
+            if _is_compressed(p, min_size):
+                return per_rank(jnp.zeros(jnp.shape(p), jnp.float32))
+            return _checks.placeholder()
 
         return TopKState(jnp.zeros((), jnp.int32), jax.tree.map(u0, params), jax.tree.map(v0, params))
 
+    def u_shape(g):
+        keeps = use_momentum and _momentum_dtype(jnp.result_type(g)) is not None
+        return jnp.shape(g) if keeps else _checks.PLACEHOLDER_SHAPE
+
+    def v_shape(g):
+        return jnp.shape(g) if _is_compressed(g, min_size) else _checks.PLACEHOLDER_SHAPE
+
     def update_fn(updates, state, params=None):
         del params
+        _checks.check_state_type(fn, state, TopKState)
+        _checks.check_count(fn, state.count)
+        us = _checks.state_leaves(fn, "u", updates, state.u, u_shape)
+        vs = _checks.state_leaves(fn, "v", updates, state.v, v_shape)
         count = state.count
         if warmup_steps:
             phase = jnp.minimum(count // warmup_steps, len(warmup_ratios))
@@ -221,8 +250,6 @@ def topk_mean(
         step_key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), count), rank)
 
         leaves, treedef = jax.tree.flatten(updates)
-        us = treedef.flatten_up_to(state.u)
-        vs = treedef.flatten_up_to(state.v)
         out, new_u, new_v = [], [], []
         for i, (g, u, v) in enumerate(zip(leaves, us, vs)):
             if _is_compressed(g, min_size):
@@ -238,7 +265,7 @@ def topk_mean(
             new_v.append(v)
         # A non-finite mean (some rank's gradient had an inf or NaN; the mean is the same on
         # every rank) leaves the whole state unchanged on every rank, as apply_if_finite would.
-        finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(o)) for o in out])) if out else jnp.bool_(True)
+        finite = _checks.step_is_finite(out, count, axes)
 
         def keep_if_finite(new, old):
             return jnp.where(finite, new, old)
@@ -268,9 +295,10 @@ def _per_rank_marker(axes):
 
 def _small_leaf(g, u, axes, momentum, nesterov, use_momentum):
     mean = lax.pmean(g, axes)
-    if not (use_momentum and jnp.issubdtype(g.dtype, jnp.inexact)):
+    dtype = _momentum_dtype(g.dtype)
+    if not (use_momentum and dtype is not None):
         return mean, u
-    m32 = mean.astype(jnp.float32)
+    m32 = mean.astype(dtype)
     u = momentum * u + m32
     out = m32 + momentum * u if nesterov else u
     return out.astype(g.dtype), u
@@ -421,15 +449,16 @@ def topk_state_specs(state, axis_name):
 def topk_bytes(params, world: int, ratio: float = 0.001, min_size: int = 1024) -> int:
     """Bytes one rank sends per step with :func:`topk_mean` at density ``ratio``.
 
-    A compressed leaf (``size >= min_size``, ``ndim >= 1``, float) sends ``k = ceil(ratio * n)``
-    slots of a float32 value and an int32 index through an all-gather: ``(world - 1) * k * 8``.
+    A compressed leaf (``size >= min_size``, ``ndim >= 1``, real float) sends
+    ``k = ceil(ratio * n)`` slots of a float32 value and an int32 index through an all-gather: ``(world - 1) * k * 8``.
     Uncompressed leaves count as a bandwidth-optimal all-reduce: ``2 (world - 1) / world`` of
     their bytes (rounded up), and so do compressed leaves where ``k == n`` (then float32).
     During warm-up phase ``i`` pass ``ratio=warmup_ratios[i]``. ``params``: arrays or
     ``jax.ShapeDtypeStruct``.
     """
-    if world < 1:
-        raise ValueError(f"topk_bytes: world must be >= 1, got {world}")
+    world = _checks.check_int("topk_bytes", "world", world, minimum=1)
+    ratio = _checks.check_real("topk_bytes", "ratio", ratio, low=0.0, high=1.0, low_open=True)
+    min_size = _checks.check_int("topk_bytes", "min_size", min_size, minimum=1)
     sparse, dense = 0, 0
     for p in jax.tree.leaves(params):
         n = math.prod(jnp.shape(p))
