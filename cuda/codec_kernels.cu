@@ -633,6 +633,19 @@ struct QuantOut {
   float* meta;            // [R, nb, 2]
   const uint32_t* seeds;  // [R, 2], read only when stochastic
   bool stochastic;
+  ValidCounts valid;      // which elements set the ranges
+
+  // Elements of bucket (r, k) that enter its range: those before this bound.
+  CGX_HD int64_t range_limit(const RowLayout& l, int64_t r, int64_t k) const {
+    int64_t count;
+    if (valid.rows != nullptr) {
+      count = valid.rows[r];
+    } else {
+      const int64_t total = valid.total_dev != nullptr ? *valid.total_dev : valid.total;
+      count = total - (valid.first + r * valid.row_step);
+    }
+    return count - k * l.bucket;
+  }
 };
 
 // -------------------------------------------------------- kernel bodies
@@ -717,12 +730,14 @@ CGX_HD void quantize_segments(const Src& src, const Sink& sink, const RowLayout&
     for (int i = 0; i < G; ++i) cnt[i] = group_count(len, sl + static_cast<int64_t>(i) * lanes);
     float v[G][kGroup];
     src.template load<G>(l, cur.r, cur.k, sl, lanes, cnt, v);
+    const int64_t limit = active ? q.range_limit(l, cur.r, cur.k) : 0;
     MinMax mm = minmax_empty();
     CGX_UNROLL
     for (int i = 0; i < G; ++i) {
+      const int64_t first = (sl + static_cast<int64_t>(i) * lanes) * kGroup;
       CGX_UNROLL
       for (int e = 0; e < kGroup; ++e) {
-        if (e < cnt[i]) minmax_add(mm, v[i][e]);
+        if (e < cnt[i] && first + e < limit) minmax_add(mm, v[i][e]);
       }
     }
     segment_minmax(mm, lanes);
@@ -756,6 +771,7 @@ CGX_HD void quantize_blocks(const Src& src, const Sink& sink, const RowLayout& l
     const int64_t len = bucket_len(l, k);
     const int64_t groups = groups_in(len);
 
+    const int64_t limit = q.range_limit(l, r, k);
     MinMax mm = minmax_empty();
     for (int64_t g = tp.thread; g < groups; g += tp.block_threads) {
       const int cnt[1] = {group_count(len, g)};
@@ -763,7 +779,7 @@ CGX_HD void quantize_blocks(const Src& src, const Sink& sink, const RowLayout& l
       src.template load<1>(l, r, k, g, 0, cnt, v);
       CGX_UNROLL
       for (int e = 0; e < kGroup; ++e) {
-        if (e < cnt[0]) minmax_add(mm, v[0][e]);
+        if (e < cnt[0] && g * kGroup + e < limit) minmax_add(mm, v[0][e]);
       }
     }
     segment_minmax(mm, kWarpSize);
@@ -904,11 +920,12 @@ inline bool valid_type(FloatType t) {
 
 cudaError_t LaunchQuantize(cudaStream_t stream, const RowLayout& layout, FloatType x_type,
                            const void* x, int64_t x_row_stride, const uint32_t* seeds,
-                           bool stochastic, uint8_t* payload, float* meta) {
+                           bool stochastic, uint8_t* payload, float* meta,
+                           const ValidCounts& valid) {
   using namespace detail;
   if (layout.rows <= 0 || layout.elems <= 0) return cudaSuccess;
   if (stochastic && seeds == nullptr) return cudaErrorInvalidValue;
-  const QuantOut q{payload, meta, seeds, stochastic};
+  const QuantOut q{payload, meta, seeds, stochastic, valid};
   switch (x_type) {
     case FloatType::kF32:
       return launch_quantize_array<F32Type>(stream, layout, x, x_row_stride, q);
@@ -963,7 +980,8 @@ cudaError_t LaunchDequantizeSumRequantize(cudaStream_t stream, const RowLayout& 
                                           const float* meta, FloatType addend_type,
                                           const void* addend, const uint32_t* seeds,
                                           bool stochastic, uint8_t* out_payload,
-                                          float* out_meta, FloatType out_type, void* out) {
+                                          float* out_meta, FloatType out_type, void* out,
+                                          const ValidCounts& valid) {
   using namespace detail;
   if (layout.rows <= 0 || layout.elems <= 0) return cudaSuccess;
   if (!valid_type(out_type) || (addend != nullptr && !valid_type(addend_type))) {
@@ -971,7 +989,7 @@ cudaError_t LaunchDequantizeSumRequantize(cudaStream_t stream, const RowLayout& 
   }
   if (stochastic && seeds == nullptr) return cudaErrorInvalidValue;
   const SumInput src = MakeSumInput(layout, inputs, payload, meta, addend_type, addend);
-  const QuantOut q{out_payload, out_meta, seeds, stochastic};
+  const QuantOut q{out_payload, out_meta, seeds, stochastic, valid};
   if (out == nullptr) return launch_quantize(stream, layout, src, NoOutput{}, q);
   return launch_quantize(stream, layout, src, MakeArrayOutput(layout, out_type, out), q);
 }

@@ -56,11 +56,27 @@ inline RowLayout MakeRowLayout(int64_t rows, int64_t m, int64_t bucket_size, int
   return l;
 }
 
+// Which elements of each row set its buckets' ranges: row r's first
+// Count(r) elements. Later ones are padding: they are encoded inside the
+// ranges the valid ones set and never widen them; a bucket with no valid
+// element gets metadata (0, 0). Count(r) is rows[r] when `rows` is set (device
+// memory), else (*total_dev when set (device memory), else total) minus
+// (first + r * row_step): rows cut at a stride from one longer row whose first
+// `total` elements are real. The default: every element is valid.
+struct ValidCounts {
+  const int32_t* rows = nullptr;
+  const int32_t* total_dev = nullptr;
+  int64_t total = int64_t{1} << 62;
+  int64_t first = 0;
+  int64_t row_step = 0;
+};
+
 // quantize: x[R, x_row_stride] (the first layout.elems of each row are encoded),
 // seeds[R, 2] (read only when stochastic) -> payload[R, P] u8, meta[R, nb, 2] f32.
 cudaError_t LaunchQuantize(cudaStream_t stream, const RowLayout& layout, FloatType x_type,
                            const void* x, int64_t x_row_stride, const uint32_t* seeds,
-                           bool stochastic, uint8_t* payload, float* meta);
+                           bool stochastic, uint8_t* payload, float* meta,
+                           const ValidCounts& valid = ValidCounts{});
 
 // dequantize: payload[R, P], meta[R, nb, 2] -> out[R, m] (decode of every level).
 cudaError_t LaunchDequantize(cudaStream_t stream, const RowLayout& layout, const uint8_t* payload,
@@ -81,7 +97,8 @@ cudaError_t LaunchDequantizeSumRequantize(cudaStream_t stream, const RowLayout& 
                                           const float* meta, FloatType addend_type,
                                           const void* addend, const uint32_t* seeds,
                                           bool stochastic, uint8_t* out_payload,
-                                          float* out_meta, FloatType out_type, void* out);
+                                          float* out_meta, FloatType out_type, void* out,
+                                          const ValidCounts& valid = ValidCounts{});
 
 }  // namespace jax_cgx::cuda
 

@@ -66,3 +66,50 @@ def all_gather_invariant(x, axis_name):
     if gather is None:
         from jax._src.lax.parallel import all_gather_invariant as gather
     return gather(x, axis_name, axis=0, tiled=True)
+
+
+def vmapped_axes(axes) -> tuple:
+    """The names in ``axes`` bound by ``vmap`` inside a ``shard_map`` / ``pmap`` (not mesh axes).
+
+    Empty outside a mesh context (plain ``vmap``), where the all-reduce primitive's batching
+    rule reports them.
+    """
+    import jax
+
+    get_mesh = getattr(jax.sharding, "get_abstract_mesh", None)
+    if get_mesh is None:  # pragma: no cover - older layouts
+        from jax._src.mesh import get_abstract_mesh as get_mesh
+    mesh = get_mesh()
+    if mesh.empty:
+        return ()
+    return tuple(a for a in axes if a not in mesh.axis_names)
+
+
+def check_prng_key(key, api_name: str) -> None:
+    """Raise a clear TypeError unless ``key`` is one PRNG key: a typed key array of shape ()
+    (``jax.random.key``) or a legacy raw ``uint32`` key (``jax.random.PRNGKey``)."""
+    import jax
+    import numpy as np
+
+    if key is None:
+        return
+    dtype, shape = getattr(key, "dtype", None), getattr(key, "shape", None)
+    if dtype is not None and shape is not None:
+        if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+            if shape == ():
+                return
+            raise TypeError(
+                f"{api_name}: key must be a single PRNG key, got an array of {shape} keys; pass "
+                "one key (the same on every rank), e.g. key=jax.random.key(0)"
+            )
+        if dtype == np.dtype(np.uint32) and len(shape) == 1:
+            return  # a legacy raw key; jax.random checks its length
+    if isinstance(key, (int, np.integer)) and not isinstance(key, bool):
+        got, fix = f"the integer {key!r}", f"key=jax.random.key({int(key)})"
+    else:
+        what = f"{dtype}{list(shape)}" if dtype is not None and shape is not None else type(key).__name__
+        got, fix = what, "key=jax.random.key(seed)"
+    raise TypeError(
+        f"{api_name}: key must be a PRNG key from jax.random.key(seed) (or a legacy "
+        f"jax.random.PRNGKey(seed)), got {got}; pass {fix}"
+    )

@@ -183,8 +183,13 @@ def _check_bucketing(m: int, bits: int, bucket_size: int, payload_shape, meta_sh
         )
 
 
-# quantize: x[R,n], seeds[R,2] -> payload[R,P], meta[R,nb,2]
-def _quantize_abstract(x, seeds, *, bits, bucket_size, stochastic, m, strict):
+def _valid_or_none(valid):
+    """``valid[R]`` per-row counts, or None for ``valid[0]`` (every value sets the ranges)."""
+    return None if valid.shape[0] == 0 else valid
+
+
+# quantize: x[R,n], seeds[R,2], valid[R|0] -> payload[R,P], meta[R,nb,2]
+def _quantize_abstract(x, seeds, valid, *, bits, bucket_size, stochastic, m, strict):
     from jax_cgx.quantized import num_buckets, payload_bytes
 
     r = x.shape[0]
@@ -194,8 +199,10 @@ def _quantize_abstract(x, seeds, *, bits, bucket_size, stochastic, m, strict):
     )
 
 
-def _quantize_reference(x, seeds, *, bits, bucket_size, stochastic, m):
-    return _reference.quantize(x, seeds, bits=bits, bucket_size=bucket_size, stochastic=stochastic, m=m)
+def _quantize_reference(x, seeds, valid, *, bits, bucket_size, stochastic, m):
+    return _reference.quantize(
+        x, seeds, _valid_or_none(valid), bits=bits, bucket_size=bucket_size, stochastic=stochastic, m=m
+    )
 
 
 quantize_p = _define("jax_cgx_quantize", _quantize_abstract, _quantize_reference, ("stochastic",))
@@ -233,8 +240,8 @@ def _sum_reference(payload, meta, addend, *, bits, bucket_size, m, dtype):
 dequantize_sum_p = _define("jax_cgx_dequantize_sum", _sum_abstract, _sum_reference, ())
 
 
-# dequantize_sum_requantize: ... + seeds[R,2] -> payload[R,P], meta[R,nb,2], out[R,m]
-def _dsr_abstract(payload, meta, addend, seeds, *, bits, bucket_size, stochastic, m, dtype, strict):
+# dequantize_sum_requantize: ... + seeds[R,2], valid[R|0] -> payload[R,P], meta[R,nb,2], out[R,m]
+def _dsr_abstract(payload, meta, addend, seeds, valid, *, bits, bucket_size, stochastic, m, dtype, strict):
     _check_bucketing(m, bits, bucket_size, payload.shape, meta.shape, "dequantize_sum_requantize")
     r = payload.shape[0]
     return (
@@ -244,12 +251,13 @@ def _dsr_abstract(payload, meta, addend, seeds, *, bits, bucket_size, stochastic
     )
 
 
-def _dsr_reference(payload, meta, addend, seeds, *, bits, bucket_size, stochastic, m, dtype):
+def _dsr_reference(payload, meta, addend, seeds, valid, *, bits, bucket_size, stochastic, m, dtype):
     return _reference.dequantize_sum_requantize(
         payload,
         meta,
         _addend_or_none(addend),
         seeds,
+        _valid_or_none(valid),
         bits=bits,
         bucket_size=bucket_size,
         stochastic=stochastic,

@@ -41,23 +41,25 @@ def workspace_bytes(n: int, world: int, chunk: int, bits: int, bucket_size: int,
     )
 
 
-# One row: x[n], seeds[W+1, 2] -> out[n], workspace u8[bytes] (scratch, discarded).
+# One row: x[n], seeds[W+1, 2], valid int32[1] (x's first valid[0] values are real, the rest
+# padding that never widens a bucket) -> out[n], workspace u8[bytes] (scratch, discarded).
 nccl_allreduce_p = Primitive("jax_cgx_nccl_allreduce")
 nccl_allreduce_p.multiple_results = True
 
 
-def _abstract(x, seeds, *, key, world, chunk, bits, bucket_size, stochastic, algorithm, segments):
-    del seeds, key, stochastic
+def _abstract(x, seeds, valid, *, key, world, chunk, bits, bucket_size, stochastic, algorithm, segments):
+    del seeds, valid, key, stochastic
     ws, _ = workspace_bytes(x.shape[0], world, chunk, bits, bucket_size, x.dtype, algorithm, segments)
     return x, x.update(shape=(ws,), dtype=np.dtype(np.uint8), weak_type=False)
 
 
-def _lower_row(ctx, x, seeds, *, key, world, chunk, bits, bucket_size, stochastic, algorithm, segments):
+def _lower_row(ctx, x, seeds, valid, *, key, world, chunk, bits, bucket_size, stochastic, algorithm, segments):
     # has_side_effect: a collective; XLA must neither drop it nor merge two of them.
     return jax.ffi.ffi_lowering("jax_cgx_nccl_allreduce", has_side_effect=True)(
         ctx,
         x,
         seeds,
+        valid,
         comm_key=np.int64(key),
         world=np.int64(world),
         chunk=np.int64(chunk),
@@ -78,29 +80,29 @@ def _context_mesh(ctx):
     return getattr(ctx.module_context.axis_context, "mesh", None)
 
 
-def _lower_cuda(ctx, x, seeds, *, backend, axes, world, chunk, bits, bucket_size, stochastic, impl,
+def _lower_cuda(ctx, x, seeds, valid, *, backend, axes, world, chunk, bits, bucket_size, stochastic, impl,
                 algorithm, segments):
     choice, _ = nccl.select_backend(backend, "cuda", _context_mesh(ctx), axes)
     params = dict(axes=axes, world=world, chunk=chunk, bits=bits, bucket_size=bucket_size,
                   stochastic=stochastic, impl=impl, algorithm=algorithm, segments=segments)
     if choice != "nccl":
-        return _sra._lower_xla(ctx, x, seeds, backend="xla", **params)
+        return _sra._lower_xla(ctx, x, seeds, valid, backend="xla", **params)
     key = nccl.lookup(_context_mesh(ctx), axes)
 
-    def rows(x, seeds):
+    def rows(x, seeds, valid):
         row = functools.partial(
             nccl_allreduce_p.bind, key=key, world=world, chunk=chunk, bits=bits, bucket_size=bucket_size,
             stochastic=stochastic, algorithm=algorithm, segments=segments,
         )
-        return jnp.stack([row(x[i], seeds[i])[0] for i in range(x.shape[0])])
+        return jnp.stack([row(x[i], seeds[i], valid[i : i + 1])[0] for i in range(x.shape[0])])
 
-    return mlir.lower_fun(rows, multiple_results=False)(ctx, x, seeds)
+    return mlir.lower_fun(rows, multiple_results=False)(ctx, x, seeds, valid)
 
 
 mlir.register_lowering(_sra.compressed_allreduce_p, _lower_cuda, platform="cuda")
 
 
-def _lower_cuda_residual(ctx, x, seeds, *, backend, axes, **params):
+def _lower_cuda_residual(ctx, x, seeds, valid, *, backend, axes, **params):
     """Error-feedback residuals: the xla backend's program (the custom call computes no residual)."""
     if backend == "nccl":
         raise NotImplementedError(_sra.RESIDUAL_BACKEND_ERROR)
@@ -110,7 +112,7 @@ def _lower_cuda_residual(ctx, x, seeds, *, backend, axes, **params):
             "feedback residuals are computed by the xla backend only",
             axes,
         )
-    return _sra._lower_residual_xla(ctx, x, seeds, backend="xla", axes=axes, **params)
+    return _sra._lower_residual_xla(ctx, x, seeds, valid, backend="xla", axes=axes, **params)
 
 
 mlir.register_lowering(_sra.compressed_allreduce_residual_p, _lower_cuda_residual, platform="cuda")

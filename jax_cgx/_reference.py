@@ -39,10 +39,12 @@ def round_scale_up(s):
 
 def make_meta(mn, mx, has_nan, bits: int):
     bad = has_nan | ~(mn >= -MAX_MAGNITUDE) | ~(mx <= MAX_MAGNITUDE)
+    empty = ~has_nan & (mn > mx)  # no valid element: (0, 0)
     s = round_scale_up((mx - mn) * level_step(bits))
     s = jnp.where(s > MIN_SCALE, s, MIN_SCALE)
     scale = jnp.where(mx > mn, s, _F32(0))
     nan = _F32(np.nan)
+    mn = jnp.where(empty, _F32(0), mn)
     return jnp.where(bad, nan, mn), jnp.where(bad, nan, scale)
 
 
@@ -134,8 +136,12 @@ def _unpack(packed, length: int, bits: int):
 # -------------------------------------------------------------- the codec
 
 
-def encode(values, seeds, *, bits: int, bucket_size: int, stochastic: bool):
-    """Quantize f32 rows ``values[R, m]``: returns ``payload[R, P]``, ``meta[R, nb, 2]``."""
+def encode(values, seeds, valid=None, *, bits: int, bucket_size: int, stochastic: bool):
+    """Quantize f32 rows ``values[R, m]``: returns ``payload[R, P]``, ``meta[R, nb, 2]``.
+
+    ``valid[R]`` (None: ``m``): only row ``r``'s first ``valid[r]`` values set its buckets'
+    ranges; the rest (padding) are encoded inside those ranges, never widening them.
+    """
     r, m = values.shape
     if m == 0:
         return jnp.zeros((r, 0), jnp.uint8), jnp.zeros((r, 0, 2), _F32)
@@ -144,8 +150,15 @@ def encode(values, seeds, *, bits: int, bucket_size: int, stochastic: bool):
     same = lambda length: length  # noqa: E731
     payloads, metas = [], []
     for v, idx in zip(_split(values, m, bucket_size, same), _split(index, m, bucket_size, same)):
-        has_nan = jnp.any(jnp.isnan(v), axis=-1)
-        mn, scale = make_meta(jnp.min(v, axis=-1), jnp.max(v, axis=-1), has_nan, bits)
+        if valid is None:
+            has_nan = jnp.any(jnp.isnan(v), axis=-1)
+            mn, mx = jnp.min(v, axis=-1), jnp.max(v, axis=-1)
+        else:
+            inside = idx.astype(jnp.int32) < valid.astype(jnp.int32)[:, None, None]
+            has_nan = jnp.any(jnp.isnan(v) & inside, axis=-1)
+            mn = jnp.min(jnp.where(inside, v, _F32(np.inf)), axis=-1)
+            mx = jnp.max(jnp.where(inside, v, _F32(-np.inf)), axis=-1)
+        mn, scale = make_meta(mn, mx, has_nan, bits)
         fixed = fixed_position(v, mn[..., None], inverse_scale(scale)[..., None], bits)
         if stochastic:
             rnd = random_bits(seeds[:, 0, None, None], seeds[:, 1, None, None], idx)
@@ -184,9 +197,9 @@ def _sum(payload, meta, addend, *, m: int, bits: int, bucket_size: int):
 # ------------------------------------------------- the FFI targets, in JAX
 
 
-def quantize(x, seeds, *, bits: int, bucket_size: int, stochastic: bool, m: int):
+def quantize(x, seeds, valid=None, *, bits: int, bucket_size: int, stochastic: bool, m: int):
     """Target ``jax_cgx_quantize``: encodes the first ``m`` values of each row of ``x``."""
-    return encode(x[:, :m].astype(_F32), seeds, bits=bits, bucket_size=bucket_size, stochastic=stochastic)
+    return encode(x[:, :m].astype(_F32), seeds, valid, bits=bits, bucket_size=bucket_size, stochastic=stochastic)
 
 
 def dequantize(payload, meta, *, bits: int, bucket_size: int, m: int, dtype):
@@ -200,10 +213,10 @@ def dequantize_sum(payload, meta, addend, *, bits: int, bucket_size: int, m: int
 
 
 def dequantize_sum_requantize(
-    payload, meta, addend, seeds, *, bits: int, bucket_size: int, stochastic: bool, m: int, dtype
+    payload, meta, addend, seeds, valid=None, *, bits: int, bucket_size: int, stochastic: bool, m: int, dtype
 ):
     """Target ``jax_cgx_dequantize_sum_requantize``: (payload, meta, decoded re-quantized sum)."""
     acc = _sum(payload, meta, addend, m=m, bits=bits, bucket_size=bucket_size)
-    out_payload, out_meta = encode(acc, seeds, bits=bits, bucket_size=bucket_size, stochastic=stochastic)
+    out_payload, out_meta = encode(acc, seeds, valid, bits=bits, bucket_size=bucket_size, stochastic=stochastic)
     out = decode_rows(out_payload, out_meta, m=m, bits=bits, bucket_size=bucket_size)
     return out_payload, out_meta, out.astype(dtype)

@@ -5,7 +5,8 @@ The ``algorithm="ring"`` variant of the compressed all-reduce primitive
 ``x[R, n]`` over W ranks (docs/algorithm.md, section "Ring"):
 
 1. pad with zeros to ``W * c`` values and cut into W chunks exactly as SRA does;
-   rank ``r`` ends up owning chunk ``r``;
+   rank ``r`` ends up owning chunk ``r``. As in SRA, every quantization is told how
+   many of its chunk's values are real, so padding never widens a bucket;
 2. step 0: rank ``r`` quantizes its chunk ``(r-1) mod W`` with seed row 0 and sends
    the encoding to rank ``(r+1) mod W``;
 3. steps ``t = 0 .. W-2``: rank ``r`` receives from ``(r-1) mod W`` the running
@@ -31,14 +32,15 @@ import numpy as np
 from jax import lax
 
 from jax_cgx import _wire, codec
-from jax_cgx._sra import gather_decode, row_plan
+from jax_cgx._sra import chunk_valid, gather_decode, row_plan
 
 __all__ = ["ring_rows", "simulate_ring"]
 
 
-def ring_rows(x, seeds, *, axes, world, chunk, bits, bucket_size, stochastic, impl, residual=False,
+def ring_rows(x, seeds, valid, *, axes, world, chunk, bits, bucket_size, stochastic, impl, residual=False,
               segments=1, message_cap=None):
-    """The per-device program of the ring compressed all-reduce of rows ``x[R, n]``.
+    """The per-device program of the ring compressed all-reduce of rows ``x[R, n]``, of which
+    the first ``valid[R]`` values are real (the rest is padding and never widens a bucket).
 
     ``seeds[R, W+1, 2]``: row 0 for the first quantization, row ``t+1`` for the
     re-quantization at step ``t < W-2``, row ``W`` for the final one.
@@ -61,13 +63,19 @@ def ring_rows(x, seeds, *, axes, world, chunk, bits, bucket_size, stochastic, im
 
     padded = x if w * c == n else lax.dynamic_update_slice(jnp.zeros((r, w * c), x.dtype), x, (0, 0))
     chunks = padded.reshape(r, w, c)
+    real = chunk_valid(valid, w, c)
 
     def own_chunk(k):
         return lax.dynamic_index_in_dim(chunks, k, axis=1, keepdims=False)
 
+    def real_of(k):
+        return lax.dynamic_index_in_dim(real, k, axis=1, keepdims=False)
+
     # Step 0: our chunk (r-1) mod W starts its trip around the ring.
     first = (me + w - 1) % w
-    payload, meta = codec.quantize_rows(own_chunk(first), seeds[:, 0], stochastic=stochastic, **codec_args)
+    payload, meta = codec.quantize_rows(
+        own_chunk(first), seeds[:, 0], stochastic=stochastic, valid=real_of(first), **codec_args
+    )
     wire = _wire.to_wire(payload, meta)
     if residual:
         lost = own_chunk(first).astype(f32) - codec.dequantize_rows(payload, meta, dtype=f32, **codec_args)
@@ -87,6 +95,7 @@ def ring_rows(x, seeds, *, axes, world, chunk, bits, bucket_size, stochastic, im
             lax.dynamic_index_in_dim(seeds, row, axis=1, keepdims=False),
             stochastic=stochastic,
             dtype=f32 if residual else x.dtype,
+            valid=real_of(k),
             **codec_args,
         )
         wire = _wire.to_wire(sum_payload, sum_meta)
@@ -147,10 +156,11 @@ def simulate_ring(xs, seeds, *, chunk, bits, bucket_size, stochastic, impl="refe
     chunks = jnp.pad(xs, ((0, 0), (0, w * c - n))).reshape(w, w, c)  # [rank, chunk, value]
     args = dict(bits=bits, bucket_size=bucket_size, m=c, impl=impl)
     owners = jnp.arange(w)
+    real = chunk_valid(jnp.full((1,), n, jnp.int32), w, c)[0]  # row o: chunk o's real values
     # All W chunks travel at once: row o follows chunk o around the ring.
     first = (owners + 1) % w
     payload, meta = codec.quantize_rows(
-        chunks[first, owners], seeds[first, 0], stochastic=stochastic, **args
+        chunks[first, owners], seeds[first, 0], stochastic=stochastic, valid=real, **args
     )
     hops = [meta[..., 1]]
     for t in range(w - 1):
@@ -158,7 +168,7 @@ def simulate_ring(xs, seeds, *, chunk, bits, bucket_size, stochastic, impl="refe
         row = w if t == w - 2 else t + 1
         payload, meta, _ = codec.dequantize_sum_requantize_rows(
             payload[:, None], meta[:, None], chunks[rank, owners], seeds[rank, row],
-            stochastic=stochastic, dtype=xs.dtype, **args,
+            stochastic=stochastic, dtype=xs.dtype, valid=real, **args,
         )
         hops.append(meta[..., 1])
     out = codec.dequantize_rows(payload, meta, dtype=xs.dtype, **args).reshape(w * c)[:n]

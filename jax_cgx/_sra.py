@@ -3,7 +3,10 @@
 Scatter-reduce / all-gather with every value quantized exactly twice, whatever the
 world size W (docs/algorithm.md):
 
-1. pad the buffer and cut it into W chunks; chunk j is owned by rank j;
+1. pad the buffer and cut it into W chunks; chunk j is owned by rank j. Padding never
+   enters a bucket's range: every quantization is told how many of its row's values are
+   real (the codec's ``valid`` counts), so a bucket holding the buffer's last values
+   and some padding is encoded exactly as an incomplete bucket of those values would be;
 2. quantize every chunk (each with its own seed) and ``all_to_all`` the packed
    bytes, so rank j receives the W encodings of chunk j;
 3. the owner decodes the W-1 chunks from its peers, adds its own chunk in full
@@ -13,7 +16,9 @@ world size W (docs/algorithm.md):
    same bytes with the same kernel, so all replicas hold bitwise equal results.
 
 The primitive works on rows ``x[R, n]`` (vmapped examples become rows) with
-``seeds[R, W+1, 2]`` (one seed per chunk plus one for the re-quantization). Its JAX
+``seeds[R, W+1, 2]`` (one seed per chunk plus one for the re-quantization) and
+``valid[R]`` int32: how many of each row's values are real (``n`` except for a
+hierarchical shard, whose tail may be padding). Its JAX
 rules make it behave like ``psum``: abstract evaluation drops the reduced axes from
 the varying-axes type, differentiation is linear (transpose = ``pvary`` of the
 cotangent under ``check_vma``, the same compressed sum without it), and vmap over
@@ -65,6 +70,14 @@ def row_plan(chunk: int, bits: int, bucket_size: int, impl: str, segments: int, 
     return p, nb, codec_args, _wire.choose(segments, p + nb * META_BYTES, message_cap)
 
 
+def chunk_valid(valid, world: int, chunk: int):
+    """``[R, W]`` int32: how many real values chunk ``j`` of each row holds, given
+    ``valid[R]`` real values per row (the rest, and the padding up to ``W * chunk``, is
+    padding that must not enter a bucket's range)."""
+    starts = jnp.arange(world, dtype=jnp.int32) * chunk
+    return jnp.clip(valid[:, None].astype(jnp.int32) - starts, 0, chunk)
+
+
 def gather_decode(wire, axes, k: int, p: int, nb: int, n: int, dtype, codec_args):
     """The last step of SRA and ring: all-gather every rank's final encoding ``wire[R, L]``
     of its chunk and decode them all, the first ``n`` values: ``[R, n]``, the same bits on
@@ -76,9 +89,10 @@ def gather_decode(wire, axes, k: int, p: int, nb: int, n: int, dtype, codec_args
     return out.reshape(r, -1)[:, :n]
 
 
-def sra_rows(x, seeds, *, axes, world, chunk, bits, bucket_size, stochastic, impl, residual=False,
+def sra_rows(x, seeds, valid, *, axes, world, chunk, bits, bucket_size, stochastic, impl, residual=False,
              segments=1, message_cap=None):
-    """The per-device program of the compressed all-reduce of rows ``x[R, n]``.
+    """The per-device program of the compressed all-reduce of rows ``x[R, n]``, of which the
+    first ``valid[R]`` values are real (the rest is padding and never widens a bucket).
 
     Each collective moves its per-peer byte rows in ``_wire.choose(segments, ...,
     message_cap)`` messages (:mod:`jax_cgx._wire`; the bytes, and so the result, do not
@@ -94,10 +108,13 @@ def sra_rows(x, seeds, *, axes, world, chunk, bits, bucket_size, stochastic, imp
     me = lax.axis_index(axes)
 
     # Zero padding up to W chunks, written in place (cheaper on XLA:CPU than pad + reshape).
+    # It never enters a bucket's range: each quantization gets its row's count of real values.
     padded = x if w * c == n else lax.dynamic_update_slice(jnp.zeros((r, w * c), x.dtype), x, (0, 0))
     chunks = padded.reshape(r, w, c)
+    real = chunk_valid(valid, w, c)
     payload, meta = codec.quantize_rows(
-        chunks.reshape(r * w, c), seeds[:, :w].reshape(r * w, 2), stochastic=stochastic, **codec_args
+        chunks.reshape(r * w, c), seeds[:, :w].reshape(r * w, 2), stochastic=stochastic,
+        valid=real.reshape(r * w), **codec_args
     )
     wire = _wire.to_wire(payload.reshape(r, w, p), meta.reshape(r, w, nb, 2))
     received = _wire.all_to_all(wire, axes, k)
@@ -106,7 +123,8 @@ def sra_rows(x, seeds, *, axes, world, chunk, bits, bucket_size, stochastic, imp
     recv_meta = lax.dynamic_update_index_in_dim(recv_meta, jnp.zeros((r, 1, nb, 2), jnp.float32), me, axis=1)
     own = lax.dynamic_index_in_dim(chunks, me, axis=1, keepdims=False)
     sum_payload, sum_meta, own_out = codec.dequantize_sum_requantize_rows(
-        recv_payload, recv_meta, own, seeds[:, w], stochastic=stochastic, dtype=x.dtype, **codec_args
+        recv_payload, recv_meta, own, seeds[:, w], stochastic=stochastic, dtype=x.dtype,
+        valid=lax.dynamic_index_in_dim(real, me, axis=1, keepdims=False), **codec_args
     )
     out = gather_decode(_wire.to_wire(sum_payload, sum_meta), axes, k, p, nb, n, x.dtype, codec_args)
     if not residual:
@@ -149,8 +167,8 @@ def wire_bytes_per_rank(n: int, world: int, bits: int, bucket_size: int, whole_b
 compressed_allreduce_p = Primitive("jax_cgx_compressed_allreduce")
 
 
-def _abstract_eval(x, seeds, *, axes, **params):
-    del seeds, params
+def _abstract_eval(x, seeds, valid, *, axes, **params):
+    del seeds, valid, params
     _compat.check_axis_names(axes, "compressed_psum")
     out = x
     if _compat.check_vma_enabled():
@@ -158,7 +176,7 @@ def _abstract_eval(x, seeds, *, axes, **params):
     return out, {_compat.NamedAxisEffect(a) for a in axes}
 
 
-def xla_rows(x, seeds, *, algorithm, backend, **params):
+def xla_rows(x, seeds, valid, *, algorithm, backend, **params):
     """The xla backend: the chosen algorithm written with XLA collectives.
 
     ``residual=True`` (in ``params``) also returns this rank's compression error;
@@ -168,11 +186,11 @@ def xla_rows(x, seeds, *, algorithm, backend, **params):
     if algorithm == "ring":
         from jax_cgx._ring import ring_rows
 
-        return ring_rows(x, seeds, **params)
-    return sra_rows(x, seeds, **params)
+        return ring_rows(x, seeds, valid, **params)
+    return sra_rows(x, seeds, valid, **params)
 
 
-def _lower_xla(ctx, x, seeds, *, backend, residual=False, **params):
+def _lower_xla(ctx, x, seeds, valid, *, backend, residual=False, **params):
     """The xla backend's program for either primitive (``residual``: the error-feedback one)."""
     if backend == "nccl":
         if residual:
@@ -186,7 +204,7 @@ def _lower_xla(ctx, x, seeds, *, backend, residual=False, **params):
     cap = _wire.message_cap(ctx.module_context.platforms)
     extra = dict(residual=True) if residual else {}
     fun = functools.partial(xla_rows, backend=backend, message_cap=cap, **extra, **params)
-    return mlir.lower_fun(fun, multiple_results=residual)(ctx, x, seeds)
+    return mlir.lower_fun(fun, multiple_results=residual)(ctx, x, seeds, valid)
 
 
 compressed_allreduce_p.def_effectful_abstract_eval(_abstract_eval)
@@ -196,22 +214,22 @@ mlir.register_lowering(compressed_allreduce_p, _lower_xla)
 
 
 def _jvp(primals, tangents, **params):
-    x, seeds = primals
-    tx, _ = tangents
-    out = compressed_allreduce_p.bind(x, seeds, **params)
+    x, seeds, valid = primals
+    tx = tangents[0]
+    out = compressed_allreduce_p.bind(x, seeds, valid, **params)
     if type(tx) is ad.Zero:
         return out, ad.Zero.from_primal_value(out)
-    return out, compressed_allreduce_p.bind(tx, seeds, **params)
+    return out, compressed_allreduce_p.bind(tx, seeds, valid, **params)
 
 
-def _transpose(ct, x, seeds, *, axes, **params):
+def _transpose(ct, x, seeds, valid, *, axes, **params):
     assert ad.is_undefined_primal(x) and not ad.is_undefined_primal(seeds)
     if type(ct) is ad.Zero:
-        return ad.Zero(x.aval), None
+        return ad.Zero(x.aval), None, None
     if _compat.is_varying(x.aval, axes):
         # check_vma: the sum is invariant over `axes`; like psum, send the cotangent back as varying.
-        return _compat.pvary(ct, axes), None
-    return compressed_allreduce_p.bind(ct, seeds, axes=axes, **params), None
+        return _compat.pvary(ct, axes), None, None
+    return compressed_allreduce_p.bind(ct, seeds, valid, axes=axes, **params), None, None
 
 
 ad.primitive_jvps[compressed_allreduce_p] = _jvp
@@ -252,13 +270,13 @@ RESIDUAL_BACKEND_ERROR = (
 )
 
 
-def _residual_abstract_eval(x, seeds, *, axes, **params):
-    out, effects = _abstract_eval(x, seeds, axes=axes, **params)
+def _residual_abstract_eval(x, seeds, valid, *, axes, **params):
+    out, effects = _abstract_eval(x, seeds, valid, axes=axes, **params)
     return (out, x), effects  # the residual differs per rank: x's (varying) type
 
 
-def _lower_residual_xla(ctx, x, seeds, **params):
-    return _lower_xla(ctx, x, seeds, residual=True, **params)
+def _lower_residual_xla(ctx, x, seeds, valid, **params):
+    return _lower_xla(ctx, x, seeds, valid, residual=True, **params)
 
 
 def _residual_jvp(primals, tangents, **params):
@@ -294,8 +312,10 @@ def simulate(xs, seeds, *, chunk, bits, bucket_size, stochastic, impl="reference
     c = chunk
     chunks = jnp.pad(xs, ((0, 0), (0, w * c - n))).reshape(w, w, c)  # [rank, chunk, value]
     args = dict(bits=bits, bucket_size=bucket_size, m=c, impl=impl)
+    real = chunk_valid(jnp.full((1,), n, jnp.int32), w, c)[0]  # [chunk]
     payload, meta = codec.quantize_rows(
-        chunks.reshape(w * w, c), seeds[:, :w].reshape(w * w, 2), stochastic=stochastic, **args
+        chunks.reshape(w * w, c), seeds[:, :w].reshape(w * w, 2), stochastic=stochastic,
+        valid=jnp.tile(real, w), **args
     )
     payload = payload.reshape(w, w, -1)
     meta = meta.reshape(w, w, -1, 2)
@@ -305,7 +325,7 @@ def simulate(xs, seeds, *, chunk, bits, bucket_size, stochastic, impl="reference
         recv_meta = meta[:, owner].at[owner].set(0)[None]
         sum_payload, sum_meta, _ = codec.dequantize_sum_requantize_rows(
             recv_payload, recv_meta, chunks[owner, owner][None], seeds[owner, w][None],
-            stochastic=stochastic, dtype=xs.dtype, **args,
+            stochastic=stochastic, dtype=xs.dtype, valid=real[owner][None], **args,
         )
         outs.append(codec.dequantize_rows(sum_payload, sum_meta, dtype=xs.dtype, **args)[0])
         summed_scales.append(sum_meta[0, :, 1])

@@ -36,7 +36,7 @@ from jax_cgx._sra import (
     wire_bytes_per_rank,
 )
 from jax_cgx.codec import SUPPORTED_DTYPES, Impl, _check_impl
-from jax_cgx.config import CompressionConfig
+from jax_cgx.config import MAX_FUSION_BUFFERS, CompressionConfig
 
 __all__ = ["compressed_psum", "compressed_pmean", "bytes_on_wire", "ConfigSpec"]
 
@@ -108,6 +108,36 @@ class _Plan:
         cap = max(1, group.config.fusion_buffer_bytes // group.dtype.itemsize)
         return [(start, min(start + cap, total)) for start in range(0, total, cap)]
 
+    def check_buffer_count(self, sizes: Sequence[int]) -> None:
+        """Raise a clear error when the quantized leaves need more than ``MAX_FUSION_BUFFERS`` buffers."""
+        count, total_bytes = 0, 0
+        for group, members in self.groups.items():
+            n = sum(sizes[i] for i in members)
+            count += -(-n // max(1, group.config.fusion_buffer_bytes // group.dtype.itemsize))
+            total_bytes += n * group.dtype.itemsize
+        if count <= MAX_FUSION_BUFFERS:
+            return
+        mbs = sorted({g.config.fusion_buffer_mb for g in self.groups})
+        given = f"fusion_buffer_mb={mbs[0]}" if len(mbs) == 1 else f"fusion_buffer_mb in {mbs}"
+        groups = len(self.groups)
+        if groups < MAX_FUSION_BUFFERS:
+            # A power of two with at most MAX - groups buffers for all groups together.
+            need = 2.0 ** math.ceil(math.log2(total_bytes / ((MAX_FUSION_BUFFERS - groups) * 2**20)))
+            fix = (
+                f"set fusion_buffer_mb >= {need:g} (CGX_FUSION_BUFFER_SIZE_MB with config=None), "
+                "or reduce the values in several calls"
+            )
+        else:
+            fix = (
+                f"the values form {groups} fusion groups (leaves of different dtypes or configs "
+                "are never fused): use fewer distinct configs, or reduce them in several calls"
+            )
+        raise ValueError(
+            f"compressed_psum: {given} cuts {total_bytes / 2**20:.4g} MiB of quantized values into "
+            f"{count} fusion buffers, more than the {MAX_FUSION_BUFFERS} allowed per reduction "
+            f"(each buffer is a separate exchange and compile time grows with their number); {fix}"
+        )
+
 
 def _plan(paths, leaves, spec: ConfigSpec, tree) -> _Plan:
     configs = _leaf_configs(spec, tree, paths)
@@ -164,6 +194,7 @@ def compressed_psum(
       raises); they cannot be differentiated.
     """
     _check_impl(impl)
+    _compat.check_prng_key(key, "compressed_psum")
     axes = _axes(axis_name)
     world = _world_size(axes, "compressed_psum")
     leaves_with_paths, treedef = jax.tree_util.tree_flatten_with_path(x)
@@ -185,6 +216,16 @@ def compressed_psum(
                 res[i] = (leaf.astype(jnp.float32) - half.astype(jnp.float32)).astype(leaf.dtype)
 
     if plan.groups:
+        if vmapped := _compat.vmapped_axes(axes):
+            # The primitive's batching rule says the same; under check_vma jax's pvary would
+            # fail first with a bare AssertionError.
+            raise NotImplementedError(
+                f"compressed_psum over the vmapped axis {vmapped[0]!r} is not supported: vmap "
+                "has no wire to compress. Sum the batch dimension outside the vmap (e.g. "
+                "x.sum(axis=0)) and pass only mesh axes as axis_name, or map that axis with "
+                "jax.shard_map / jax.pmap."
+            )
+        plan.check_buffer_count([leaf.size for leaf in leaves])
         if any(g.config.stochastic for g in plan.groups) and key is None:
             raise ValueError(
                 "compressed_psum: stochastic rounding needs a PRNG key; pass "
@@ -303,6 +344,7 @@ def compressed_pmean(
     (``sum_r residual_r == sum_r x_r - W * mean``), not divided by ``W``. That is what
     error feedback adds to the next step's inputs (:func:`jax_cgx.optax.compressed_mean`).
     """
+    _compat.check_prng_key(key, "compressed_pmean")
     axes = _axes(axis_name)
     world = _world_size(axes, "compressed_pmean")
     summed = compressed_psum(x, axes, config, key=key, impl=impl, return_residual=return_residual)
@@ -340,7 +382,7 @@ def _lane(path, leaf, config: CompressionConfig | None) -> str:
     dtype = np.dtype(leaf.dtype)
     if dtype.kind in "iub":
         return "exact"
-    if leaf.size < config.min_size:
+    if leaf.size == 0 or leaf.size < config.min_size:  # nothing to compress (min_size may be 0)
         return "exact"
     if dtype not in SUPPORTED_DTYPES:
         raise TypeError(
@@ -393,10 +435,12 @@ def _reduce_buffer(buf, axes, world, config: CompressionConfig, key, impl, resid
     return _join(parts)
 
 
-def _compressed_sum(values, axes, world, config: CompressionConfig, key, impl, residual=False):
+def _compressed_sum(values, axes, world, config: CompressionConfig, key, impl, residual=False, valid=None):
     """``values[n]`` summed over ``axes`` (``world`` ranks) by the compressed all-reduce primitive.
 
-    With ``residual``: ``(sum, residual)`` from the primitive with error feedback.
+    ``valid`` (int32 scalar, default ``n``): how many of ``values`` are real; the rest is
+    padding, which never enters a bucket's range. With ``residual``: ``(sum, residual)``
+    from the primitive with error feedback.
     """
     if key is None:
         seeds = jnp.zeros((1, world + 1, 2), jnp.uint32)
@@ -404,9 +448,11 @@ def _compressed_sum(values, axes, world, config: CompressionConfig, key, impl, r
         seeds = jax.random.bits(key, (1, world + 1, 2), jnp.uint32)
     chunk = chunk_length(values.size, world, config.bucket_size, config.skip_incomplete_buckets)
     prim = compressed_allreduce_residual_p if residual else compressed_allreduce_p
+    valid = jnp.full((1,), values.size, jnp.int32) if valid is None else jnp.reshape(valid, (1,))
     reduced = prim.bind(
         values[None],
         seeds,
+        valid.astype(jnp.int32),
         axes=axes,
         world=world,
         chunk=chunk,
@@ -457,7 +503,9 @@ def _reduce_hierarchical(head, axes, world, config: CompressionConfig, key, impl
     if shard_n * inner_world != n:
         padded = lax.dynamic_update_slice(jnp.zeros((shard_n * inner_world,), head.dtype), head, (0,))
     shard = lax.psum_scatter(padded, inner, scatter_dimension=0, tiled=True)
-    reduced = _compressed_sum(shard, outer, outer_world, config, key, impl, residual)
+    # The last shards may end in padding: tell the compressed exchange where the real values end.
+    real = jnp.clip(n - lax.axis_index(inner) * shard_n, 0, shard_n)
+    reduced = _compressed_sum(shard, outer, outer_world, config, key, impl, residual, valid=real)
     if residual:
         reduced, lost = reduced
     if _compat.check_vma_enabled():

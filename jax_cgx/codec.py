@@ -15,9 +15,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_cgx import _ffi, _reference
+from jax_cgx import _compat, _ffi, _reference
 from jax_cgx.config import CompressionConfig
-from jax_cgx.quantized import Quantized, quantized_elements
+from jax_cgx.quantized import Quantized, num_buckets, payload_bytes, quantized_elements
 
 __all__ = ["quantize", "dequantize", "dequantize_sum", "dequantize_sum_requantize", "Impl"]
 
@@ -66,12 +66,21 @@ def _seeds(key, stochastic: bool, what: str) -> jax.Array:
 # rows: the public functions below and the all-reduce.
 
 
-def quantize_rows(x, seeds, *, bits, bucket_size, stochastic, m, impl: Impl):
-    """``x[R, n]``, ``seeds[R, 2]`` -> ``payload[R, P]``, ``meta[R, nb, 2]`` (first ``m`` values)."""
+def _valid_operand(valid):
+    """The kernels' ``valid`` operand: int32 ``[R]`` counts, or ``[0]`` for none."""
+    return jnp.zeros((0,), jnp.int32) if valid is None else jnp.asarray(valid, jnp.int32)
+
+
+def quantize_rows(x, seeds, *, bits, bucket_size, stochastic, m, impl: Impl, valid=None):
+    """``x[R, n]``, ``seeds[R, 2]`` -> ``payload[R, P]``, ``meta[R, nb, 2]`` (first ``m`` values).
+
+    ``valid[R]`` (None: all ``m``): only the first ``valid[r]`` values of row ``r`` set its
+    buckets' ranges; the rest (padding) are encoded inside them (docs/format.md, "Padding").
+    """
     params = dict(bits=bits, bucket_size=bucket_size, stochastic=stochastic, m=m)
     if impl == "reference":
-        return _reference.quantize(x, seeds, **params)
-    return tuple(_ffi.quantize_p.bind(x, seeds, **params, strict=impl == "kernel"))
+        return _reference.quantize(x, seeds, valid, **params)
+    return tuple(_ffi.quantize_p.bind(x, seeds, _valid_operand(valid), **params, strict=impl == "kernel"))
 
 
 def dequantize_rows(payload, meta, *, bits, bucket_size, m, dtype, impl: Impl):
@@ -93,16 +102,21 @@ def dequantize_sum_rows(payload, meta, addend, *, bits, bucket_size, m, dtype, i
 
 
 def dequantize_sum_requantize_rows(
-    payload, meta, addend, seeds, *, bits, bucket_size, stochastic, m, dtype, impl: Impl
+    payload, meta, addend, seeds, *, bits, bucket_size, stochastic, m, dtype, impl: Impl, valid=None
 ):
-    """As :func:`dequantize_sum_rows`, plus ``seeds[R, 2]``: -> ``payload[R, P]``, ``meta``, ``out[R, m]``."""
+    """As :func:`dequantize_sum_rows`, plus ``seeds[R, 2]``: -> ``payload[R, P]``, ``meta``, ``out[R, m]``.
+
+    ``valid``: as for :func:`quantize_rows`, for the re-quantized sum.
+    """
     params = dict(bits=bits, bucket_size=bucket_size, stochastic=stochastic, m=m, dtype=np.dtype(dtype))
     if impl == "reference":
         return _reference.dequantize_sum_requantize(
-            payload, meta, _ffi._addend_or_none(addend), seeds, **params
+            payload, meta, _ffi._addend_or_none(addend), seeds, valid, **params
         )
     return tuple(
-        _ffi.dequantize_sum_requantize_p.bind(payload, meta, addend, seeds, **params, strict=impl == "kernel")
+        _ffi.dequantize_sum_requantize_p.bind(
+            payload, meta, addend, seeds, _valid_operand(valid), **params, strict=impl == "kernel"
+        )
     )
 
 
@@ -134,6 +148,7 @@ def quantize(
             "(16 and 32 only make sense for the all-reduce)"
         )
     _check_impl(impl)
+    _compat.check_prng_key(key, "quantize")
     x = jnp.asarray(x)
     dtype = check_float_dtype(x.dtype, "quantize")
     n = math.prod(x.shape)
@@ -163,6 +178,11 @@ def quantize(
 
 
 def _check_quantized(q, what: str, stacked: bool) -> None:
+    """Check that ``q``'s arrays and static fields agree, before any implementation runs.
+
+    The kernels and the reference would otherwise fail differently (or not at all) on a
+    ``Quantized`` whose fields were changed by hand.
+    """
     if not isinstance(q, Quantized):
         raise TypeError(f"{what}: expected a jax_cgx.Quantized, got {type(q).__name__}")
     want = 2 if stacked else 1
@@ -170,6 +190,54 @@ def _check_quantized(q, what: str, stacked: bool) -> None:
         raise ValueError(
             f"{what}: payload has shape {q.payload.shape}; expected {want} dimension(s)"
             + (" (stack the W inputs along a leading axis)" if stacked else "")
+        )
+
+    def bad(problem: str):
+        return ValueError(
+            f"{what}: inconsistent Quantized: {problem}. Pass a Quantized as jax_cgx.quantize "
+            "returns it: its static fields (shape, dtype, bits, bucket_size) describe its arrays "
+            "(payload, meta, tail) and must not be changed on their own (docs/format.md)"
+        )
+
+    if isinstance(q.bits, bool) or not isinstance(q.bits, (int, np.integer)) or not 1 <= q.bits <= 8:
+        raise bad(f"bits={q.bits!r}, expected 1..8")
+    if isinstance(q.bucket_size, bool) or not isinstance(q.bucket_size, (int, np.integer)) or q.bucket_size < 1:
+        raise bad(f"bucket_size={q.bucket_size!r}, expected an int >= 1")
+    shape = q.shape
+    if not isinstance(shape, tuple) or not all(
+        isinstance(d, (int, np.integer)) and not isinstance(d, bool) and d >= 0 for d in shape
+    ):
+        raise bad(f"shape={shape!r}, expected a tuple of non-negative ints")
+    try:
+        dtype = np.dtype(q.dtype)
+    except TypeError:
+        raise bad(f"dtype={q.dtype!r} is not a dtype") from None
+    if dtype not in SUPPORTED_DTYPES:
+        raise bad(f"dtype={dtype}, expected float32, bfloat16 or float16")
+    if np.dtype(q.tail.dtype) != dtype:
+        raise bad(f"dtype={dtype} but the tail holds {np.dtype(q.tail.dtype)} values")
+    if np.dtype(q.payload.dtype) != np.uint8:
+        raise bad(f"payload is {np.dtype(q.payload.dtype)}, expected uint8")
+    if np.dtype(q.meta.dtype) != np.float32:
+        raise bad(f"meta is {np.dtype(q.meta.dtype)}, expected float32")
+    batch = q.payload.shape[:-1]
+    if q.meta.ndim != want + 1 or q.meta.shape[:-2] != batch or q.meta.shape[-1] != 2:
+        raise bad(f"meta has shape {q.meta.shape}, expected {batch + ('num_buckets', 2)}")
+    if q.tail.ndim != want or q.tail.shape[:-1] != batch:
+        raise bad(f"tail has shape {q.tail.shape}, expected {batch + ('tail_length',)}")
+    n, t = math.prod(shape), q.tail.shape[-1]
+    if t not in (0, n % q.bucket_size):
+        raise bad(
+            f"tail holds {t} values; {n} values (shape {shape}) in buckets of {q.bucket_size} "
+            f"leave 0 or {n % q.bucket_size} uncompressed"
+        )
+    m = n - t
+    p, nb = payload_bytes(m, q.bucket_size, q.bits), num_buckets(m, q.bucket_size)
+    if q.payload.shape[-1] != p or q.meta.shape[-2] != nb:
+        raise bad(
+            f"{m} quantized values at bits={q.bits}, bucket_size={q.bucket_size} take {p} payload "
+            f"bytes and {nb} buckets, but payload has {q.payload.shape[-1]} bytes and meta "
+            f"{q.meta.shape[-2]} buckets"
         )
 
 
@@ -244,6 +312,7 @@ def dequantize_sum_requantize(
     """
     _check_quantized(q, "dequantize_sum_requantize", stacked=True)
     _check_impl(impl)
+    _compat.check_prng_key(key, "dequantize_sum_requantize")
     m = q.num_quantized
     head, tail = _split_addend(addend, q, m)
     seeds = _seeds(key, stochastic, "dequantize_sum_requantize")

@@ -3,12 +3,22 @@
 from __future__ import annotations
 
 import dataclasses
+import fractions
+import math
 import numbers
 import os
 from collections.abc import Mapping
 from typing import Literal
 
-__all__ = ["CompressionConfig", "ENV_VARS", "JAX_CGX_ENV_VARS", "BACKENDS", "ALGORITHMS"]
+__all__ = [
+    "CompressionConfig",
+    "ENV_VARS",
+    "JAX_CGX_ENV_VARS",
+    "BACKENDS",
+    "ALGORITHMS",
+    "MIN_FUSION_BUFFER_MB",
+    "MAX_FUSION_BUFFERS",
+]
 
 _QUANT_BITS = tuple(range(1, 9))
 _VALID_BITS = _QUANT_BITS + (16, 32)
@@ -35,6 +45,15 @@ _CROSS_COMMUNICATORS = {"NCCL": "nccl", "MPI": "xla", "SHM": "xla"}
 _MAX_SEGMENTS = 64
 # torch_cgx never lets the minimal size fall below this.
 _MIN_SIZE_FLOOR = 16
+# The smallest fusion buffer: 1 KiB (256 float32 values). Every buffer costs its own
+# collectives and kernel launches, so smaller ones only add overhead (1e-9 MiB would put
+# one value in each).
+MIN_FUSION_BUFFER_MB = 2.0**-10
+# The most fusion buffers one compressed_psum may cut its values into. Every buffer is its own
+# exchange in the compiled program, so compile time grows with their number (XLA:CPU, 8
+# devices: 256 buffers take 11 s to compile, 4000 over 2 minutes). 1024 buffers at the
+# default 64 MiB are 64 GiB per device in one reduction.
+MAX_FUSION_BUFFERS = 1024
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,9 +69,15 @@ class CompressionConfig:
         PRNG key wherever values are quantized.
       skip_incomplete_buckets: leave the last, shorter bucket of a buffer uncompressed
         (as torch_cgx does) instead of quantizing it.
-      min_size: arrays with fewer elements than this are reduced uncompressed.
+      min_size: arrays with fewer elements than this are reduced uncompressed (empty
+        arrays always are).
       fusion_buffer_mb: small arrays are fused into buffers of at most this many MiB
-        before they are compressed and exchanged.
+        before they are compressed and exchanged. A finite number, at least
+        ``MIN_FUSION_BUFFER_MB`` (1/1024 MiB, 1 KiB). Each buffer is one exchange in the
+        compiled program, so a reduction may need at most ``MAX_FUSION_BUFFERS`` (1024)
+        of them: more raises ``ValueError`` when it is traced (compile time grows with the
+        number of buffers: about 45 ms each on XLA:CPU, over 2 minutes for 0.001 MiB
+        buffers of a 4 MiB array). Raise ``fusion_buffer_mb`` for large pytrees.
       half_dtype: the 16-bit float type used when ``bits == 16``.
       backend: who runs the compressed exchange. ``"xla"``: XLA collectives
         (``all_to_all``/``all_gather``/``ppermute``) around the codec kernels, on any
@@ -67,7 +92,7 @@ class CompressionConfig:
       hierarchical: for a reduction over several axes ``(outer..., inner)``, sum over the
         last (intra-node) axis uncompressed with a reduce-scatter, run the compressed
         exchange over the other axes, and all-gather back over the inner axis.
-      pipeline_segments: how the exchange is cut; 0 picks by size. nccl backend: each
+      pipeline_segments: how the exchange is cut, 0..64; 0 picks by size. nccl backend: each
         chunk is split into this many segments so that quantizing one segment overlaps
         sending the previous. xla backend: every collective's per-peer message is sent
         as this many messages; by size, at most 256 KiB each on CPU with several
@@ -116,9 +141,11 @@ class CompressionConfig:
                 "CompressionConfig: fusion_buffer_mb must be a number of MiB, got "
                 f"{self.fusion_buffer_mb!r}"
             )
-        if not self.fusion_buffer_mb > 0:
+        mb = self.fusion_buffer_mb
+        if not ((isinstance(mb, int) or math.isfinite(mb)) and mb >= MIN_FUSION_BUFFER_MB):
             raise ValueError(
-                f"CompressionConfig: fusion_buffer_mb must be > 0, got {self.fusion_buffer_mb}"
+                "CompressionConfig: fusion_buffer_mb must be a finite number of MiB >= "
+                f"1/1024 (1 KiB), got {mb}; e.g. 64 (the default)"
             )
         if self.half_dtype not in ("bfloat16", "float16"):
             raise ValueError(
@@ -155,7 +182,8 @@ class CompressionConfig:
 
     @property
     def fusion_buffer_bytes(self) -> int:
-        return int(self.fusion_buffer_mb * 2**20)
+        # Exact: a float near the largest finite one times 2**20 would overflow to inf.
+        return int(fractions.Fraction(self.fusion_buffer_mb) * 2**20)
 
     def replace(self, **changes) -> CompressionConfig:
         """A copy with some fields changed (validated again)."""
@@ -174,13 +202,14 @@ class CompressionConfig:
         ``CGX_COMPRESSION_BUCKET_SIZE``              512        ``bucket_size``
         ``CGX_COMPRESSION_SKIP_INCOMPLETE_BUCKETS``  0          ``skip_incomplete_buckets``
         ``CGX_COMPRESSION_MINIMAL_SIZE``             16         ``min_size`` (never < 16)
-        ``CGX_FUSION_BUFFER_SIZE_MB``                64         ``fusion_buffer_mb``
+        ``CGX_FUSION_BUFFER_SIZE_MB``                64         ``fusion_buffer_mb`` (finite,
+                                                                >= 1/1024)
         ``CGX_CROSS_COMMUNICATOR_TYPE``              (unset)    ``backend``: NCCL -> nccl,
                                                                 MPI or SHM -> xla
         ``JAX_CGX_BACKEND``                          auto       ``backend`` (wins over the above)
         ``JAX_CGX_ALGORITHM``                        sra        ``algorithm``
         ``JAX_CGX_HIERARCHICAL``                     0          ``hierarchical``
-        ``JAX_CGX_PIPELINE_SEGMENTS``                0          ``pipeline_segments``
+        ``JAX_CGX_PIPELINE_SEGMENTS``                0          ``pipeline_segments`` (0..64)
         ===========================================  =========  ==========================
 
         torch_cgx's ``CGX_INNER_COMMUNICATOR_TYPE`` and ``CGX_INTRA_BROADCAST`` are
@@ -229,8 +258,11 @@ class CompressionConfig:
             mb = float(raw_mb)
         except ValueError:
             raise ValueError(f"CGX_FUSION_BUFFER_SIZE_MB={raw_mb!r} is not a number") from None
-        if not mb > 0:
-            raise ValueError(f"CGX_FUSION_BUFFER_SIZE_MB={raw_mb} must be > 0")
+        if not (math.isfinite(mb) and mb >= MIN_FUSION_BUFFER_MB):
+            raise ValueError(
+                f"CGX_FUSION_BUFFER_SIZE_MB={raw_mb} must be a finite number of MiB >= "
+                "1/1024 (1 KiB); e.g. 64 (the default)"
+            )
         fields["fusion_buffer_mb"] = int(mb) if mb.is_integer() else mb
         fields.update(_execution_from_env(env))
         fields.update(overrides)
@@ -270,9 +302,14 @@ def _execution_from_env(env: Mapping[str, str]) -> dict:
         fields["hierarchical"] = hier.lower() in ("1", "true")
     if (segments := read("JAX_CGX_PIPELINE_SEGMENTS")) is not None:
         try:
-            fields["pipeline_segments"] = int(segments)
+            count = int(segments)
         except ValueError:
             raise ValueError(f"JAX_CGX_PIPELINE_SEGMENTS={segments!r} is not an integer") from None
+        if not 0 <= count <= _MAX_SEGMENTS:
+            raise ValueError(
+                f"JAX_CGX_PIPELINE_SEGMENTS={segments} must be in 0..{_MAX_SEGMENTS} (0 = by size)"
+            )
+        fields["pipeline_segments"] = count
     return fields
 
 

@@ -33,7 +33,10 @@ def test_valid_bits(bits):
         (dict(stochastic=1), TypeError, "stochastic must be a bool"),
         (dict(skip_incomplete_buckets="yes"), TypeError, "skip_incomplete_buckets must be a bool"),
         (dict(min_size=-1), ValueError, "min_size must be >= 0"),
-        (dict(fusion_buffer_mb=0), ValueError, "fusion_buffer_mb must be > 0"),
+        (dict(fusion_buffer_mb=0), ValueError, "fusion_buffer_mb must be a finite number of MiB >= 1/1024"),
+        (dict(fusion_buffer_mb=float("inf")), ValueError, "fusion_buffer_mb must be a finite"),
+        (dict(fusion_buffer_mb=float("nan")), ValueError, "fusion_buffer_mb must be a finite"),
+        (dict(fusion_buffer_mb=1e-9), ValueError, "fusion_buffer_mb must be a finite number of MiB >= 1/1024"),
         (dict(fusion_buffer_mb="64"), TypeError, "fusion_buffer_mb must be a number"),
         (dict(half_dtype="float8"), ValueError, "half_dtype must be"),
     ],
@@ -47,6 +50,17 @@ def test_replace_validates():
     assert CompressionConfig().replace(bits=8).bits == 8
     with pytest.raises(ValueError):
         CompressionConfig().replace(bits=10)
+
+
+def test_fusion_buffer_bounds():
+    from jax_cgx.config import MIN_FUSION_BUFFER_MB
+
+    assert MIN_FUSION_BUFFER_MB == 2**-10
+    assert CompressionConfig(fusion_buffer_mb=MIN_FUSION_BUFFER_MB).fusion_buffer_bytes == 1024
+    # finite but huge: exact, no OverflowError
+    assert CompressionConfig(fusion_buffer_mb=1e308).fusion_buffer_bytes == int(1e308) * 2**20
+    with pytest.raises(ValueError, match="fusion_buffer_mb"):
+        CompressionConfig(fusion_buffer_mb=MIN_FUSION_BUFFER_MB / 2)
 
 
 def test_properties():
@@ -105,6 +119,12 @@ def test_from_env_reads_os_environ(monkeypatch):
         ("CGX_COMPRESSION_MINIMAL_SIZE", "-1"),
         ("CGX_FUSION_BUFFER_SIZE_MB", "lots"),
         ("CGX_FUSION_BUFFER_SIZE_MB", "0"),
+        ("CGX_FUSION_BUFFER_SIZE_MB", "inf"),
+        ("CGX_FUSION_BUFFER_SIZE_MB", "nan"),
+        ("CGX_FUSION_BUFFER_SIZE_MB", "1e-9"),
+        ("JAX_CGX_PIPELINE_SEGMENTS", "65"),
+        ("JAX_CGX_PIPELINE_SEGMENTS", "-1"),
+        ("JAX_CGX_PIPELINE_SEGMENTS", "x"),
     ],
 )
 def test_from_env_bad_values_name_the_variable(name, value):

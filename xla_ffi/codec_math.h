@@ -94,9 +94,16 @@ struct BucketMeta {
 };
 
 // Metadata from a bucket's minimum and maximum (taken over flushed values,
-// NaNs ignored) and whether the bucket held a NaN.
+// NaNs ignored) and whether the bucket held a NaN. A bucket with no value in
+// its range (mn > mx: every element lies past the row's valid count, i.e. is
+// padding) gets (0, 0) and decodes to zeros.
 CGX_HD BucketMeta make_meta(float mn, float mx, bool has_nan, int bits) {
   BucketMeta m;
+  if (!has_nan && mn > mx) {
+    m.min = 0.0f;
+    m.scale = 0.0f;
+    return m;
+  }
   // Written as negated comparisons so that NaN min/max also count as overflow.
   if (has_nan || !(mn >= -kMaxMagnitude) || !(mx <= kMaxMagnitude)) {
     m.min = canonical_nan();

@@ -428,10 +428,12 @@ inline const uint8_t* unpack(const uint8_t* __restrict in, int64_t n, uint64_t* 
 
 // ------------------------------------------------------------ row kernels
 
+// `valid`: the row's first `valid` elements set its buckets' ranges; later
+// ones (padding) are encoded within those ranges but never widen them.
 struct QuantizeRow {
   const void* x;
   FloatType x_type;
-  int64_t m, bucket;
+  int64_t m, bucket, valid;
   uint32_t seed0, seed1;
   uint8_t* payload;
   float* meta;
@@ -451,7 +453,7 @@ struct ReduceRow {
   const float* meta;  // input w at meta + w * meta_stride
   int64_t meta_stride;
   int64_t inputs;
-  int64_t m, bucket;
+  int64_t m, bucket, valid;  // valid: as QuantizeRow's, for the requantized sum
   const void* addend;  // nullptr: absent
   FloatType addend_type;
   uint32_t seed0, seed1;
@@ -474,6 +476,11 @@ int64_t bucket_stride(int64_t m, int64_t bucket, int bits) {
 // covers them all, which keeps small buckets cheap.
 int64_t buckets_per_span(int64_t bucket) {
   return bucket % 8 == 0 && bucket <= kSpan ? kSpan / bucket : 1;
+}
+
+// How many of the n elements from row index `first` enter a bucket's range.
+inline int64_t in_range(int64_t valid, int64_t first, int64_t n) {
+  return std::clamp<int64_t>(valid - first, 0, n);
 }
 
 template <int kLanes, int kBits, bool kStochastic>
@@ -516,7 +523,7 @@ void quantize_row_impl(const QuantizeRow& a) {
       for (int64_t k = k0, off = 0; k < k1; ++k, off += B) {
         const int64_t len = std::min(B, n - off);
         MinMax range;
-        minmax_update<kLanes>(x + off, len, range);
+        minmax_update<kLanes>(x + off, in_range(a.valid, start + off, len), range);
         levels_of(set_meta(k, range), x + off, len, start + off, levels + off);
       }
       if constexpr (kBits != 8) pack<kBits>(words, n, dst);
@@ -524,7 +531,7 @@ void quantize_row_impl(const QuantizeRow& a) {
       MinMax range;
       for (int64_t s = 0; s < n; s += kPiece) {
         const int64_t len = std::min(kPiece, n - s);
-        minmax_update<kLanes>(fetch(start + s, len), len, range);
+        minmax_update<kLanes>(fetch(start + s, len), in_range(a.valid, start + s, len), range);
       }
       const BucketMeta meta = set_meta(k0, range);
       for (int64_t s = 0; s < n; s += kPiece) {
@@ -642,7 +649,7 @@ void reduce_row_impl(const ReduceRow& a) {
       for (int64_t k = k0, off = 0; k < k1; ++k, off += B) {
         const int64_t len = std::min(B, n - off);
         MinMax range;
-        minmax_update<kLanes>(acc + off, len, range);
+        minmax_update<kLanes>(acc + off, in_range(a.valid, start + off, len), range);
         requantize(set_meta(k, range), off, len, start + off, levels);
       }
       if constexpr (kBits != 8) pack<kBits>(words, n, dst);
@@ -651,7 +658,7 @@ void reduce_row_impl(const ReduceRow& a) {
       for (int64_t s = 0; s < n; s += kPiece) {
         const int64_t len = std::min(kPiece, n - s);
         sum_into_acc(k0, k1, s, len);
-        minmax_update<kLanes>(acc, len, range);
+        minmax_update<kLanes>(acc, in_range(a.valid, start + s, len), range);
       }
       const BucketMeta meta = set_meta(k0, range);
       for (int64_t s = 0; s < n; s += kPiece) {
@@ -780,8 +787,8 @@ int64_t payload_bytes(int64_t m, int64_t bucket_size, int bits) {
 }
 
 void quantize(const void* x, FloatType x_type, int64_t rows, int64_t n, int64_t m,
-              const uint32_t* seeds, int bits, int64_t bucket_size, bool stochastic,
-              uint8_t* payload, float* meta) {
+              const uint32_t* seeds, const int32_t* valid, int bits, int64_t bucket_size,
+              bool stochastic, uint8_t* payload, float* meta) {
   if (m == 0) return;
   const QuantizeFn fn = kernels().quantize[bits - 1][stochastic ? 1 : 0];
   const int64_t p = payload_bytes(m, bucket_size, bits);
@@ -791,6 +798,7 @@ void quantize(const void* x, FloatType x_type, int64_t rows, int64_t n, int64_t 
                     x_type,
                     m,
                     bucket_size,
+                    valid != nullptr ? valid[r] : m,
                     stochastic ? seeds[2 * r] : 0u,
                     stochastic ? seeds[2 * r + 1] : 0u,
                     payload + r * p,
@@ -815,7 +823,8 @@ void dequantize(const uint8_t* payload, const float* meta, int64_t rows, int64_t
 namespace {
 void reduce(const uint8_t* payload, const float* meta, int64_t rows, int64_t inputs, int64_t m,
             int bits, int64_t bucket_size, const void* addend, FloatType addend_type,
-            const uint32_t* seeds, bool requantize, bool stochastic, uint8_t* payload_out,
+            const uint32_t* seeds, const int32_t* valid, bool requantize, bool stochastic,
+            uint8_t* payload_out,
             float* meta_out, void* out, FloatType out_type) {
   if (m == 0) return;
   const int mode = requantize ? (stochastic ? 2 : 1) : 0;
@@ -830,6 +839,7 @@ void reduce(const uint8_t* payload, const float* meta, int64_t rows, int64_t inp
                   inputs,
                   m,
                   bucket_size,
+                  valid != nullptr ? valid[r] : m,
                   addend != nullptr ? element_ptr(addend, addend_type, r * m) : nullptr,
                   addend_type,
                   mode == 2 ? seeds[2 * r] : 0u,
@@ -846,16 +856,16 @@ void reduce(const uint8_t* payload, const float* meta, int64_t rows, int64_t inp
 void dequantize_sum(const uint8_t* payload, const float* meta, int64_t rows, int64_t inputs,
                     int64_t m, int bits, int64_t bucket_size, const void* addend,
                     FloatType addend_type, void* out, FloatType out_type) {
-  reduce(payload, meta, rows, inputs, m, bits, bucket_size, addend, addend_type, nullptr,
+  reduce(payload, meta, rows, inputs, m, bits, bucket_size, addend, addend_type, nullptr, nullptr,
          /*requantize=*/false, /*stochastic=*/false, nullptr, nullptr, out, out_type);
 }
 
 void dequantize_sum_requantize(const uint8_t* payload, const float* meta, int64_t rows,
                                int64_t inputs, int64_t m, int bits, int64_t bucket_size,
                                const void* addend, FloatType addend_type, const uint32_t* seeds,
-                               bool stochastic, uint8_t* payload_out, float* meta_out, void* out,
-                               FloatType out_type) {
-  reduce(payload, meta, rows, inputs, m, bits, bucket_size, addend, addend_type, seeds,
+                               const int32_t* valid, bool stochastic, uint8_t* payload_out,
+                               float* meta_out, void* out, FloatType out_type) {
+  reduce(payload, meta, rows, inputs, m, bits, bucket_size, addend, addend_type, seeds, valid,
          /*requantize=*/true, stochastic, payload_out, meta_out, out, out_type);
 }
 
@@ -953,6 +963,19 @@ struct Checker {
     return fail(std::string(name) + " has shape " + shape_str(dims) + ", expected " + expected);
   }
 
+  // valid: [R] counts (each row's elements that set its buckets' ranges) or
+  // [0] (all of them). Returns the data pointer or nullptr.
+  ffi::Error valid_counts(const ffi::Buffer<ffi::S32>& valid, int64_t rows,
+                          const int32_t** out) const {
+    const Dims d = valid.dimensions();
+    if (d.size() != 1 || (d[0] != rows && d[0] != 0)) {
+      return fail("valid has shape " + shape_str(d) + ", expected [R] = " + shape_str({rows}) +
+                  " or [0] (every element valid)");
+    }
+    *out = d[0] == 0 ? nullptr : valid.typed_data();
+    return ffi::Error::Success();
+  }
+
   // meta [R, (W,) nb, 2] and payload [R, (W,) P] holding m elements per row
   // (no W axis when inputs < 0).
   ffi::Error packed(const char* payload_name, Dims payload_dims, const char* meta_name,
@@ -987,7 +1010,7 @@ struct Checker {
     if (cgx_err_.failure()) return cgx_err_;  \
   } while (0)
 
-ffi::Error QuantizeImpl(ffi::AnyBuffer x, ffi::Buffer<ffi::U32> seeds,
+ffi::Error QuantizeImpl(ffi::AnyBuffer x, ffi::Buffer<ffi::U32> seeds, ffi::Buffer<ffi::S32> valid,
                         ffi::Result<ffi::Buffer<ffi::U8>> payload,
                         ffi::Result<ffi::Buffer<ffi::F32>> meta, int32_t bits, int64_t bucket_size,
                         bool stochastic) {
@@ -998,6 +1021,8 @@ ffi::Error QuantizeImpl(ffi::AnyBuffer x, ffi::Buffer<ffi::U32> seeds,
   CGX_RETURN_IF_ERROR(c.shape("x", x.dimensions(), {-1, -1}, "rank 2 [R, n]"));
   const int64_t rows = x.dimensions()[0], n = x.dimensions()[1];
   CGX_RETURN_IF_ERROR(c.shape("seeds", seeds.dimensions(), {rows, 2}, "[R, 2]"));
+  const int32_t* counts;
+  CGX_RETURN_IF_ERROR(c.valid_counts(valid, rows, &counts));
   // meta's bucket count nb picks m = min(n, nb * B): all of x, or whole
   // buckets only (skipping an incomplete last one, or more).
   const Dims md = meta->dimensions();
@@ -1011,8 +1036,8 @@ ffi::Error QuantizeImpl(ffi::AnyBuffer x, ffi::Buffer<ffi::U32> seeds,
   const int64_t m = md[1] == max_nb ? n : md[1] * bucket_size;  // nb < ceil(n/B): nb*B < n
   CGX_RETURN_IF_ERROR(
       c.packed("payload", payload->dimensions(), "meta", md, rows, -1, m, bucket_size, bits));
-  jax_cgx::cpu::quantize(x.untyped_data(), xt, rows, n, m, seeds.typed_data(), bits, bucket_size,
-                         stochastic, payload->typed_data(), meta->typed_data());
+  jax_cgx::cpu::quantize(x.untyped_data(), xt, rows, n, m, seeds.typed_data(), counts, bits,
+                         bucket_size, stochastic, payload->typed_data(), meta->typed_data());
   return ffi::Error::Success();
 }
 
@@ -1075,6 +1100,7 @@ ffi::Error DequantizeSumImpl(ffi::Buffer<ffi::U8> payload, ffi::Buffer<ffi::F32>
 
 ffi::Error DequantizeSumRequantizeImpl(ffi::Buffer<ffi::U8> payload, ffi::Buffer<ffi::F32> meta,
                                        ffi::AnyBuffer addend, ffi::Buffer<ffi::U32> seeds,
+                                       ffi::Buffer<ffi::S32> valid,
                                        ffi::Result<ffi::Buffer<ffi::U8>> payload_out,
                                        ffi::Result<ffi::Buffer<ffi::F32>> meta_out,
                                        ffi::Result<ffi::AnyBuffer> out, int32_t bits,
@@ -1083,11 +1109,13 @@ ffi::Error DequantizeSumRequantizeImpl(ffi::Buffer<ffi::U8> payload, ffi::Buffer
   ReduceShapes s;
   CGX_RETURN_IF_ERROR(check_reduce(c, payload, meta, addend, *out, bits, bucket_size, &s));
   CGX_RETURN_IF_ERROR(c.shape("seeds", seeds.dimensions(), {s.rows, 2}, "[R, 2]"));
+  const int32_t* counts;
+  CGX_RETURN_IF_ERROR(c.valid_counts(valid, s.rows, &counts));
   CGX_RETURN_IF_ERROR(c.packed("payload result", payload_out->dimensions(), "meta result",
                                meta_out->dimensions(), s.rows, -1, s.m, bucket_size, bits));
   jax_cgx::cpu::dequantize_sum_requantize(
       payload.typed_data(), meta.typed_data(), s.rows, s.inputs, s.m, bits, bucket_size,
-      s.has_addend ? addend.untyped_data() : nullptr, s.addend_type, seeds.typed_data(),
+      s.has_addend ? addend.untyped_data() : nullptr, s.addend_type, seeds.typed_data(), counts,
       stochastic, payload_out->typed_data(), meta_out->typed_data(), out->untyped_data(),
       s.out_type);
   return ffi::Error::Success();
@@ -1101,6 +1129,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(CpuQuantize, QuantizeImpl,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::AnyBuffer>()           // x
                                   .Arg<ffi::Buffer<ffi::U32>>()    // seeds
+                                  .Arg<ffi::Buffer<ffi::S32>>()    // valid
                                   .Ret<ffi::Buffer<ffi::U8>>()     // payload
                                   .Ret<ffi::Buffer<ffi::F32>>()    // meta
                                   .Attr<int32_t>("bits")
@@ -1130,6 +1159,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(CpuDequantizeSumRequantize, DequantizeSumRequantiz
                                   .Arg<ffi::Buffer<ffi::F32>>()  // meta
                                   .Arg<ffi::AnyBuffer>()         // addend
                                   .Arg<ffi::Buffer<ffi::U32>>()  // seeds
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // valid
                                   .Ret<ffi::Buffer<ffi::U8>>()   // payload
                                   .Ret<ffi::Buffer<ffi::F32>>()  // meta
                                   .Ret<ffi::AnyBuffer>()         // out

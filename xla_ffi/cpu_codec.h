@@ -33,9 +33,12 @@ int64_t payload_bytes(int64_t m, int64_t bucket_size, int bits);
 
 // x[rows, n] -> payload[rows, P], meta[rows, nb, 2]; encodes the first m <= n
 // elements of each row. seeds[rows, 2] is read only when `stochastic`.
+// valid[rows] (nullptr: m for every row): only a row's first valid[r]
+// elements set its buckets' ranges; later ones (padding) are encoded inside
+// those ranges, and a bucket with none gets metadata (0, 0).
 void quantize(const void* x, FloatType x_type, int64_t rows, int64_t n, int64_t m,
-              const uint32_t* seeds, int bits, int64_t bucket_size, bool stochastic,
-              uint8_t* payload, float* meta);
+              const uint32_t* seeds, const int32_t* valid, int bits, int64_t bucket_size,
+              bool stochastic, uint8_t* payload, float* meta);
 
 // payload[rows, P], meta[rows, nb, 2] -> out[rows, m].
 void dequantize(const uint8_t* payload, const float* meta, int64_t rows, int64_t m, int bits,
@@ -49,13 +52,13 @@ void dequantize_sum(const uint8_t* payload, const float* meta, int64_t rows, int
                     FloatType addend_type, void* out, FloatType out_type);
 
 // As dequantize_sum, then quantizes the f32 sum of each row into
-// payload_out[rows, P], meta_out[rows, nb, 2] and writes its decoded value
-// to out[rows, m].
+// payload_out[rows, P], meta_out[rows, nb, 2] (valid: as for quantize) and
+// writes its decoded value to out[rows, m].
 void dequantize_sum_requantize(const uint8_t* payload, const float* meta, int64_t rows,
                                int64_t inputs, int64_t m, int bits, int64_t bucket_size,
                                const void* addend, FloatType addend_type, const uint32_t* seeds,
-                               bool stochastic, uint8_t* payload_out, float* meta_out, void* out,
-                               FloatType out_type);
+                               const int32_t* valid, bool stochastic, uint8_t* payload_out,
+                               float* meta_out, void* out, FloatType out_type);
 
 // ISA variants: "avx512", "avx2", "baseline". The active one is the best the
 // CPU supports unless the environment variable JAX_CGX_CPU_ISA names another

@@ -147,11 +147,27 @@ ffi::Error CheckPacked(std::string_view target, const char* payload_name,
 // ceil(a / b) for a >= 0, b >= 1, without overflow.
 int64_t CeilDiv(int64_t a, int64_t b) { return a / b + (a % b != 0 ? 1 : 0); }
 
+// valid: s32 [R] counts (each row's elements that set its buckets' ranges,
+// see ValidCounts) or [0] (all of them).
+ffi::Error ValidOperand(std::string_view target, const ffi::AnyBuffer& valid, int64_t rows,
+                        ValidCounts* out) {
+  CGX_RETURN_IF_ERROR(CheckType(target, "valid", valid, ffi::DataType::S32, "s32"));
+  const auto dims = valid.dimensions();
+  if (dims.size() != 1 || (dims[0] != rows && dims[0] != 0)) {
+    return Invalid(target, "valid must have shape [R] (R = " + std::to_string(rows) +
+                               ") or [0] (every element valid), got " + DimsString(valid));
+  }
+  *out = ValidCounts{};
+  if (dims[0] != 0) out->rows = static_cast<const int32_t*>(valid.untyped_data());
+  return ffi::Error::Success();
+}
+
 // --------------------------------------------------------------- handlers
 
-// jax_cgx_quantize: x[R, n] float, seeds[R, 2] u32 -> payload[R, P] u8, meta[R, nb, 2] f32.
+// jax_cgx_quantize: x[R, n] float, seeds[R, 2] u32, valid[R|0] s32 ->
+// payload[R, P] u8, meta[R, nb, 2] f32.
 ffi::Error QuantizeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer seeds,
-                        ffi::Result<ffi::AnyBuffer> payload, ffi::Result<ffi::AnyBuffer> meta,
+                        ffi::AnyBuffer valid, ffi::Result<ffi::AnyBuffer> payload, ffi::Result<ffi::AnyBuffer> meta,
                         int32_t bits, int64_t bucket_size, bool stochastic) {
   constexpr std::string_view kTarget = "jax_cgx_quantize";
   CGX_RETURN_IF_ERROR(CheckAttrs(kTarget, bits, bucket_size));
@@ -162,6 +178,8 @@ ffi::Error QuantizeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer se
   const int64_t n = x.dimensions()[1];
   CGX_RETURN_IF_ERROR(CheckType(kTarget, "seeds", seeds, ffi::DataType::U32, "u32"));
   CGX_RETURN_IF_ERROR(CheckShape(kTarget, "seeds", seeds, {rows, 2}, "[R, 2] (R from x)"));
+  ValidCounts counts;
+  CGX_RETURN_IF_ERROR(ValidOperand(kTarget, valid, rows, &counts));
   CGX_RETURN_IF_ERROR(CheckType(kTarget, "payload", *payload, ffi::DataType::U8, "u8"));
   CGX_RETURN_IF_ERROR(CheckShape(kTarget, "payload", *payload, {rows, -1}, "[R, P] (R from x)"));
   CGX_RETURN_IF_ERROR(CheckType(kTarget, "meta", *meta, ffi::DataType::F32, "f32"));
@@ -185,7 +203,7 @@ ffi::Error QuantizeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer se
   const cudaError_t err = LaunchQuantize(
       stream, l, x_type, x.untyped_data(), n, static_cast<const uint32_t*>(seeds.untyped_data()),
       stochastic, static_cast<uint8_t*>(payload->untyped_data()),
-      static_cast<float*>(meta->untyped_data()));
+      static_cast<float*>(meta->untyped_data()), counts);
   if (err != cudaSuccess) return CudaFailure(kTarget, err);
   return ffi::Error::Success();
 }
@@ -272,11 +290,11 @@ ffi::Error DequantizeSumImpl(cudaStream_t stream, ffi::AnyBuffer payload, ffi::A
   return ffi::Error::Success();
 }
 
-// jax_cgx_dequantize_sum_requantize: as dequantize_sum plus seeds[R, 2] ->
-// payload[R, P], meta[R, nb, 2], out[R, m].
+// jax_cgx_dequantize_sum_requantize: as dequantize_sum plus seeds[R, 2] and
+// valid[R|0] -> payload[R, P], meta[R, nb, 2], out[R, m].
 ffi::Error DequantizeSumRequantizeImpl(cudaStream_t stream, ffi::AnyBuffer payload,
                                        ffi::AnyBuffer meta, ffi::AnyBuffer addend,
-                                       ffi::AnyBuffer seeds,
+                                       ffi::AnyBuffer seeds, ffi::AnyBuffer valid,
                                        ffi::Result<ffi::AnyBuffer> out_payload,
                                        ffi::Result<ffi::AnyBuffer> out_meta,
                                        ffi::Result<ffi::AnyBuffer> out, int32_t bits,
@@ -293,6 +311,8 @@ ffi::Error DequantizeSumRequantizeImpl(cudaStream_t stream, ffi::AnyBuffer paylo
       CheckSumOperands(kTarget, payload, meta, addend, rows, m, bits, bucket_size, &ops));
   CGX_RETURN_IF_ERROR(CheckType(kTarget, "seeds", seeds, ffi::DataType::U32, "u32"));
   CGX_RETURN_IF_ERROR(CheckShape(kTarget, "seeds", seeds, {rows, 2}, "[R, 2] (R from out)"));
+  ValidCounts counts;
+  CGX_RETURN_IF_ERROR(ValidOperand(kTarget, valid, rows, &counts));
   CGX_RETURN_IF_ERROR(CheckType(kTarget, "result payload", *out_payload, ffi::DataType::U8, "u8"));
   CGX_RETURN_IF_ERROR(CheckShape(kTarget, "result payload", *out_payload, {rows, ops.layout.row_bytes},
                                  "[R, P] like the input payload rows"));
@@ -305,7 +325,7 @@ ffi::Error DequantizeSumRequantizeImpl(cudaStream_t stream, ffi::AnyBuffer paylo
       static_cast<const float*>(meta.untyped_data()), ops.addend_type, ops.addend,
       static_cast<const uint32_t*>(seeds.untyped_data()), stochastic,
       static_cast<uint8_t*>(out_payload->untyped_data()),
-      static_cast<float*>(out_meta->untyped_data()), out_type, out->untyped_data());
+      static_cast<float*>(out_meta->untyped_data()), out_type, out->untyped_data(), counts);
   if (err != cudaSuccess) return CudaFailure(kTarget, err);
   return ffi::Error::Success();
 }
@@ -321,6 +341,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(CudaQuantize, jax_cgx::cuda::QuantizeImpl,
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Arg<ffi::AnyBuffer>()  // x
                                   .Arg<ffi::AnyBuffer>()  // seeds
+                                  .Arg<ffi::AnyBuffer>()  // valid
                                   .Ret<ffi::AnyBuffer>()  // payload
                                   .Ret<ffi::AnyBuffer>()  // meta
                                   .Attr<int32_t>("bits")
@@ -354,6 +375,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(CudaDequantizeSumRequantize,
                                   .Arg<ffi::AnyBuffer>()  // meta
                                   .Arg<ffi::AnyBuffer>()  // addend
                                   .Arg<ffi::AnyBuffer>()  // seeds
+                                  .Arg<ffi::AnyBuffer>()  // valid
                                   .Ret<ffi::AnyBuffer>()  // payload
                                   .Ret<ffi::AnyBuffer>()  // meta
                                   .Ret<ffi::AnyBuffer>()  // out

@@ -199,8 +199,18 @@ struct Call {
   char* ws;
   const uint32_t* seeds;  // [W + 1, 2]
   bool stochastic;
+  const int32_t* valid;  // [1], device: x's first valid[0] values are real, the rest padding
 
   int64_t Bytes(int64_t values) const { return values * plan.elem_bytes; }
+  // Which values of segment s of chunks j, j+1, ... (rows of a launch) set
+  // their buckets' ranges: padding never widens a bucket.
+  cuda::ValidCounts Valid(int64_t j, const Segment& s) const {
+    cuda::ValidCounts v;
+    v.total_dev = valid;
+    v.first = j * plan.chunk + s.offset;
+    v.row_step = plan.chunk;
+    return v;
+  }
   // First value of chunk j of the zero-padded input: x itself, or its staged tail.
   const char* ChunkIn(int64_t j) const {
     return j < plan.full_chunks ? x + Bytes(j * plan.chunk)
@@ -230,6 +240,7 @@ ffi::Error Launched(cudaError_t err, const char* what) {
 }
 
 // Zero padding: chunks past x's end are read from a staged copy of x's tail.
+// (Padding never enters a bucket's range: the launches' ValidCounts.)
 ffi::Error StageTail(const Call& c) {
   const Plan& p = c.plan;
   if (p.tail_chunks == 0) return ffi::Error::Success();
@@ -261,7 +272,7 @@ ffi::Error QuantizeChunks(const Call& c, const Segment& s, int64_t j0, int64_t j
     l.rows = b - a;
     CGX_TRY(Launched(cuda::LaunchQuantize(c.main, l, c.type, c.ChunkIn(a) + c.Bytes(s.offset), c.plan.chunk,
                                           c.seeds + 2 * a, c.stochastic, c.Payload(s.send, s, a),
-                                          c.Meta(s.send, s, a)),
+                                          c.Meta(s.send, s, a), c.Valid(a, s)),
                      "quantize"));
   }
   return ffi::Error::Success();
@@ -274,7 +285,8 @@ ffi::Error ReduceInto(const Call& c, const Segment& s, const Region& in, int64_t
   return Launched(cuda::LaunchDequantizeSumRequantize(
                       c.main, s.layout, inputs, c.Payload(in, s, 0), c.Meta(in, s, 0), c.type,
                       c.ChunkIn(k) + c.Bytes(s.offset), c.seeds + 2 * seed_row, c.stochastic,
-                      c.Payload(dst, s, dst_slot), c.Meta(dst, s, dst_slot), c.type, nullptr),
+                      c.Payload(dst, s, dst_slot), c.Meta(dst, s, dst_slot), c.type, nullptr,
+                      c.Valid(k, s)),
                   "dequantize_sum_requantize");
 }
 
@@ -390,7 +402,8 @@ ffi::Error RunRing(const Call& c) {
     const Segment& s = p.segment[i];
     const int64_t first = c.Peer(-1);
     CGX_TRY(Launched(cuda::LaunchQuantize(c.main, s.layout, c.type, c.ChunkIn(first) + c.Bytes(s.offset), p.chunk,
-                                          c.seeds, c.stochastic, c.Payload(s.send, s, 0), c.Meta(s.send, s, 0)),
+                                          c.seeds, c.stochastic, c.Payload(s.send, s, 0), c.Meta(s.send, s, 0),
+                                          c.Valid(first, s)),
                      "quantize"));
     CGX_CUDA(cudaEventRecord(comm.quantized[i], c.main));
     CGX_TRY(RingHop(c, s, 0, comm.quantized[i], comm.exchanged[i]));
@@ -421,7 +434,7 @@ ffi::Error RunRing(const Call& c) {
 // ----------------------------------------------------------------- handler
 
 ffi::Error NcclAllreduceImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x, ffi::AnyBuffer seeds,
-                             ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> workspace,
+                             ffi::AnyBuffer valid, ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> workspace,
                              int64_t comm_key, int64_t world, int64_t chunk, int32_t bits,
                              int64_t bucket_size, bool stochastic, int32_t algorithm, int64_t segments) {
   cuda::FloatType type;
@@ -434,6 +447,9 @@ ffi::Error NcclAllreduceImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffe
   if (seeds.element_type() != ffi::DataType::U32 || seeds.dimensions().size() != 2 ||
       seeds.dimensions()[0] != world + 1 || seeds.dimensions()[1] != 2) {
     return Invalid("seeds must be u32[world + 1, 2]");
+  }
+  if (valid.element_type() != ffi::DataType::S32 || valid.dimensions().size() != 1 || valid.dimensions()[0] != 1) {
+    return Invalid("valid must be s32[1] (how many of x's values are real, the rest padding)");
   }
   if (workspace->element_type() != ffi::DataType::U8 || workspace->dimensions().size() != 1) {
     return Invalid("workspace must be u8[bytes]");
@@ -474,7 +490,8 @@ ffi::Error NcclAllreduceImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffe
   }
   const Call call{plan, *comm, *api, stream, type, static_cast<const char*>(x.untyped_data()),
                   static_cast<char*>(out->untyped_data()), static_cast<char*>(workspace->untyped_data()),
-                  static_cast<const uint32_t*>(seeds.untyped_data()), stochastic};
+                  static_cast<const uint32_t*>(seeds.untyped_data()), stochastic,
+                  static_cast<const int32_t*>(valid.untyped_data())};
   CGX_TRY(StageTail(call));
   ffi::Error result = plan.algorithm == Algorithm::kSra ? RunSra(call) : RunRing(call);
   if (result.failure()) {
@@ -498,6 +515,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(CudaNcclAllreduce, jax_cgx::nccl::NcclAllreduceImp
                                   .Ctx<ffi::DeviceOrdinal>()
                                   .Arg<ffi::AnyBuffer>()  // x[n]
                                   .Arg<ffi::AnyBuffer>()  // seeds[W + 1, 2]
+                                  .Arg<ffi::AnyBuffer>()  // valid[1]
                                   .Ret<ffi::AnyBuffer>()  // out[n]
                                   .Ret<ffi::AnyBuffer>()  // workspace[bytes]
                                   .Attr<int64_t>("comm_key")

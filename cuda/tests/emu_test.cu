@@ -70,12 +70,19 @@ void test_quantize(std::mt19937& rng, int64_t R, int64_t n, int64_t B, bool skip
   }
   std::vector<uint32_t> seeds(2 * R);
   for (auto& s : seeds) s = rng();
+  // Half the calls mark a random tail of each row as padding (it must not enter the ranges).
+  const bool padded = rng() % 2 == 0;
+  std::vector<int32_t> valid(R, static_cast<int32_t>(m));
+  if (padded) {
+    for (auto& v : valid) v = static_cast<int32_t>(rng() % (m + 1));
+  }
 
-  const ref::Packed want = ref::quantize(xf, R, n, m, B, bits, stochastic, seeds);
+  const ref::Packed want = ref::quantize(xf, R, n, m, B, bits, stochastic, seeds, &valid);
 
   Buffer pb(R * P, payload_misalign);
   Buffer mb(R * nb * 2 * sizeof(float), 0);
-  const QuantOut q{pb.data, reinterpret_cast<float*>(mb.data), seeds.data(), stochastic};
+  QuantOut q{pb.data, reinterpret_cast<float*>(mb.data), seeds.data(), stochastic};
+  if (padded) q.valid.rows = valid.data();
   const bool vec = !force_scalar && groups_aligned16(x, R, n, l, sizeof(S));
   if (vec) {
     run_quantize(ArrayInput<E, true>{x, n}, NoOutput{}, l, q, grid_cap, block_threads);
@@ -87,6 +94,7 @@ void test_quantize(std::mt19937& rng, int64_t R, int64_t n, int64_t B, bool skip
                            std::to_string(R) + " n=" + std::to_string(n) + " B=" +
                            std::to_string(B) + " bits=" + std::to_string(bits) +
                            (stochastic ? " stoch" : "") + (vec ? " vec" : " scalar") +
+                           (padded ? " padded" : "") +
                            " xmis=" + std::to_string(x_misalign) + " pmis=" +
                            std::to_string(payload_misalign);
   int64_t bad = 0, first = -1;
@@ -203,13 +211,20 @@ void test_sum(std::mt19937& rng, int64_t R, int64_t W, int64_t m, int64_t B, int
 
   std::vector<float> want_out(R * m);
   if (requantize) {
-    const ref::Packed want = ref::quantize(acc, R, m, m, B, bits, stochastic, seeds);
+    // Half the calls mark a random tail of each row as padding.
+    std::vector<int32_t> valid(R, static_cast<int32_t>(m));
+    const bool padded = rng() % 2 == 0;
+    if (padded) {
+      for (auto& v : valid) v = static_cast<int32_t>(rng() % (m + 1));
+    }
+    const ref::Packed want = ref::quantize(acc, R, m, m, B, bits, stochastic, seeds, &valid);
     for (int64_t r = 0; r < R; ++r)
       for (int64_t i = 0; i < m; ++i)
         want_out[r * m + i] = ref::decoded(want.payload.data() + r * P, want.meta.data() + r * nb * 2, m, B, bits, i);
     Buffer pb(R * P, misalign);
     Buffer mb(R * nb * 2 * sizeof(float), 0);
-    const QuantOut q{pb.data, reinterpret_cast<float*>(mb.data), seeds.data(), stochastic};
+    QuantOut q{pb.data, reinterpret_cast<float*>(mb.data), seeds.data(), stochastic};
+    if (padded) q.valid.rows = valid.data();
     run_quantize(src, sink, l, q, grid_cap, block_threads);
     int64_t bad = 0, first = -1;
     for (int64_t i = 0; i < R * P; ++i)

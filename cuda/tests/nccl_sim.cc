@@ -67,15 +67,23 @@ static uint32_t get_bits(const uint8_t* s, int64_t pos, int bits) {
 }
 static int64_t blen(const RowLayout& l, int64_t k) { return k == l.buckets - 1 ? l.elems - k * l.bucket : l.bucket; }
 
+// Row r's elements that set its buckets' ranges (cuda::ValidCounts).
+static int64_t valid_count(const cuda::ValidCounts& v, int64_t r) {
+  if (v.rows) return v.rows[r];
+  return (v.total_dev ? *v.total_dev : v.total) - (v.first + r * v.row_step);
+}
+
 // vals: rows of l.elems f32 values (contiguous, stride given)
 static void quantize_f32(const RowLayout& l, const std::function<float(int64_t, int64_t)>& val,
-                         const uint32_t* seeds, bool stoch, uint8_t* payload, float* meta) {
+                         const uint32_t* seeds, bool stoch, uint8_t* payload, float* meta,
+                         const cuda::ValidCounts& valid) {
   for (int64_t r = 0; r < l.rows; ++r) {
+    const int64_t count = valid_count(valid, r);
     for (int64_t k = 0; k < l.buckets; ++k) {
       const int64_t len = blen(l, k);
       float mn = INFINITY, mx = -INFINITY;
       bool nan = false;
-      for (int64_t j = 0; j < len; ++j) {
+      for (int64_t j = 0; j < len && k * l.bucket + j < count; ++j) {
         const float f = flush(val(r, k * l.bucket + j));
         if (f != f) nan = true; else { mn = std::min(mn, f); mx = std::max(mx, f); }
       }
@@ -154,7 +162,8 @@ const char* cudaGetErrorString(cudaError_t) { return "sim error"; }
 // kernels
 namespace jax_cgx::cuda {
 cudaError_t LaunchQuantize(cudaStream_t s, const RowLayout& l0, FloatType t, const void* x, int64_t stride,
-                           const uint32_t* seeds, bool st, uint8_t* payload, float* meta) {
+                           const uint32_t* seeds, bool st, uint8_t* payload, float* meta,
+                           const ValidCounts& valid) {
   RowLayout l = l0;
   const int64_t eb = FloatTypeBytes(t);
   for (int64_t r = 0; r < l.rows; ++r) check_range(static_cast<const char*>(x) + r * stride * eb, l.elems * eb, "quantize x");
@@ -163,7 +172,8 @@ cudaError_t LaunchQuantize(cudaStream_t s, const RowLayout& l0, FloatType t, con
   if (st) check_range(seeds, l.rows * 8, "quantize seeds");
   Op op;
   op.run = [=] {
-    quantize_f32(l, [&](int64_t r, int64_t i) { return to_f32(t, x, r * stride + i); }, seeds, st, payload, meta);
+    quantize_f32(l, [&](int64_t r, int64_t i) { return to_f32(t, x, r * stride + i); }, seeds, st, payload, meta,
+                 valid);
   };
   S(s)->push(op);
   return cudaSuccess;
@@ -187,7 +197,7 @@ cudaError_t LaunchDequantizeSum(cudaStream_t, const RowLayout&, int64_t, const u
 cudaError_t LaunchDequantizeSumRequantize(cudaStream_t s, const RowLayout& l, int64_t W, const uint8_t* payload,
                                           const float* meta, FloatType at, const void* addend,
                                           const uint32_t* seeds, bool st, uint8_t* op_, float* om,
-                                          FloatType ot, void* out) {
+                                          FloatType ot, void* out, const ValidCounts& valid) {
   check_range(payload, l.rows * W * l.row_bytes, "dsr payload");
   check_range(meta, l.rows * W * l.buckets * 8, "dsr meta");
   if (addend) check_range(addend, l.rows * l.elems * FloatTypeBytes(at), "dsr addend");
@@ -209,7 +219,7 @@ cudaError_t LaunchDequantizeSumRequantize(cudaStream_t s, const RowLayout& l, in
         }
         acc[r * l.elems + i] = a;
       }
-    quantize_f32(l, [&](int64_t r, int64_t i) { return acc[r * l.elems + i]; }, seeds, st, op_, om);
+    quantize_f32(l, [&](int64_t r, int64_t i) { return acc[r * l.elems + i]; }, seeds, st, op_, om, valid);
     for (int64_t r = 0; r < l.rows; ++r)
       for (int64_t i = 0; i < l.elems; ++i)
         if (out) from_f32(ot, out, r * l.elems + i, decoded(l, op_ + r * l.row_bytes, om + r * l.buckets * 2, i));
@@ -372,7 +382,7 @@ static void run_all() {
 struct Case { int64_t n, W, chunk, B; int bits; bool st; int alg; int64_t segs; FloatType t; };
 
 static std::vector<std::vector<float>> reference(const Case& c, const std::vector<std::vector<uint8_t>>& xs,
-                                                 const std::vector<std::vector<uint32_t>>& seeds) {
+                                                 const std::vector<std::vector<uint32_t>>& seeds, int64_t valid_n) {
   const int64_t W = c.W, C = c.chunk, eb = cuda::FloatTypeBytes(c.t);
   RowLayout l = cuda::MakeRowLayout(1, C, c.B, c.bits);
   auto chunkval = [&](int r, int64_t j, int64_t i) -> float {
@@ -387,39 +397,46 @@ static std::vector<std::vector<float>> reference(const Case& c, const std::vecto
   // final encodings of chunk j
   std::vector<std::vector<uint8_t>> fp(W, std::vector<uint8_t>(l.row_bytes));
   std::vector<std::vector<float>> fm(W, std::vector<float>(2 * l.buckets));
-  auto q = [&](const std::vector<uint8_t>& src, const uint32_t* sd, uint8_t* p, float* m) {
-    quantize_f32(l, [&](int64_t, int64_t i) { return to_f32(c.t, src.data(), i); }, sd, c.st, p, m);
+  // Chunk j's real values: the first valid_n of the row.
+  auto real = [&](int64_t j) {
+    cuda::ValidCounts v;
+    v.total = valid_n;
+    v.first = j * C;
+    return v;
+  };
+  auto q = [&](const std::vector<uint8_t>& src, int64_t j, const uint32_t* sd, uint8_t* p, float* m) {
+    quantize_f32(l, [&](int64_t, int64_t i) { return to_f32(c.t, src.data(), i); }, sd, c.st, p, m, real(j));
   };
   auto dsr = [&](const std::vector<uint8_t>& P, const std::vector<float>& M, int64_t inputs,
-                 const std::vector<uint8_t>& addend, const uint32_t* sd, uint8_t* op, float* om) {
+                 const std::vector<uint8_t>& addend, int64_t j, const uint32_t* sd, uint8_t* op, float* om) {
     std::vector<float> acc(C);
     for (int64_t i = 0; i < C; ++i) {
       float a = flush(to_f32(c.t, addend.data(), i));
       for (int64_t w = 0; w < inputs; ++w) a = accumulate(a, decoded(l, P.data() + w * l.row_bytes, M.data() + w * l.buckets * 2, i));
       acc[i] = a;
     }
-    quantize_f32(l, [&](int64_t, int64_t i) { return acc[i]; }, sd, c.st, op, om);
+    quantize_f32(l, [&](int64_t, int64_t i) { return acc[i]; }, sd, c.st, op, om, real(j));
   };
   if (c.alg == 0) {
     for (int o = 0; o < W; ++o) {
       std::vector<uint8_t> P(W * l.row_bytes);
       std::vector<float> M(W * 2 * l.buckets);
-      for (int r = 0; r < W; ++r) q(padded_chunk(r, o), seeds[r].data() + 2 * o, P.data() + r * l.row_bytes, M.data() + r * 2 * l.buckets);
+      for (int r = 0; r < W; ++r) q(padded_chunk(r, o), o, seeds[r].data() + 2 * o, P.data() + r * l.row_bytes, M.data() + r * 2 * l.buckets);
       for (int64_t k = 0; k < 2 * l.buckets; ++k) M[o * 2 * l.buckets + k] = 0;
-      dsr(P, M, W, padded_chunk(o, o), seeds[o].data() + 2 * W, fp[o].data(), fm[o].data());
+      dsr(P, M, W, padded_chunk(o, o), o, seeds[o].data() + 2 * W, fp[o].data(), fm[o].data());
     }
   } else {
     for (int o = 0; o < W; ++o) {
       int r = (o + 1) % W;
       std::vector<uint8_t> P(l.row_bytes);
       std::vector<float> M(2 * l.buckets);
-      q(padded_chunk(r, o), seeds[r].data(), P.data(), M.data());
+      q(padded_chunk(r, o), o, seeds[r].data(), P.data(), M.data());
       for (int64_t t = 0; t + 1 < W; ++t) {
         r = (o + t + 2) % W;
         const int64_t row = t == W - 2 ? W : t + 1;
         std::vector<uint8_t> P2(l.row_bytes);
         std::vector<float> M2(2 * l.buckets);
-        dsr(P, M, 1, padded_chunk(r, o), seeds[r].data() + 2 * row, P2.data(), M2.data());
+        dsr(P, M, 1, padded_chunk(r, o), o, seeds[r].data() + 2 * row, P2.data(), M2.data());
         P = P2; M = M2;
       }
       fp[o] = P; fm[o] = M;
@@ -481,11 +498,15 @@ static void run_case(const Case& c, int calls) {
   g_allocs.clear();
   std::vector<uint8_t*> ws(W);
   for (int r = 0; r < W; ++r) ws[r] = dev_alloc(wsb, "workspace");
-  struct Bufs { std::vector<uint8_t*> x, out, sd; std::vector<std::vector<uint8_t>> xh; std::vector<std::vector<uint32_t>> sh; };
+  struct Bufs { std::vector<uint8_t*> x, out, sd; std::vector<std::vector<uint8_t>> xh; std::vector<std::vector<uint32_t>> sh; uint8_t* vd; int32_t valid_n; };
   std::vector<Bufs> per(calls);
   std::normal_distribution<float> nd(0.f, 1.f);
   for (int k = 0; k < calls; ++k) {
     Bufs& b = per[k];
+    // The row's real values: all of them, or (as a hierarchical shard) fewer, the rest padding.
+    b.valid_n = static_cast<int32_t>(g_rng() % 3 == 0 ? 1 + g_rng() % c.n : c.n);
+    b.vd = dev_alloc(4, "valid");
+    std::memcpy(b.vd, &b.valid_n, 4);
     for (int r = 0; r < W; ++r) {
       b.xh.emplace_back(c.n * eb);
       for (int64_t i = 0; i < c.n; ++i) from_f32(c.t, b.xh[r].data(), i, (g_rng() % 7 == 0) ? 0.f : nd(g_rng) * (1 + r));
@@ -501,12 +522,13 @@ static void run_case(const Case& c, int calls) {
   const ffi::DataType dt = c.t == FloatType::kF32 ? ffi::DataType::F32 : (c.t == FloatType::kBF16 ? ffi::DataType::BF16 : ffi::DataType::F16);
   for (int k = 0; k < calls; ++k) {
     for (int r = 0; r < W; ++r) {
-      int64_t xd[1] = {c.n}, sdd[2] = {c.W + 1, 2}, wd[1] = {wsb};
+      int64_t xd[1] = {c.n}, sdd[2] = {c.W + 1, 2}, wd[1] = {wsb}, vdd[1] = {1};
+      XLA_FFI_Buffer vb{XLA_FFI_Buffer_STRUCT_SIZE, nullptr, XLA_FFI_DataType_S32, per[k].vd, 1, vdd};
       XLA_FFI_Buffer xb{XLA_FFI_Buffer_STRUCT_SIZE, nullptr, XLA_FFI_DataType(dt), per[k].x[r], 1, xd};
       XLA_FFI_Buffer ob{XLA_FFI_Buffer_STRUCT_SIZE, nullptr, XLA_FFI_DataType(dt), per[k].out[r], 1, xd};
       XLA_FFI_Buffer sb{XLA_FFI_Buffer_STRUCT_SIZE, nullptr, XLA_FFI_DataType_U32, per[k].sd[r], 2, sdd};
       XLA_FFI_Buffer wb{XLA_FFI_Buffer_STRUCT_SIZE, nullptr, XLA_FFI_DataType_U8, ws[r], 1, wd};
-      ffi::Error e = nccl::NcclAllreduceImpl(mains[r], r, ffi::AnyBuffer(&xb), ffi::AnyBuffer(&sb),
+      ffi::Error e = nccl::NcclAllreduceImpl(mains[r], r, ffi::AnyBuffer(&xb), ffi::AnyBuffer(&sb), ffi::AnyBuffer(&vb),
                                              ffi::Result<ffi::AnyBuffer>(ffi::AnyBuffer(&ob)),
                                              ffi::Result<ffi::AnyBuffer>(ffi::AnyBuffer(&wb)), 7, c.W, c.chunk,
                                              c.bits, c.B, c.st, c.alg, c.segs);
@@ -525,7 +547,7 @@ static void run_case(const Case& c, int calls) {
   }
   run_all();
   for (int k = 0; k < calls; ++k) {
-    auto want = reference(c, per[k].xh, per[k].sh);
+    auto want = reference(c, per[k].xh, per[k].sh, per[k].valid_n);
     for (int r = 0; r < W; ++r) {
       int64_t bad_i = -1, nbad = 0;
       for (int64_t i = 0; i < c.n; ++i) {
@@ -537,7 +559,10 @@ static void run_case(const Case& c, int calls) {
              long(nbad), long(bad_i));
     }
   }
-  for (auto& b : per) for (int r = 0; r < W; ++r) { delete[] b.x[r]; delete[] b.out[r]; delete[] b.sd[r]; }
+  for (auto& b : per) {
+    for (int r = 0; r < W; ++r) { delete[] b.x[r]; delete[] b.out[r]; delete[] b.sd[r]; }
+    delete[] b.vd;
+  }
   for (int r = 0; r < W; ++r) delete[] ws[r];
 }
 

@@ -60,9 +60,12 @@ struct Packed {
   std::vector<float> meta;       // [R, nb, 2]
 };
 
-// Quantizes the first m of each row of vals[R, stride] (f32 values).
+// Quantizes the first m of each row of vals[R, stride] (f32 values). With
+// `valid` (one count per row), only a row's first valid[r] values set its
+// buckets' ranges; a bucket with none gets (0, 0) (make_meta of an empty range).
 Packed quantize(const std::vector<float>& vals, int64_t R, int64_t stride, int64_t m, int64_t B,
-                int bits, bool stochastic, const std::vector<uint32_t>& seeds) {
+                int bits, bool stochastic, const std::vector<uint32_t>& seeds,
+                const std::vector<int32_t>* valid = nullptr) {
   const int64_t P = row_bytes(m, B, bits);
   const int64_t nb = ceil_div(m, B);
   const int64_t bb = ceil_div(B * bits, 8);
@@ -75,7 +78,8 @@ Packed quantize(const std::vector<float>& vals, int64_t R, int64_t stride, int64
       const int64_t len = std::min(B, m - start);
       float mn = INFINITY, mx = -INFINITY;
       bool nan = false;
-      for (int64_t j = 0; j < len; ++j) {
+      const int64_t count = valid != nullptr ? (*valid)[r] : m;
+      for (int64_t j = 0; j < len && start + j < count; ++j) {
         const float f = flush(vals[r * stride + start + j]);
         if (std::isnan(f)) {
           nan = true;
