@@ -53,7 +53,7 @@ def example_args(spec: str, args: argparse.Namespace, world: int) -> argparse.Na
     elif name == "powersgd":
         argv += ["--rank", value or "1"]
     elif value or name not in ("none", "cast"):
-        raise SystemExit(f"train_step: {spec!r} is not none, maxmin:BITS, cast or powersgd:RANK")
+        sys.exit(f"train_step: {spec!r} is not none, maxmin:BITS, cast or powersgd:RANK")
     return train_charlm.parse_args(argv)
 
 
@@ -69,7 +69,7 @@ class Trainer:
 
         devices = jax.devices()
         if args.batch % len(devices):
-            raise SystemExit(f"train_step: --batch {args.batch} must be a multiple of the {len(devices)} devices")
+            sys.exit(f"train_step: --batch {args.batch} must be a multiple of the {len(devices)} devices")
         self.spec, self.ex = spec, example_args(spec, args, len(devices))
         ex = self.ex
         self.train_ids, _, vocab = corpus
@@ -115,7 +115,7 @@ def main(argv=None) -> list[dict]:
 
     args = parse_args(argv)
     if args.steps <= args.warmup:
-        raise SystemExit(f"train_step: --steps {args.steps} must exceed --warmup {args.warmup}")
+        sys.exit(f"train_step: --steps {args.steps} must exceed --warmup {args.warmup}")
     from jax_cgx.bench._memory import reuse_large_allocations
 
     reuse_large_allocations()  # before jax starts its threads (jax_cgx/bench/_memory.py)

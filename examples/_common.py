@@ -164,7 +164,7 @@ def mesh_devices(n: int) -> list:
     devices = jax.devices()
     if devices[0].platform == "cpu":
         if len(devices) < n:
-            raise SystemExit(f"asked for {n} devices, jax has {len(devices)}: set "
+            sys.exit(f"asked for {n} devices, jax has {len(devices)}: set "
                              f"XLA_FLAGS=--xla_force_host_platform_device_count={n} before jax starts")
         return devices[:n]
     return devices  # GPUs: all of them

@@ -97,7 +97,7 @@ def run(args) -> dict:
     """Train as ``args`` says; returns final_val_loss (nats/char), losses, bytes_per_step, step_time (s)."""
     train_ids, val_ids, vocab = load_corpus(args.val_fraction)
     if args.batch % args.devices:
-        raise SystemExit(f"--batch {args.batch} must be a multiple of --devices {args.devices}")
+        sys.exit(f"--batch {args.batch} must be a multiple of --devices {args.devices}")
     T = args.context
 
     def sequence_loss(params, tokens):  # one value per sequence: its mean next-character loss

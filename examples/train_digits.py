@@ -70,7 +70,7 @@ def run(args) -> dict:
     """Train as ``args`` says; returns final_accuracy (percent), losses, bytes_per_step, step_time (s)."""
     x_train, y_train, x_test, y_test = load_data()
     if args.batch % args.devices:
-        raise SystemExit(f"--batch {args.batch} must be a multiple of --devices {args.devices}")
+        sys.exit(f"--batch {args.batch} must be a multiple of --devices {args.devices}")
     compressor, optimizer = _common.make_optimizer(args, optax.cosine_decay_schedule(args.lr, args.steps))
     dp = _common.DataParallel(loss_fn, compressor, optimizer, _common.mesh_devices(args.devices))
     params, state = dp.init(init_params(jax.random.key(args.seed)), (x_train[:args.batch], y_train[:args.batch]))

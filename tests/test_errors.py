@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from allreduce_cases import W, mesh_1d, per_device
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -13,8 +14,6 @@ import jax_cgx
 from jax_cgx import CompressionConfig
 from jax_cgx.allreduce import bytes_on_wire
 from jax_cgx.config import MAX_FUSION_BUFFERS, MIN_FUSION_BUFFER_MB
-
-from allreduce_cases import W, mesh_1d, per_device
 
 
 def _spec(shape, dtype=jnp.float32):

@@ -22,14 +22,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from allreduce_cases import W, mesh_1d, mesh_2d
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_cgx
 from jax_cgx import _reference, _sra, codec
 from jax_cgx.quantized import num_buckets
-
-from allreduce_cases import W, mesh_1d, mesh_2d
 
 # ----------------------------------------------------------------- the codec
 
