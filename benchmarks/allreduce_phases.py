@@ -46,11 +46,12 @@ def main(argv=None) -> dict:
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from jax_cgx import _wire, codec
-    from jax_cgx._sra import chunk_length, row_plan
+    from jax_cgx import codec
     from jax_cgx.bench._table import print_table, save
     from jax_cgx.bench.allreduce import median_time
-    from jax_cgx.quantized import META_BYTES
+    from jax_cgx.codec.quantized import META_BYTES
+    from jax_cgx.collectives import wire as _wire
+    from jax_cgx.collectives.chunks import chunk_length, row_plan
 
     devices = jax.devices()
     w = len(devices)

@@ -28,7 +28,7 @@ from jax.sharding import PartitionSpec as P
 
 import jax_cgx
 from jax_cgx._compat import varying_axes
-from jax_cgx.allreduce import bytes_on_wire
+from jax_cgx.collectives import bytes_on_wire
 
 AXIS = "data"
 COMPRESSORS = ("none", "maxmin", "cast", "powersgd", "topk")

@@ -45,7 +45,7 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jax_cgx  # noqa: E402
-from jax_cgx.allreduce import bytes_on_wire  # noqa: E402
+from jax_cgx.collectives import bytes_on_wire  # noqa: E402
 
 
 def report(*args) -> None:

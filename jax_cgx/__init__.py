@@ -5,17 +5,20 @@ bit-identical pure-JAX reference, and a compressed all-reduce over XLA collectiv
 jax_cgx's own NCCL communicators (:mod:`jax_cgx.nccl`). See README.md and docs/.
 """
 
-from jax_cgx import _nccl_lowering, distributed, nccl  # noqa: F401  (_nccl_lowering registers the CUDA rule)
-from jax_cgx._ffi import cuda_extension_available
-from jax_cgx.allreduce import compressed_pmean, compressed_psum
+from jax_cgx import distributed, nccl
 from jax_cgx.codec import (
+    Quantized,
+    cuda_extension_available,
     dequantize,
     dequantize_sum,
     dequantize_sum_requantize,
+    num_buckets,
+    payload_bytes,
     quantize,
 )
+from jax_cgx.collectives import compressed_pmean, compressed_psum
 from jax_cgx.config import CompressionConfig
-from jax_cgx.quantized import Quantized, num_buckets, payload_bytes
+from jax_cgx.nccl import lowering as _nccl_lowering  # noqa: F401  (registers the CUDA lowering rule)
 
 __version__ = "0.1.0"
 

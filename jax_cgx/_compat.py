@@ -113,3 +113,18 @@ def check_prng_key(key, api_name: str) -> None:
         f"{api_name}: key must be a PRNG key from jax.random.key(seed) (or a legacy "
         f"jax.random.PRNGKey(seed)), got {got}; pass {fix}"
     )
+
+
+def axes_tuple(axis_name) -> tuple:
+    """``axis_name`` (a name, or a tuple or list of names) as a tuple of names."""
+    return tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
+
+
+def ensure_varying(x, axes):
+    """Under ``shard_map(check_vma=True)``, type ``x`` as varying over every axis of ``axes``
+    (``pvary`` over the ones it is not varying over yet); unchanged otherwise."""
+    if not check_vma_enabled():
+        return x
+    have = varying_axes(_core.typeof(x))
+    missing = tuple(a for a in axes if a not in have)
+    return pvary(x, missing) if missing else x

@@ -15,6 +15,7 @@ __all__ = [
     "ENV_VARS",
     "JAX_CGX_ENV_VARS",
     "BACKENDS",
+    "MAX_SEGMENTS",
     "ALGORITHMS",
     "MIN_FUSION_BUFFER_MB",
     "MAX_FUSION_BUFFERS",
@@ -42,7 +43,8 @@ BACKENDS = ("auto", "xla", "nccl")
 ALGORITHMS = ("sra", "ring")
 # torch_cgx's transport choices, accepted for its cross-node communicator.
 _CROSS_COMMUNICATORS = {"NCCL": "nccl", "MPI": "xla", "SHM": "xla"}
-_MAX_SEGMENTS = 64
+# The most messages one collective is cut into (pipeline_segments' bound; xla_ffi's kMaxSegments).
+MAX_SEGMENTS = 64
 # torch_cgx never lets the minimal size fall below this.
 _MIN_SIZE_FLOOR = 16
 # The smallest fusion buffer: 1 KiB (256 float32 values). Every buffer costs its own
@@ -164,9 +166,9 @@ class CompressionConfig:
         if not isinstance(self.hierarchical, bool):
             raise TypeError(f"CompressionConfig: hierarchical must be a bool, got {self.hierarchical!r}")
         _check_int("pipeline_segments", self.pipeline_segments)
-        if not 0 <= self.pipeline_segments <= _MAX_SEGMENTS:
+        if not 0 <= self.pipeline_segments <= MAX_SEGMENTS:
             raise ValueError(
-                f"CompressionConfig: pipeline_segments must be in 0..{_MAX_SEGMENTS} (0 = by size), "
+                f"CompressionConfig: pipeline_segments must be in 0..{MAX_SEGMENTS} (0 = by size), "
                 f"got {self.pipeline_segments}"
             )
 
@@ -305,9 +307,9 @@ def _execution_from_env(env: Mapping[str, str]) -> dict:
             count = int(segments)
         except ValueError:
             raise ValueError(f"JAX_CGX_PIPELINE_SEGMENTS={segments!r} is not an integer") from None
-        if not 0 <= count <= _MAX_SEGMENTS:
+        if not 0 <= count <= MAX_SEGMENTS:
             raise ValueError(
-                f"JAX_CGX_PIPELINE_SEGMENTS={segments} must be in 0..{_MAX_SEGMENTS} (0 = by size)"
+                f"JAX_CGX_PIPELINE_SEGMENTS={segments} must be in 0..{MAX_SEGMENTS} (0 = by size)"
             )
         fields["pipeline_segments"] = count
     return fields

@@ -27,6 +27,8 @@ from collections.abc import Mapping, Sequence
 
 import jax
 
+from jax_cgx import launch
+
 __all__ = ["ProcessInfo", "detect", "initialize"]
 
 log = logging.getLogger("jax_cgx")
@@ -58,7 +60,7 @@ def detect(env: Mapping[str, str] | None = None) -> ProcessInfo:
     """This process's rank, world size and local rank, read from the launcher's environment."""
     env = os.environ if env is None else env
     sources = [
-        ("jax_cgx.launch", "JAX_CGX_PROCESS_ID", "JAX_CGX_NUM_PROCESSES", "JAX_CGX_LOCAL_RANK", "JAX_CGX_LOCAL_COUNT"),
+        ("jax_cgx.launch", *launch.RANK_VARIABLES),
         ("openmpi", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
          "OMPI_COMM_WORLD_LOCAL_SIZE"),
         ("mpich", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
@@ -74,7 +76,7 @@ def detect(env: Mapping[str, str] | None = None) -> ProcessInfo:
             local_count = _int(env, local_size_var)
         except ValueError:
             local_count = None
-        coordinator = env.get("JAX_CGX_COORDINATOR") or env.get("JAX_COORDINATOR_ADDRESS")
+        coordinator = env.get(launch.COORDINATOR_VARIABLE) or env.get("JAX_COORDINATOR_ADDRESS")
         return ProcessInfo(rank, size, local if local is not None else 0, local_count or 1, coordinator, source)
     return ProcessInfo(0, 1, 0, 1, None, "single")
 

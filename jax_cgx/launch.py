@@ -43,16 +43,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# What every process finds in its environment (read by jax_cgx.distributed.detect):
+# rank, world size, local rank, local count, then the coordinator's address.
+RANK_VARIABLES = ("JAX_CGX_PROCESS_ID", "JAX_CGX_NUM_PROCESSES", "JAX_CGX_LOCAL_RANK", "JAX_CGX_LOCAL_COUNT")
+COORDINATOR_VARIABLE = "JAX_CGX_COORDINATOR"
+
+
 def _environment(rank: int, n: int, port: int, devices: int | None) -> dict[str, str]:
     env = dict(os.environ)
-    env.update(
-        JAX_CGX_PROCESS_ID=str(rank),
-        JAX_CGX_NUM_PROCESSES=str(n),
-        JAX_CGX_LOCAL_RANK=str(rank),
-        JAX_CGX_LOCAL_COUNT=str(n),
-        JAX_CGX_COORDINATOR=f"127.0.0.1:{port}",
-        PYTHONUNBUFFERED="1",
-    )
+    env.update(zip(RANK_VARIABLES, (str(rank), str(n), str(rank), str(n))))
+    env.update({COORDINATOR_VARIABLE: f"127.0.0.1:{port}", "PYTHONUNBUFFERED": "1"})
     if devices is not None:
         flags = [f for f in env.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f]
         env["XLA_FLAGS"] = " ".join([*flags, f"--xla_force_host_platform_device_count={devices}"])

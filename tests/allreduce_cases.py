@@ -9,7 +9,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_cgx
-from jax_cgx import _ring, _sra
+from jax_cgx import testing
+from jax_cgx.collectives.chunks import chunk_length
 
 W = 8
 
@@ -59,8 +60,8 @@ def seed_rows(key, config, world, buffer_index=0, ranks=None):
 def oracle(xs, config, key=None, ranks=None):
     """The SRA result computed in one program (pure-JAX reference), with its scales."""
     w, n = xs.shape
-    chunk = _sra.chunk_length(n, w, config.bucket_size, config.skip_incomplete_buckets)
-    return _sra.simulate(
+    chunk = chunk_length(n, w, config.bucket_size, config.skip_incomplete_buckets)
+    return testing.simulate(
         jnp.asarray(xs),
         seed_rows(key, config, w, ranks=ranks),
         chunk=chunk,
@@ -137,13 +138,13 @@ def reduction_groups(a, names, axes):
 
 @functools.partial(jax.jit, static_argnames=("chunk", "bits", "bucket_size", "stochastic"))
 def _simulate_ring(xs, seeds, *, chunk, bits, bucket_size, stochastic):
-    return _ring.simulate_ring(xs, seeds, chunk=chunk, bits=bits, bucket_size=bucket_size, stochastic=stochastic)
+    return testing.simulate_ring(xs, seeds, chunk=chunk, bits=bits, bucket_size=bucket_size, stochastic=stochastic)
 
 
 def ring_oracle(xs, config, key=None, ranks=None):
     """The ring result computed in one program (pure-JAX reference): ``(out, scales, chunk)``."""
     w, n = xs.shape
-    chunk = _sra.chunk_length(n, w, config.bucket_size, config.skip_incomplete_buckets)
+    chunk = chunk_length(n, w, config.bucket_size, config.skip_incomplete_buckets)
     out, scales = _simulate_ring(
         jnp.asarray(xs),
         seed_rows(key, config, w, ranks=ranks),

@@ -10,7 +10,8 @@ import jax.numpy as jnp
 import pytest
 
 import jax_cgx
-from jax_cgx import CompressionConfig, _ffi
+from jax_cgx import CompressionConfig
+from jax_cgx.codec import kernels as _ffi
 
 
 def test_import_needs_no_gpu_and_no_nccl(tmp_path):

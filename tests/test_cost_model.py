@@ -5,8 +5,8 @@ import json
 
 import pytest
 
-from jax_cgx._sra import wire_bytes_per_rank
 from jax_cgx.bench.cost_model import CodecRates, LinkModel, encoded_chunk_bytes, parse_rate, predict
+from jax_cgx.collectives.chunks import wire_bytes_per_rank
 
 RATES = CodecRates(quantize=2e9, dequantize=3e9, add=5e9)
 

@@ -11,7 +11,8 @@ from jax.sharding import PartitionSpec as P
 
 import jax_cgx
 from jax_cgx import CompressionConfig
-from jax_cgx.allreduce import _hierarchical_shard, bytes_on_wire
+from jax_cgx.collectives import bytes_on_wire
+from jax_cgx.collectives.hierarchical import hierarchical_shard
 
 KEY = jax.random.key(5)
 NAMES = ("node", "local")
@@ -37,7 +38,7 @@ def hierarchical_oracle(xs, config, key=None):
     inner = xs[:, 0].astype(np.float32)
     for j in range(1, local):
         inner = inner + xs[:, j]
-    shard_n = _hierarchical_shard(head_n, local, config)
+    shard_n = hierarchical_shard(head_n, local, config)
     padded = np.zeros((nodes, local * shard_n), np.float32)
     padded[:, :head_n] = inner[:, :head_n]
     expected, bound = [], []

@@ -20,7 +20,8 @@ from conftest import assert_same_bits
 from processes import run_all
 
 import jax_cgx
-from jax_cgx import _ring, _sra
+from jax_cgx import testing
+from jax_cgx.collectives.chunks import chunk_length
 from jax_cgx.launch import free_port
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
@@ -54,8 +55,8 @@ def _worker_env(pid: int, nproc: int, xla_flags: str) -> dict:
 
 def _ring_oracle(xs, config, key):
     w, n = xs.shape
-    chunk = _sra.chunk_length(n, w, config.bucket_size, config.skip_incomplete_buckets)
-    out, _ = _ring.simulate_ring(
+    chunk = chunk_length(n, w, config.bucket_size, config.skip_incomplete_buckets)
+    out, _ = testing.simulate_ring(
         jnp.asarray(xs), seed_rows(key, config, w), chunk=chunk, bits=config.bits,
         bucket_size=config.bucket_size, stochastic=config.stochastic,
     )

@@ -11,7 +11,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_cgx
-from jax_cgx import CompressionConfig, _ffi, _nccl_lowering, nccl
+from jax_cgx import CompressionConfig, nccl
+from jax_cgx.codec import kernels as _ffi
+from jax_cgx.nccl import lowering as _nccl_lowering
 
 pytestmark = pytest.mark.skipif(
     not (_ffi.cuda_extension_available() and _ffi._cuda.nccl_compiled()),

@@ -27,8 +27,10 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_cgx
-from jax_cgx import _reference, _sra, codec
-from jax_cgx.quantized import num_buckets
+from jax_cgx import codec
+from jax_cgx.codec import reference as _reference
+from jax_cgx.codec.quantized import num_buckets
+from jax_cgx.collectives.chunks import chunk_length
 
 # ----------------------------------------------------------------- the codec
 
@@ -219,7 +221,7 @@ def test_non_centered_data_within_the_bound_from_the_data(algorithm, stochastic)
         inputs = [(100 + rng.uniform(-1, 1, (W, n))).astype(np.float32) for n in sizes]
         for n, xs, out in zip(sizes, inputs, _run_flat(inputs, config)):
             assert (out == out[0]).all(), "replicas differ"
-            chunk = _sra.chunk_length(n, W, BUCKET, False)
+            chunk = chunk_length(n, W, BUCKET, False)
             _, bound = _data_bound(xs, chunk, BUCKET, bits, stochastic, algorithm)
             err = np.abs(out[0].astype(np.float64) - xs.astype(np.float64).sum(0))
             worst = int(np.argmax(err - bound))
@@ -235,7 +237,7 @@ def test_the_issue_example():
         xs = (100 + rng.uniform(-1, 1, (W, n))).astype(np.float32)
         (out,) = _run_flat([xs], config)
         errs[n] = np.abs(out[0].astype(np.float64) - xs.astype(np.float64).sum(0)).max()
-        chunk = _sra.chunk_length(n, W, 512, False)
+        chunk = chunk_length(n, W, 512, False)
         _, bound = _data_bound(xs, chunk, 512, 4, False, "sra")
         assert errs[n] <= bound.max()
     assert errs[4100] < 1.0, errs
@@ -288,7 +290,7 @@ def test_hierarchical_padding(algorithm, stochastic):
                 lo, hi = i * shard, min((i + 1) * shard, n)
                 if lo >= hi:
                     continue
-                chunk = _sra.chunk_length(shard, outer, BUCKET, False)
+                chunk = chunk_length(shard, outer, BUCKET, False)
                 _, bound = _data_bound(nodes[:, lo:hi], chunk, BUCKET, bits, stochastic, algorithm)
                 bound += 2.0**-20 * np.abs(xs[..., lo:hi]).sum((0, 1))  # the float32 node sums
                 assert (err[lo:hi] <= bound).all(), f"bits={bits} n={n} shard {i}"

@@ -30,8 +30,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_cgx
-from jax_cgx import CompressionConfig, _ffi
-from jax_cgx.allreduce import _hierarchical_shard
+from jax_cgx import CompressionConfig
+from jax_cgx.codec import kernels as _ffi
+from jax_cgx.collectives.hierarchical import hierarchical_shard
 
 KEY = jax.random.key(23)
 
@@ -122,7 +123,7 @@ def test_hierarchical(algorithm, stochastic):
     assert_same_bits(out, plain)
     assert_identity(xs.reshape(8, n), out[0, 0], res.reshape(8, n))
     # The outer exchange's residual sits on this rank's shard of the buffer, zeros elsewhere.
-    shard = _hierarchical_shard(n, 2, config)
+    shard = hierarchical_shard(n, 2, config)
     for local in range(2):
         inside = np.zeros(n, bool)
         inside[local * shard : (local + 1) * shard] = True

@@ -1,4 +1,4 @@
-"""The xla backend's messages cut into segments (jax_cgx._wire): same bytes, same results."""
+"""The xla backend's messages cut into segments (jax_cgx.collectives.wire): same bytes, same results."""
 
 import re
 
@@ -12,7 +12,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_cgx
-from jax_cgx import CompressionConfig, _wire
+from jax_cgx import CompressionConfig
+from jax_cgx.collectives import wire as _wire
 
 KEY = jax.random.key(5)
 

@@ -21,7 +21,7 @@ each rank's link limited to ``B`` bytes/s in each direction (what
             + S/dequantize_rate                     (decode)
             + (9 * W * E + S/W) / copy_rate         (copies around the kernels)
 
-  ``k`` is the number of messages each collective is cut into (jax_cgx._wire: by
+  ``k`` is the number of messages each collective is cut into (jax_cgx.collectives.wire: by
   default on multi-process CPU, enough for messages of at most 256 KiB); every message
   pays the fixed ``latency`` once per step. The copies are those of the xla backend's
   optimized HLO on CPU: the wire layout (payload || meta), XLA's per-destination slices,
@@ -48,7 +48,7 @@ import re
 
 import numpy as np
 
-from jax_cgx import _wire
+from jax_cgx.collectives import wire as _wire
 
 __all__ = ["CodecRates", "LinkModel", "predict", "parse_rate"]
 

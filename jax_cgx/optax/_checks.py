@@ -32,9 +32,7 @@ PLACEHOLDER_SHAPE = (0,)
 _SEED_MIN, _SEED_MAX = -(2**63), 2**63 - 1  # what jax.random.key accepts
 
 
-def axes(axis_name) -> tuple:
-    """``axis_name`` (a name, or a tuple or list of names) as a tuple of names."""
-    return tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
+axes = _compat.axes_tuple
 
 
 def placeholder() -> jax.Array:

@@ -23,8 +23,8 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from jax_cgx import _compat
-from jax_cgx.allreduce import compressed_pmean
-from jax_cgx.codec import Impl, _check_impl
+from jax_cgx.codec import Impl, check_impl
+from jax_cgx.collectives import compressed_pmean
 from jax_cgx.config import CompressionConfig
 from jax_cgx.optax import _checks
 
@@ -78,10 +78,7 @@ def _is_bound(axes, api: str) -> bool:
 
 def _mark_per_rank(x, axes):
     """Under shard_map(check_vma=True), type ``x`` as varying over ``axes`` (a per-rank value)."""
-    if not _compat.check_vma_enabled():
-        return x
-    missing = tuple(a for a in axes if a not in _compat.varying_axes(jax.typeof(x)))
-    return _compat.pvary(x, missing) if missing else x
+    return _compat.ensure_varying(x, axes)
 
 
 def compressed_mean(
@@ -164,7 +161,7 @@ def compressed_mean(
     computed by the ``xla`` backend (``backend="nccl"`` raises with error feedback;
     ``"auto"`` picks ``xla``).
     """
-    _check_impl(impl)
+    check_impl(impl)
     layer_min_size = _checks.check_int("compressed_mean", "layer_min_size", layer_min_size, minimum=0)
     error_feedback = _checks.check_bool("compressed_mean", "error_feedback", error_feedback)
     seed = _checks.check_seed("compressed_mean", seed)

@@ -162,8 +162,7 @@ def _varying(x) -> frozenset:
 
 def _cast_varying(x, target: frozenset):
     """Mark ``x`` varying over the axes of ``target`` it is not varying over yet (shard_map)."""
-    missing = target - _varying(x)
-    return _compat.pvary(x, tuple(sorted(missing))) if missing else x
+    return _compat.ensure_varying(x, tuple(sorted(target)))
 
 
 def powersgd_mean(

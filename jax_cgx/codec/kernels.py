@@ -2,7 +2,7 @@
 
 Each primitive lowers to the XLA FFI custom call of the same name on CPU (always
 built) and CUDA (when the CUDA extension was built), and to the pure-JAX
-reference (:mod:`jax_cgx._reference`) on any other platform, or on a GPU without
+reference (:mod:`jax_cgx.codec.reference`) on any other platform, or on a GPU without
 the CUDA extension, with a warning, unless the caller asked for the kernel only.
 Operands and results carry a leading row axis ``R`` (xla_ffi/README.md); the
 batching rule folds vmapped axes into it, so kernels never see more than one
@@ -14,16 +14,27 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Callable
+from typing import Literal
 
 import jax
 import numpy as np
 from jax.extend.core import Primitive
 from jax.interpreters import batching, mlir
 
-from jax_cgx import _reference
 from jax_cgx._compat import apply_primitive
+from jax_cgx.codec import reference as _reference
 
 log = logging.getLogger("jax_cgx")
+
+# Which implementation of the codec runs: the compiled kernel where the platform has one
+# (else the reference, with a warning), the kernel only, or the pure-JAX reference.
+Impl = Literal["auto", "kernel", "reference"]
+IMPLS = ("auto", "kernel", "reference")
+
+
+def check_impl(impl: str) -> None:
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
 
 try:
     from jax_cgx import _cpu
@@ -171,7 +182,7 @@ def _reference_rule(reference: Callable) -> Callable:
 
 
 def _check_bucketing(m: int, bits: int, bucket_size: int, payload_shape, meta_shape, what: str):
-    from jax_cgx.quantized import num_buckets, payload_bytes
+    from jax_cgx.codec.quantized import num_buckets, payload_bytes
 
     if payload_shape[-1] != payload_bytes(m, bucket_size, bits) or meta_shape[-2:] != (
         num_buckets(m, bucket_size),
@@ -190,7 +201,7 @@ def _valid_or_none(valid):
 
 # quantize: x[R,n], seeds[R,2], valid[R|0] -> payload[R,P], meta[R,nb,2]
 def _quantize_abstract(x, seeds, valid, *, bits, bucket_size, stochastic, m, strict):
-    from jax_cgx.quantized import num_buckets, payload_bytes
+    from jax_cgx.codec.quantized import num_buckets, payload_bytes
 
     r = x.shape[0]
     return (

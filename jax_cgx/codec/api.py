@@ -1,4 +1,4 @@
-"""The public codec: quantize, dequantize, and the sums the all-reduce needs.
+"""The public codec: quantize, dequantize, and the sums the all-reduce needs, on whole arrays.
 
 Each function runs the compiled FFI kernels (``impl="kernel"``), the pure-JAX
 reference (``impl="reference"``), or the kernel where one exists for the platform
@@ -9,28 +9,24 @@ bytes. Everything is jittable and vmappable.
 from __future__ import annotations
 
 import math
-from typing import Literal
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_cgx import _compat, _ffi, _reference
+from jax_cgx import _compat
+from jax_cgx.codec import reference
+from jax_cgx.codec.kernels import Impl, check_impl
+from jax_cgx.codec.quantized import Quantized, num_buckets, payload_bytes, quantized_elements
+from jax_cgx.codec.rows import dequantize_rows, dequantize_sum_requantize_rows, dequantize_sum_rows, quantize_rows
 from jax_cgx.config import CompressionConfig
-from jax_cgx.quantized import Quantized, num_buckets, payload_bytes, quantized_elements
 
-__all__ = ["quantize", "dequantize", "dequantize_sum", "dequantize_sum_requantize", "Impl"]
+__all__ = ["quantize", "dequantize", "dequantize_sum", "dequantize_sum_requantize", "check_float_dtype",
+           "seeds_from_key", "SUPPORTED_DTYPES"]
 
-Impl = Literal["auto", "kernel", "reference"]
-_IMPLS = ("auto", "kernel", "reference")
 SUPPORTED_DTYPES = (np.dtype(jnp.float32), np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
 # Element indices inside a row feed a 32-bit counter hash.
 _MAX_ROW = 2**32 - 1
-
-
-def _check_impl(impl: str) -> None:
-    if impl not in _IMPLS:
-        raise ValueError(f"impl must be one of {_IMPLS}, got {impl!r}")
 
 
 def check_float_dtype(dtype, what: str) -> np.dtype:
@@ -60,66 +56,6 @@ def _seeds(key, stochastic: bool, what: str) -> jax.Array:
     return seeds_from_key(key)
 
 
-# ------------------------------------------------------------ row level
-#
-# The FFI targets' own shapes (xla_ffi/README.md), for callers that already hold
-# rows: the public functions below and the all-reduce.
-
-
-def _valid_operand(valid):
-    """The kernels' ``valid`` operand: int32 ``[R]`` counts, or ``[0]`` for none."""
-    return jnp.zeros((0,), jnp.int32) if valid is None else jnp.asarray(valid, jnp.int32)
-
-
-def quantize_rows(x, seeds, *, bits, bucket_size, stochastic, m, impl: Impl, valid=None):
-    """``x[R, n]``, ``seeds[R, 2]`` -> ``payload[R, P]``, ``meta[R, nb, 2]`` (first ``m`` values).
-
-    ``valid[R]`` (None: all ``m``): only the first ``valid[r]`` values of row ``r`` set its
-    buckets' ranges; the rest (padding) are encoded inside them (docs/format.md, "Padding").
-    """
-    params = dict(bits=bits, bucket_size=bucket_size, stochastic=stochastic, m=m)
-    if impl == "reference":
-        return _reference.quantize(x, seeds, valid, **params)
-    return tuple(_ffi.quantize_p.bind(x, seeds, _valid_operand(valid), **params, strict=impl == "kernel"))
-
-
-def dequantize_rows(payload, meta, *, bits, bucket_size, m, dtype, impl: Impl):
-    """``payload[R, P]``, ``meta[R, nb, 2]`` -> ``out[R, m]`` in ``dtype``."""
-    params = dict(bits=bits, bucket_size=bucket_size, m=m, dtype=np.dtype(dtype))
-    if impl == "reference":
-        return _reference.dequantize(payload, meta, **params)
-    (out,) = _ffi.dequantize_p.bind(payload, meta, **params, strict=impl == "kernel")
-    return out
-
-
-def dequantize_sum_rows(payload, meta, addend, *, bits, bucket_size, m, dtype, impl: Impl):
-    """``payload[R, W, P]``, ``meta[R, W, nb, 2]``, ``addend[R, m]`` (or ``[R, 0]``) -> ``out[R, m]``."""
-    params = dict(bits=bits, bucket_size=bucket_size, m=m, dtype=np.dtype(dtype))
-    if impl == "reference":
-        return _reference.dequantize_sum(payload, meta, _ffi._addend_or_none(addend), **params)
-    (out,) = _ffi.dequantize_sum_p.bind(payload, meta, addend, **params, strict=impl == "kernel")
-    return out
-
-
-def dequantize_sum_requantize_rows(
-    payload, meta, addend, seeds, *, bits, bucket_size, stochastic, m, dtype, impl: Impl, valid=None
-):
-    """As :func:`dequantize_sum_rows`, plus ``seeds[R, 2]``: -> ``payload[R, P]``, ``meta``, ``out[R, m]``.
-
-    ``valid``: as for :func:`quantize_rows`, for the re-quantized sum.
-    """
-    params = dict(bits=bits, bucket_size=bucket_size, stochastic=stochastic, m=m, dtype=np.dtype(dtype))
-    if impl == "reference":
-        return _reference.dequantize_sum_requantize(
-            payload, meta, _ffi._addend_or_none(addend), seeds, valid, **params
-        )
-    return tuple(
-        _ffi.dequantize_sum_requantize_p.bind(
-            payload, meta, addend, seeds, _valid_operand(valid), **params, strict=impl == "kernel"
-        )
-    )
-
-
 # ---------------------------------------------------------- public API
 
 
@@ -147,7 +83,7 @@ def quantize(
             f"quantize: config.bits={config.bits} is not a quantization width; use 1..8 "
             "(16 and 32 only make sense for the all-reduce)"
         )
-    _check_impl(impl)
+    check_impl(impl)
     _compat.check_prng_key(key, "quantize")
     x = jnp.asarray(x)
     dtype = check_float_dtype(x.dtype, "quantize")
@@ -244,7 +180,7 @@ def _check_quantized(q, what: str, stacked: bool) -> None:
 def dequantize(q: Quantized, *, impl: Impl = "auto") -> jax.Array:
     """The array ``q`` encodes, in its original shape and dtype."""
     _check_quantized(q, "dequantize", stacked=False)
-    _check_impl(impl)
+    check_impl(impl)
     out = dequantize_rows(
         q.payload[None], q.meta[None], bits=q.bits, bucket_size=q.bucket_size, m=q.num_quantized,
         dtype=q.dtype, impl=impl,
@@ -267,9 +203,9 @@ def _sum_tails(tails, addend_tail):
     """The uncompressed tails, accumulated exactly like the kernel accumulates values."""
     acc = jnp.zeros(tails.shape[1:], jnp.float32)
     if addend_tail is not None:
-        acc = _reference.flush(addend_tail.astype(jnp.float32))
+        acc = reference.flush(addend_tail.astype(jnp.float32))
     for i in range(tails.shape[0]):
-        acc = _reference.accumulate(acc, tails[i].astype(jnp.float32))
+        acc = reference.accumulate(acc, tails[i].astype(jnp.float32))
     return acc
 
 
@@ -284,7 +220,7 @@ def dequantize_sum(
     (default ``q.dtype``).
     """
     _check_quantized(q, "dequantize_sum", stacked=True)
-    _check_impl(impl)
+    check_impl(impl)
     dtype = check_float_dtype(q.dtype if dtype is None else dtype, "dequantize_sum")
     m = q.num_quantized
     head, tail = _split_addend(addend, q, m)
@@ -311,7 +247,7 @@ def dequantize_sum_requantize(
     every replica will decode from it.
     """
     _check_quantized(q, "dequantize_sum_requantize", stacked=True)
-    _check_impl(impl)
+    check_impl(impl)
     _compat.check_prng_key(key, "dequantize_sum_requantize")
     m = q.num_quantized
     head, tail = _split_addend(addend, q, m)

@@ -1,7 +1,7 @@
 """Ring: the compressed all-reduce as a ring reduce-scatter plus an all-gather.
 
 The ``algorithm="ring"`` variant of the compressed all-reduce primitive
-(:mod:`jax_cgx._sra`), written with XLA collectives. For one buffer of rows
+(:mod:`jax_cgx.collectives.primitive`), written with XLA collectives. For one buffer of rows
 ``x[R, n]`` over W ranks (docs/algorithm.md, section "Ring"):
 
 1. pad with zeros to ``W * c`` values and cut into W chunks exactly as SRA does;
@@ -31,10 +31,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jax_cgx import _wire, codec
-from jax_cgx._sra import chunk_valid, gather_decode, row_plan
+from jax_cgx import codec
+from jax_cgx.collectives import wire as _wire
+from jax_cgx.collectives.chunks import chunk_valid, gather_decode, row_plan
 
-__all__ = ["ring_rows", "simulate_ring"]
+__all__ = ["ring_rows"]
 
 
 def ring_rows(x, seeds, valid, *, axes, world, chunk, bits, bucket_size, stochastic, impl, residual=False,
@@ -50,7 +51,7 @@ def ring_rows(x, seeds, valid, *, axes, world, chunk, bits, bucket_size, stochas
     hop, of chunk ``(r-t-2) mod W``, the last being chunk ``r``), and ``residual[chunk k]``
     is the float32 input of that quantization minus its decoded result, in ``x.dtype``.
     The exchanged bytes and ``out`` are the same either way, as they are for any cut of the
-    messages (``segments``, ``message_cap``: :mod:`jax_cgx._wire`).
+    messages (``segments``, ``message_cap``: :mod:`jax_cgx.collectives.wire`).
     """
     r, n = x.shape
     if n == 0:
@@ -135,41 +136,3 @@ def _ring_perm(axes, world: int) -> list[tuple[int, int]]:
     order = sorted(range(len(axes)), key=lambda i: mesh_names.index(axes[i]))
     ppermute_index = np.ravel_multi_index(tuple(coords[:, order].T), [sizes[i] for i in order])
     return [(int(ppermute_index[i]), int(ppermute_index[(i + 1) % world])) for i in range(world)]
-
-
-# ------------------------------------------------------- the test oracle
-
-
-def simulate_ring(xs, seeds, *, chunk, bits, bucket_size, stochastic, impl="reference"):
-    """The ring over W simulated ranks in one program: what every rank ends up holding.
-
-    ``xs[W, n]`` are the ranks' buffers and ``seeds[W, W+1, 2]`` their seed rows (as
-    :func:`ring_rows` receives them). Chunk ``o`` is quantized by rank ``o+1``, then
-    re-quantized by ranks ``o+2, ..., o+W`` (all mod W; the last is its owner ``o``)
-    after each adds its own chunk ``o``. Returns ``(out[n], scales)`` where
-    ``scales["hops"][o, h]`` holds the per-bucket scales of the ``h``-th of the W
-    quantizations chunk ``o`` went through (``h = 0``: the first, ``h = W-1``: the
-    final encoding every replica decodes), for the error bound.
-    """
-    w, n = xs.shape
-    c = chunk
-    chunks = jnp.pad(xs, ((0, 0), (0, w * c - n))).reshape(w, w, c)  # [rank, chunk, value]
-    args = dict(bits=bits, bucket_size=bucket_size, m=c, impl=impl)
-    owners = jnp.arange(w)
-    real = chunk_valid(jnp.full((1,), n, jnp.int32), w, c)[0]  # row o: chunk o's real values
-    # All W chunks travel at once: row o follows chunk o around the ring.
-    first = (owners + 1) % w
-    payload, meta = codec.quantize_rows(
-        chunks[first, owners], seeds[first, 0], stochastic=stochastic, valid=real, **args
-    )
-    hops = [meta[..., 1]]
-    for t in range(w - 1):
-        rank = (owners + t + 2) % w
-        row = w if t == w - 2 else t + 1
-        payload, meta, _ = codec.dequantize_sum_requantize_rows(
-            payload[:, None], meta[:, None], chunks[rank, owners], seeds[rank, row],
-            stochastic=stochastic, dtype=xs.dtype, valid=real, **args,
-        )
-        hops.append(meta[..., 1])
-    out = codec.dequantize_rows(payload, meta, dtype=xs.dtype, **args).reshape(w * c)[:n]
-    return out, dict(hops=jnp.stack(hops, axis=1))

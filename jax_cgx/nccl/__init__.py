@@ -64,6 +64,8 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
+from jax_cgx.config import BACKENDS
+
 __all__ = [
     "CommunicatorInfo",
     "Communicators",
@@ -86,7 +88,6 @@ LIBRARY_ENV = "JAX_CGX_NCCL_LIBRARY"
 TIMEOUT_ENV = "JAX_CGX_NCCL_TIMEOUT_S"
 DEFAULT_TIMEOUT_S = 300.0
 DEFAULT_SONAME = "libnccl.so.2"
-BACKENDS = ("auto", "xla", "nccl")
 _KV_PREFIX = "jax_cgx/nccl/uid"
 _GPU_PLATFORMS = ("gpu", "cuda")
 
@@ -130,7 +131,7 @@ def _binding():
     The object has ``nccl_compiled``, ``nccl_load``, ``nccl_unique_id``, ``nccl_init``,
     ``nccl_destroy`` and ``nccl_communicators``; tests monkeypatch this function.
     """
-    from jax_cgx import _ffi
+    from jax_cgx.codec import kernels as _ffi
 
     return _ffi._cuda
 
@@ -147,7 +148,7 @@ def _require_nccl_binding():
     """The binding, or NcclNotFoundError saying why it cannot run NCCL and how to fix it."""
     binding = _binding()
     if binding is None:
-        from jax_cgx import _ffi
+        from jax_cgx.codec import kernels as _ffi
 
         why = getattr(_ffi, "_CUDA_IMPORT_ERROR", None)
         raise NcclNotFoundError(

@@ -25,6 +25,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jax_cgx.config import MAX_SEGMENTS  # the most messages one collective is cut into
+
 __all__ = ["CPU_MESSAGE_BYTES", "MAX_SEGMENTS", "to_wire", "from_wire", "message_cap", "count", "choose",
            "all_to_all", "all_gather", "ppermute"]
 
@@ -32,8 +34,6 @@ logger = logging.getLogger("jax_cgx")
 
 # The largest message per peer that the default cuts to on multi-process CPU (gloo).
 CPU_MESSAGE_BYTES = 256 * 1024
-# The most messages one collective is cut into (CompressionConfig.pipeline_segments' bound).
-MAX_SEGMENTS = 64
 
 
 def to_wire(payload, meta):

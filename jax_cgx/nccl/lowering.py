@@ -23,20 +23,24 @@ import numpy as np
 from jax.extend.core import Primitive
 from jax.interpreters import mlir
 
-from jax_cgx import _ffi, _sra, nccl
+from jax_cgx import nccl
+from jax_cgx.codec import kernels
+from jax_cgx.collectives import primitive
+from jax_cgx.config import ALGORITHMS
 
 __all__ = ["nccl_allreduce_p", "workspace_bytes"]
 
 log = logging.getLogger("jax_cgx")
 
-_ALGORITHMS = {"sra": 0, "ring": 1}
+# The handler's algorithm codes: the index in config.ALGORITHMS (0 sra, 1 ring).
+_ALGORITHMS = {name: code for code, name in enumerate(ALGORITHMS)}
 
 
 def workspace_bytes(n: int, world: int, chunk: int, bits: int, bucket_size: int, dtype, algorithm: str,
                     segments: int) -> tuple[int, int]:
     """(workspace bytes, segments) of one custom call, as the C++ plan computes them."""
-    _ffi.require_cuda_extension()
-    return _ffi._cuda.nccl_workspace_bytes(
+    kernels.require_cuda_extension()
+    return kernels._cuda.nccl_workspace_bytes(
         n, world, chunk, bits, bucket_size, np.dtype(dtype).itemsize, _ALGORITHMS[algorithm], segments
     )
 
@@ -86,7 +90,7 @@ def _lower_cuda(ctx, x, seeds, valid, *, backend, axes, world, chunk, bits, buck
     params = dict(axes=axes, world=world, chunk=chunk, bits=bits, bucket_size=bucket_size,
                   stochastic=stochastic, impl=impl, algorithm=algorithm, segments=segments)
     if choice != "nccl":
-        return _sra._lower_xla(ctx, x, seeds, valid, backend="xla", **params)
+        return primitive.lower_xla(ctx, x, seeds, valid, backend="xla", **params)
     key = nccl.lookup(_context_mesh(ctx), axes)
 
     def rows(x, seeds, valid):
@@ -99,20 +103,20 @@ def _lower_cuda(ctx, x, seeds, valid, *, backend, axes, world, chunk, bits, buck
     return mlir.lower_fun(rows, multiple_results=False)(ctx, x, seeds, valid)
 
 
-mlir.register_lowering(_sra.compressed_allreduce_p, _lower_cuda, platform="cuda")
+mlir.register_lowering(primitive.compressed_allreduce_p, _lower_cuda, platform="cuda")
 
 
 def _lower_cuda_residual(ctx, x, seeds, valid, *, backend, axes, **params):
     """Error-feedback residuals: the xla backend's program (the custom call computes no residual)."""
     if backend == "nccl":
-        raise NotImplementedError(_sra.RESIDUAL_BACKEND_ERROR)
+        raise NotImplementedError(primitive.RESIDUAL_BACKEND_ERROR)
     if backend == "auto":
         log.debug(
             "jax_cgx: compressed_psum(return_residual=True) over axes %r uses the xla backend: error "
             "feedback residuals are computed by the xla backend only",
             axes,
         )
-    return _sra._lower_residual_xla(ctx, x, seeds, valid, backend="xla", axes=axes, **params)
+    return primitive.lower_residual_xla(ctx, x, seeds, valid, backend="xla", axes=axes, **params)
 
 
-mlir.register_lowering(_sra.compressed_allreduce_residual_p, _lower_cuda_residual, platform="cuda")
+mlir.register_lowering(primitive.compressed_allreduce_residual_p, _lower_cuda_residual, platform="cuda")

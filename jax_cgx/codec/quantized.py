@@ -1,0 +1,76 @@
+"""The packed form of a quantized array, and the arithmetic of its size."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import numpy as np
+
+__all__ = ["Quantized", "num_buckets", "payload_bytes", "quantized_elements", "META_BYTES"]
+
+# Each bucket carries (min, scale) as two float32.
+META_BYTES = 8
+
+
+def quantized_elements(n: int, bucket_size: int, skip_incomplete_buckets: bool) -> int:
+    """How many of ``n`` values are quantized (the rest travel uncompressed)."""
+    return (n // bucket_size) * bucket_size if skip_incomplete_buckets else n
+
+
+def num_buckets(m: int, bucket_size: int) -> int:
+    return -(-m // bucket_size)
+
+
+def payload_bytes(m: int, bucket_size: int, bits: int) -> int:
+    """Packed bytes for ``m`` values: ceil(n*bits/8) per bucket of n values."""
+    full, rest = divmod(m, bucket_size)
+    return full * (-(-bucket_size * bits // 8)) + (-(-rest * bits // 8))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Quantized:
+    """An array compressed by :func:`jax_cgx.quantize`.
+
+    Array fields (pytree children; a leading batch axis appears under ``vmap`` or
+    when several are stacked):
+      payload: ``uint8[P]``, the densely packed levels, bucket after bucket.
+      meta: ``float32[num_buckets, 2]``, each bucket's ``(min, scale)``.
+      tail: the values left uncompressed (``skip_incomplete_buckets``), in the
+        original dtype; empty otherwise.
+
+    Static fields: the original ``shape`` and ``dtype``, ``bits`` and ``bucket_size``.
+    The byte layout is specified in docs/format.md.
+    """
+
+    payload: jax.Array
+    meta: jax.Array
+    tail: jax.Array
+    shape: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))
+    dtype: np.dtype = dataclasses.field(metadata=dict(static=True))
+    bits: int = dataclasses.field(metadata=dict(static=True))
+    bucket_size: int = dataclasses.field(metadata=dict(static=True))
+
+    @property
+    def size(self) -> int:
+        """Number of values in the original array."""
+        return math.prod(self.shape)
+
+    @property
+    def num_quantized(self) -> int:
+        """Number of values covered by buckets (the rest are in ``tail``)."""
+        return self.size - self.tail.shape[-1]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of one encoded array: payload, metadata and tail (per batch element)."""
+        tail_bytes = self.tail.shape[-1] * np.dtype(self.dtype).itemsize
+        return self.payload.shape[-1] + self.meta.shape[-2] * META_BYTES + tail_bytes
+
+    @property
+    def compression_ratio(self) -> float:
+        """Original bytes divided by encoded bytes."""
+        original = self.size * np.dtype(self.dtype).itemsize
+        return original / self.nbytes if self.nbytes else 1.0

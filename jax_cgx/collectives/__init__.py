@@ -1,0 +1,18 @@
+"""Compressed collectives: ``compressed_psum`` / ``compressed_pmean`` and how they run.
+
+- :mod:`~jax_cgx.collectives.allreduce`: the public functions: pytree lanes, fusion buffers,
+  ``bytes_on_wire``;
+- :mod:`~jax_cgx.collectives.primitive`: the all-reduce of one buffer as a JAX primitive (its
+  rules, the xla backend's lowering, and :func:`compressed_sum` that binds it);
+- :mod:`~jax_cgx.collectives.sra`, :mod:`~jax_cgx.collectives.ring`,
+  :mod:`~jax_cgx.collectives.hierarchical`: one module per algorithm;
+- :mod:`~jax_cgx.collectives.chunks`: how SRA and the ring cut a buffer, and their shared last step;
+- :mod:`~jax_cgx.collectives.wire`: encodings as byte rows and the collectives that move them.
+
+Data flows one way: collectives -> codec -> config. The nccl backend's lowering
+(:mod:`jax_cgx.nccl.lowering`) builds on :mod:`~jax_cgx.collectives.primitive`.
+"""
+
+from jax_cgx.collectives.allreduce import ConfigSpec, bytes_on_wire, compressed_pmean, compressed_psum
+
+__all__ = ["compressed_psum", "compressed_pmean", "bytes_on_wire", "ConfigSpec"]
