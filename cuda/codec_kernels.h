@@ -12,12 +12,13 @@
 
 #include <cstdint>
 
+#include "xla_ffi/float_type.h"
+
 namespace jax_cgx::cuda {
 
-// Element type of a float buffer (x, addend, out).
-enum class FloatType : int32_t { kF32 = 0, kBF16 = 1, kF16 = 2 };
-
-inline int64_t FloatTypeBytes(FloatType t) { return t == FloatType::kF32 ? 4 : 2; }
+// Element type of a float buffer (x, addend, out): xla_ffi/float_type.h.
+using ::jax_cgx::FloatType;
+using ::jax_cgx::FloatTypeBytes;
 
 // Bytes taken by `count` packed `bits`-bit levels: ceil(count*bits/8).
 inline int64_t PackedBytes(int64_t count, int bits) { return (count * bits + 7) / 8; }

@@ -5,7 +5,8 @@
 
 #include <string>
 
-#include "xla_ffi/cpu_codec.h"
+#include "xla_ffi/cpu_handlers.h"
+#include "xla_ffi/cpu_kernels.h"
 
 namespace nb = nanobind;
 

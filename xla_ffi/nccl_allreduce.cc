@@ -28,6 +28,7 @@
 
 #include "cuda/codec_kernels.h"
 #include "xla/ffi/api/ffi.h"
+#include "xla_ffi/ffi_support.h"
 #include "xla_ffi/nccl_api.h"
 #include "xla_ffi/nccl_comms.h"
 
@@ -122,34 +123,26 @@ namespace {
 
 constexpr std::string_view kTarget = "jax_cgx_nccl_allreduce";
 
-ffi::Error Invalid(const std::string& message) {
-  return ffi::Error(ffi::ErrorCode::kInvalidArgument, std::string(kTarget) + ": " + message);
-}
+using ffi_support::CheckDType;
+using ffi_support::CheckFloatType;
+using ffi_support::CheckShape;
+using ffi_support::Internal;
+using ffi_support::InvalidArgument;
 
-ffi::Error Internal(const std::string& message) {
-  return ffi::Error(ffi::ErrorCode::kInternal, std::string(kTarget) + ": " + message);
-}
-
-#define CGX_CUDA(expr)                                                                   \
-  do {                                                                                   \
-    const cudaError_t _cgx_err = (expr);                                                 \
-    if (_cgx_err != cudaSuccess) {                                                       \
-      return Internal(std::string(#expr) + " failed: " + cudaGetErrorString(_cgx_err)); \
-    }                                                                                    \
+#define CGX_CUDA(expr)                                                                           \
+  do {                                                                                           \
+    const cudaError_t _cgx_err = (expr);                                                         \
+    if (_cgx_err != cudaSuccess) {                                                               \
+      return Internal(kTarget, std::string(#expr) + " failed: " + cudaGetErrorString(_cgx_err)); \
+    }                                                                                            \
   } while (0)
 
-#define CGX_NCCL(expr, comm)                                                              \
-  do {                                                                                    \
-    const ncclResult_t _cgx_rc = (expr);                                                  \
-    if (_cgx_rc != ncclSuccess) {                                                         \
-      return Internal(std::string(#expr) + " failed: " + NcclErrorText(_cgx_rc, (comm))); \
-    }                                                                                     \
-  } while (0)
-
-#define CGX_TRY(expr)                            \
-  do {                                           \
-    ffi::Error _cgx_e = (expr);                  \
-    if (_cgx_e.failure()) return _cgx_e;         \
+#define CGX_NCCL(expr, comm)                                                                       \
+  do {                                                                                             \
+    const ncclResult_t _cgx_rc = (expr);                                                           \
+    if (_cgx_rc != ncclSuccess) {                                                                  \
+      return Internal(kTarget, std::string(#expr) + " failed: " + NcclErrorText(_cgx_rc, (comm))); \
+    }                                                                                              \
   } while (0)
 
 // An open ncclGroupStart that is always closed: NCCL's group depth is per
@@ -175,15 +168,6 @@ class NcclGroup {
   const NcclApi& api_;
   bool open_ = false;
 };
-
-bool FloatTypeOf(ffi::DataType t, cuda::FloatType* out) {
-  switch (t) {
-    case ffi::DataType::F32: *out = cuda::FloatType::kF32; return true;
-    case ffi::DataType::BF16: *out = cuda::FloatType::kBF16; return true;
-    case ffi::DataType::F16: *out = cuda::FloatType::kF16; return true;
-    default: return false;
-  }
-}
 
 // ---------------------------------------------------------------- schedule
 
@@ -235,7 +219,7 @@ struct Call {
 };
 
 ffi::Error Launched(cudaError_t err, const char* what) {
-  if (err != cudaSuccess) return Internal(std::string(what) + " launch failed: " + cudaGetErrorString(err));
+  if (err != cudaSuccess) return Internal(kTarget, std::string(what) + " launch failed: " + cudaGetErrorString(err));
   return ffi::Error::Success();
 }
 
@@ -270,10 +254,10 @@ ffi::Error QuantizeChunks(const Call& c, const Segment& s, int64_t j0, int64_t j
     if (a >= b) continue;
     cuda::RowLayout l = s.layout;
     l.rows = b - a;
-    CGX_TRY(Launched(cuda::LaunchQuantize(c.main, l, c.type, c.ChunkIn(a) + c.Bytes(s.offset), c.plan.chunk,
-                                          c.seeds + 2 * a, c.stochastic, c.Payload(s.send, s, a),
-                                          c.Meta(s.send, s, a), c.Valid(a, s)),
-                     "quantize"));
+    CGX_RETURN_IF_ERROR(Launched(
+        cuda::LaunchQuantize(c.main, l, c.type, c.ChunkIn(a) + c.Bytes(s.offset), c.plan.chunk, c.seeds + 2 * a,
+                             c.stochastic, c.Payload(s.send, s, a), c.Meta(s.send, s, a), c.Valid(a, s)),
+        "quantize"));
   }
   return ffi::Error::Success();
 }
@@ -319,9 +303,10 @@ ffi::Error Decode(const Call& c, const Segment& s, cudaEvent_t gathered) {
     const int64_t b = !whole ? a + 1 : (a < p.full_chunks ? p.full_chunks : p.world);
     cuda::RowLayout l = s.layout;
     l.rows = b - a;
-    CGX_TRY(Launched(cuda::LaunchDequantize(c.main, l, c.Payload(s.gathered, s, a), c.Meta(s.gathered, s, a),
-                                            c.type, c.ChunkOut(a) + c.Bytes(s.offset)),
-                     "dequantize"));
+    CGX_RETURN_IF_ERROR(Launched(cuda::LaunchDequantize(c.main, l, c.Payload(s.gathered, s, a),
+                                                        c.Meta(s.gathered, s, a), c.type,
+                                                        c.ChunkOut(a) + c.Bytes(s.offset)),
+                                 "dequantize"));
     a = b;
   }
   return ffi::Error::Success();
@@ -351,14 +336,14 @@ ffi::Error RunSra(const Call& c) {
   for (int i = 0; i < p.segments; ++i) {
     const Segment& s = p.segment[i];
     // Chunks [0, me) and (me, W): our own chunk is never sent (it enters the sum exactly).
-    CGX_TRY(QuantizeChunks(c, s, 0, me));
-    CGX_TRY(QuantizeChunks(c, s, me + 1, p.world));
+    CGX_RETURN_IF_ERROR(QuantizeChunks(c, s, 0, me));
+    CGX_RETURN_IF_ERROR(QuantizeChunks(c, s, me + 1, p.world));
     CGX_CUDA(cudaEventRecord(comm.quantized[i], c.main));
     CGX_CUDA(cudaStreamWaitEvent(comm.stream, comm.quantized[i], 0));
     NcclGroup group(c.api);
     CGX_NCCL(group.Start(), comm.comm);
     for (int j = 0; j < p.world; ++j) {
-      if (j != me) CGX_TRY(SendRecv(c, s, j, j, j, j));
+      if (j != me) CGX_RETURN_IF_ERROR(SendRecv(c, s, j, j, j, j));
     }
     CGX_NCCL(group.End(), comm.comm);
     CGX_CUDA(cudaEventRecord(comm.exchanged[i], comm.stream));
@@ -368,11 +353,11 @@ ffi::Error RunSra(const Call& c) {
     CGX_CUDA(cudaStreamWaitEvent(c.main, comm.exchanged[i], 0));
     // Our own chunk enters in full precision: its slot must decode to +0.
     CGX_CUDA(cudaMemsetAsync(c.Meta(s.recv, s, me), 0, c.MetaBytes(s), c.main));
-    CGX_TRY(ReduceInto(c, s, s.recv, p.world, me, p.world, s.gathered, me));
+    CGX_RETURN_IF_ERROR(ReduceInto(c, s, s.recv, p.world, me, p.world, s.gathered, me));
     CGX_CUDA(cudaEventRecord(comm.reduced[i], c.main));
-    CGX_TRY(AllGather(c, s, comm.reduced[i], comm.gathered[i]));
+    CGX_RETURN_IF_ERROR(AllGather(c, s, comm.reduced[i], comm.gathered[i]));
   }
-  for (int i = 0; i < p.segments; ++i) CGX_TRY(Decode(c, p.segment[i], comm.gathered[i]));
+  for (int i = 0; i < p.segments; ++i) CGX_RETURN_IF_ERROR(Decode(c, p.segment[i], comm.gathered[i]));
   return ffi::Error::Success();
 }
 
@@ -384,7 +369,7 @@ ffi::Error RingHop(const Call& c, const Segment& s, int64_t slot, cudaEvent_t re
   CGX_CUDA(cudaStreamWaitEvent(comm.stream, ready, 0));
   NcclGroup group(c.api);
   CGX_NCCL(group.Start(), comm.comm);
-  CGX_TRY(SendRecv(c, s, slot, next, 0, prev));
+  CGX_RETURN_IF_ERROR(SendRecv(c, s, slot, next, 0, prev));
   CGX_NCCL(group.End(), comm.comm);
   CGX_CUDA(cudaEventRecord(done, comm.stream));
   return ffi::Error::Success();
@@ -401,12 +386,12 @@ ffi::Error RunRing(const Call& c) {
   for (int i = 0; i < p.segments; ++i) {
     const Segment& s = p.segment[i];
     const int64_t first = c.Peer(-1);
-    CGX_TRY(Launched(cuda::LaunchQuantize(c.main, s.layout, c.type, c.ChunkIn(first) + c.Bytes(s.offset), p.chunk,
-                                          c.seeds, c.stochastic, c.Payload(s.send, s, 0), c.Meta(s.send, s, 0),
-                                          c.Valid(first, s)),
-                     "quantize"));
+    CGX_RETURN_IF_ERROR(Launched(
+        cuda::LaunchQuantize(c.main, s.layout, c.type, c.ChunkIn(first) + c.Bytes(s.offset), p.chunk, c.seeds,
+                             c.stochastic, c.Payload(s.send, s, 0), c.Meta(s.send, s, 0), c.Valid(first, s)),
+        "quantize"));
     CGX_CUDA(cudaEventRecord(comm.quantized[i], c.main));
-    CGX_TRY(RingHop(c, s, 0, comm.quantized[i], comm.exchanged[i]));
+    CGX_RETURN_IF_ERROR(RingHop(c, s, 0, comm.quantized[i], comm.exchanged[i]));
   }
   for (int64_t t = 0; t + 1 < p.world; ++t) {
     const bool last = t + 2 == p.world;
@@ -415,19 +400,19 @@ ffi::Error RunRing(const Call& c) {
       const Segment& s = p.segment[i];
       CGX_CUDA(cudaStreamWaitEvent(c.main, comm.exchanged[i], 0));
       if (last) {
-        CGX_TRY(ReduceInto(c, s, s.recv, 1, k, p.world, s.gathered, me));
+        CGX_RETURN_IF_ERROR(ReduceInto(c, s, s.recv, 1, k, p.world, s.gathered, me));
       } else {
-        CGX_TRY(ReduceInto(c, s, s.recv, 1, k, t + 1, s.send, (t + 1) % 2));
+        CGX_RETURN_IF_ERROR(ReduceInto(c, s, s.recv, 1, k, t + 1, s.send, (t + 1) % 2));
       }
       CGX_CUDA(cudaEventRecord(comm.reduced[i], c.main));
       if (last) {
-        CGX_TRY(AllGather(c, s, comm.reduced[i], comm.gathered[i]));
+        CGX_RETURN_IF_ERROR(AllGather(c, s, comm.reduced[i], comm.gathered[i]));
       } else {
-        CGX_TRY(RingHop(c, s, (t + 1) % 2, comm.reduced[i], comm.exchanged[i]));
+        CGX_RETURN_IF_ERROR(RingHop(c, s, (t + 1) % 2, comm.reduced[i], comm.exchanged[i]));
       }
     }
   }
-  for (int i = 0; i < p.segments; ++i) CGX_TRY(Decode(c, p.segment[i], comm.gathered[i]));
+  for (int i = 0; i < p.segments; ++i) CGX_RETURN_IF_ERROR(Decode(c, p.segment[i], comm.gathered[i]));
   return ffi::Error::Success();
 }
 
@@ -437,62 +422,60 @@ ffi::Error NcclAllreduceImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffe
                              ffi::AnyBuffer valid, ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> workspace,
                              int64_t comm_key, int64_t world, int64_t chunk, int32_t bits,
                              int64_t bucket_size, bool stochastic, int32_t algorithm, int64_t segments) {
-  cuda::FloatType type;
-  if (!FloatTypeOf(x.element_type(), &type)) return Invalid("x must be f32, bf16 or f16");
-  if (x.dimensions().size() != 1) return Invalid("x must be one row [n]");
+  cuda::FloatType type = cuda::FloatType::kF32;
+  CGX_RETURN_IF_ERROR(CheckFloatType(kTarget, "x", x.element_type(), &type));
+  CGX_RETURN_IF_ERROR(CheckShape(kTarget, "x", x.dimensions(), {-1}, "rank 1 [n] (one row)"));
   const int64_t n = x.dimensions()[0];
-  if (out->element_type() != x.element_type() || out->dimensions().size() != 1 || out->dimensions()[0] != n) {
-    return Invalid("out must have x's dtype and shape [n]");
-  }
-  if (seeds.element_type() != ffi::DataType::U32 || seeds.dimensions().size() != 2 ||
-      seeds.dimensions()[0] != world + 1 || seeds.dimensions()[1] != 2) {
-    return Invalid("seeds must be u32[world + 1, 2]");
-  }
-  if (valid.element_type() != ffi::DataType::S32 || valid.dimensions().size() != 1 || valid.dimensions()[0] != 1) {
-    return Invalid("valid must be s32[1] (how many of x's values are real, the rest padding)");
-  }
-  if (workspace->element_type() != ffi::DataType::U8 || workspace->dimensions().size() != 1) {
-    return Invalid("workspace must be u8[bytes]");
-  }
+  CGX_RETURN_IF_ERROR(CheckDType(kTarget, "out", out->element_type(), x.element_type()));
+  CGX_RETURN_IF_ERROR(CheckShape(kTarget, "out", out->dimensions(), {n}, "[n] like x"));
+  // The plan checks the attributes (world >= 2 among them) before seeds is
+  // checked against world.
   Plan plan;
   const std::string bad = MakePlan(n, world, chunk, bits, bucket_size, cuda::FloatTypeBytes(type),
                                    static_cast<Algorithm>(algorithm), segments, &plan);
-  if (!bad.empty()) return Invalid(bad);
+  if (!bad.empty()) return InvalidArgument(kTarget, bad);
+  CGX_RETURN_IF_ERROR(CheckDType(kTarget, "seeds", seeds.element_type(), ffi::DataType::U32));
+  CGX_RETURN_IF_ERROR(CheckShape(kTarget, "seeds", seeds.dimensions(), {world + 1, 2}, "[world + 1, 2]"));
+  CGX_RETURN_IF_ERROR(CheckDType(kTarget, "valid", valid.element_type(), ffi::DataType::S32));
+  CGX_RETURN_IF_ERROR(CheckShape(kTarget, "valid", valid.dimensions(), {1},
+                                 "[1] (how many of x's values are real, the rest padding)"));
+  CGX_RETURN_IF_ERROR(CheckDType(kTarget, "workspace", workspace->element_type(), ffi::DataType::U8));
+  CGX_RETURN_IF_ERROR(CheckShape(kTarget, "workspace", workspace->dimensions(), {-1}, "rank 1 [bytes]"));
   if (workspace->dimensions()[0] < plan.workspace_bytes) {
-    return Invalid("workspace has " + std::to_string(workspace->dimensions()[0]) + " bytes, needs " +
-                   std::to_string(plan.workspace_bytes));
+    return InvalidArgument(kTarget, "workspace has " + std::to_string(workspace->dimensions()[0]) + " bytes, needs " +
+                                    std::to_string(plan.workspace_bytes));
   }
   const NcclApi* api = Nccl();
   if (api == nullptr) {
-    return Internal("NCCL is not loaded in this process; call jax_cgx.nccl.setup(mesh) first");
+    return Internal(kTarget, "NCCL is not loaded in this process; call jax_cgx.nccl.setup(mesh) first");
   }
   const std::shared_ptr<Communicator> comm = FindCommunicator(comm_key, ordinal);
   if (comm == nullptr) {
-    return Internal("device " + std::to_string(ordinal) + " has no jax_cgx NCCL communicator for this " +
-                    "reduction (key " + std::to_string(comm_key) + "): call jax_cgx.nccl.setup(mesh) on " +
-                    "every process with the mesh this program runs on, before running it");
+    return Internal(kTarget, "device " + std::to_string(ordinal) + " has no jax_cgx NCCL communicator for this " +
+                             "reduction (key " + std::to_string(comm_key) + "): call jax_cgx.nccl.setup(mesh) on " +
+                             "every process with the mesh this program runs on, before running it");
   }
   if (comm->world != world) {
-    return Internal("communicator '" + comm->description + "' has " + std::to_string(comm->world) +
-                    " ranks but the reduction has " + std::to_string(world));
+    return Internal(kTarget, "communicator '" + comm->description + "' has " + std::to_string(comm->world) +
+                             " ranks but the reduction has " + std::to_string(world));
   }
   std::lock_guard<std::mutex> lock(comm->mu);
   if (comm->broken) {
-    return Internal("communicator '" + comm->description + "' is unusable: an earlier call failed midway " +
-                    "(its ranks may be out of step) or it was torn down; call jax_cgx.nccl.teardown(abort=True) " +
-                    "and jax_cgx.nccl.setup(mesh) again on every process");
+    return Internal(kTarget, "communicator '" + comm->description + "' is unusable: an earlier call failed " +
+                             "midway (its ranks may be out of step) or it was torn down; call " +
+                             "jax_cgx.nccl.teardown(abort=True) and jax_cgx.nccl.setup(mesh) again on every process");
   }
   ncclResult_t async_error = ncclSuccess;
   CGX_NCCL(api->CommGetAsyncError(comm->comm, &async_error), comm->comm);
   if (async_error != ncclSuccess) {
-    return Internal("communicator '" + comm->description + "' failed earlier: " +
-                    NcclErrorText(async_error, comm->comm));
+    return Internal(kTarget, "communicator '" + comm->description + "' failed earlier: " +
+                             NcclErrorText(async_error, comm->comm));
   }
   const Call call{plan, *comm, *api, stream, type, static_cast<const char*>(x.untyped_data()),
                   static_cast<char*>(out->untyped_data()), static_cast<char*>(workspace->untyped_data()),
                   static_cast<const uint32_t*>(seeds.untyped_data()), stochastic,
                   static_cast<const int32_t*>(valid.untyped_data())};
-  CGX_TRY(StageTail(call));
+  CGX_RETURN_IF_ERROR(StageTail(call));
   ffi::Error result = plan.algorithm == Algorithm::kSra ? RunSra(call) : RunRing(call);
   if (result.failure()) {
     // Work may be queued on the side stream: XLA must not reuse x, out or the

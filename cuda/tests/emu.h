@@ -17,6 +17,7 @@
 #include <vector>
 
 #define JAX_CGX_HOST_EMULATION 1
+// The whole kernel translation unit (with codec_device.cuh and quantize_kernels.cuh).
 #include "cuda/codec_kernels.cu"
 
 namespace emu_rt {

@@ -1,4 +1,5 @@
-// CPU kernels of the jax_cgx codec and the XLA FFI handlers that call them.
+// CPU kernels of the jax_cgx codec (xla_ffi/cpu_kernels.cc); their XLA FFI
+// handlers are in xla_ffi/cpu_handlers.h.
 //
 // The per-element arithmetic is codec_math.h; this file only adds the
 // bucketing, the bit packing and the loops. Every kernel writes the same bytes
@@ -11,16 +12,16 @@
 // start at byte k * ceil(B * bits / 8); element i of a bucket occupies bits
 // [i * bits, (i + 1) * bits) of the bucket's bytes, least significant bit
 // first; unused high bits of a bucket's last byte are zero.
-#ifndef JAX_CGX_XLA_FFI_CPU_CODEC_H_
-#define JAX_CGX_XLA_FFI_CPU_CODEC_H_
+#ifndef JAX_CGX_XLA_FFI_CPU_KERNELS_H_
+#define JAX_CGX_XLA_FFI_CPU_KERNELS_H_
 
 #include <cstdint>
 
-#include "xla/ffi/api/c_api.h"
+#include "xla_ffi/float_type.h"
 
 namespace jax_cgx::cpu {
 
-enum class FloatType : int { kF32 = 0, kBF16 = 1, kF16 = 2 };
+using ::jax_cgx::FloatType;
 
 // Buckets covering m elements: ceil(m / B), without overflow for any B >= 1.
 int64_t bucket_count(int64_t m, int64_t bucket_size);
@@ -74,14 +75,4 @@ int64_t piece_elements();
 
 }  // namespace jax_cgx::cpu
 
-// XLA FFI handlers, registered for platform "cpu" by jax_cgx._cpu. All bind
-// the attributes bits (int32) and bucket_size (int64); the two that quantize
-// (CpuQuantize, CpuDequantizeSumRequantize) also bind stochastic (bool).
-extern "C" {
-XLA_FFI_Error* CpuQuantize(XLA_FFI_CallFrame* call_frame);
-XLA_FFI_Error* CpuDequantize(XLA_FFI_CallFrame* call_frame);
-XLA_FFI_Error* CpuDequantizeSum(XLA_FFI_CallFrame* call_frame);
-XLA_FFI_Error* CpuDequantizeSumRequantize(XLA_FFI_CallFrame* call_frame);
-}
-
-#endif  // JAX_CGX_XLA_FFI_CPU_CODEC_H_
+#endif  // JAX_CGX_XLA_FFI_CPU_KERNELS_H_

@@ -1,0 +1,239 @@
+// The bucket-quantizing kernels of cuda/codec_kernels.cu: a bucket's min/max
+// is reduced, then its levels are encoded and packed. LaunchQuantize runs them
+// on the rows of x, LaunchDequantizeSumRequantize on summed decoded inputs
+// (the Src of the templates); Sink optionally receives the decoded values.
+// Included by cuda/codec_kernels.cu alone (it instantiates the __global__
+// templates); the building blocks are in cuda/codec_device.cuh.
+#ifndef JAX_CGX_CUDA_QUANTIZE_KERNELS_CUH_
+#define JAX_CGX_CUDA_QUANTIZE_KERNELS_CUH_
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "cuda/codec_device.cuh"
+#include "cuda/codec_kernels.h"
+#include "xla_ffi/codec_math.h"
+
+namespace jax_cgx::cuda {
+namespace detail {
+
+// -------------------------------------------------------- kernel bodies
+
+// Where bucket (r, k) goes once its min/max is reduced: its metadata, level
+// encoder, payload bytes and their address. The lane with write_meta set
+// stores the metadata. Inactive lanes (no bucket) get bytes = 0.
+struct BucketTarget {
+  BucketMeta meta;
+  Encoder enc;
+  uint8_t* dst;   // the bucket's first payload byte
+  int64_t bytes;  // ceil(len*bits/8)
+};
+
+CGX_HD BucketTarget begin_bucket(const RowLayout& l, const QuantOut& q, bool active, int64_t r,
+                                 int64_t k, int64_t len, const MinMax& mm, bool write_meta) {
+  BucketTarget t;
+  t.meta = make_meta(mm.mn, mm.mx, mm.nan != 0u, l.bits);
+  uint32_t seed0 = 0, seed1 = 0;
+  t.dst = q.payload;
+  t.bytes = 0;
+  if (active) {
+    if (write_meta) {
+      float* bm = q.meta + 2 * (r * l.buckets + k);
+      bm[0] = t.meta.min;
+      bm[1] = t.meta.scale;
+    }
+    if (q.stochastic) {
+      seed0 = q.seeds[2 * r];
+      seed1 = q.seeds[2 * r + 1];
+    }
+    t.dst = q.payload + r * l.row_bytes + k * l.bucket_bytes;
+    t.bytes = packed_bytes(len, l.bits);
+  }
+  t.enc = make_encoder(t.meta, l.bits, q.stochastic, seed0, seed1);
+  return t;
+}
+
+// Encodes this lane's group g (cnt values v) of the bucket and writes the
+// round of plan.lanes consecutive groups it belongs to, which starts `before`
+// bytes into the bucket. Reached by all 32 lanes.
+template <class Sink>
+CGX_HD void encode_round(const Sink& sink, const RowLayout& l, const WordPlan& plan,
+                         const BucketTarget& t, int64_t r, int64_t k, int64_t g, int64_t before,
+                         int cnt, const float (&v)[kGroup]) {
+  const uint32_t index0 = static_cast<uint32_t>(l.index_base + k * l.bucket + g * kGroup);
+  const uint64_t packed = encode_group(t.enc, v, cnt, index0);  // 0 when cnt == 0
+  store_round(t.bytes > 0 ? t.dst + before : t.dst, t.bytes - before, packed, plan);
+  if constexpr (Sink::kEnabled) {
+    if (cnt > 0) {
+      float d[kGroup];
+      decode_group(packed, t.meta.min, t.meta.scale, l.bits, d);
+      sink.store(l, r, k * l.bucket + g * kGroup, cnt, d);
+    }
+  }
+}
+
+// Buckets of at most lanes*G*8 elements: each aligned segment of `lanes`
+// lanes of a warp quantizes one bucket per iteration with the bucket in
+// registers (lane j holds groups j, j + lanes, ...; G > 1 only when lanes = 32).
+template <class Src, class Sink, int G>
+CGX_HD void quantize_segments(const Src& src, const Sink& sink, const RowLayout& l,
+                              const QuantOut& q, int lanes) {
+  const ThreadPos tp = thread_pos();
+  const int lane = static_cast<int>(tp.thread % kWarpSize);
+  const int seg = lane / lanes;
+  const int sl = lane % lanes;
+  const int64_t per_warp = kWarpSize / lanes;
+  const int64_t warp = (tp.block * tp.block_threads + tp.thread) / kWarpSize;
+  const int64_t warps = tp.grid_blocks * tp.block_threads / kWarpSize;
+  const int64_t total = l.rows * l.buckets;
+  const int64_t step = warps * per_warp;
+  const WordPlan plan = make_word_plan(sl, lanes, l.bits);
+  BucketCursor cur = BucketCursor::start(warp * per_warp + seg, step, l.buckets);
+  // `first` is uniform over the warp, so all lanes run every iteration (the
+  // shuffles need them); lanes past the last bucket idle through it.
+  for (int64_t first = warp * per_warp; first < total; first += step, cur.advance(l.buckets)) {
+    const bool active = cur.r < l.rows;
+    const int64_t len = active ? bucket_len(l, cur.k) : 0;
+    int cnt[G];
+    CGX_UNROLL
+    for (int i = 0; i < G; ++i) cnt[i] = group_count(len, sl + static_cast<int64_t>(i) * lanes);
+    float v[G][kGroup];
+    src.template load<G>(l, cur.r, cur.k, sl, lanes, cnt, v);
+    const int64_t limit = active ? q.range_limit(l, cur.r, cur.k) : 0;
+    MinMax mm = minmax_empty();
+    CGX_UNROLL
+    for (int i = 0; i < G; ++i) {
+      const int64_t first = (sl + static_cast<int64_t>(i) * lanes) * kGroup;
+      CGX_UNROLL
+      for (int e = 0; e < kGroup; ++e) {
+        if (e < cnt[i] && first + e < limit) minmax_add(mm, v[i][e]);
+      }
+    }
+    segment_minmax(mm, lanes);
+    const BucketTarget t = begin_bucket(l, q, active, cur.r, cur.k, len, mm, sl == 0);
+    CGX_UNROLL
+    for (int i = 0; i < G; ++i) {
+      // Round i: groups i*lanes .. i*lanes + lanes-1, lane sl holding i*lanes + sl.
+      const int64_t round_first = static_cast<int64_t>(i) * lanes;
+      encode_round(sink, l, plan, t, cur.r, cur.k, round_first + sl, round_first * l.bits, cnt[i],
+                   v[i]);
+    }
+  }
+}
+
+// Larger buckets: one block per bucket and iteration. Pass 1 reduces min/max
+// over the bucket, pass 2 reads it again (from L2) and encodes; warp w of the
+// block handles groups g0 + 32w .. g0 + 32w + 31 of each pass-2 round.
+// `partial` is __shared__ storage for one MinMax per warp.
+template <class Src, class Sink>
+CGX_HD void quantize_blocks(const Src& src, const Sink& sink, const RowLayout& l,
+                            const QuantOut& q, MinMax* partial) {
+  const ThreadPos tp = thread_pos();
+  const int lane = static_cast<int>(tp.thread % kWarpSize);
+  const int64_t warp = tp.thread / kWarpSize;
+  const int64_t nwarps = tp.block_threads / kWarpSize;
+  const int64_t total = l.rows * l.buckets;
+  const WordPlan plan = make_word_plan(lane, kWarpSize, l.bits);
+  for (int64_t b = tp.block; b < total; b += tp.grid_blocks) {  // uniform over the block
+    const int64_t r = b / l.buckets;
+    const int64_t k = b - r * l.buckets;
+    const int64_t len = bucket_len(l, k);
+    const int64_t groups = groups_in(len);
+
+    const int64_t limit = q.range_limit(l, r, k);
+    MinMax mm = minmax_empty();
+    for (int64_t g = tp.thread; g < groups; g += tp.block_threads) {
+      const int cnt[1] = {group_count(len, g)};
+      float v[1][kGroup];
+      src.template load<1>(l, r, k, g, 0, cnt, v);
+      CGX_UNROLL
+      for (int e = 0; e < kGroup; ++e) {
+        if (e < cnt[0] && g * kGroup + e < limit) minmax_add(mm, v[0][e]);
+      }
+    }
+    segment_minmax(mm, kWarpSize);
+    if (lane == 0) partial[warp] = mm;
+    block_sync();
+    mm = partial[0];
+    for (int64_t i = 1; i < nwarps; ++i) minmax_merge(mm, partial[i]);
+    block_sync();  // partial is rewritten for the next bucket
+
+    const BucketTarget t = begin_bucket(l, q, true, r, k, len, mm, tp.thread == 0);
+    for (int64_t g0 = 0; g0 < groups; g0 += tp.block_threads) {
+      const int64_t g = g0 + tp.thread;
+      const int cnt[1] = {group_count(len, g)};
+      float v[1][kGroup];
+      src.template load<1>(l, r, k, g, 0, cnt, v);
+      const int64_t round_first = g0 + warp * kWarpSize;  // this warp's first group
+      encode_round(sink, l, plan, t, r, k, g, round_first * l.bits, cnt[0], v[0]);
+    }
+  }
+}
+
+// ------------------------------------------------------------------ kernels
+
+template <class Src, class Sink, int G>
+__global__ void __launch_bounds__(kThreads)
+    quantize_segments_kernel(Src src, Sink sink, RowLayout l, QuantOut q, int lanes) {
+  quantize_segments<Src, Sink, G>(src, sink, l, q, lanes);
+}
+
+template <class Src, class Sink>
+__global__ void __launch_bounds__(kThreads)
+    quantize_blocks_kernel(Src src, Sink sink, RowLayout l, QuantOut q) {
+  __shared__ MinMax partial[kWarpsPerBlock];
+  quantize_blocks<Src, Sink>(src, sink, l, q, partial);
+}
+
+// ---------------------------------------------------------------- launching
+
+// How a quantizing launch covers its buckets: segments of `lanes` lanes with
+// `groups` register groups per lane, or (groups == 0) one block per bucket.
+struct QuantizePlan {
+  int lanes;
+  int groups;
+  int64_t buckets_per_block;
+};
+
+inline QuantizePlan plan_quantize(const RowLayout& l) {
+  const int64_t groups = groups_in(l.bucket);
+  if (groups <= kWarpSize) {
+    int lanes = 1;
+    while (lanes < groups) lanes *= 2;
+    return QuantizePlan{lanes, 1, int64_t{kWarpsPerBlock} * (kWarpSize / lanes)};
+  }
+  if (groups <= 2 * kWarpSize) return QuantizePlan{kWarpSize, 2, kWarpsPerBlock};
+  if (groups <= kMaxRegisterGroups * kWarpSize) {
+    return QuantizePlan{kWarpSize, kMaxRegisterGroups, kWarpsPerBlock};
+  }
+  return QuantizePlan{kWarpSize, 0, 1};
+}
+
+template <class Src, class Sink>
+cudaError_t launch_quantize(cudaStream_t stream, const RowLayout& l, const Src& src,
+                            const Sink& sink, const QuantOut& q) {
+  const QuantizePlan p = plan_quantize(l);
+  const unsigned grid = grid_for(l.rows * l.buckets, p.buckets_per_block);
+  switch (p.groups) {
+    case 1:
+      quantize_segments_kernel<Src, Sink, 1><<<grid, kThreads, 0, stream>>>(src, sink, l, q, p.lanes);
+      break;
+    case 2:
+      quantize_segments_kernel<Src, Sink, 2><<<grid, kThreads, 0, stream>>>(src, sink, l, q, p.lanes);
+      break;
+    case kMaxRegisterGroups:
+      quantize_segments_kernel<Src, Sink, kMaxRegisterGroups>
+          <<<grid, kThreads, 0, stream>>>(src, sink, l, q, p.lanes);
+      break;
+    default:
+      quantize_blocks_kernel<Src, Sink><<<grid, kThreads, 0, stream>>>(src, sink, l, q);
+      break;
+  }
+  return cudaGetLastError();
+}
+
+}  // namespace detail
+}  // namespace jax_cgx::cuda
+
+#endif  // JAX_CGX_CUDA_QUANTIZE_KERNELS_CUH_

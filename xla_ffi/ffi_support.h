@@ -1,0 +1,190 @@
+// What every jax_cgx FFI handler (xla_ffi/cpu_handlers.cc,
+// xla_ffi/cuda_handlers.cc, xla_ffi/nccl_allreduce.cc) needs to check its
+// arguments and report errors, in one wording:
+//
+//   "<target>: <buffer> has shape [3, 5], expected [R, 2] = [3, 2]"
+//   "<target>: <buffer> has dtype int32, expected float32, bfloat16 or float16"
+//   "<target>: attribute bits must be in 1..8, got 9"
+//
+// Bad arguments are INVALID_ARGUMENT errors, failures of the GPU or NCCL
+// INTERNAL ones, both prefixed with the target's name; nothing aborts.
+// Host-only (includes XLA's ffi.h); kernels use xla_ffi/float_type.h.
+#ifndef JAX_CGX_XLA_FFI_FFI_SUPPORT_H_
+#define JAX_CGX_XLA_FFI_FFI_SUPPORT_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <initializer_list>
+#include <string>
+#include <string_view>
+
+#include "xla/ffi/api/ffi.h"
+#include "xla_ffi/float_type.h"
+
+namespace jax_cgx::ffi_support {
+
+namespace ffi = xla::ffi;
+using Dims = ffi::Span<const int64_t>;
+
+// Returns from the enclosing function when `expr` (an ffi::Error) failed.
+#define CGX_RETURN_IF_ERROR(expr)                  \
+  do {                                             \
+    ::xla::ffi::Error cgx_err_ = (expr);           \
+    if (cgx_err_.failure()) return cgx_err_;       \
+  } while (0)
+
+// ------------------------------------------------------------------ errors
+
+inline ffi::Error InvalidArgument(std::string_view target, const std::string& message) {
+  return ffi::Error(ffi::ErrorCode::kInvalidArgument, std::string(target) + ": " + message);
+}
+
+inline ffi::Error Internal(std::string_view target, const std::string& message) {
+  return ffi::Error(ffi::ErrorCode::kInternal, std::string(target) + ": " + message);
+}
+
+// ------------------------------------------------------------ descriptions
+
+// "[3, 5]".
+inline std::string ShapeString(const int64_t* dims, size_t rank) {
+  std::string s = "[";
+  for (size_t i = 0; i < rank; ++i) s += (i ? ", " : "") + std::to_string(dims[i]);
+  return s + "]";
+}
+inline std::string ShapeString(Dims dims) { return ShapeString(dims.begin(), dims.size()); }
+inline std::string ShapeString(std::initializer_list<int64_t> dims) {
+  return ShapeString(dims.begin(), dims.size());
+}
+
+// NumPy's names ("int32", "bfloat16"), as JAX users see their dtypes.
+inline std::string DTypeName(ffi::DataType t) {
+  switch (t) {
+    case ffi::DataType::PRED: return "bool";
+    case ffi::DataType::S8: return "int8";
+    case ffi::DataType::S16: return "int16";
+    case ffi::DataType::S32: return "int32";
+    case ffi::DataType::S64: return "int64";
+    case ffi::DataType::U8: return "uint8";
+    case ffi::DataType::U16: return "uint16";
+    case ffi::DataType::U32: return "uint32";
+    case ffi::DataType::U64: return "uint64";
+    case ffi::DataType::F16: return "float16";
+    case ffi::DataType::BF16: return "bfloat16";
+    case ffi::DataType::F32: return "float32";
+    case ffi::DataType::F64: return "float64";
+    default: return "dtype code " + std::to_string(static_cast<int>(t));
+  }
+}
+
+// ------------------------------------------------------------------ checks
+
+// The codec's float types: F32, BF16, F16. The one mapping from XLA's dtypes.
+inline bool ToFloatType(ffi::DataType t, FloatType* out) {
+  switch (t) {
+    case ffi::DataType::F32: *out = FloatType::kF32; return true;
+    case ffi::DataType::BF16: *out = FloatType::kBF16; return true;
+    case ffi::DataType::F16: *out = FloatType::kF16; return true;
+    default: return false;
+  }
+}
+
+// Buffer `name` must have one of the codec's float types; sets *out.
+inline ffi::Error CheckFloatType(std::string_view target, const char* name, ffi::DataType t,
+                                 FloatType* out) {
+  if (ToFloatType(t, out)) return ffi::Error::Success();
+  return InvalidArgument(target, std::string(name) + " has dtype " + DTypeName(t) +
+                                     ", expected float32, bfloat16 or float16");
+}
+
+// Buffer `name` must have dtype `want`.
+inline ffi::Error CheckDType(std::string_view target, const char* name, ffi::DataType t,
+                             ffi::DataType want) {
+  if (t == want) return ffi::Error::Success();
+  return InvalidArgument(target, std::string(name) + " has dtype " + DTypeName(t) + ", expected " +
+                                     DTypeName(want));
+}
+
+// Buffer `name` must have exactly the dims `want` (-1: any extent);
+// `expected` describes them in the message.
+inline ffi::Error CheckShape(std::string_view target, const char* name, Dims dims,
+                             std::initializer_list<int64_t> want, const std::string& expected) {
+  bool ok = dims.size() == want.size();
+  for (size_t i = 0; ok && i < want.size(); ++i) {
+    ok = want.begin()[i] < 0 || dims[i] == want.begin()[i];
+  }
+  if (ok) return ffi::Error::Success();
+  return InvalidArgument(
+      target, std::string(name) + " has shape " + ShapeString(dims) + ", expected " + expected);
+}
+
+// A rank-2 float buffer [R, n] (x, out): its FloatType and dimensions.
+// `expected` names the dimensions ("[R, n]").
+inline ffi::Error CheckFloatRows(std::string_view target, const char* name,
+                                 const ffi::AnyBuffer& b, const char* expected, FloatType* type,
+                                 int64_t* rows, int64_t* cols) {
+  CGX_RETURN_IF_ERROR(CheckFloatType(target, name, b.element_type(), type));
+  CGX_RETURN_IF_ERROR(
+      CheckShape(target, name, b.dimensions(), {-1, -1}, std::string("rank 2 ") + expected));
+  *rows = b.dimensions()[0];
+  *cols = b.dimensions()[1];
+  return ffi::Error::Success();
+}
+
+// The attributes of every codec target.
+inline ffi::Error CheckCodecAttrs(std::string_view target, int32_t bits, int64_t bucket_size) {
+  if (bits < 1 || bits > 8) {
+    return InvalidArgument(target, "attribute bits must be in 1..8, got " + std::to_string(bits));
+  }
+  if (bucket_size < 1) {
+    return InvalidArgument(
+        target, "attribute bucket_size must be >= 1, got " + std::to_string(bucket_size));
+  }
+  return ffi::Error::Success();
+}
+
+// valid: [R] counts (each row's elements that set its buckets' ranges) or
+// [0] (all of them). Sets *per_row to whether the counts are given.
+inline ffi::Error CheckValidShape(std::string_view target, Dims dims, int64_t rows, bool* per_row) {
+  if (dims.size() != 1 || (dims[0] != rows && dims[0] != 0)) {
+    return InvalidArgument(target, "valid has shape " + ShapeString(dims) + ", expected [R] = " +
+                                       ShapeString({rows}) + " or [0] (every element valid)");
+  }
+  *per_row = dims[0] != 0;
+  return ffi::Error::Success();
+}
+
+// addend: [R, m] (present) or [R, 0] (absent). Sets *present.
+inline ffi::Error CheckAddendShape(std::string_view target, Dims dims, int64_t rows, int64_t m,
+                                   bool* present) {
+  if (dims.size() != 2 || dims[0] != rows || (dims[1] != m && dims[1] != 0)) {
+    return InvalidArgument(target, "addend has shape " + ShapeString(dims) +
+                                       ", expected [R, m] = " + ShapeString({rows, m}) +
+                                       " or [R, 0] (no addend)");
+  }
+  *present = dims[1] == m;
+  return ffi::Error::Success();
+}
+
+// meta [R, (W,) nb, 2] and payload [R, (W,) P] holding m elements per row
+// (no W axis when inputs < 0); nb and P are the layout's bucket count and
+// payload bytes per row for m elements at bits and bucket_size.
+inline ffi::Error CheckPacked(std::string_view target, const char* payload_name, Dims payload_dims,
+                              const char* meta_name, Dims meta_dims, int64_t rows, int64_t inputs,
+                              int64_t m, int64_t nb, int64_t p, int64_t bucket_size, int32_t bits) {
+  const std::string note = " (m = " + std::to_string(m) + ", bucket_size = " +
+                           std::to_string(bucket_size) + ", bits = " + std::to_string(bits) + ")";
+  if (inputs < 0) {
+    CGX_RETURN_IF_ERROR(CheckShape(target, meta_name, meta_dims, {rows, nb, 2},
+                                   "[R, nb, 2] = " + ShapeString({rows, nb, 2}) + note));
+    return CheckShape(target, payload_name, payload_dims, {rows, p},
+                      "[R, P] = " + ShapeString({rows, p}) + note);
+  }
+  CGX_RETURN_IF_ERROR(CheckShape(target, meta_name, meta_dims, {rows, inputs, nb, 2},
+                                 "[R, W, nb, 2] = " + ShapeString({rows, inputs, nb, 2}) + note));
+  return CheckShape(target, payload_name, payload_dims, {rows, inputs, p},
+                    "[R, W, P] = " + ShapeString({rows, inputs, p}) + note);
+}
+
+}  // namespace jax_cgx::ffi_support
+
+#endif  // JAX_CGX_XLA_FFI_FFI_SUPPORT_H_
