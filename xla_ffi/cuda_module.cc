@@ -1,7 +1,7 @@
 // Python module jax_cgx._cuda: exports the CUDA FFI handlers as capsules, keyed
 // by target name, for jax.ffi.register_ffi_target(..., platform="CUDA"), and,
 // when built with NCCL headers, the communicator management that
-// jax_cgx/nccl.py drives.
+// jax_cgx/nccl/ drives.
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/tuple.h>

@@ -2,7 +2,7 @@
 //
 // jax_cgx compiles against nccl.h (for its types) but does not link libnccl:
 // `import jax_cgx` must work on machines without NCCL or without a GPU. The
-// Python side (jax_cgx/nccl.py) finds the library (the nvidia-nccl-cu13 wheel
+// Python side (jax_cgx/nccl/) finds the library (the nvidia-nccl-cu13 wheel
 // that jax[cuda13] installs, or the system's) and calls LoadNccl once; every
 // NCCL call then goes through the function table returned by Nccl().
 #ifndef JAX_CGX_XLA_FFI_NCCL_API_H_

@@ -19,7 +19,7 @@ using Key = std::pair<int64_t, int>;
 
 std::shared_mutex g_mu;
 // Never destroyed: at interpreter exit NCCL may be gone before static
-// destructors run; jax_cgx/nccl.py aborts the communicators from atexit.
+// destructors run; jax_cgx/nccl/ aborts the communicators from atexit.
 auto* g_comms = new std::map<Key, std::shared_ptr<Communicator>>();
 
 std::string CudaText(const char* what, cudaError_t err) {

@@ -2,7 +2,7 @@
 // ordinal).
 //
 // A "family" is the set of reduction groups of one reduction over some mesh
-// axes (jax_cgx/nccl.py computes its key); each local device belongs to one
+// axes (jax_cgx/nccl/ computes its key); each local device belongs to one
 // group of a family, so (key, ordinal) names one communicator. The FFI handler
 // finds its communicator from the key attribute and the DeviceOrdinal context.
 // Each communicator owns a side stream for its NCCL operations and events that
