@@ -114,7 +114,7 @@ def main() -> None:
     from jax_cgx import nccl
 
     fake = FakeNccl(uid_prefix=f"p{pid}".encode())
-    nccl._binding = lambda: fake
+    nccl.library.binding = lambda: fake
     devices = [FakeDevice(d.id, d.process_index, d.local_hardware_id) for d in jax.devices()]
     world = len(devices)
     mesh = fake_mesh((nproc, world // nproc), ("p", "l"), devices)  # rank 0 of every group on process 0

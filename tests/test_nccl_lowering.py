@@ -14,6 +14,7 @@ import jax_cgx
 from jax_cgx import CompressionConfig, nccl
 from jax_cgx.codec import kernels as _ffi
 from jax_cgx.nccl import lowering as _nccl_lowering
+from jax_cgx.nccl import registry
 
 pytestmark = pytest.mark.skipif(
     not (_ffi.cuda_extension_available() and _ffi._cuda.nccl_compiled()),
@@ -38,9 +39,9 @@ def _lower(config, n=10_001, rows=None, monkeypatch=None, key=None):
 @pytest.fixture
 def communicators(monkeypatch):
     """Pretend jax_cgx.nccl.setup ran: lookups find family key 1234."""
-    monkeypatch.setattr(nccl, "lookup", lambda mesh, axes: 1234)
+    monkeypatch.setattr(registry, "lookup", lambda mesh, axes: 1234)
     monkeypatch.setattr(
-        nccl, "select_backend", lambda req, plat, mesh, axes: ("xla", "requested") if req == "xla" else ("nccl", "test")
+        registry, "select_backend", lambda req, plat, mesh, axes: ("xla", "requested") if req == "xla" else ("nccl", "test")
     )
 
 

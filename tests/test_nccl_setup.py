@@ -1,6 +1,6 @@
 """jax_cgx.nccl on CPU: groups and keys, and setup/lookup/select_backend over a fake binding.
 
-Real NCCL is not needed: jax_cgx.nccl._binding is replaced by tests/nccl_worker.FakeNccl
+Real NCCL is not needed: jax_cgx.nccl.library.binding is replaced by tests/nccl_worker.FakeNccl
 and meshes are made of FakeDevice GPUs, except where the point is jax's own numbering.
 """
 
@@ -21,6 +21,7 @@ from processes import run_all
 
 from jax_cgx import nccl
 from jax_cgx.launch import free_port
+from jax_cgx.nccl import library, lifecycle, registry, unique_ids
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 from nccl_worker import FakeDevice, FakeNccl, fake_mesh  # noqa: E402
@@ -31,19 +32,19 @@ WORKER = pathlib.Path(__file__).parent / "nccl_worker.py"
 @pytest.fixture(autouse=True)
 def clean_state(monkeypatch):
     """Every test starts with no communicators and no loaded library, and leaves none."""
-    monkeypatch.setattr(nccl, "_registry", {})
-    monkeypatch.setattr(nccl, "_generations", {})
-    monkeypatch.setattr(nccl, "_loaded", None)
-    monkeypatch.setattr(nccl, "_atexit_registered", True)  # tests register no exit hooks
+    registry.reset()
+    monkeypatch.setattr(library, "_loaded", None)
+    monkeypatch.setattr(lifecycle, "_atexit_registered", True)  # tests register no exit hooks
     monkeypatch.delenv(nccl.LIBRARY_ENV, raising=False)
     monkeypatch.delenv(nccl.TIMEOUT_ENV, raising=False)
     yield
+    registry.reset()
 
 
 @pytest.fixture
 def fake(monkeypatch):
     binding = FakeNccl()
-    monkeypatch.setattr(nccl, "_binding", lambda: binding)
+    monkeypatch.setattr(library, "binding", lambda: binding)
     return binding
 
 
@@ -235,20 +236,20 @@ def test_setup_init_failure_aborts_the_family(fake):
 def test_at_exit_aborts(fake):
     mesh = fake_mesh((8,), ("x",))
     nccl.setup(mesh)
-    nccl._at_exit()
+    lifecycle._at_exit()
     assert fake.destroys == [(-1, True)] and fake.comms == {}
     assert nccl.lookup(mesh, "x") is None
-    nccl._at_exit()  # nothing left: no call
+    lifecycle._at_exit()  # nothing left: no call
     assert fake.destroys == [(-1, True)]
 
 
 def test_atexit_registered_once(fake, monkeypatch):
     hooks = []
-    monkeypatch.setattr(nccl, "_atexit_registered", False)
-    monkeypatch.setattr(nccl.atexit, "register", hooks.append)
+    monkeypatch.setattr(lifecycle, "_atexit_registered", False)
+    monkeypatch.setattr(lifecycle.atexit, "register", hooks.append)
     nccl.setup(fake_mesh((8,), ("x",)))
     nccl.setup(fake_mesh((2, 4), ("a", "b")))
-    assert hooks == [nccl._at_exit]
+    assert hooks == [lifecycle._at_exit]
 
 
 def test_teardown_all_with_abort(fake):
@@ -274,7 +275,7 @@ def test_library_candidates(monkeypatch, tmp_path):
 
 
 def test_load_tries_candidates_and_caches(fake, monkeypatch, caplog):
-    monkeypatch.setattr(nccl, "library_candidates", lambda: ["/bad/libnccl.so.2", "/wheel/libnccl.so.2", ""])
+    monkeypatch.setattr(library, "library_candidates", lambda: ["/bad/libnccl.so.2", "/wheel/libnccl.so.2", ""])
     monkeypatch.setenv(nccl.LIBRARY_ENV, "/bad/libnccl.so.2")
     fake.fail_paths = {"/bad/libnccl.so.2"}
     with caplog.at_level(logging.WARNING, logger="jax_cgx"):
@@ -285,7 +286,7 @@ def test_load_tries_candidates_and_caches(fake, monkeypatch, caplog):
 
 
 def test_load_not_found(fake, monkeypatch):
-    monkeypatch.setattr(nccl, "library_candidates", lambda: ["/x/libnccl.so.2", ""])
+    monkeypatch.setattr(library, "library_candidates", lambda: ["/x/libnccl.so.2", ""])
     fake.fail_paths = "all"
     with pytest.raises(nccl.NcclNotFoundError) as err:
         nccl.load()
@@ -297,10 +298,10 @@ def test_load_not_found(fake, monkeypatch):
 
 
 def test_load_without_extension_or_nccl(monkeypatch):
-    monkeypatch.setattr(nccl, "_binding", lambda: None)
+    monkeypatch.setattr(library, "binding", lambda: None)
     with pytest.raises(nccl.NcclNotFoundError, match=r"lacks.*JAX_CGX_CUDA=ON pip install \."):
         nccl.load()
-    monkeypatch.setattr(nccl, "_binding", lambda: FakeNccl(compiled=False))
+    monkeypatch.setattr(library, "binding", lambda: FakeNccl(compiled=False))
     with pytest.raises(nccl.NcclNotFoundError, match="built without NCCL.*nvidia-nccl-cu13.*NCCL_HOME"):
         nccl.load()
     assert nccl.communicators() == []
@@ -359,7 +360,7 @@ def test_select_backend_rules(fake, monkeypatch, caplog):
     assert sel("auto", "cuda", mesh, "a") == ("xla", "jax_cgx's CUDA extension has no NCCL support")
     with pytest.raises(nccl.NcclNotFoundError, match="built without NCCL"):
         sel("nccl", "cuda", mesh, "a")
-    monkeypatch.setattr(nccl, "_binding", lambda: None)
+    monkeypatch.setattr(library, "binding", lambda: None)
     assert sel("auto", "cuda", mesh, "a")[0] == "xla"
     with pytest.raises(nccl.NcclNotFoundError, match="JAX_CGX_CUDA=ON"):
         sel("nccl", "cuda", mesh, "a")
@@ -385,7 +386,7 @@ class FakeKV:
 def _as_process(monkeypatch, index, count, kv):
     monkeypatch.setattr(jax, "process_index", lambda: index)
     monkeypatch.setattr(jax, "process_count", lambda: count)
-    monkeypatch.setattr(nccl, "_kv_client", lambda: kv)
+    monkeypatch.setattr(unique_ids, "_kv_client", lambda: kv)
 
 
 def test_kv_exchange_in_one_process(monkeypatch):
@@ -396,7 +397,7 @@ def test_kv_exchange_in_one_process(monkeypatch):
     fakes = [FakeNccl(uid_prefix=b"p0"), FakeNccl(uid_prefix=b"p1")]
 
     # Process 1 first: process 0 has published nothing yet.
-    monkeypatch.setattr(nccl, "_binding", lambda: fakes[1])
+    monkeypatch.setattr(library, "binding", lambda: fakes[1])
     _as_process(monkeypatch, 1, 2, kv)
     monkeypatch.setenv(nccl.TIMEOUT_ENV, "0.25")
     with pytest.raises(nccl.NcclError, match=r"timed out after 0.25 s waiting for process 0 .*axes=\('p',\) "
@@ -404,15 +405,14 @@ def test_kv_exchange_in_one_process(monkeypatch):
         nccl.setup(mesh)
 
     _as_process(monkeypatch, 0, 2, kv)
-    monkeypatch.setattr(nccl, "_binding", lambda: fakes[0])
+    monkeypatch.setattr(library, "binding", lambda: fakes[0])
     nccl.setup(mesh)
     assert len(kv.store) == 2 + 1  # groups of 'p' (2) and of ('p', 'l') (1) span processes; 'l' ones do not
     assert all(k.startswith("jax_cgx/nccl/uid/") and "/0/" in k for k in kv.store)
 
-    monkeypatch.setattr(nccl, "_registry", {})
-    monkeypatch.setattr(nccl, "_generations", {})
+    registry.reset()  # a fresh process
     _as_process(monkeypatch, 1, 2, kv)
-    monkeypatch.setattr(nccl, "_binding", lambda: fakes[1])
+    monkeypatch.setattr(library, "binding", lambda: fakes[1])
     nccl.setup(mesh)
     by_group = [{c["description"]: c for c in f.inits} for f in fakes]
     shared = set(by_group[0]) & set(by_group[1])
@@ -504,23 +504,22 @@ def test_mpi_exchange_in_one_process(monkeypatch):
     comm0 = FakeComm(2, lambda obj: [obj, (1, {})])
     _fake_mpi(monkeypatch, comm0)
     _as_process(monkeypatch, 0, 2, None)
-    monkeypatch.setattr(nccl, "_binding", lambda: fakes[0])
+    monkeypatch.setattr(library, "binding", lambda: fakes[0])
     nccl.setup(mesh)
     assert len(comm0.sent) == 1  # one collective for every group
 
-    monkeypatch.setattr(nccl, "_registry", {})
-    monkeypatch.setattr(nccl, "_generations", {})
+    registry.reset()  # a fresh process
     comm1 = FakeComm(2, lambda obj: [comm0.sent[0], obj])
     _fake_mpi(monkeypatch, comm1)
     _as_process(monkeypatch, 1, 2, None)
-    monkeypatch.setattr(nccl, "_binding", lambda: fakes[1])
+    monkeypatch.setattr(library, "binding", lambda: fakes[1])
     nccl.setup(mesh, id_exchange="mpi")
     by_group = [{c["description"]: c["uid"] for c in f.inits} for f in fakes]
     shared = set(by_group[0]) & set(by_group[1])
     assert len(shared) == 3 and all(by_group[0][d] == by_group[1][d] for d in shared)
 
     # jax process indices that are not the MPI ranks, and a world of another size
-    monkeypatch.setattr(nccl, "_registry", {})
+    registry.reset()
     _fake_mpi(monkeypatch, FakeComm(2, lambda obj: [obj, (0, {})]))
     with pytest.raises(nccl.NcclError, match=r"MPI ranks 0..1 are jax processes \[1, 0\]"):
         nccl.setup(mesh)

@@ -23,10 +23,10 @@ import numpy as np
 from jax.extend.core import Primitive
 from jax.interpreters import mlir
 
-from jax_cgx import nccl
 from jax_cgx.codec import kernels
 from jax_cgx.collectives import primitive
 from jax_cgx.config import ALGORITHMS
+from jax_cgx.nccl import registry
 
 __all__ = ["nccl_allreduce_p", "workspace_bytes"]
 
@@ -86,12 +86,12 @@ def _context_mesh(ctx):
 
 def _lower_cuda(ctx, x, seeds, valid, *, backend, axes, world, chunk, bits, bucket_size, stochastic, impl,
                 algorithm, segments):
-    choice, _ = nccl.select_backend(backend, "cuda", _context_mesh(ctx), axes)
+    choice, _ = registry.select_backend(backend, "cuda", _context_mesh(ctx), axes)
     params = dict(axes=axes, world=world, chunk=chunk, bits=bits, bucket_size=bucket_size,
                   stochastic=stochastic, impl=impl, algorithm=algorithm, segments=segments)
     if choice != "nccl":
         return primitive.lower_xla(ctx, x, seeds, valid, backend="xla", **params)
-    key = nccl.lookup(_context_mesh(ctx), axes)
+    key = registry.lookup(_context_mesh(ctx), axes)
 
     def rows(x, seeds, valid):
         row = functools.partial(

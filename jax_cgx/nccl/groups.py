@@ -1,0 +1,165 @@
+"""Reduction groups and family keys: which devices reduce together, and the key naming them.
+
+A *reduction group* of a reduction over mesh axes ``axes`` is the set of devices that
+share all other mesh coordinates; a *family* is all groups of one ``(mesh, axes)``, named
+by one :func:`family_key`. Everything here is pure: it reads meshes, never NCCL.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import itertools
+import json
+from typing import Any
+
+import jax
+import numpy as np
+
+from jax_cgx.nccl.library import NcclError
+
+__all__ = [
+    "KV_PREFIX",
+    "PlannedGroup",
+    "families",
+    "family_key",
+    "groups",
+    "groups_array",
+    "key_of",
+    "mesh_ident",
+    "mesh_parts",
+    "normalize_axes",
+]
+
+# Key-value store keys of the unique ids: <prefix>/<family key>/<generation>/<group index>.
+KV_PREFIX = "jax_cgx/nccl/uid"
+
+
+def mesh_parts(mesh) -> tuple[np.ndarray, tuple[str, ...]]:
+    """A concrete mesh's device array and axis names (anything with ``devices``/``axis_names``)."""
+    if isinstance(mesh, jax.sharding.AbstractMesh):
+        raise TypeError(
+            f"jax_cgx.nccl: {mesh!r} is an AbstractMesh, which has no devices; pass the concrete "
+            "jax.sharding.Mesh the program runs on"
+        )
+    devices = np.asarray(mesh.devices, dtype=object)
+    names = tuple(mesh.axis_names)
+    if devices.ndim != len(names):
+        raise ValueError(f"jax_cgx.nccl: mesh devices of shape {devices.shape} do not match axes {names}")
+    return devices, names
+
+
+def normalize_axes(axes, names: tuple[str, ...]) -> tuple[str, ...]:
+    """``axes`` (a name or names) as a tuple of ``names``' axes, each once, or ValueError."""
+    tup = (axes,) if isinstance(axes, str) else tuple(axes)
+    if not tup:
+        raise ValueError("jax_cgx.nccl: a reduction needs at least one mesh axis; got ()")
+    unknown = [a for a in tup if a not in names]
+    if unknown:
+        raise ValueError(f"jax_cgx.nccl: axes {unknown} are not axes of the mesh (its axes: {names})")
+    if len(set(tup)) != len(tup):
+        raise ValueError(f"jax_cgx.nccl: axes {tup} name an axis twice")
+    return tup
+
+
+def groups_array(devices: np.ndarray, names: tuple[str, ...], axes: tuple[str, ...]) -> np.ndarray:
+    """[group, rank] array of devices: other axes (mesh order) major, then ``axes`` in given order."""
+    other = [i for i, n in enumerate(names) if n not in axes]
+    reduced = [names.index(a) for a in axes]
+    world = int(np.prod([devices.shape[i] for i in reduced], dtype=np.int64))
+    return devices.transpose(other + reduced).reshape(-1, world)
+
+
+def groups(mesh, axes) -> list[list[Any]]:
+    """The reduction groups of a reduction over ``axes`` (a name or tuple of names of ``mesh``).
+
+    A group is the devices sharing all other mesh coordinates. Within a group, position
+    is rank: the linear index over ``axes`` in the given order, first axis major, which
+    is what ``lax.axis_index(axes)`` returns inside ``shard_map``. Groups are ordered by
+    their other coordinates, in mesh order.
+    """
+    devices, names = mesh_parts(mesh)
+    return [list(g) for g in groups_array(devices, names, normalize_axes(axes, names))]
+
+
+def mesh_ident(devices: np.ndarray, names: tuple[str, ...]) -> tuple:
+    """What tells meshes apart: device ids in mesh order, axis names, shape."""
+    return (tuple(int(d.id) for d in devices.flat), names, tuple(int(s) for s in devices.shape))
+
+
+def key_of(ident: tuple, axes: tuple[str, ...]) -> int:
+    """:func:`family_key` from a :func:`mesh_ident` and normalized axes."""
+    ids, names, shape = ident
+    blob = json.dumps({"devices": list(ids), "names": list(names), "shape": list(shape), "axes": list(axes)},
+                      separators=(",", ":"))
+    digest = hashlib.blake2b(blob.encode(), digest_size=8, person=b"jax_cgx.nccl").digest()
+    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
+
+
+def family_key(mesh, axes) -> int:
+    """A stable non-negative 63-bit key of the reductions over ``axes`` on ``mesh``.
+
+    Hashes (blake2b) the mesh's device ids in mesh order, its axis names and shape, and
+    the axes tuple: equal on every process and across runs. Every group of the family
+    shares it; the C++ registry tells groups apart by device ordinal.
+    """
+    devices, names = mesh_parts(mesh)
+    return key_of(mesh_ident(devices, names), normalize_axes(axes, names))
+
+
+def families(names: tuple[str, ...], axes) -> list[tuple[str, ...]]:
+    """The axes tuples :func:`jax_cgx.nccl.setup`'s ``axes`` argument names, in order, once each."""
+    if axes is None:
+        return [c for r in range(1, len(names) + 1) for c in itertools.combinations(names, r)]
+    if isinstance(axes, str) or (isinstance(axes, tuple) and all(isinstance(a, str) for a in axes)):
+        axes = [axes]  # one reduction, as in psum(x, axis_name)
+    out: list[tuple[str, ...]] = []
+    for a in axes:
+        tup = normalize_axes(a, names)
+        if tup not in out:
+            out.append(tup)
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class PlannedGroup:
+    """One group of a family :func:`jax_cgx.nccl.setup` is about to create."""
+
+    axes: tuple[str, ...]
+    key: int
+    generation: int
+    index: int
+    count: int
+    devices: tuple[Any, ...]  # rank order
+
+    @property
+    def world(self) -> int:
+        return len(self.devices)
+
+    @property
+    def root_process(self) -> int:
+        return int(self.devices[0].process_index)
+
+    @property
+    def processes(self) -> frozenset[int]:
+        return frozenset(int(d.process_index) for d in self.devices)
+
+    @property
+    def description(self) -> str:
+        ids = [int(d.id) for d in self.devices]
+        return f"jax_cgx axes={self.axes!r} group {self.index} of {self.count}, devices {ids}"
+
+    @property
+    def kv_key(self) -> str:
+        return f"{KV_PREFIX}/{self.key:016x}/{self.generation}/{self.index}"
+
+    def members(self, process: int) -> list[tuple[int, int]]:
+        """``[(CUDA ordinal, rank)]`` of this group's devices that ``process`` owns."""
+        out = []
+        for rank, d in enumerate(self.devices):
+            if int(d.process_index) == process:
+                ordinal = getattr(d, "local_hardware_id", None)
+                if ordinal is None:
+                    raise NcclError(f"jax_cgx.nccl: device {d!r} has no local_hardware_id (CUDA ordinal)")
+                out.append((int(ordinal), rank))
+        return out

@@ -1,0 +1,176 @@
+"""This process's communicator families, and the choice of backend they decide.
+
+The registry maps a mesh (:func:`~jax_cgx.nccl.groups.mesh_ident`) to the families whose
+communicators :func:`jax_cgx.nccl.setup` created here (axes tuple -> family key), and
+counts how often each family was created (the *generation*, part of the key-value store
+keys, so a setup after a teardown gets fresh unique ids). :func:`select_backend` reads
+it at lowering time; setup and teardown write it holding :data:`lock`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import NamedTuple
+
+import jax
+
+from jax_cgx.config import BACKENDS
+from jax_cgx.nccl import library
+from jax_cgx.nccl.groups import mesh_ident, mesh_parts, normalize_axes
+from jax_cgx.nccl.library import NcclError
+
+__all__ = ["CommunicatorInfo", "communicators", "lock", "lookup", "select_backend"]
+
+log = logging.getLogger("jax_cgx")
+
+lock = threading.RLock()
+# mesh ident -> {axes tuple: family key}, for families whose communicators exist here.
+_families: dict[tuple, dict[tuple[str, ...], int]] = {}
+# family key -> how many times this process created it.
+_generations: dict[int, int] = {}
+
+
+# ------------------------------------------------------------- writing (callers hold `lock`)
+
+
+def families_of(ident: tuple) -> dict[tuple[str, ...], int]:
+    """The families set up for a mesh: axes tuple -> key (empty when none)."""
+    return dict(_families.get(ident, {}))
+
+
+def generation(key: int) -> int:
+    """How many times this process created family ``key``."""
+    return _generations.get(key, 0)
+
+
+def advance_generation(key: int) -> None:
+    _generations[key] = generation(key) + 1
+
+
+def record(ident: tuple, axes: tuple[str, ...], key: int) -> None:
+    """Family ``key`` of ``axes`` on mesh ``ident`` has its communicators here."""
+    _families.setdefault(ident, {})[axes] = key
+
+
+def forget(ident: tuple | None = None) -> None:
+    """Forget the families of mesh ``ident`` (all when None); generations are kept."""
+    if ident is None:
+        _families.clear()
+    else:
+        _families.pop(ident, None)
+
+
+def empty() -> bool:
+    return not _families
+
+
+def reset() -> None:
+    """Forget everything, generations included: a fresh process (for tests)."""
+    _families.clear()
+    _generations.clear()
+
+
+# ------------------------------------------------------------- reading
+
+def lookup(mesh, axes) -> int | None:
+    """The family key when :func:`jax_cgx.nccl.setup` created communicators for ``(mesh, axes)`` here.
+
+    ``mesh`` may be a concrete ``jax.sharding.Mesh`` or an ``AbstractMesh``; an abstract
+    mesh matches the registered meshes with the same axis names and sizes, and gives a
+    key only when exactly one matches. ``None`` when there is no such family.
+    """
+    return _lookup(mesh, axes)[0]
+
+
+def _lookup(mesh, axes) -> tuple[int | None, str]:
+    """(key or None, why not)."""
+    if mesh is None:
+        return None, "no mesh (the reduction is not inside shard_map over a mesh)"
+    with lock:
+        if isinstance(mesh, jax.sharding.AbstractMesh):
+            names = tuple(mesh.axis_names)
+            sizes = tuple(int(s) for s in mesh.axis_sizes)
+            matches = [fams for (ids, n, shape), fams in _families.items() if n == names and shape == sizes]
+            if not matches:
+                return None, "no communicators for this mesh"
+            if len(matches) > 1:
+                return None, (f"{len(matches)} meshes with axes {dict(zip(names, sizes))} have communicators "
+                              "and the abstract mesh cannot tell them apart")
+            fams = matches[0]
+        else:
+            try:
+                devices, names = mesh_parts(mesh)
+            except (TypeError, ValueError, AttributeError) as err:
+                return None, f"not a mesh ({err})"
+            fams = _families.get(mesh_ident(devices, names))
+            if fams is None:
+                return None, "no communicators for this mesh"
+        try:
+            tup = normalize_axes(axes, names)
+        except ValueError as err:
+            return None, str(err)
+        key = fams.get(tup)
+        if key is None:
+            return None, f"communicators exist for this mesh, but not for axes {tup} (set up: {sorted(fams)})"
+        return key, ""
+
+
+def select_backend(requested: str, platform: str, mesh, axes) -> tuple[str, str]:
+    """Which backend runs a compressed reduction over ``axes`` of ``mesh``: ``(backend, reason)``.
+
+    ``requested`` is ``CompressionConfig.backend`` ("auto", "xla" or "nccl"), ``platform``
+    the lowering platform ("cuda", "cpu", ...). ``"nccl"`` raises :class:`NcclError` when it
+    cannot be honoured; ``"auto"`` picks ``"nccl"`` only on CUDA with NCCL compiled in and
+    communicators set up for ``(mesh, axes)``.
+    """
+    if requested not in BACKENDS:
+        raise ValueError(f"jax_cgx: backend must be one of {BACKENDS}, got {requested!r}")
+    choice = _select(requested, platform, mesh, axes)
+    log.debug("jax_cgx: backend %s for axes %r on %s (requested %s): %s", choice[0], axes, platform, requested,
+              choice[1])
+    return choice
+
+
+def _select(requested: str, platform: str, mesh, axes) -> tuple[str, str]:
+    if requested == "xla":
+        return "xla", "requested"
+    if platform != "cuda":
+        if requested == "nccl":
+            raise NcclError(
+                f"jax_cgx: backend='nccl' runs on CUDA GPUs only, but this computation is lowered for "
+                f"{platform!r}. Use backend='auto' (nccl where available, else xla) or backend='xla'."
+            )
+        return "xla", f"platform is {platform}"
+    if not library.compiled():
+        if requested == "nccl":
+            library.require_binding()  # raises with the rebuild hint
+        return "xla", "jax_cgx's CUDA extension has no NCCL support"
+    key, why = _lookup(mesh, axes)
+    if key is not None:
+        return "nccl", f"communicators set up for axes {axes!r} on this mesh"
+    if requested == "nccl":
+        raise NcclError(
+            f"jax_cgx: backend='nccl': no NCCL communicator for axes {axes!r} of mesh {mesh!r} ({why}); "
+            "call jax_cgx.nccl.setup(mesh) (on every process, before the first call of the compiled "
+            "function), or use backend='auto' or 'xla'."
+        )
+    return "xla", f"{why}; call jax_cgx.nccl.setup(mesh) to use nccl"
+
+
+
+class CommunicatorInfo(NamedTuple):
+    """One communicator registered in the CUDA extension (see :func:`communicators`)."""
+
+    key: int
+    ordinal: int
+    rank: int
+    world: int
+    description: str
+
+
+def communicators() -> list[CommunicatorInfo]:
+    """Every communicator registered in the CUDA extension (empty without NCCL support)."""
+    if not library.compiled():
+        return []
+    return [CommunicatorInfo(*row) for row in library.binding().nccl_communicators()]
