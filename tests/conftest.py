@@ -1,13 +1,22 @@
-"""Test setup: 8 virtual CPU devices, and skipping of `gpu` tests where no GPU is present."""
+"""Test setup: 8 virtual CPU devices, skipping of `gpu` tests where no GPU is present, and
+tests/support (shared cases, bitwise comparison, worker scripts) on sys.path.
+
+The folders mirror the package (codec/, collectives/, nccl/, optax/, runtime/, bench/);
+test file names stay unique across them (pytest's default import mode needs that).
+"""
 
 import os
+import pathlib
+import sys
 
 # Must happen before jax initializes its backends.
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import jax  # noqa: E402
-import numpy as np  # noqa: E402
 import pytest  # noqa: E402
+
+SUPPORT = pathlib.Path(__file__).resolve().parent / "support"
+sys.path.insert(0, str(SUPPORT))
 
 
 def _has_gpu() -> bool:
@@ -24,43 +33,6 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
-
-
-def same_bits(a, b) -> bool:
-    """Bitwise equality, counting any two NaNs as equal (NaN payloads are unspecified)."""
-    a, b = np.asarray(a), np.asarray(b)
-    if a.shape != b.shape or a.dtype != b.dtype:
-        return False
-    if a.dtype.kind == "f" or a.dtype.name == "bfloat16":
-        nan_a, nan_b = np.isnan(a.astype(np.float32)), np.isnan(b.astype(np.float32))
-        if not np.array_equal(nan_a, nan_b):
-            return False
-        view = {2: np.uint16, 4: np.uint32}[a.dtype.itemsize]
-        return np.array_equal(a.view(view)[~nan_a], b.view(view)[~nan_b])
-    return np.array_equal(a, b)
-
-
-def assert_same_bits(a, b, what: str = "") -> None:
-    a, b = np.asarray(a), np.asarray(b)
-    if same_bits(a, b):
-        return
-    if a.shape != b.shape or a.dtype != b.dtype:
-        raise AssertionError(f"{what}: {a.shape}/{a.dtype} vs {b.shape}/{b.dtype}")
-    flat_a, flat_b = a.reshape(-1), b.reshape(-1)
-    bad = np.flatnonzero(~_elementwise_same(flat_a, flat_b))
-    i = bad[0]
-    raise AssertionError(
-        f"{what}: {bad.size} of {flat_a.size} elements differ; first at {i}: "
-        f"{flat_a[i]!r} vs {flat_b[i]!r}"
-    )
-
-
-def _elementwise_same(a, b):
-    if a.dtype.kind == "f" or a.dtype.name == "bfloat16":
-        fa, fb = a.astype(np.float32), b.astype(np.float32)
-        view = {2: np.uint16, 4: np.uint32}[a.dtype.itemsize]
-        return (np.isnan(fa) & np.isnan(fb)) | (a.view(view) == b.view(view))
-    return a == b
 
 
 # Scripts the tests start in other processes; none may outlive the test session.

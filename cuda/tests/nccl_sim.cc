@@ -5,7 +5,7 @@
 // must not change); scalar codec stubs that honour RowLayout (index_base included);
 // every access bounds-checked against exact-size allocations. The output of every
 // rank is compared bitwise with a whole-chunk transcription of sra_rows / ring_rows.
-// Built and run by tests/test_nccl_simulated.py (with ASan/UBSan).
+// Built and run by tests/nccl/test_nccl_simulated.py (with ASan/UBSan).
 #include <cuda_runtime_api.h>
 #include <nccl.h>
 

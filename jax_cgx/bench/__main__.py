@@ -2,7 +2,7 @@
 
 import argparse
 
-from jax_cgx.bench import allreduce, codec, cost_model
+from jax_cgx.bench import allreduce, codec, cost_model, phases
 
 
 def main(argv=None) -> None:
@@ -20,6 +20,10 @@ def main(argv=None) -> None:
                        description=cost_model.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     cost_model.add_arguments(p)
     p.set_defaults(run=cost_model.main)
+    p = sub.add_parser("phases", help="each phase of one compressed all-reduce timed alone",
+                       description=phases.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    phases.add_arguments(p)
+    p.set_defaults(run=phases.main)
     args = parser.parse_args(argv)
     args.run(args)
 

@@ -1,6 +1,6 @@
 """The CUDA lowering of compressed_psum: the nccl backend's custom call, checked by
 cross-lowering on a machine without a GPU (the custom call itself runs in
-tests/test_nccl_gpu.py)."""
+tests/nccl/test_nccl_gpu.py)."""
 
 import re
 

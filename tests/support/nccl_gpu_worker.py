@@ -1,6 +1,6 @@
-"""One process of the one-GPU multi-rank NCCL test (tests/test_nccl_gpu.py).
+"""One process of the one-GPU multi-rank NCCL test (tests/nccl/test_nccl_gpu.py).
 
-    python tests/nccl_gpu_worker.py PROCESS_ID NUM_PROCESSES PORT OUT_DIR [--cpu]
+    python tests/support/nccl_gpu_worker.py PROCESS_ID NUM_PROCESSES PORT OUT_DIR [--cpu]
 
 Every process drives the same GPU (device 0): NCCL accepts that when each process has
 its own NCCL_HOSTID (the parent sets it, with the socket transport on `lo`), which

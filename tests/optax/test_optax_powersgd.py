@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import assert_same_bits
+from bitwise import assert_same_bits
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 

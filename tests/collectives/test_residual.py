@@ -25,7 +25,7 @@ from allreduce_cases import (
     residual_identity_error,
     ring_oracle,
 )
-from conftest import assert_same_bits
+from bitwise import assert_same_bits
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 

@@ -17,7 +17,7 @@ from allreduce_cases import (
     ring_bound,
     ring_oracle,
 )
-from conftest import assert_same_bits
+from bitwise import assert_same_bits
 from jax.sharding import PartitionSpec as P
 
 import jax_cgx

@@ -1,7 +1,7 @@
 """The CUDA kernels' bodies, run on the CPU under cuda/tests/emu.h, against a scalar reference.
 
 No GPU needed, only nvcc (CI has it): this is how the CUDA code is tested on machines without a GPU.
-The GPU itself runs the same comparison in cuda/tests/device_test.cu and tests/test_codec_gpu.py.
+The GPU itself runs the same comparison in cuda/tests/device_test.cu and tests/codec/test_codec_gpu.py.
 """
 
 import pathlib
@@ -10,7 +10,7 @@ import subprocess
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 NVCC = shutil.which("nvcc")
 
 

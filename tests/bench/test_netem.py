@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-RUN_PY = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "netem" / "run.py"
+RUN_PY = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "netem" / "run.py"
 
 
 def _load():

@@ -7,8 +7,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from bitwise import assert_same_bits
 from codec_cases import BITS, BUCKETS, DTYPES, error_bound, roundtrip, sample, sum_plain, sum_requantize
-from conftest import assert_same_bits
 
 import jax_cgx
 from jax_cgx import CompressionConfig

@@ -12,15 +12,15 @@ import time
 import numpy as np
 import pytest
 from allreduce_cases import oracle
-from conftest import assert_same_bits
-from processes import run_all
+from bitwise import assert_same_bits
+from processes import SUPPORT, run_all
 
 from jax_cgx import CompressionConfig, distributed, launch
 from jax_cgx.distributed import detect
 from jax_cgx.launch import free_port
 
 pytestmark = pytest.mark.multiprocess
-CHECK = str(pathlib.Path(__file__).parent / "launch_check.py")
+CHECK = str(SUPPORT / "launch_check.py")
 LAUNCH = [sys.executable, "-m", "jax_cgx.launch"]
 
 

@@ -20,7 +20,7 @@ import pytest
 pytest.importorskip("optax")
 pytest.importorskip("sklearn")
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "examples"))
 
 import train_digits  # noqa: E402
 

@@ -8,7 +8,6 @@ single-program oracle of the algorithm.
 """
 
 import os
-import pathlib
 import sys
 
 import jax
@@ -16,18 +15,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from allreduce_cases import oracle, seed_rows
-from conftest import assert_same_bits
-from processes import run_all
+from bitwise import assert_same_bits
+from nccl_gpu_worker import CASES, DTYPES, inputs  # noqa: E402
+from processes import SUPPORT, run_all
 
 import jax_cgx
 from jax_cgx import testing
 from jax_cgx.collectives.chunks import chunk_length
 from jax_cgx.launch import free_port
 
-sys.path.insert(0, str(pathlib.Path(__file__).parent))
-from nccl_gpu_worker import CASES, DTYPES, inputs  # noqa: E402
-
-WORKER = pathlib.Path(__file__).parent / "nccl_gpu_worker.py"
+WORKER = SUPPORT / "nccl_gpu_worker.py"
 
 
 # XLA settings the nccl backend must work under: its custom calls run between XLA's own

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import assert_same_bits
+from bitwise import assert_same_bits
 from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P

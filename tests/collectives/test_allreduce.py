@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from allreduce_cases import W, exact_psum, mesh_1d, oracle, per_device, psum_1d, psum_1d_jit, sra_bound
-from conftest import assert_same_bits
+from bitwise import assert_same_bits
 from jax.sharding import PartitionSpec as P
 
 import jax_cgx

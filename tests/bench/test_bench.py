@@ -47,7 +47,7 @@ def test_allreduce_phases_on_two_processes(tmp_path):
     import subprocess
     import sys
 
-    root = pathlib.Path(__file__).resolve().parents[1]
+    root = pathlib.Path(__file__).resolve().parents[2]
     out = tmp_path / "phases.json"
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one CPU device per process
     proc = subprocess.run(

@@ -1,22 +1,19 @@
 """compressed_psum across 2 processes x 2 CPU devices (jax.distributed on 127.0.0.1, gloo)."""
 
-import pathlib
 import sys
 
 import jax
 import numpy as np
 import pytest
 from allreduce_cases import oracle, sra_bound
-from conftest import assert_same_bits
-from processes import run_all
+from bitwise import assert_same_bits
+from mp_worker import CASES, inputs  # noqa: E402
+from processes import SUPPORT, run_all
 
 from jax_cgx.launch import free_port
 
-sys.path.insert(0, str(pathlib.Path(__file__).parent))
-from mp_worker import CASES, inputs  # noqa: E402
-
 pytestmark = pytest.mark.multiprocess
-WORKER = pathlib.Path(__file__).parent / "mp_worker.py"
+WORKER = SUPPORT / "mp_worker.py"
 
 
 def test_two_processes_two_devices_each(tmp_path):

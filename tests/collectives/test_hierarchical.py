@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from allreduce_cases import mesh_2d, oracle, psum_grid, ring_bound, ring_oracle, sra_bound
-from conftest import assert_same_bits
+from bitwise import assert_same_bits
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 

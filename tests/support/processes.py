@@ -1,6 +1,10 @@
 """Running several test processes to completion, and never leaving one behind."""
 
+import pathlib
 import subprocess
+
+# The folder of the worker scripts the tests start (this one).
+SUPPORT = pathlib.Path(__file__).resolve().parent
 
 
 def run_all(commands, timeout: float, envs=None, **popen) -> list[tuple[int, str]]:

@@ -1,13 +1,12 @@
 """jax_cgx.nccl on CPU: groups and keys, and setup/lookup/select_backend over a fake binding.
 
-Real NCCL is not needed: jax_cgx.nccl.library.binding is replaced by tests/nccl_worker.FakeNccl
+Real NCCL is not needed: jax_cgx.nccl.library.binding is replaced by tests/support/nccl_worker.FakeNccl
 and meshes are made of FakeDevice GPUs, except where the point is jax's own numbering.
 """
 
 import itertools
 import json
 import logging
-import pathlib
 import sys
 import types
 
@@ -17,16 +16,14 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
-from processes import run_all
+from nccl_worker import FakeDevice, FakeNccl, fake_mesh  # noqa: E402
+from processes import SUPPORT, run_all
 
 from jax_cgx import nccl
 from jax_cgx.launch import free_port
 from jax_cgx.nccl import library, lifecycle, registry, unique_ids
 
-sys.path.insert(0, str(pathlib.Path(__file__).parent))
-from nccl_worker import FakeDevice, FakeNccl, fake_mesh  # noqa: E402
-
-WORKER = pathlib.Path(__file__).parent / "nccl_worker.py"
+WORKER = SUPPORT / "nccl_worker.py"
 
 
 @pytest.fixture(autouse=True)

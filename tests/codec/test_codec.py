@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from bitwise import assert_same_bits
 from codec_cases import (
     BITS,
     BUCKETS,
@@ -17,7 +18,6 @@ from codec_cases import (
     sum_plain,
     sum_requantize,
 )
-from conftest import assert_same_bits
 from hypothesis import given, settings
 from hypothesis import strategies as st
 

@@ -6,7 +6,7 @@ import numpy as np
 import optax
 import pytest
 from allreduce_cases import W, mesh_1d, oracle, residual_bound, ring_oracle
-from conftest import assert_same_bits
+from bitwise import assert_same_bits
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 

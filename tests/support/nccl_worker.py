@@ -1,7 +1,7 @@
 """Fakes of the NCCL binding and of GPU devices, and one process of the multi-process
-NCCL setup test (tests/test_nccl_setup.py).
+NCCL setup test (tests/nccl/test_nccl_setup.py).
 
-    python tests/nccl_worker.py PROCESS_ID NUM_PROCESSES PORT OUT_DIR
+    python tests/support/nccl_worker.py PROCESS_ID NUM_PROCESSES PORT OUT_DIR
 
 Each process has 2 CPU devices, dressed up as GPUs (FakeDevice); the fake binding makes
 unique ids that start with b"p<process>" and records every nccl_init. The worker writes

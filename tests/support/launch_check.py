@@ -1,6 +1,6 @@
 """A compressed_psum check for the launch tests: run under jax_cgx.launch or mpirun.
 
-    python tests/launch_check.py OUT_DIR [--fail-rank R] [--hang-rank R] [--exit R:STATUS:HOW:WHEN ...]
+    python tests/support/launch_check.py OUT_DIR [--fail-rank R] [--hang-rank R] [--exit R:STATUS:HOW:WHEN ...]
                                  [--catch-exit-rank R] [--linger-rank R] [--ignore-term-rank R]
                                  [--spawn-child]
                                  [--coordinator HOST:PORT --num-processes N --process-id I]

@@ -1,6 +1,6 @@
-"""One process of the multi-process all-reduce test (tests/test_multiprocess.py).
+"""One process of the multi-process all-reduce test (tests/runtime/test_multiprocess.py).
 
-    python tests/mp_worker.py PROCESS_ID NUM_PROCESSES PORT OUT_DIR
+    python tests/support/mp_worker.py PROCESS_ID NUM_PROCESSES PORT OUT_DIR
 
 Each process has 2 CPU devices; the mesh spans all processes' devices. Results of this
 process's devices are written to OUT_DIR/process<ID>.npz.
