@@ -116,9 +116,6 @@ def main(argv=None) -> list[dict]:
     args = parse_args(argv)
     if args.steps <= args.warmup:
         sys.exit(f"train_step: --steps {args.steps} must exceed --warmup {args.warmup}")
-    from jax_cgx.bench._memory import reuse_large_allocations
-
-    reuse_large_allocations()  # before jax starts its threads (jax_cgx/bench/_memory.py)
     jax_cgx.distributed.initialize()
     import jax
 

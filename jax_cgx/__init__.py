@@ -5,8 +5,13 @@ bit-identical pure-JAX reference, and a compressed all-reduce over XLA collectiv
 jax_cgx's own NCCL communicators (:mod:`jax_cgx.nccl`). See README.md and docs/.
 """
 
-from jax_cgx import distributed, nccl
-from jax_cgx.codec import (
+from jax_cgx import allocator
+
+# Before anything computes, so that XLA's threads are born on the main arena (jax_cgx/allocator.py).
+allocator.apply_default()
+
+from jax_cgx import distributed, nccl  # noqa: E402
+from jax_cgx.codec import (  # noqa: E402
     Quantized,
     cuda_extension_available,
     dequantize,
@@ -16,9 +21,9 @@ from jax_cgx.codec import (
     payload_bytes,
     quantize,
 )
-from jax_cgx.collectives import compressed_pmean, compressed_psum
-from jax_cgx.config import CompressionConfig
-from jax_cgx.nccl import lowering as _nccl_lowering  # noqa: F401  (registers the CUDA lowering rule)
+from jax_cgx.collectives import compressed_pmean, compressed_psum  # noqa: E402
+from jax_cgx.config import CompressionConfig  # noqa: E402
+from jax_cgx.nccl import lowering as _nccl_lowering  # noqa: E402, F401  (registers the CUDA lowering rule)
 
 __version__ = "0.1.0"
 
@@ -34,6 +39,7 @@ __all__ = [
     "num_buckets",
     "payload_bytes",
     "cuda_extension_available",
+    "allocator",
     "distributed",
     "nccl",
 ]

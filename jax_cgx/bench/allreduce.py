@@ -39,7 +39,6 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_cgx
-from jax_cgx.bench._memory import reuse_large_allocations
 from jax_cgx.bench._table import print_table, save
 from jax_cgx.collectives import bytes_on_wire
 
@@ -248,7 +247,6 @@ def plot(records: list[dict], path: str) -> None:
 
 
 def main(args: argparse.Namespace) -> None:
-    reuse_large_allocations()
     records = run(args)
     if jax.process_index() != 0:
         return

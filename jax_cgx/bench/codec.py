@@ -20,7 +20,6 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_cgx
-from jax_cgx.bench._memory import reuse_large_allocations
 from jax_cgx.bench._table import print_table, save
 
 
@@ -107,16 +106,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="ranks for the fused dequantize-sum-requantize (reduce) column, default 4")
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--output", help="also write the results to this .json or .csv file")
-    p.add_argument(
-        "--fresh-pages",
-        action="store_true",
-        help="keep glibc's default of fresh mmaps for large buffers (XLA:CPU outputs then "
-        "page-fault on every call; see jax_cgx/bench/_memory.py)",
-    )
 
 
 def main(args: argparse.Namespace) -> None:
-    reused = False if args.fresh_pages else reuse_large_allocations()
     records = run(args)
     rows = [
         [
@@ -137,7 +129,7 @@ def main(args: argparse.Namespace) -> None:
     title = (
         f"jax_cgx codec on {records[0]['platform']} ({args.dtype}, bucket {args.bucket_size}, "
         f"{'stochastic' if args.stochastic else 'nearest'}, impl={args.impl}, "
-        f"{'reused' if reused else 'fresh'} large buffers)"
+        f"{'reused' if jax_cgx.allocator.applied() else 'fresh'} large buffers)"
     )
     columns = ["MiB", "bits", "copy ms", "quant ms", "dequant ms", "quant GB/s", "dequant GB/s",
                f"reduce GB/s (W={args.world})", "quant/copy", "dequant/copy", "ratio"]

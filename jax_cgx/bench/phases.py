@@ -28,7 +28,6 @@ from jax.sharding import PartitionSpec as P
 
 import jax_cgx
 from jax_cgx import codec
-from jax_cgx.bench._memory import reuse_large_allocations
 from jax_cgx.bench._table import print_table, save
 from jax_cgx.bench.allreduce import median_time
 from jax_cgx.codec.quantized import META_BYTES
@@ -48,7 +47,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> dict:
-    reuse_large_allocations()  # before jax starts its threads (jax_cgx/bench/_memory.py)
     jax_cgx.distributed.initialize()
     devices = jax.devices()
     w = len(devices)

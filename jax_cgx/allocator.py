@@ -1,0 +1,86 @@
+"""Large host buffers from reused memory: jax_cgx's default on glibc, set when it is imported.
+
+glibc serves allocations above its mmap threshold (at most 32 MiB) with fresh ``mmap``s
+and returns them on free, so an XLA:CPU program whose output is 64 MiB page-faults all of
+it on every call (about 0.3 ms per MiB on our machines): a cost of the allocator, not of
+the computation. The same happens below the threshold on XLA's worker threads: glibc
+gives each thread its own arena, made of heaps of at most 64 MiB, and a request that does
+not fit one is served by ``mmap`` whatever the threshold. A training step on CPU allocates
+its gradients, fusion buffers and encodings afresh each step, so the faults show up as
+slow and uneven steps (docs/performance.md).
+
+:func:`reuse_large_allocations` raises the threshold to 1 GiB, keeps freed memory up to
+2 GiB in the process, and keeps every thread on the main arena, as
+``MALLOC_MMAP_THRESHOLD_=1073741824 MALLOC_TRIM_THRESHOLD_=2147483648 MALLOC_ARENA_MAX=1``
+would (``x * 2`` of 64 MiB under jit: 16384 page faults and 25-40 ms per call before; after, once the
+heap holds enough freed space (about 9 calls), none and 6-7 ms). ``import
+jax_cgx`` calls it once, which is early enough when jax_cgx is imported before the first
+computation (threads that already have their own arena keep it). The cost: the process
+keeps up to 2 GiB of freed memory instead of returning it to the system, and all threads
+share one arena. Opt out with ``JAX_CGX_REUSE_ALLOCATIONS=0`` in the environment; elsewhere
+than glibc nothing happens.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+import os
+
+__all__ = ["ENV", "apply_default", "applied", "reuse_large_allocations"]
+
+log = logging.getLogger("jax_cgx")
+
+ENV = "JAX_CGX_REUSE_ALLOCATIONS"
+
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_THRESHOLD = -3
+_M_ARENA_MAX = -8
+_applied = False
+
+
+def reuse_large_allocations(limit_bytes: int = 1 << 30) -> bool:
+    """Ask glibc to serve allocations below ``limit_bytes`` from its reusable heap.
+
+    Returns whether glibc took every setting (False elsewhere than glibc: nothing changed).
+    """
+    global _applied
+    if isinstance(limit_bytes, bool) or not isinstance(limit_bytes, int) or not 0 < limit_bytes <= 1 << 30:
+        raise ValueError(f"reuse_large_allocations: limit_bytes must be an int in 1..2**30, got {limit_bytes!r}")
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return False
+    try:
+        mallopt = ctypes.CDLL(name).mallopt
+    except (OSError, AttributeError):  # not glibc
+        return False
+    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+    mallopt.restype = ctypes.c_int
+    ok = (
+        bool(mallopt(_M_MMAP_THRESHOLD, limit_bytes))
+        and bool(mallopt(_M_TRIM_THRESHOLD, 2 * limit_bytes))
+        and bool(mallopt(_M_ARENA_MAX, 1))
+    )
+    _applied = _applied or ok
+    return ok
+
+
+def applied() -> bool:
+    """Whether this process reuses large allocations (set by jax_cgx or by a call here)."""
+    return _applied
+
+
+def apply_default(environ=None) -> bool:
+    """What ``import jax_cgx`` does: :func:`reuse_large_allocations` unless ``JAX_CGX_REUSE_ALLOCATIONS=0``."""
+    env = os.environ if environ is None else environ
+    raw = env.get(ENV, "1").strip().lower()
+    if raw not in ("0", "1", "false", "true", ""):
+        raise ValueError(f"{ENV}={env.get(ENV)!r} must be 1 (the default: reuse large allocations) or 0 (glibc's "
+                         "default of fresh mmaps)")
+    if raw in ("0", "false"):
+        log.debug("jax_cgx: %s=0, glibc's allocator left as it is", ENV)
+        return False
+    ok = reuse_large_allocations()
+    log.debug("jax_cgx: large allocations reused: %s", ok)
+    return ok
