@@ -1,16 +1,24 @@
-"""Training-step time of examples/train_charlm.py with each gradient compressor, side by side.
+"""Training-step time with each gradient compressor, side by side, against pmean and the ideal.
 
     python -m jax_cgx.launch -n 2 benchmarks/train_step.py                      # 2 processes, local links
-    python benchmarks/netem/run.py -p 2 --rate 1gbit --script benchmarks/train_step.py -- --steps 30
+    python benchmarks/netem/run.py -p 2 --rate 1gbit --script benchmarks/train_step.py -- --link-gbps 1
 
-Every process (one device each) trains the character transformer of examples/train_charlm.py,
-larger by default (d_model 256: 1.6 M parameters, 6.3 MiB of float32 gradients), once per
-compressor in ``--compressors``, in the same processes, one step of each in turn: the step
-times compare directly. A compressor is ``none`` (pmean), ``maxmin:BITS``, ``cast`` (bfloat16) or
-``powersgd:RANK``. Each run takes ``--steps`` steps from the same initialization and batches;
-the table gives the median step time without the first ``--warmup`` steps (compilation),
-the speedup over ``none``, the bytes one device sends per step and the mean training loss of
-the last 10 steps. With ``--output`` process 0 writes the rows as JSON (or CSV).
+Every process (one device each) trains one model once per compressor in ``--compressors``, in
+the same processes, one step of each in turn, so the step times compare directly. Models:
+
+- ``mlp`` (default): the communication-bound step of issue 20, an MLP 2048-2048x4-10 (16.8 M
+  parameters, 67 MB of float32 gradients) on random data, 16 samples per device, Adam 1e-3: the
+  size of the step PyTorch DDP's fp16 and PowerSGD hooks were measured on (docs/performance.md).
+- ``charlm``: the character transformer of examples/train_charlm.py (d_model 256: 1.6 M parameters).
+
+A compressor is ``none`` (pmean), ``maxmin:BITS``, ``cast`` (bfloat16) or ``powersgd:RANK``. Each
+takes ``--steps`` steps from the same initialization and batches; the table gives the median step
+time without the first ``--warmup`` steps (compilation), its spread (max / median), the speedup over
+``none``, the bytes one device sends per step and the mean training loss of the last 10 steps.
+The same step on one device alone, with no exchange, is timed too (``compute``): with
+``--link-gbps`` the table adds each compressor's *ideal*, compute + bytes sent / link rate (codec
+time counted as zero), and the step's share of it. With ``--output`` process 0 writes the rows as
+JSON (or CSV).
 """
 
 from __future__ import annotations
@@ -24,29 +32,38 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 
+# Issue 20's comm-bound step: 16.8 M parameters, 67 MB of float32 gradients (four 2048 x 2048 layers).
+MLP_SIZES = (2048, 2048, 2048, 2048, 2048, 10)
+
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", choices=("mlp", "charlm"), default="mlp", help="(default: %(default)s)")
     p.add_argument("--compressors", nargs="+", default=["none", "maxmin:4", "maxmin:8", "cast", "powersgd:2"],
                    help="none, maxmin:BITS, cast, powersgd:RANK (default: %(default)s)")
     p.add_argument("--steps", type=int, default=30, help="steps per compressor (default: %(default)s)")
     p.add_argument("--warmup", type=int, default=3, help="first steps left out of the median (default: %(default)s)")
-    p.add_argument("--batch", type=int, default=16, help="global batch (default: %(default)s)")
-    p.add_argument("--context", type=int, default=64, help="(default: %(default)s)")
-    p.add_argument("--d-model", type=int, default=256, help="(default: %(default)s)")
-    p.add_argument("--layers", type=int, default=2, help="(default: %(default)s)")
+    p.add_argument("--batch-per-device", type=int, default=16, help="(default: %(default)s)")
+    p.add_argument("--link-gbps", type=float, help="the link's rate, for the ideal column (e.g. 1 behind a 1gbit link)")
+    p.add_argument("--context", type=int, default=64, help="charlm (default: %(default)s)")
+    p.add_argument("--d-model", type=int, default=256, help="charlm (default: %(default)s)")
+    p.add_argument("--layers", type=int, default=2, help="charlm (default: %(default)s)")
     p.add_argument("--output", help="process 0 writes the rows to this .json or .csv file")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.steps <= args.warmup:
+        p.error(f"--steps {args.steps} must exceed --warmup {args.warmup}")
+    if args.batch_per_device < 1:
+        p.error(f"--batch-per-device must be at least 1, got {args.batch_per_device}")
+    if args.link_gbps is not None and not args.link_gbps > 0:
+        p.error(f"--link-gbps must be positive, got {args.link_gbps}")
+    return args
 
 
 def example_args(spec: str, args: argparse.Namespace, world: int) -> argparse.Namespace:
-    """train_charlm's arguments for one compressor spec (``maxmin:4``, ``powersgd:2``, ...)."""
-    import train_charlm
-
+    """The example's arguments for one compressor spec (``maxmin:4``, ``powersgd:2``, ...)."""
     name, _, value = spec.partition(":")
-    argv = ["--compressor", name, "--steps", str(args.steps), "--batch", str(args.batch),
-            "--context", str(args.context), "--d-model", str(args.d_model), "--layers", str(args.layers),
+    argv = ["--compressor", name, "--steps", str(args.steps), "--batch", str(args.batch_per_device * world),
             "--devices", str(world), "--log-every", "0", "--no-progress"]
     if name == "maxmin":
         argv += ["--bits", value or "4"]
@@ -54,43 +71,76 @@ def example_args(spec: str, args: argparse.Namespace, world: int) -> argparse.Na
         argv += ["--rank", value or "1"]
     elif value or name not in ("none", "cast"):
         sys.exit(f"train_step: {spec!r} is not none, maxmin:BITS, cast or powersgd:RANK")
-    return train_charlm.parse_args(argv)
+    if args.model == "mlp":
+        import train_digits
+
+        return train_digits.parse_args(argv + ["--optimizer", "adam", "--lr", "1e-3"])
+    import train_charlm
+
+    return train_charlm.parse_args(argv + ["--context", str(args.context), "--d-model", str(args.d_model),
+                                           "--layers", str(args.layers)])
+
+
+class Model:
+    """What a model gives the benchmark: its parameters, its loss, and its batches (host arrays)."""
+
+    def __init__(self, args: argparse.Namespace):
+        import jax
+
+        self.args = args
+        if args.model == "mlp":
+            import train_digits
+
+            self.title = f"MLP {'-'.join(map(str, MLP_SIZES))}"
+            self.init = lambda: train_digits.init_params(jax.random.key(0), MLP_SIZES)
+            self.loss_fn = train_digits.loss_fn
+        else:
+            import optax
+            import train_charlm
+
+            self.title = "char transformer"
+            self.train_ids, _, vocab = train_charlm.load_corpus()
+            heads = train_charlm.parse_args([]).heads
+
+            def loss_fn(params, tokens):
+                logits = train_charlm.logits_fn(params, tokens[:, :-1], heads)
+                return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+
+            self.init = lambda: train_charlm.init_params(jax.random.key(0), len(vocab), args.d_model, args.layers,
+                                                         args.context)
+            self.loss_fn = loss_fn
+
+    def batch(self, rng: np.random.Generator, size: int) -> tuple:
+        if self.args.model == "mlp":
+            return (rng.standard_normal((size, MLP_SIZES[0]), dtype=np.float32),
+                    rng.integers(0, MLP_SIZES[-1], size).astype(np.int32))
+        context = self.args.context
+        starts = rng.integers(0, len(self.train_ids) - context - 1, size)
+        return (self.train_ids[starts[:, None] + np.arange(context + 1)],)
 
 
 class Trainer:
-    """One compressor's data-parallel training of the char transformer, a step at a time."""
+    """One compressor's data-parallel training, a step at a time (``spec`` "compute": one device, no exchange)."""
 
-    def __init__(self, spec: str, args: argparse.Namespace, corpus):
-        """``corpus``: ``train_charlm.load_corpus()``'s result, read once for every compressor."""
+    def __init__(self, spec: str, model: Model, args: argparse.Namespace):
         import _common
         import jax
         import optax
-        import train_charlm
 
-        devices = jax.devices()
-        if args.batch % len(devices):
-            sys.exit(f"train_step: --batch {args.batch} must be a multiple of the {len(devices)} devices")
-        self.spec, self.ex = spec, example_args(spec, args, len(devices))
-        ex = self.ex
-        self.train_ids, _, vocab = corpus
-
-        def loss_fn(params, tokens):
-            logits = train_charlm.logits_fn(params, tokens[:, :-1], ex.heads)
-            return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
-
-        compressor, optimizer = _common.make_optimizer(ex, optax.cosine_decay_schedule(ex.lr, ex.steps))
-        self.dp = _common.DataParallel(loss_fn, compressor, optimizer, devices)
-        params = train_charlm.init_params(jax.random.key(0), len(vocab), ex.d_model, ex.layers, ex.context)
-        self.params, self.state = self.dp.init(params, (np.zeros((ex.batch, ex.context + 1), np.int32),))
+        devices = jax.devices() if spec != "compute" else jax.local_devices()[:1]
+        self.spec, self.ex = spec, example_args("none" if spec == "compute" else spec, args, len(devices))
+        self.model = model
+        compressor, optimizer = _common.make_optimizer(self.ex, optax.cosine_decay_schedule(self.ex.lr, self.ex.steps))
+        self.dp = _common.DataParallel(model.loss_fn, compressor, optimizer, devices)
+        example = model.batch(np.random.default_rng(0), self.ex.batch)
+        self.params, self.state = self.dp.init(model.init(), example)
         self.rng = np.random.default_rng(0)  # the same batches on every process and for every compressor
         self.times, self.losses = [], []
 
     def step(self) -> None:
         import jax
 
-        ex, offsets = self.ex, np.arange(self.ex.context + 1)
-        starts = self.rng.integers(0, len(self.train_ids) - ex.context - 1, ex.batch)
-        batch = self.dp.shard(self.train_ids[starts[:, None] + offsets])
+        batch = self.dp.shard(*self.model.batch(self.rng, self.ex.batch))
         t0 = time.perf_counter()
         self.params, self.state, loss = jax.block_until_ready(self.dp.step(self.params, self.state, batch))
         self.times.append(time.perf_counter() - t0)
@@ -100,32 +150,43 @@ class Trainer:
         import _common
         import jax
 
-        devices = jax.devices()
         timed = np.asarray(self.times[warmup:]) * 1e3
-        return dict(compressor=self.spec, description=_common.describe(self.ex), devices=len(devices),
-                    platform=devices[0].platform, parameters=int(sum(v.size for v in jax.tree.leaves(self.params))),
+        wire = 0 if self.spec == "compute" else int(_common.wire_bytes(self.ex, self.params, self.dp.world))
+        return dict(compressor=self.spec,
+                    description="compute only (one device, no exchange)" if self.spec == "compute"
+                    else _common.describe(self.ex),
+                    devices=self.dp.world, platform=jax.devices()[0].platform,
+                    parameters=int(sum(v.size for v in jax.tree.leaves(self.params))),
                     steps=self.ex.steps, batch=self.ex.batch, step_ms=float(np.median(timed)),
                     step_ms_p10=float(np.percentile(timed, 10)), step_ms_p90=float(np.percentile(timed, 90)),
-                    first_step_s=self.times[0], wire_bytes=int(_common.wire_bytes(self.ex, self.params, self.dp.world)),
-                    final_loss=float(np.mean(self.losses[-10:])))
+                    step_ms_max=float(timed.max()), spread=float(timed.max() / np.median(timed)),
+                    first_step_s=self.times[0], wire_bytes=wire, final_loss=float(np.mean(self.losses[-10:])))
+
+
+def add_ratios(records: list[dict], link_gbps: float | None) -> None:
+    """speedup over ``none``; with a link rate, the ideal (compute + bytes / rate) and the share of it."""
+    base = next((r["step_ms"] for r in records if r["compressor"] == "none"), None)
+    compute = next((r["step_ms"] for r in records if r["compressor"] == "compute"), None)
+    for r in records:
+        r["speedup"] = base / r["step_ms"] if base and r["compressor"] != "compute" else None
+        r["ideal_ms"] = (compute + r["wire_bytes"] * 8 / (link_gbps * 1e9) * 1e3
+                         if link_gbps and compute is not None else None)
+        r["of_ideal"] = r["ideal_ms"] / r["step_ms"] if r["ideal_ms"] else None
+        r["link_gbps"] = link_gbps
 
 
 def main(argv=None) -> list[dict]:
     import jax_cgx
 
     args = parse_args(argv)
-    if args.steps <= args.warmup:
-        sys.exit(f"train_step: --steps {args.steps} must exceed --warmup {args.warmup}")
     jax_cgx.distributed.initialize()
     import jax
 
     from jax_cgx.bench._table import print_table, save
 
     lead = jax.process_index() == 0
-    import train_charlm
-
-    corpus = train_charlm.load_corpus()
-    trainers = [Trainer(spec, args, corpus) for spec in args.compressors]
+    model = Model(args)
+    trainers = [Trainer(spec, model, args) for spec in ["compute", *args.compressors]]
     # Round robin, one step of each compressor in turn: every compressor sees the same load on the
     # machine and the link over the run, so the ratios are measured side by side.
     for i in range(args.steps):
@@ -134,18 +195,20 @@ def main(argv=None) -> list[dict]:
         if lead and args.progress:
             print(f"train_step: step {i + 1}/{args.steps}", file=sys.stderr, flush=True)
     records = [t.record(args.warmup) for t in trainers]
-    base = next((r["step_ms"] for r in records if r["compressor"] == "none"), None)
-    for r in records:
-        r["speedup"] = base / r["step_ms"] if base else None
+    add_ratios(records, args.link_gbps)
     if not lead:
         return records
-    r0 = records[0]
+    r0 = records[-1]
+    link = f", {args.link_gbps:g} Gbit/s link" if args.link_gbps else ""
     print_table(
-        f"training step, char transformer ({r0['parameters']:,} parameters), {r0['devices']} x {r0['platform']}, "
-        f"batch {r0['batch']}, median of {args.steps - args.warmup} steps",
-        ["compressor", "step ms", "p10-p90 ms", "speedup", "wire per device per step", "loss (last 10)"],
+        f"training step, {model.title} ({r0['parameters']:,} parameters), {r0['devices']} x {r0['platform']}, "
+        f"{args.batch_per_device} samples per device{link}, median of {args.steps - args.warmup} steps",
+        ["compressor", "step ms", "p10-p90 ms", "max/median", "speedup", "ideal ms", "of ideal",
+         "wire per device per step", "loss (last 10)"],
         [[r["description"], f"{r['step_ms']:.1f}", f"{r['step_ms_p10']:.0f}-{r['step_ms_p90']:.0f}",
-          "-" if r["speedup"] is None else f"{r['speedup']:.2f}",
+          f"{r['spread']:.2f}", "-" if r["speedup"] is None else f"{r['speedup']:.2f}",
+          "-" if r["ideal_ms"] is None else f"{r['ideal_ms']:.1f}",
+          "-" if r["of_ideal"] is None else f"{r['of_ideal']:.0%}",
           f"{r['wire_bytes'] / 2**20:.2f} MiB", f"{r['final_loss']:.4f}"] for r in records],
     )
     if args.output:

@@ -16,17 +16,22 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 def test_two_processes_time_every_compressor(tmp_path):
     out = tmp_path / "steps.json"
     cmd = [sys.executable, "-m", "jax_cgx.launch", "-n", "2", str(ROOT / "benchmarks" / "train_step.py"),
-           "--compressors", "none", "maxmin:4", "powersgd:1", "--steps", "4", "--warmup", "1", "--d-model", "32",
-           "--batch", "4", "--context", "16", "--no-progress", "--output", str(out)]
+           "--model", "charlm", "--compressors", "none", "maxmin:4", "powersgd:1", "--steps", "4", "--warmup", "1",
+           "--d-model", "32", "--batch-per-device", "2", "--context", "16", "--link-gbps", "1", "--no-progress",
+           "--output", str(out)]
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one CPU device per process
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     records = json.loads(out.read_text())
-    assert [r["compressor"] for r in records] == ["none", "maxmin:4", "powersgd:1"]
+    assert [r["compressor"] for r in records] == ["compute", "none", "maxmin:4", "powersgd:1"]
+    compute, none, maxmin, powersgd = records
+    assert compute["devices"] == 1 and compute["wire_bytes"] == 0 and compute["speedup"] is None
     for r in records:
-        assert r["devices"] == 2 and r["platform"] == "cpu" and r["steps"] == 4 and r["step_ms"] > 0
+        assert r["platform"] == "cpu" and r["steps"] == 4 and r["step_ms"] > 0 and r["spread"] >= 1
         assert r["final_loss"] > 0 and r["parameters"] == records[0]["parameters"]
-    none, maxmin, powersgd = records
+        # the ideal: compute + bytes sent / 1 Gbit/s
+        assert r["ideal_ms"] == pytest.approx(compute["step_ms"] + r["wire_bytes"] * 8e-9 * 1e3)
+    assert {r["devices"] for r in records[1:]} == {2}
     assert none["speedup"] == 1.0 and maxmin["speedup"] == pytest.approx(none["step_ms"] / maxmin["step_ms"])
     assert maxmin["wire_bytes"] < none["wire_bytes"] and powersgd["wire_bytes"] < none["wire_bytes"]
     assert "training step, char transformer" in proc.stdout
@@ -36,3 +41,12 @@ def test_bad_compressor_spec_is_refused():
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "train_step.py"), "--compressors", "topk:3",
                            "--steps", "4"], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert proc.returncode != 0 and "is not none, maxmin:BITS, cast or powersgd:RANK" in proc.stderr
+
+
+def test_bad_arguments_are_refused():
+    for argv, message in ((["--steps", "3", "--warmup", "3"], "--steps 3 must exceed --warmup 3"),
+                          (["--batch-per-device", "0"], "--batch-per-device must be at least 1"),
+                          (["--link-gbps", "0"], "--link-gbps must be positive")):
+        proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "train_step.py"), *argv],
+                              capture_output=True, text=True, timeout=120, cwd=ROOT)
+        assert proc.returncode == 2 and message in proc.stderr, proc.stderr
