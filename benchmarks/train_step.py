@@ -49,6 +49,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--d-model", type=int, default=256, help="charlm (default: %(default)s)")
     p.add_argument("--layers", type=int, default=2, help="charlm (default: %(default)s)")
     p.add_argument("--output", help="process 0 writes the rows to this .json or .csv file")
+    p.add_argument("--profile", metavar="DIR", help="after the timed steps, trace --profile-steps more of each "
+                   "compressor with JAX's profiler into DIR/<compressor>-process<i> and add where the time went")
+    p.add_argument("--profile-steps", type=int, default=3, help="(default: %(default)s)")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     args = p.parse_args(argv)
     if args.steps <= args.warmup:
@@ -146,6 +149,24 @@ class Trainer:
         self.times.append(time.perf_counter() - t0)
         self.losses.append(float(loss))
 
+    def profile(self, directory: str, steps: int) -> dict:
+        """Milliseconds per step in each phase (jax_cgx/bench/profile.py), and ``host``: the rest of the step."""
+        import jax
+
+        from jax_cgx.bench.profile import summarize
+
+        path = Path(directory) / f"{self.spec.replace(':', '_')}-process{jax.process_index()}"
+        start = len(self.times)
+        with jax.profiler.trace(str(path), create_perfetto_trace=True):
+            for _ in range(steps):
+                self.step()
+        wall = 1e3 * sum(self.times[start:]) / steps
+        del self.times[start:], self.losses[start:]
+        phases = {k: v / steps for k, v in summarize(path).items()}
+        phases["host"] = max(0.0, wall - phases["ops"])
+        phases["wall"] = wall
+        return phases
+
     def record(self, warmup: int) -> dict:
         import _common
         import jax
@@ -196,6 +217,9 @@ def main(argv=None) -> list[dict]:
             print(f"train_step: step {i + 1}/{args.steps}", file=sys.stderr, flush=True)
     records = [t.record(args.warmup) for t in trainers]
     add_ratios(records, args.link_gbps)
+    if args.profile:
+        for t, r in zip(trainers, records):
+            r["profile_ms"] = t.profile(args.profile, args.profile_steps)
     if not lead:
         return records
     r0 = records[-1]
@@ -211,6 +235,14 @@ def main(argv=None) -> list[dict]:
           "-" if r["of_ideal"] is None else f"{r['of_ideal']:.0%}",
           f"{r['wire_bytes'] / 2**20:.2f} MiB", f"{r['final_loss']:.4f}"] for r in records],
     )
+    if args.profile:
+        from jax_cgx.bench.profile import PHASES
+
+        print_table(
+            f"where the step's time goes (ms per step, {args.profile_steps} traced steps; traces in {args.profile})",
+            ["compressor", *PHASES, "host", "traced step"],
+            [[r["description"], *(f"{r['profile_ms'][k]:.1f}" for k in (*PHASES, "host", "wall"))] for r in records],
+        )
     if args.output:
         save(records, args.output)
     return records
