@@ -336,10 +336,13 @@ def compressed_pmean(
 def _assemble(flat, bounds, start: int, stop: int, dtype) -> jax.Array:
     """Values ``[start, stop)`` of the concatenation of ``flat``, written into one buffer.
 
-    Built with in-place ``dynamic_update_slice``s rather than ``concatenate``: XLA:CPU
-    fuses a many-operand concatenate into the consumers of the buffer and then runs
-    it ~10x slower than a copy (measured: 400 ms instead of 30 ms per step for 6 leaves
-    of 5 MiB on 8 virtual devices).
+    One ``concatenate`` behind an ``optimization_barrier``: one copy of each value, at
+    memory speed. Without the barrier XLA:CPU fuses a many-operand concatenate into the
+    consumers of the buffer and runs it ~10x slower than a copy (400 ms instead of 30 ms
+    per step for 6 leaves of 5 MiB on 8 virtual devices); a chain of
+    ``dynamic_update_slice``s into zeros became a slow pad fusion once the algorithm's own
+    padding followed it (the comm-bound MLP step of docs/performance.md: 148 ms of copies
+    per step, 25 ms with this).
     """
     pieces = [
         (j, max(start, lo) - lo, min(stop, hi) - lo)
@@ -349,10 +352,7 @@ def _assemble(flat, bounds, start: int, stop: int, dtype) -> jax.Array:
     if len(pieces) == 1:
         j, a, b = pieces[0]
         return flat[j][a:b]
-    buf = jnp.zeros((stop - start,), dtype)
-    for j, a, b in pieces:
-        buf = lax.dynamic_update_slice(buf, flat[j][a:b], (int(bounds[j] + a - start),))
-    return buf
+    return lax.optimization_barrier(jnp.concatenate([flat[j][a:b] for j, a, b in pieces]))
 
 
 def _lane(path, leaf, config: CompressionConfig | None) -> str:
