@@ -6,7 +6,7 @@
 
 Every process (one device each) trains the MLP of examples/train_digits.py, larger
 (64-2048-2048-2048-10, 8.5 M parameters), on scikit-learn's digits: 32 samples per process and
-step, Adam with a cosine-decaying --lr. One trainer per compressor, all from the same initialization on the
+step, Adam (or SGD with momentum) with a cosine-decaying --lr. One trainer per compressor, all from the same initialization on the
 same batches, take one step each in turn (round robin: every compressor sees the same load on the
 machine and the link), until each reaches ``--target`` percent test accuracy or ``--max-steps``.
 
@@ -41,8 +41,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-steps", type=int, default=300, help="(default: %(default)s)")
     p.add_argument("--eval-every", type=int, default=10, help="steps between evaluations (default: %(default)s)")
     p.add_argument("--batch-per-device", type=int, default=32, help="(default: %(default)s)")
-    p.add_argument("--lr", type=float, default=1e-3,
-                   help="Adam's peak learning rate, cosine decay over --max-steps (default: %(default)s)")
+    p.add_argument("--optimizer", choices=("adam", "sgd"), default="adam",
+                   help="adam, or sgd with momentum 0.9 (default: %(default)s)")
+    p.add_argument("--lr", type=float, default=None,
+                   help="peak learning rate, cosine decay over --max-steps (default: 1e-3 for adam, 0.05 for sgd)")
+    p.add_argument("--bucket-size", type=int, default=512, help="maxmin: values per bucket (default: %(default)s)")
+    p.add_argument("--stochastic", action="store_true", help="maxmin: stochastic rounding")
     p.add_argument("--seed", type=int, default=0, help="(default: %(default)s)")
     p.add_argument("--output", help="process 0 writes the rows (with every evaluation) to this .json or .csv file")
     p.add_argument("--plot", metavar="PNG", help="process 0 draws test accuracy against training time")
@@ -51,6 +55,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     for name in ("max_steps", "eval_every", "batch_per_device"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    if args.lr is None:
+        args.lr = 1e-3 if args.optimizer == "adam" else 0.05
+    if not args.lr > 0:
+        p.error(f"--lr must be positive, got {args.lr}")
     if not 0 < args.target <= 100:
         p.error(f"--target must be a percentage in (0, 100], got {args.target}")
     for spec in args.compressors:
@@ -93,9 +101,10 @@ class Trainer:
         self.spec = spec
         devices = jax.devices()
         batch = args.batch_per_device * len(devices)
-        self.ex = train_digits.parse_args([*example_argv(spec), "--optimizer", "adam", "--lr", str(args.lr),
-                                           "--batch", str(batch), "--devices", str(len(devices)),
-                                           "--seed", str(args.seed)])
+        self.ex = train_digits.parse_args([*example_argv(spec), "--optimizer", args.optimizer, "--lr", str(args.lr),
+                                           "--bucket-size", str(args.bucket_size), "--batch", str(batch),
+                                           "--devices", str(len(devices)), "--seed", str(args.seed)]
+                                          + (["--stochastic"] if args.stochastic else []))
         self.x_train, self.y_train, self.x_test, self.y_test = data
         import optax
 
@@ -181,7 +190,7 @@ def main(argv=None) -> list[dict]:
     print_table(
         f"time to {args.target:g}% test accuracy, digits MLP {'-'.join(map(str, SIZES))} "
         f"({records[0]['parameters']:,} parameters), {records[0]['devices']} processes, "
-        f"{args.batch_per_device} samples per process, Adam {args.lr:g} cosine over {args.max_steps} steps",
+        f"{args.batch_per_device} samples per process, {args.optimizer} {args.lr:g} cosine over {args.max_steps} steps",
         ["compressor", "steps", "seconds", "speedup", "accuracy at the end", "step ms", "wire per step"],
         [[r["description"], "-" if r["steps_to_target"] is None else str(r["steps_to_target"]),
           "-" if r["seconds_to_target"] is None else f"{r['seconds_to_target']:.1f}",

@@ -18,12 +18,14 @@ def test_two_processes_reach_a_low_target(tmp_path):
     out, png = tmp_path / "tta.json", tmp_path / "tta.png"
     cmd = [sys.executable, "-m", "jax_cgx.launch", "-n", "2", str(SCRIPT), "--compressors", "none", "maxmin:4",
            "maxmin:2+ef", "--target", "30", "--max-steps", "6", "--eval-every", "2", "--batch-per-device", "8",
+           "--optimizer", "sgd", "--bucket-size", "128", "--stochastic",
            "--no-progress", "--output", str(out), "--plot", str(png)]
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one CPU device per process
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     records = json.loads(out.read_text())
     assert [r["compressor"] for r in records] == ["none", "maxmin:4", "maxmin:2+ef"]
+    assert records[1]["description"] == "maxmin 4-bit, bucket 128, stochastic"
     assert png.stat().st_size > 0
     for r in records:
         assert r["devices"] == 2 and r["target"] == 30
@@ -44,6 +46,7 @@ def test_two_processes_reach_a_low_target(tmp_path):
     (["--compressors", "maxmin:x"], "'maxmin:x' is not"),
     (["--target", "101"], "--target must be a percentage"),
     (["--eval-every", "0"], "--eval-every must be at least 1"),
+    (["--lr", "0"], "--lr must be positive"),
 ])
 def test_bad_arguments_are_refused(argv, message):
     proc = subprocess.run([sys.executable, str(SCRIPT), *argv], capture_output=True, text=True, timeout=120, cwd=ROOT)
