@@ -17,6 +17,8 @@ __all__ = [
     "BACKENDS",
     "MAX_SEGMENTS",
     "ALGORITHMS",
+    "POLICIES",
+    "link_gbps_from_env",
     "MIN_FUSION_BUFFER_MB",
     "MAX_FUSION_BUFFERS",
 ]
@@ -38,9 +40,12 @@ JAX_CGX_ENV_VARS: Mapping[str, str] = {
     "JAX_CGX_ALGORITHM": "sra",
     "JAX_CGX_HIERARCHICAL": "0",
     "JAX_CGX_PIPELINE_SEGMENTS": "0",
+    "JAX_CGX_POLICY": "always",
+    "JAX_CGX_LINK_GBPS": "",  # unset: policy="auto" measures the link
 }
 BACKENDS = ("auto", "xla", "nccl")
 ALGORITHMS = ("sra", "ring")
+POLICIES = ("always", "auto")
 # torch_cgx's transport choices, accepted for its cross-node communicator.
 _CROSS_COMMUNICATORS = {"NCCL": "nccl", "MPI": "xla", "SHM": "xla"}
 # The most messages one collective is cut into (pipeline_segments' bound; xla_ffi's kMaxSegments).
@@ -113,6 +118,8 @@ class CompressionConfig:
     algorithm: Literal["sra", "ring"] = "sra"
     hierarchical: bool = False
     pipeline_segments: int = 0
+    policy: Literal["always", "auto"] = "always"
+    link_gbps: float | None = None
 
     def __post_init__(self) -> None:
         _check_int("bits", self.bits)
@@ -172,6 +179,20 @@ class CompressionConfig:
                 f"got {self.pipeline_segments}"
             )
 
+        if self.policy not in POLICIES:
+            raise ValueError(
+                f"CompressionConfig: policy must be 'always' or 'auto', got {self.policy!r}"
+            )
+        if self.link_gbps is not None:
+            if isinstance(self.link_gbps, bool) or not isinstance(self.link_gbps, numbers.Real):
+                raise TypeError(
+                    f"CompressionConfig: link_gbps must be a number of Gbit/s or None, got {self.link_gbps!r}"
+                )
+            if not self.link_gbps > 0:  # also rejects nan
+                raise ValueError(
+                    f"CompressionConfig: link_gbps must be > 0 Gbit/s (inf: unlimited), got {self.link_gbps}"
+                )
+
     @property
     def enabled(self) -> bool:
         """False when ``bits == 32``: reductions are plain, exact ``psum``s."""
@@ -212,6 +233,8 @@ class CompressionConfig:
         ``JAX_CGX_ALGORITHM``                        sra        ``algorithm``
         ``JAX_CGX_HIERARCHICAL``                     0          ``hierarchical``
         ``JAX_CGX_PIPELINE_SEGMENTS``                0          ``pipeline_segments`` (0..64)
+        ``JAX_CGX_POLICY``                           always     ``policy`` (always or auto)
+        ``JAX_CGX_LINK_GBPS``                        (unset)    ``link_gbps`` (> 0, or inf)
         ===========================================  =========  ==========================
 
         torch_cgx's ``CGX_INNER_COMMUNICATOR_TYPE`` and ``CGX_INTRA_BROADCAST`` are
@@ -272,7 +295,7 @@ class CompressionConfig:
 
 
 def _execution_from_env(env: Mapping[str, str]) -> dict:
-    """backend, algorithm, hierarchical and pipeline_segments from the environment."""
+    """backend, algorithm, hierarchical, pipeline_segments, policy and link_gbps from the environment."""
     fields: dict = {}
     cross = env.get("CGX_CROSS_COMMUNICATOR_TYPE", "").strip().upper()
     if cross:
@@ -312,7 +335,31 @@ def _execution_from_env(env: Mapping[str, str]) -> dict:
                 f"JAX_CGX_PIPELINE_SEGMENTS={segments} must be in 0..{MAX_SEGMENTS} (0 = by size)"
             )
         fields["pipeline_segments"] = count
+    if (policy := read("JAX_CGX_POLICY")) is not None:
+        if policy.lower() not in POLICIES:
+            raise ValueError(f"JAX_CGX_POLICY={policy!r} must be always or auto")
+        fields["policy"] = policy.lower()
+    if (link := link_gbps_from_env(env)) is not None:
+        fields["link_gbps"] = link
     return fields
+
+
+def link_gbps_from_env(environ: Mapping[str, str] | None = None) -> float | None:
+    """``JAX_CGX_LINK_GBPS`` as a number of Gbit/s (None when unset or empty); a bad value raises."""
+    env = os.environ if environ is None else environ
+    raw = env.get("JAX_CGX_LINK_GBPS", "").strip()
+    if not raw:
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(
+            f"JAX_CGX_LINK_GBPS={raw!r} is not a number; give each rank's link rate in Gbit/s, "
+            "e.g. 1, 10 or inf (unset: policy='auto' measures it)"
+        ) from None
+    if not value > 0:
+        raise ValueError(f"JAX_CGX_LINK_GBPS={raw!r} must be > 0 Gbit/s (inf: an unlimited link)")
+    return value
 
 
 def _check_int(name: str, value) -> None:

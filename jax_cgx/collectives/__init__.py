@@ -1,7 +1,10 @@
 """Compressed collectives: ``compressed_psum`` / ``compressed_pmean`` and how they run.
 
-- :mod:`~jax_cgx.collectives.allreduce`: the public functions: pytree lanes, fusion buffers,
-  ``bytes_on_wire``;
+- :mod:`~jax_cgx.collectives.allreduce`: the public functions: fusion buffers, ``bytes_on_wire``;
+- :mod:`~jax_cgx.collectives.plan`: how each leaf is reduced (its lane, its fusion buffers);
+- :mod:`~jax_cgx.collectives.policy`: ``policy="auto"``: the measured figures and each buffer's
+  decision, with :mod:`~jax_cgx.collectives.cost_model` (the predicted times) and
+  :mod:`~jax_cgx.collectives.explain` (``jax_cgx.explain``: the plan, printed);
 - :mod:`~jax_cgx.collectives.primitive`: the all-reduce of one buffer as a JAX primitive (its
   rules, the xla backend's lowering, and :func:`compressed_sum` that binds it);
 - :mod:`~jax_cgx.collectives.sra`, :mod:`~jax_cgx.collectives.ring`,
@@ -14,5 +17,8 @@ Data flows one way: collectives -> codec -> config. The nccl backend's lowering
 """
 
 from jax_cgx.collectives.allreduce import ConfigSpec, bytes_on_wire, compressed_pmean, compressed_psum
+from jax_cgx.collectives.explain import Explanation, explain
+from jax_cgx.collectives.policy import Figures, calibrate
 
-__all__ = ["compressed_psum", "compressed_pmean", "bytes_on_wire", "ConfigSpec"]
+__all__ = ["compressed_psum", "compressed_pmean", "bytes_on_wire", "ConfigSpec", "explain", "Explanation",
+           "calibrate", "Figures"]

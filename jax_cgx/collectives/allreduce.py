@@ -1,13 +1,10 @@
 """compressed_psum / compressed_pmean: ``lax.psum`` / ``lax.pmean`` that move fewer bytes.
 
-A pytree goes through three lanes, leaf by leaf:
-
-- **exact**: integer leaves, leaves smaller than ``min_size``, leaves whose config
-  is ``None`` or has ``bits=32``: a plain ``lax.psum``;
-- **half**: ``bits=16``: a ``lax.psum`` in bfloat16 (or float16);
-- **quantized**: ``bits`` 1..8: leaves of one dtype and config are fused into
-  buffers of at most ``fusion_buffer_mb`` and each buffer is reduced by the SRA
-  primitive (:mod:`jax_cgx.collectives.primitive`).
+A pytree goes through three lanes, leaf by leaf (:mod:`jax_cgx.collectives.plan`): exact
+(``lax.psum``), half (a ``psum`` in 16 bits) and quantized: leaves of one dtype and config
+are fused into buffers of at most ``fusion_buffer_mb`` and each buffer is reduced by the
+compressed primitive (:mod:`jax_cgx.collectives.primitive`), or, under ``policy="auto"``
+where the cost model predicts no gain, by ``psum`` (:mod:`jax_cgx.collectives.policy`).
 
 With ``skip_incomplete_buckets`` the last ``n mod bucket_size`` values of a buffer
 take the exact lane, as in torch_cgx.
@@ -18,10 +15,7 @@ error feedback (docs/algorithm.md, "Error feedback").
 
 from __future__ import annotations
 
-import dataclasses
 import math
-from collections.abc import Callable, Sequence
-from typing import Any, Union
 
 import jax
 import jax.numpy as jnp
@@ -29,118 +23,23 @@ import numpy as np
 from jax import lax
 
 from jax_cgx import _compat
-from jax_cgx.codec import SUPPORTED_DTYPES, Impl, check_impl
+from jax_cgx.codec import Impl, check_impl
 from jax_cgx.collectives.chunks import wire_bytes_per_rank
 from jax_cgx.collectives.hierarchical import hierarchical_wire_bytes, reduce_hierarchical
+from jax_cgx.collectives.plan import ConfigSpec, make_plan
 from jax_cgx.collectives.primitive import compressed_sum
-from jax_cgx.config import MAX_FUSION_BUFFERS, CompressionConfig
+from jax_cgx.config import CompressionConfig
 
 __all__ = ["compressed_psum", "compressed_pmean", "bytes_on_wire", "ConfigSpec"]
 
-# A config for every leaf, a pytree of configs (None = reduce exactly), or a function
-# of the leaf's path and value (torch_cgx's layer-wise hook).
-ConfigSpec = Union[
-    CompressionConfig, None, Callable[[tuple, jax.Array], "CompressionConfig | None"], Any
-]
+def _inner_world(axes: tuple) -> int | None:
+    """The inner (last) axis's size: what a hierarchical config sums within a node."""
+    return lax.axis_size(axes[-1]) if len(axes) > 1 else None
 
 
 def _world_size(axes: tuple, api: str) -> int:
     _compat.check_axis_names(axes, api)
     return math.prod(lax.axis_size(a) for a in axes)
-
-
-def _leaf_configs(spec: ConfigSpec, tree, paths: Sequence[tuple]) -> list[CompressionConfig | None]:
-    if spec is None:
-        return [CompressionConfig.from_env()] * len(paths)
-    if isinstance(spec, CompressionConfig):
-        return [spec] * len(paths)
-    leaves = jax.tree.leaves(tree)
-    if callable(spec):
-        configs = [spec(path, leaf) for path, leaf in zip(paths, leaves)]
-    else:
-        is_cfg = lambda c: c is None or isinstance(c, CompressionConfig)  # noqa: E731
-        try:
-            configs = jax.tree.leaves(
-                jax.tree.map(lambda c, sub: [c] * len(jax.tree.leaves(sub)), spec, tree, is_leaf=is_cfg),
-                is_leaf=lambda v: isinstance(v, list),
-            )
-            configs = [c for group in configs for c in group]
-        except ValueError as err:
-            raise ValueError(
-                "compressed_psum: the config pytree must match the structure of the values "
-                f"(or be a prefix of it): {err}"
-            ) from None
-    for path, c in zip(paths, configs):
-        if c is not None and not isinstance(c, CompressionConfig):
-            raise TypeError(
-                f"compressed_psum: config for leaf {jax.tree_util.keystr(path)} must be a "
-                f"CompressionConfig or None, got {type(c).__name__}"
-            )
-    return configs
-
-
-@dataclasses.dataclass(frozen=True)
-class _Group:
-    """Leaves reduced together: same dtype, same codec settings."""
-
-    dtype: np.dtype
-    config: CompressionConfig
-
-
-@dataclasses.dataclass
-class _Plan:
-    """How each leaf is reduced: its lane, and the fusion groups of quantized leaves."""
-
-    lanes: list[str]
-    configs: list[CompressionConfig | None]
-    groups: dict[_Group, list[int]]
-
-    def buffers(self, group: _Group, sizes: Sequence[int]) -> list[tuple[int, int]]:
-        """``(start, stop)`` of each fusion buffer over the group's concatenated values."""
-        total = sum(sizes[i] for i in self.groups[group])
-        cap = max(1, group.config.fusion_buffer_bytes // group.dtype.itemsize)
-        return [(start, min(start + cap, total)) for start in range(0, total, cap)]
-
-    def check_buffer_count(self, sizes: Sequence[int]) -> None:
-        """Raise a clear error when the quantized leaves need more than ``MAX_FUSION_BUFFERS`` buffers."""
-        count, total_bytes = 0, 0
-        for group, members in self.groups.items():
-            n = sum(sizes[i] for i in members)
-            count += -(-n // max(1, group.config.fusion_buffer_bytes // group.dtype.itemsize))
-            total_bytes += n * group.dtype.itemsize
-        if count <= MAX_FUSION_BUFFERS:
-            return
-        mbs = sorted({g.config.fusion_buffer_mb for g in self.groups})
-        given = f"fusion_buffer_mb={mbs[0]}" if len(mbs) == 1 else f"fusion_buffer_mb in {mbs}"
-        groups = len(self.groups)
-        if groups < MAX_FUSION_BUFFERS:
-            # A power of two with at most MAX - groups buffers for all groups together.
-            need = 2.0 ** math.ceil(math.log2(total_bytes / ((MAX_FUSION_BUFFERS - groups) * 2**20)))
-            fix = (
-                f"set fusion_buffer_mb >= {need:g} (CGX_FUSION_BUFFER_SIZE_MB with config=None), "
-                "or reduce the values in several calls"
-            )
-        else:
-            fix = (
-                f"the values form {groups} fusion groups (leaves of different dtypes or configs "
-                "are never fused): use fewer distinct configs, or reduce them in several calls"
-            )
-        raise ValueError(
-            f"compressed_psum: {given} cuts {total_bytes / 2**20:.4g} MiB of quantized values into "
-            f"{count} fusion buffers, more than the {MAX_FUSION_BUFFERS} allowed per reduction "
-            f"(each buffer is a separate exchange and compile time grows with their number); {fix}"
-        )
-
-
-def _plan(paths, leaves, spec: ConfigSpec, tree) -> _Plan:
-    configs = _leaf_configs(spec, tree, paths)
-    lanes, groups = [], {}
-    for i, (path, leaf, c) in enumerate(zip(paths, leaves, configs)):
-        lane = _lane(path, leaf, c)
-        lanes.append(lane)
-        if lane == "quantized":
-            groups.setdefault(_Group(np.dtype(leaf.dtype), c), []).append(i)
-    return _Plan(lanes, configs, groups)
 
 
 def compressed_psum(
@@ -193,7 +92,7 @@ def compressed_psum(
     leaves_with_paths, treedef = jax.tree_util.tree_flatten_with_path(x)
     paths = [p for p, _ in leaves_with_paths]
     leaves = [jnp.asarray(v) for _, v in leaves_with_paths]
-    plan = _plan(paths, leaves, config, x)
+    plan = make_plan(paths, leaves, config, x, world, _inner_world(axes))
 
     out: list[jax.Array | None] = [None] * len(leaves)
     res: list[jax.Array | None] = [None] * len(leaves)
@@ -218,7 +117,7 @@ def compressed_psum(
                 "x.sum(axis=0)) and pass only mesh axes as axis_name, or map that axis with "
                 "jax.shard_map / jax.pmap."
             )
-        plan.check_buffer_count([leaf.size for leaf in leaves])
+        plan.check_buffer_count()
         if any(g.config.stochastic for g in plan.groups) and key is None:
             raise ValueError(
                 "compressed_psum: stochastic rounding needs a PRNG key; pass "
@@ -226,17 +125,27 @@ def compressed_psum(
             )
         rank_key = None if key is None else jax.random.fold_in(key, lax.axis_index(axes))
         buffer_index = 0
-        sizes = [leaf.size for leaf in leaves]
         for group, members in plan.groups.items():
+            spans = plan.buffers(group)
+            if not plan.fused(group):  # policy="auto" found no buffer worth compressing
+                buffer_index += len(spans)
+                for i in members:
+                    out[i] = lax.psum(leaves[i], axes)
+                    if return_residual:
+                        res[i] = jnp.zeros_like(leaves[i])
+                continue
             flat = [leaves[i].reshape(-1) for i in members]
-            bounds = np.cumsum([0] + [sizes[i] for i in members])
+            bounds = np.cumsum([0] + [plan.sizes[i] for i in members])
             reduced, lost = [], []
-            spans = plan.buffers(group, sizes)
-            for start, stop in spans:
+            for (start, stop), compress in zip(spans, plan.compressed(group)):
                 buf_key = None if rank_key is None else jax.random.fold_in(rank_key, buffer_index)
                 buffer_index += 1
                 buf = _assemble(flat, bounds, start, stop)
-                result = _reduce_buffer(buf, axes, world, group.config, buf_key, impl, return_residual)
+                if compress:
+                    result = _reduce_buffer(buf, axes, world, group.config, buf_key, impl, return_residual)
+                else:
+                    result = lax.psum(buf, axes)
+                    result = (result, jnp.zeros_like(buf)) if return_residual else result
                 reduced.append(result[0] if return_residual else result)
                 lost.append(result[1] if return_residual else None)
             for j, i in enumerate(members):
@@ -292,9 +201,9 @@ def bytes_on_wire(x, world: int, config: ConfigSpec = None, *, inner_world: int 
     leaves_with_paths = jax.tree_util.tree_flatten_with_path(x)[0]
     paths = [p for p, _ in leaves_with_paths]
     leaves = [v for _, v in leaves_with_paths]
-    plan = _plan(paths, leaves, config, x)
     if inner_world is not None and (inner_world < 1 or world % inner_world):
         raise ValueError(f"bytes_on_wire: inner_world={inner_world} must divide world={world}")
+    plan = make_plan(paths, leaves, config, x, world, inner_world)
     if world <= 1:
         return 0
     ring = 2 * (world - 1) / world
@@ -304,7 +213,6 @@ def bytes_on_wire(x, world: int, config: ConfigSpec = None, *, inner_world: int 
             total += ring * leaf.size * np.dtype(leaf.dtype).itemsize
         elif lane == "half":
             total += ring * leaf.size * 2
-    sizes = [leaf.size for leaf in leaves]
     for group in plan.groups:
         cfg = group.config
         if cfg.hierarchical and inner_world is None:
@@ -312,8 +220,11 @@ def bytes_on_wire(x, world: int, config: ConfigSpec = None, *, inner_world: int 
                 "bytes_on_wire: hierarchical configs need inner_world= (the size of the inner, "
                 "intra-node axis)"
             )
-        for start, stop in plan.buffers(group, sizes):
+        for (start, stop), compress in zip(plan.buffers(group), plan.compressed(group)):
             n = stop - start
+            if not compress:
+                total += ring * n * group.dtype.itemsize
+                continue
             head = (n // cfg.bucket_size) * cfg.bucket_size if cfg.skip_incomplete_buckets else n
             if cfg.hierarchical:
                 total += hierarchical_wire_bytes(head, world, inner_world, cfg, group.dtype.itemsize)
@@ -364,23 +275,6 @@ def _assemble(flat, bounds, start: int, stop: int) -> jax.Array:
     """
     pieces = _pieces(flat, list(zip(bounds[:-1], bounds[1:])), start, stop)
     return pieces[0] if len(pieces) == 1 else lax.optimization_barrier(jnp.concatenate(pieces))
-
-
-def _lane(path, leaf, config: CompressionConfig | None) -> str:
-    if config is None or not config.enabled:
-        return "exact"
-    dtype = np.dtype(leaf.dtype)
-    if dtype.kind in "iub":
-        return "exact"
-    if leaf.size == 0 or leaf.size < config.min_size:  # nothing to compress (min_size may be 0)
-        return "exact"
-    if dtype not in SUPPORTED_DTYPES:
-        raise TypeError(
-            f"compressed_psum: leaf {jax.tree_util.keystr(path)} has dtype {dtype}, which cannot "
-            "be compressed (float32, bfloat16 and float16 can). Give it config=None to reduce "
-            "it exactly, or cast it."
-        )
-    return "half" if config.bits == 16 else "quantized"
 
 
 def _reduce_buffer(buf, axes, world, config: CompressionConfig, key, impl, residual=False):

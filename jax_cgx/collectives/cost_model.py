@@ -1,0 +1,122 @@
+"""A cost model of compressed_psum and psum on a bandwidth-limited link.
+
+Predicts the time of one all-reduce of ``n`` values per rank over ``W`` ranks, each rank's
+link limited to ``B`` bytes/s in each direction, from measured codec throughput. Used by
+``policy="auto"`` (:mod:`jax_cgx.collectives.policy`) to decide, fusion buffer by fusion
+buffer, whether compressing pays, and by ``python -m jax_cgx.bench model`` to compare
+predictions with measurements. ``S`` below is the buffer's bytes in its own dtype, ``F =
+4n`` its bytes as float32 (the codec's throughput is measured in float32 bytes):
+
+* psum (a bandwidth-optimal ring, as gloo's and NCCL's): every rank sends and receives
+  ``2(W-1)/W * S`` and adds ``(W-1)/W * S`` bytes::
+
+      t_psum = 2(W-1)/W * S / B  +  (W-1)/W * S / copy_rate  +  2(W-1) * latency
+
+* compressed SRA (docs/algorithm.md): a rank quantizes its ``W`` chunks, sends ``W-1``
+  encoded chunks in the all_to_all and ``W-1`` in the all_gather (``E = n/W * bits/8 +
+  8 * ceil(n/W / bucket_size)`` bytes each), decodes ``W`` encodings of its chunk and
+  re-quantizes their sum, and decodes the ``W`` gathered chunks::
+
+      t_sra = F/quantize_rate                       (quantize)
+            + (W-1) * E / B + k * latency           (all_to_all)
+            + F/reduce_rate                         (fused dequantize-sum-requantize)
+            + (W-1) * E / B + k * (W-1) * latency   (all_gather: gloo's ring, W-1 steps)
+            + F/dequantize_rate                     (decode)
+            + (9 * W * E + S/W) / copy_rate         (copies around the kernels)
+
+  ``k`` is the number of messages each collective is cut into (:mod:`jax_cgx.collectives.wire`:
+  by default on multi-process CPU, enough for messages of at most 256 KiB); every message
+  pays the fixed ``latency`` once per step. The copies are those of the xla backend's
+  optimized HLO on CPU: the wire layout (payload || meta), XLA's per-destination slices,
+  the segments' reassembly and the unpacking, about nine passes over the ``W`` encoded
+  chunks in all; and the rank's own chunk, which the fused kernel takes as a separate
+  operand. The ring algorithm moves the same bytes and runs about the same codec work.
+
+Nothing overlaps on the xla backend's CPU path, so the terms add. ``host_cores`` models
+several ranks sharing one machine, as ``benchmarks/netem`` runs them: with ``W`` processes
+on ``host_cores`` cores every compute term takes ``max(1, W / host_cores)`` times longer
+(each kernel runs on one thread). The model assumes the links, not the switch, are the
+bottleneck. Measured against it (docs/results.md, "Cost model"): every median within 25%.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+from jax_cgx.collectives import wire as _wire
+
+__all__ = ["CodecRates", "LinkModel", "encoded_chunk_bytes", "predict", "WIRE_COPIES"]
+
+
+@dataclasses.dataclass(frozen=True)
+class CodecRates:
+    """Measured throughput, bytes of float32 input per second."""
+
+    quantize: float
+    dequantize: float
+    add: float = 4e9  # memory bandwidth: psum's float32 sums, the copies around the kernels
+    reduce: float | None = None  # the fused step; None: a decode plus 1/W of a quantize
+
+    @classmethod
+    def from_codec_json(cls, path: str, bits: int, size_mib: float | None = None) -> CodecRates:
+        """Rates of ``bits`` from a ``python -m jax_cgx.bench codec --output`` file (largest size by default)."""
+        with open(path) as f:
+            rows = [r for r in json.load(f) if r["bits"] == bits]
+        if not rows:
+            raise ValueError(f"{path} has no rows for bits={bits}")
+        row = max(rows, key=lambda r: r["size_mib"]) if size_mib is None else min(
+            rows, key=lambda r: abs(r["size_mib"] - size_mib))
+        reduce = row.get("reduce_gbps")
+        return cls(quantize=row["quantize_gbps"] * 1e9, dequantize=row["dequantize_gbps"] * 1e9,
+                   add=row["copy_gbps"] * 1e9, reduce=None if reduce is None else reduce * 1e9)
+
+
+@dataclasses.dataclass(frozen=True)
+class LinkModel:
+    """Per-rank link: bandwidth in bytes/s each way (``inf``: unlimited), and a fixed cost per message."""
+
+    bandwidth: float
+    latency: float = 2e-4
+
+
+def encoded_chunk_bytes(size_bytes: float, world: int, bits: int, bucket_size: int) -> float:
+    """Bytes of one rank's encoded chunk of a ``size_bytes`` float32 buffer cut into ``world`` chunks."""
+    values = size_bytes / 4 / world
+    return values * bits / 8 + -(-values // bucket_size) * 8
+
+
+# Passes over the W encoded chunks that the xla backend's program makes besides the
+# kernels and the transport (counted in its optimized HLO on XLA:CPU).
+WIRE_COPIES = 9
+
+
+def predict(size_bytes: float, world: int, bits: int, bucket_size: int, link: LinkModel,
+            rates: CodecRates, host_cores: int | None = None, segments: int = 0, *,
+            itemsize: int = 4, message_cap: int | None = _wire.CPU_MESSAGE_BYTES,
+            share: float | None = None) -> dict[str, float]:
+    """Predicted seconds: ``psum``, ``compressed`` and the compressed time's parts.
+
+    ``size_bytes``: the buffer's bytes per rank, of ``itemsize``-byte values.
+    ``host_cores``: all ``world`` ranks share one machine with this many cores (compute
+    slows by ``max(1, world / host_cores)``); None: every rank has a core of its own.
+    ``segments``: messages per collective, as ``CompressionConfig.pipeline_segments``
+    (0: by size, each message at most ``message_cap`` bytes; None: one message).
+    ``share``: how many ranks share each core, given directly (overrides ``host_cores``).
+    """
+    if world < 2:
+        return dict(psum=0.0, compressed=0.0, wire=0.0, codec=0.0, copies=0.0, messages=0, speedup=1.0)
+    s, w, b = float(size_bytes), world, link.bandwidth
+    f = s / itemsize * 4  # the codec's work, in float32 bytes
+    if share is None:
+        share = 1.0 if host_cores is None else max(1.0, w / host_cores)
+    psum = 2 * (w - 1) / w * s / b + share * (w - 1) / w * s / rates.add + 2 * (w - 1) * link.latency
+    enc = encoded_chunk_bytes(f, w, bits, bucket_size)
+    messages = _wire.count(segments, int(enc), message_cap)
+    wire = 2 * (w - 1) * enc / b + messages * w * link.latency
+    reduce = rates.reduce or 1 / (1 / rates.dequantize + 1 / (w * rates.quantize))
+    codec = share * (f / rates.quantize + f / reduce + f / rates.dequantize)
+    copies = share * (WIRE_COPIES * w * enc + s / w) / rates.add
+    compressed = wire + codec + copies
+    return dict(psum=psum, compressed=compressed, wire=wire, codec=codec, copies=copies, messages=messages,
+                speedup=psum / compressed if compressed > 0 else float("inf"))

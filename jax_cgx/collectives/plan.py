@@ -1,0 +1,175 @@
+"""How ``compressed_psum`` reduces each leaf of a pytree: its lane, its fusion buffer, and
+whether that buffer is compressed.
+
+Leaves go through three lanes:
+
+- **exact**: integer leaves, leaves smaller than ``min_size``, leaves whose config
+  is ``None`` or has ``bits=32``: a plain ``lax.psum``;
+- **half**: ``bits=16``: a ``lax.psum`` in bfloat16 (or float16);
+- **quantized**: ``bits`` 1..8: leaves of one dtype and config form a :class:`Group`,
+  whose values are cut into fusion buffers of at most ``fusion_buffer_mb``.
+
+Under ``policy="always"`` every buffer is compressed. Under ``policy="auto"`` each buffer
+carries the cost model's :class:`~jax_cgx.collectives.policy.Decision`; a group none of whose
+buffers compresses is reduced leaf by leaf with ``psum``. The plan is pure Python, built
+while tracing from shapes and configs: the same on every rank, static under ``jit``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+from typing import Any, Union
+
+import jax
+import numpy as np
+
+from jax_cgx.codec import SUPPORTED_DTYPES
+from jax_cgx.collectives import policy
+from jax_cgx.config import MAX_FUSION_BUFFERS, CompressionConfig
+
+__all__ = ["ConfigSpec", "Group", "Plan", "make_plan", "leaf_configs", "lane"]
+
+# A config for every leaf, a pytree of configs (None = reduce exactly), or a function
+# of the leaf's path and value (torch_cgx's layer-wise hook).
+ConfigSpec = Union[
+    CompressionConfig, None, Callable[[tuple, jax.Array], "CompressionConfig | None"], Any
+]
+
+
+def leaf_configs(spec: ConfigSpec, tree, paths: Sequence[tuple]) -> list[CompressionConfig | None]:
+    if spec is None:
+        return [CompressionConfig.from_env()] * len(paths)
+    if isinstance(spec, CompressionConfig):
+        return [spec] * len(paths)
+    leaves = jax.tree.leaves(tree)
+    if callable(spec):
+        configs = [spec(path, leaf) for path, leaf in zip(paths, leaves)]
+    else:
+        is_cfg = lambda c: c is None or isinstance(c, CompressionConfig)  # noqa: E731
+        try:
+            configs = jax.tree.leaves(
+                jax.tree.map(lambda c, sub: [c] * len(jax.tree.leaves(sub)), spec, tree, is_leaf=is_cfg),
+                is_leaf=lambda v: isinstance(v, list),
+            )
+            configs = [c for group in configs for c in group]
+        except ValueError as err:
+            raise ValueError(
+                "compressed_psum: the config pytree must match the structure of the values "
+                f"(or be a prefix of it): {err}"
+            ) from None
+    for path, c in zip(paths, configs):
+        if c is not None and not isinstance(c, CompressionConfig):
+            raise TypeError(
+                f"compressed_psum: config for leaf {jax.tree_util.keystr(path)} must be a "
+                f"CompressionConfig or None, got {type(c).__name__}"
+            )
+    return configs
+
+
+@dataclasses.dataclass(frozen=True)
+class Group:
+    """Leaves reduced together: same dtype, same codec settings."""
+
+    dtype: np.dtype
+    config: CompressionConfig
+
+
+@dataclasses.dataclass
+class Plan:
+    """How each leaf is reduced: its lane, the fusion groups of quantized leaves, and
+    ``policy="auto"``'s decision for each of a group's buffers (None: always compressed)."""
+
+    lanes: list[str]
+    configs: list[CompressionConfig | None]
+    groups: dict[Group, list[int]]
+    sizes: list[int]
+    decisions: dict[Group, list[policy.Decision | None]] = dataclasses.field(default_factory=dict)
+
+    def buffers(self, group: Group) -> list[tuple[int, int]]:
+        """``(start, stop)`` of each fusion buffer over the group's concatenated values."""
+        total = sum(self.sizes[i] for i in self.groups[group])
+        cap = max(1, group.config.fusion_buffer_bytes // group.dtype.itemsize)
+        return [(start, min(start + cap, total)) for start in range(0, total, cap)]
+
+    def compressed(self, group: Group) -> list[bool]:
+        """Whether each of the group's buffers is compressed."""
+        return [d is None or d.compress for d in self.decisions.get(group, [None] * len(self.buffers(group)))]
+
+    def fused(self, group: Group) -> bool:
+        """False when no buffer of the group is compressed: its leaves are psum'd one by one."""
+        return any(self.compressed(group))
+
+    def check_buffer_count(self) -> None:
+        """Raise a clear error when the quantized leaves need more than ``MAX_FUSION_BUFFERS`` buffers."""
+        count, total_bytes = 0, 0
+        for group, members in self.groups.items():
+            n = sum(self.sizes[i] for i in members)
+            count += -(-n // max(1, group.config.fusion_buffer_bytes // group.dtype.itemsize))
+            total_bytes += n * group.dtype.itemsize
+        if count <= MAX_FUSION_BUFFERS:
+            return
+        mbs = sorted({g.config.fusion_buffer_mb for g in self.groups})
+        given = f"fusion_buffer_mb={mbs[0]}" if len(mbs) == 1 else f"fusion_buffer_mb in {mbs}"
+        groups = len(self.groups)
+        if groups < MAX_FUSION_BUFFERS:
+            # A power of two with at most MAX - groups buffers for all groups together.
+            need = 2.0 ** math.ceil(math.log2(total_bytes / ((MAX_FUSION_BUFFERS - groups) * 2**20)))
+            fix = (
+                f"set fusion_buffer_mb >= {need:g} (CGX_FUSION_BUFFER_SIZE_MB with config=None), "
+                "or reduce the values in several calls"
+            )
+        else:
+            fix = (
+                f"the values form {groups} fusion groups (leaves of different dtypes or configs "
+                "are never fused): use fewer distinct configs, or reduce them in several calls"
+            )
+        raise ValueError(
+            f"compressed_psum: {given} cuts {total_bytes / 2**20:.4g} MiB of quantized values into "
+            f"{count} fusion buffers, more than the {MAX_FUSION_BUFFERS} allowed per reduction "
+            f"(each buffer is a separate exchange and compile time grows with their number); {fix}"
+        )
+
+
+def make_plan(paths, leaves, spec: ConfigSpec, tree, world: int | None = None,
+              inner_world: int | None = None) -> Plan:
+    """The plan for ``leaves`` (with their ``paths``) of ``tree`` reduced over ``world`` ranks.
+
+    ``world`` None or 1: no decisions are taken (nothing moves). ``inner_world``: the inner
+    axis's size, for hierarchical configs' cost.
+    """
+    configs = leaf_configs(spec, tree, paths)
+    lanes, groups = [], {}
+    for i, (path, leaf, c) in enumerate(zip(paths, leaves, configs)):
+        kind = lane(path, leaf, c)
+        lanes.append(kind)
+        if kind == "quantized":
+            groups.setdefault(Group(np.dtype(leaf.dtype), c), []).append(i)
+    plan = Plan(lanes, configs, groups, [int(np.prod(np.shape(leaf))) for leaf in leaves])
+    if world is not None and world > 1:
+        for group in groups:
+            if group.config.policy == "auto":
+                plan.decisions[group] = [
+                    policy.decide(stop - start, group.dtype, world, group.config, inner_world=inner_world)
+                    for start, stop in plan.buffers(group)
+                ]
+    return plan
+
+
+def lane(path, leaf, config: CompressionConfig | None) -> str:
+    """"exact" (psum), "half" (psum in 16 bits) or "quantized" (compressed, fused by dtype and config)."""
+    if config is None or not config.enabled:
+        return "exact"
+    dtype = np.dtype(leaf.dtype)
+    if dtype.kind in "iub":
+        return "exact"
+    if leaf.size == 0 or leaf.size < config.min_size:  # nothing to compress (min_size may be 0)
+        return "exact"
+    if dtype not in SUPPORTED_DTYPES:
+        raise TypeError(
+            f"compressed_psum: leaf {jax.tree_util.keystr(path)} has dtype {dtype}, which cannot "
+            "be compressed (float32, bfloat16 and float16 can). Give it config=None to reduce "
+            "it exactly, or cast it."
+        )
+    return "half" if config.bits == 16 else "quantized"

@@ -1,0 +1,323 @@
+"""``policy="auto"``: compress a fusion buffer only where the cost model predicts a gain.
+
+Compression pays on slow links and costs on fast ones (docs/performance.md: at 4 bits a
+comm-bound step runs 3x faster than pmean at 1 Gbit/s and 0.94x on an unlimited link). With
+``CompressionConfig(policy="auto")`` every fusion buffer is priced twice by
+:mod:`jax_cgx.collectives.cost_model`, as a plain ``psum`` and as the compressed exchange,
+and takes the cheaper; a group of leaves none of whose buffers compresses is reduced leaf
+by leaf with ``psum``, exactly as without jax_cgx (no fusion-buffer copies).
+
+The figures the model needs are measured once per process, the first time they are needed
+(or by :func:`calibrate`):
+
+- **the link**: each rank's rate and per-message latency, from a timed ``psum`` of two sizes
+  over all devices (the slope gives the rate, the intercept the latency), unless
+  ``CompressionConfig.link_gbps`` or ``JAX_CGX_LINK_GBPS`` gives the rate (then with no
+  latency term: nothing is measured over the network);
+- **the codec**: quantize, dequantize and copy throughput of this machine's first device.
+
+Every process must take the same decisions, or their programs would not match. So the
+figures are agreed before anyone uses them: every process measures, the measurements are
+gathered, and all take the slowest (the collective runs at the pace of its slowest rank).
+Measuring is therefore collective: every process has to reach it, as every process reaches
+the first trace of a step that uses ``compressed_psum``. A decision is a Python bool computed
+while tracing, from shapes and those figures: static under ``jit``. Each figure set and each
+distinct decision is logged once at INFO on the ``jax_cgx`` logger;
+:func:`jax_cgx.explain` shows them for a pytree.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import logging
+import math
+import os
+import statistics
+import threading
+import time
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_cgx.collectives import wire as _wire
+from jax_cgx.collectives.cost_model import CodecRates, LinkModel, predict
+from jax_cgx.config import CompressionConfig, link_gbps_from_env
+
+__all__ = ["Figures", "Decision", "calibrate", "figures", "decide"]
+
+logger = logging.getLogger("jax_cgx")
+
+# The link probe's psum sizes per device: one that latency dominates, one that bandwidth does.
+_PROBE_SMALL_BYTES = 64 * 1024
+_PROBE_LARGE_BYTES = 4 * 2**20
+# The codec probe's buffer: large enough to stream from memory, small enough to be quick.
+_CODEC_PROBE_VALUES = 2**20
+_REPEATS = 5
+_PROBE_AXIS = "jax_cgx_link_probe"
+
+
+@dataclasses.dataclass(frozen=True)
+class ExchangeFit:
+    """The compressed exchange's own cost besides the wire, measured in place over the real
+    devices: ``overhead + F / rate`` seconds for ``F`` bytes of float32 per rank.
+
+    It catches what the codec rates alone miss: XLA's per-collective cost, and on one
+    process's virtual CPU devices the threads' rendezvous (measured there: 14 ms for 4 MiB
+    per device where the codec rates predict 5 ms). Decisions take the larger of the two.
+    """
+
+    overhead: float = 0.0
+    rate: float = math.inf
+
+    def seconds(self, float32_bytes: float) -> float:
+        return self.overhead + float32_bytes / self.rate
+
+
+@dataclasses.dataclass(frozen=True)
+class Figures:
+    """What the cost model knows about this machine, the same on every process."""
+
+    link: LinkModel
+    rates: CodecRates
+    platform: str
+    link_source: str  # "measured over N devices", "JAX_CGX_LINK_GBPS" or "CompressionConfig.link_gbps"
+    share: float = 1.0  # ranks per core: CPU devices of one process share its cores
+    exchange: ExchangeFit = ExchangeFit()
+
+    def describe(self) -> str:
+        bw = self.link.bandwidth
+        link = "unlimited" if bw == float("inf") else f"{bw * 8 / 1e9:.3g} Gbit/s"
+        return (f"link {link} per rank each way, {self.link.latency * 1e3:.3g} ms per message "
+                f"({self.link_source}); {self.platform} codec: quantize {self.rates.quantize / 1e9:.3g} GB/s, "
+                f"dequantize {self.rates.dequantize / 1e9:.3g} GB/s, copy {self.rates.add / 1e9:.3g} GB/s"
+                + (f", {self.share:g} devices per core" if self.share > 1 else "")
+                + (f"; compressed exchange measured at {self.exchange.overhead * 1e3:.3g} ms + "
+                   f"{self.exchange.rate / 1e9:.3g} GB/s" if self.exchange != ExchangeFit() else ""))
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    """Whether one buffer is compressed, and the two predictions that decided it (seconds)."""
+
+    compress: bool
+    psum_s: float
+    compressed_s: float
+
+
+_lock = threading.RLock()
+_measured_link: dict[str, tuple[LinkModel, str]] = {}  # by platform
+_measured_exchange: dict[str, ExchangeFit] = {}
+_measured_rates: dict[str, CodecRates] = {}
+_logged: set = set()
+
+
+def _outside_trace(fn: Callable):
+    """Run ``fn`` on a fresh thread: JAX's trace state is per thread, so what ``fn``
+    computes runs eagerly even when we are called while a step is being traced."""
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jax_cgx_calibrate") as pool:
+        return pool.submit(fn).result()
+
+
+def _median_time(fn: Callable[[], object]) -> float:
+    jax.block_until_ready(fn())  # compile and warm up
+    times = []
+    for _ in range(_REPEATS):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _measure_rates(device) -> CodecRates:
+    from jax_cgx import codec  # the codec sits below the collectives; imported here to keep start-up light
+
+    config = CompressionConfig(bits=4)
+    x = jax.device_put(jax.random.normal(jax.random.key(0), (_CODEC_PROBE_VALUES,), jnp.float32), device)
+    quantize = jax.jit(lambda a: codec.quantize(a, config))
+    dequantize = jax.jit(codec.dequantize)
+    copy = jax.jit(lambda a: -a)  # one read and one write of every byte
+    q = quantize(x)
+    nbytes = x.size * 4
+    return CodecRates(quantize=nbytes / _median_time(lambda: quantize(x)),
+                      dequantize=nbytes / _median_time(lambda: dequantize(q)),
+                      add=nbytes / _median_time(lambda: copy(x)))
+
+
+def _measure_link(devices, rates: CodecRates, share: float) -> tuple[LinkModel, ExchangeFit]:
+    """The link's rate and latency, and the compressed exchange's compute, over ``devices``.
+
+    Times a ``psum`` and a 4-bit compressed sum at two sizes. The psums fit the cost model's
+    ``t(S) = 2(W-1)/W S/B + share (W-1)/W S/add + 2(W-1) latency``; what the compressed sums
+    take beyond their predicted wire time fits :class:`ExchangeFit`.
+    """
+    from jax_cgx.collectives.primitive import compressed_sum  # the primitive, not the pytree API (which decides)
+
+    w = len(devices)
+    if w < 2:
+        return LinkModel(float("inf"), 0.0), ExchangeFit()
+    mesh = jax.sharding.Mesh(np.array(devices), (_PROBE_AXIS,))
+    spec = jax.sharding.PartitionSpec(_PROBE_AXIS)
+    config = CompressionConfig(bits=4)
+
+    def timed(body, nbytes: int) -> float:
+        fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False))
+        make = jax.jit(lambda: jnp.ones((w * nbytes // 4,), jnp.float32) * 0.5,
+                       out_shardings=jax.sharding.NamedSharding(mesh, spec))
+        x = make()
+        return _median_time(lambda: fn(x))
+
+    sizes = (_PROBE_SMALL_BYTES, _PROBE_LARGE_BYTES)
+    psum = [timed(lambda v: jax.lax.psum(v, _PROBE_AXIS), n) for n in sizes]
+    slope = (psum[1] - psum[0]) / (sizes[1] - sizes[0])
+    wire_slope = slope - share * (w - 1) / w / rates.add  # seconds per byte that the adds do not explain
+    bandwidth = 2 * (w - 1) / w / wire_slope if wire_slope > 0 else float("inf")
+    link = LinkModel(bandwidth, max(0.0, psum[0] - slope * sizes[0]) / (2 * (w - 1)))
+
+    compute = []
+    for n in sizes:
+        t = timed(lambda v: compressed_sum(v, (_PROBE_AXIS,), w, config, None, "auto"), n)
+        wire = predict(n, w, config.bits, config.bucket_size, link, rates,
+                       message_cap=_wire.message_cap([devices[0].platform]))["wire"]
+        compute.append(max(0.0, t - wire))
+    per_byte = (compute[1] - compute[0]) / (sizes[1] - sizes[0])
+    fit = ExchangeFit(max(0.0, compute[0] - per_byte * sizes[0]), 1 / per_byte if per_byte > 0 else math.inf)
+    return link, fit
+
+
+def _agree(values: list[float], slowest: Callable) -> list[float]:
+    """Every process's ``values`` gathered, and reduced by ``slowest`` (min or max) per entry."""
+    if jax.process_count() == 1:
+        return values
+    from jax.experimental import multihost_utils
+
+    gathered = np.asarray(multihost_utils.process_allgather(np.asarray(values, np.float32)))
+    return [float(slowest(gathered[:, i])) for i in range(len(values))]
+
+
+def _cached(platform: str, link_gbps: float | None, source: str | None) -> Figures | None:
+    """The figures if everything they need is measured already."""
+    rates = _measured_rates.get(platform)
+    if rates is None:
+        return None
+    if link_gbps is not None:
+        # A given rate comes without a latency: per-message costs are then not priced at all.
+        return Figures(LinkModel(link_gbps * 1e9 / 8, 0.0), rates, platform, source, _share(platform),
+                       _measured_exchange.get(platform, ExchangeFit()))
+    if platform not in _measured_link:
+        return None
+    link, measured_source = _measured_link[platform]
+    return Figures(link, rates, platform, measured_source, _share(platform), _measured_exchange[platform])
+
+
+def _share(platform: str) -> float:
+    """Ranks per core: a process's CPU devices run their kernels on its cores (one thread each)."""
+    if platform != "cpu":
+        return 1.0
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1.0, jax.local_device_count("cpu") / cores)
+
+
+def _calibrate_platform(platform: str, link_gbps: float | None, source: str | None) -> Figures:
+    """Measure what is missing and agree on it with every process; runs on a fresh thread."""
+    t0 = time.perf_counter()
+    if platform not in _measured_rates:
+        r = _measure_rates(jax.local_devices(backend=platform)[0])
+        q, d, a = _agree([r.quantize, r.dequantize, r.add], np.min)
+        _measured_rates[platform] = CodecRates(quantize=q, dequantize=d, add=a)
+    if link_gbps is None and platform not in _measured_link:
+        devices = jax.devices(platform)
+        link, fit = _measure_link(devices, _measured_rates[platform], _share(platform))
+        # The slowest link, the longest latency, the slowest exchange.
+        bandwidth, neg_latency, neg_overhead, rate = _agree(
+            [link.bandwidth, -link.latency, -fit.overhead, fit.rate], np.min)
+        _measured_link[platform] = (LinkModel(bandwidth, -neg_latency), f"measured over {len(devices)} devices")
+        _measured_exchange[platform] = ExchangeFit(-neg_overhead, rate)
+    fig = _cached(platform, link_gbps, source)
+    logger.info("jax_cgx: policy='auto' calibrated in %.2f s: %s", time.perf_counter() - t0, fig.describe())
+    return fig
+
+
+def figures(config: CompressionConfig | None = None, platform: str | None = None) -> Figures:
+    """The figures ``config`` is decided with on ``platform`` (default: JAX's default backend).
+
+    The link rate is ``config.link_gbps``, else ``JAX_CGX_LINK_GBPS``, else measured; the
+    codec rates are measured. Measurements run once per process and are collective (every
+    process must call this, directly or through a first trace); later calls are free.
+    """
+    platform = platform or jax.default_backend()
+    link_gbps, source = None, None
+    if config is not None and config.link_gbps is not None:
+        link_gbps, source = config.link_gbps, "CompressionConfig.link_gbps"
+    elif (env := link_gbps_from_env()) is not None:
+        link_gbps, source = env, "JAX_CGX_LINK_GBPS"
+    with _lock:
+        fig = _cached(platform, link_gbps, source)
+        if fig is None:
+            fig = _outside_trace(lambda: _calibrate_platform(platform, link_gbps, source))
+    return fig
+
+
+def calibrate(platform: str | None = None) -> Figures:
+    """Measure this machine's link and codec now (collective: call it on every process).
+
+    Optional: ``policy="auto"`` measures on first use, which is in the first trace of a
+    step. Calling it at start-up keeps that time out of the first step and logs the
+    figures. Measures the link even when ``JAX_CGX_LINK_GBPS`` is set; returns the
+    measured figures.
+    """
+    platform = platform or jax.default_backend()
+    with _lock:
+        fig = _cached(platform, None, None)
+        return fig if fig is not None else _outside_trace(lambda: _calibrate_platform(platform, None, None))
+
+
+def reset() -> None:
+    """Forget the measured figures and logged decisions (tests; a changed network)."""
+    with _lock:
+        _measured_link.clear()
+        _measured_rates.clear()
+        _measured_exchange.clear()
+        _logged.clear()
+
+
+def decide(values: int, dtype, world: int, config: CompressionConfig, *, inner_world: int | None = None,
+           platform: str | None = None, log: bool = True) -> Decision:
+    """Whether ``policy="auto"`` compresses a buffer of ``values`` values of ``dtype`` summed over ``world`` ranks.
+
+    ``inner_world``: the inner axis's size for a hierarchical config (its reduce-scatter and
+    all-gather run within a node, priced at memory speed). The decision is logged once.
+    """
+    fig = figures(config, platform)
+    itemsize = np.dtype(dtype).itemsize
+    size = values * itemsize
+
+    def model(nbytes: float, ranks: int) -> dict[str, float]:
+        return predict(nbytes, ranks, config.bits, config.bucket_size, fig.link, fig.rates,
+                       segments=config.pipeline_segments, itemsize=itemsize,
+                       message_cap=_wire.message_cap([fig.platform]), share=fig.share)
+
+    def exchange(nbytes: float, ranks: int) -> float:
+        p = model(nbytes, ranks)
+        if ranks < 2:
+            return 0.0
+        return p["wire"] + max(p["codec"] + p["copies"], fig.exchange.seconds(nbytes / itemsize * 4))
+
+    psum = model(size, world)["psum"]
+    if config.hierarchical and inner_world and inner_world > 1:
+        inner = fig.share * 2 * (inner_world - 1) / inner_world * size / fig.rates.add
+        compressed = inner + exchange(size / inner_world, world // inner_world)
+    else:
+        compressed = exchange(size, world)
+    decision = Decision(compressed < psum, psum, compressed)
+    key = (values, np.dtype(dtype).name, world, inner_world, config, fig)
+    if log and key not in _logged:
+        _logged.add(key)
+        logger.info(
+            "jax_cgx: policy='auto': %s a %.4g MiB %s buffer over %d ranks at %d bits "
+            "(predicted %.3g ms compressed, %.3g ms psum)",
+            "compress" if decision.compress else "psum (uncompressed)", size / 2**20, np.dtype(dtype).name,
+            world, config.bits, compressed * 1e3, psum * 1e3)
+    return decision

@@ -1,0 +1,242 @@
+"""policy="auto": decisions from the cost model, static under jit, logged once, agreed by every
+process; jax_cgx.explain; JAX_CGX_POLICY / JAX_CGX_LINK_GBPS (jax_cgx/collectives/policy.py)."""
+
+import io
+import json
+import logging
+import math
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from bitwise import assert_same_bits
+from jax import lax
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+from processes import SUPPORT, run_all
+
+import jax_cgx
+from jax_cgx.collectives import bytes_on_wire, cost_model, policy
+from jax_cgx.launch import free_port
+
+W = 8
+BIG = 1 << 18  # values per device of the large leaf: 1 MiB of float32
+
+
+@pytest.fixture(autouse=True)
+def fresh_policy():
+    policy.reset()
+    yield
+    policy.reset()
+
+
+def _tree():
+    rng = np.random.default_rng(0)
+    return {
+        "w": jnp.asarray(rng.standard_normal((W, BIG)), jnp.float32),
+        "b": jnp.asarray(rng.standard_normal((W, 300)), jnp.float32),
+        "step": jnp.arange(W, dtype=jnp.int32)[:, None],
+    }
+
+
+def _psum_fn(config, residual=False):
+    mesh = Mesh(np.array(jax.devices()[:W]), ("d",))
+
+    def body(t):
+        t = jax.tree.map(lambda v: v[0], t)
+        out = jax_cgx.compressed_psum(t, "d", config, return_residual=residual)
+        return jax.tree.map(lambda v: v[None], out)
+
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("d"), out_specs=P("d")))
+
+
+def _uses_compression(fn, x) -> bool:
+    return "compressed_allreduce" in str(fn.trace(x).jaxpr)
+
+
+def test_unlimited_link_reduces_with_plain_psum_and_logs_once(caplog):
+    x = _tree()
+    config = jax_cgx.CompressionConfig(bits=4, policy="auto", link_gbps=math.inf)
+    fn = _psum_fn(config)
+    with caplog.at_level(logging.INFO, logger="jax_cgx"):
+        out = fn(x)
+        _psum_fn(config)(x)  # a second trace of the same reduction: no second log line
+    assert not _uses_compression(fn, x)
+    exact = _psum_fn(None)(x)  # bits=32 from the (empty) environment: psum leaf by leaf
+    for k in x:
+        assert_same_bits(np.asarray(out[k]), np.asarray(exact[k]), k)
+    decisions = [r.getMessage() for r in caplog.records if "psum (uncompressed)" in r.getMessage()]
+    assert len(decisions) == 1, decisions  # one buffer ("w" and "b" fused), logged once
+    assert "calibrated" in caplog.text  # the codec was measured while tracing, and said so
+
+
+def test_slow_link_compresses_bitwise_like_always():
+    x = _tree()
+    auto = _psum_fn(jax_cgx.CompressionConfig(bits=4, policy="auto", link_gbps=0.1))
+    always = _psum_fn(jax_cgx.CompressionConfig(bits=4))
+    assert _uses_compression(auto, x)
+    a, b = auto(x), always(x)
+    for k in x:
+        assert_same_bits(np.asarray(a[k]), np.asarray(b[k]), k)
+
+
+def test_buffers_decided_one_by_one(monkeypatch):
+    # Three buffers of 64 KiB: the first and last compressed, the middle one psum'd. Each
+    # compressed buffer must be bitwise what "always" gives it (keys fold in the buffer index).
+    x = {"a": jnp.asarray(np.random.default_rng(1).standard_normal((W, 40000)), jnp.float32)}
+    base = jax_cgx.CompressionConfig(bits=3, fusion_buffer_mb=1 / 16, stochastic=True)
+    calls = []
+
+    def fake(values, dtype, world, config, **kw):
+        calls.append(values)
+        return policy.Decision(len(calls) != 2, 1.0, 1.0)
+
+    monkeypatch.setattr(policy, "decide", fake)
+    key = jax.random.key(7)
+    mesh = Mesh(np.array(jax.devices()[:W]), ("d",))
+
+    def run(config):
+        body = lambda t: jax_cgx.compressed_psum(t[0], "d", config, key=key)[None]  # noqa: E731
+        return np.asarray(jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("d"), out_specs=P("d")))(x["a"]))
+
+    auto, always = run(base.replace(policy="auto")), run(base)
+    assert calls == [16384, 16384, 40000 - 2 * 16384]
+    exact = np.asarray(x["a"]).sum(axis=0)
+    assert_same_bits(auto[:, :16384], always[:, :16384], "buffer 0 compressed")
+    assert_same_bits(auto[:, 32768:], always[:, 32768:], "buffer 2 compressed")
+    mid = auto[0, 16384:32768]
+    np.testing.assert_allclose(mid, exact[16384:32768], rtol=1e-5, atol=1e-5)  # psum: float32 rounding only
+    for r in range(1, W):
+        assert_same_bits(auto[r], auto[0], f"rank {r}")
+
+
+def test_residual_of_an_uncompressed_buffer_is_zero():
+    x = _tree()
+    out, res = _psum_fn(jax_cgx.CompressionConfig(bits=4, policy="auto", link_gbps=math.inf), residual=True)(x)
+    for k in x:
+        assert not np.any(np.asarray(res[k])), k
+
+
+def test_measured_figures_on_virtual_devices_choose_psum():
+    # 8 devices of one process share its cores and its memory: nothing to gain, and the
+    # measured link says so. Measured while tracing (in a thread of its own).
+    x = _tree()
+    fn = _psum_fn(jax_cgx.CompressionConfig(bits=4, policy="auto"))
+    assert not _uses_compression(fn, x)
+    fig = policy.figures()
+    assert fig.link_source == f"measured over {len(jax.devices())} devices"
+    assert fig.link.bandwidth > 0 and fig.link.latency >= 0
+    assert fig.share >= 1
+    assert policy.figures() is not fig and policy.figures() == fig  # cached: measured once
+
+
+def test_link_from_environment(monkeypatch):
+    monkeypatch.setenv("JAX_CGX_LINK_GBPS", "2.5")
+    fig = policy.figures(jax_cgx.CompressionConfig(policy="auto"))
+    assert fig.link.bandwidth == 2.5e9 / 8 and fig.link_source == "JAX_CGX_LINK_GBPS"
+    fig = policy.figures(jax_cgx.CompressionConfig(policy="auto", link_gbps=10.0))  # the config wins
+    assert fig.link.bandwidth == 10e9 / 8 and fig.link_source == "CompressionConfig.link_gbps"
+    monkeypatch.setenv("JAX_CGX_LINK_GBPS", "fast")
+    with pytest.raises(ValueError, match="JAX_CGX_LINK_GBPS='fast' is not a number"):
+        policy.figures(jax_cgx.CompressionConfig(policy="auto"))
+
+
+@pytest.mark.parametrize("value, message", [
+    ("sometimes", "JAX_CGX_POLICY='sometimes' must be always or auto"),
+])
+def test_bad_policy_variable(value, message):
+    with pytest.raises(ValueError, match=message):
+        jax_cgx.CompressionConfig.from_env({"JAX_CGX_POLICY": value})
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "nan", "1gbit"])
+def test_bad_link_variable(value):
+    with pytest.raises(ValueError, match=f"JAX_CGX_LINK_GBPS='{value}'"):
+        jax_cgx.CompressionConfig.from_env({"JAX_CGX_LINK_GBPS": value})
+
+
+def test_policy_from_environment():
+    c = jax_cgx.CompressionConfig.from_env({"CGX_COMPRESSION_QUANTIZATION_BITS": "4", "JAX_CGX_POLICY": "AUTO",
+                                            "JAX_CGX_LINK_GBPS": "inf"})
+    assert c.policy == "auto" and c.link_gbps == math.inf
+    assert jax_cgx.CompressionConfig.from_env({}).policy == "always"
+
+
+@pytest.mark.parametrize("kwargs, error", [
+    (dict(policy="sometimes"), ValueError),
+    (dict(link_gbps=0), ValueError),
+    (dict(link_gbps=-1.0), ValueError),
+    (dict(link_gbps=math.nan), ValueError),
+    (dict(link_gbps="1"), TypeError),
+    (dict(link_gbps=True), TypeError),
+])
+def test_bad_config_fields(kwargs, error):
+    with pytest.raises(error, match="CompressionConfig: (policy|link_gbps)"):
+        jax_cgx.CompressionConfig(**kwargs)
+
+
+def test_bytes_on_wire_follows_the_decisions():
+    x = {"w": jax.ShapeDtypeStruct((BIG,), jnp.float32)}
+    plain = bytes_on_wire(x, W, jax_cgx.CompressionConfig(bits=32))
+    unlimited = jax_cgx.CompressionConfig(bits=4, policy="auto", link_gbps=math.inf)
+    slow = unlimited.replace(link_gbps=0.1)
+    assert bytes_on_wire(x, W, unlimited) == plain
+    assert bytes_on_wire(x, W, slow) == bytes_on_wire(x, W, slow.replace(policy="always")) < plain / 4
+
+
+def test_explain_prints_every_leaf():
+    x = {"w": jax.ShapeDtypeStruct((BIG,), jnp.float32), "n": jax.ShapeDtypeStruct((4,), jnp.int32),
+         "h": jax.ShapeDtypeStruct((1000,), jnp.bfloat16)}
+    configs = {"w": jax_cgx.CompressionConfig(bits=4, policy="auto", link_gbps=math.inf), "n": None,
+               "h": jax_cgx.CompressionConfig(bits=16)}
+    text = io.StringIO()
+    report = jax_cgx.explain(x, config=configs, world=W, file=text)
+    how = {r.path: r.how for r in report.leaves}
+    assert how == {"['w']": "psum (auto)", "['n']": "exact", "['h']": "half"}
+    (buf,) = report.buffers
+    assert not buf.compressed and buf.psum_ms < buf.compressed_ms and buf.values == BIG
+    assert "psum (auto)" in text.getvalue() and "unlimited" in text.getvalue()
+    always = jax_cgx.explain(x, config=jax_cgx.CompressionConfig(bits=4, link_gbps=0.1), world=W, file=None)
+    assert [r.how for r in always.leaves] == ["compressed", "exact", "compressed"]  # h, n, w
+    assert all(b.compressed and b.policy == "always" for b in always.buffers)
+
+
+def test_explain_inside_shard_map_and_its_errors():
+    mesh = Mesh(np.array(jax.devices()[:W]), ("d",))
+    seen = {}
+
+    def body(v):
+        seen["report"] = jax_cgx.explain(v, "d", jax_cgx.CompressionConfig(bits=4, link_gbps=0.1), file=None)
+        return lax.psum(v, "d")
+
+    jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("d"), out_specs=P()))(jnp.ones((W * 4096,)))
+    assert seen["report"].world == W and seen["report"].leaves[0].how == "compressed"
+    with pytest.raises(ValueError, match="give axis_name .* or world="):
+        jax_cgx.explain({"a": jnp.ones(3)}, file=None)
+    with pytest.raises(ValueError, match="world must be a positive int"):
+        jax_cgx.explain({"a": jnp.ones(3)}, world=0, file=None)
+
+
+def test_cost_model_share_slows_compute_only():
+    rates = cost_model.CodecRates(quantize=2e9, dequantize=3e9, add=5e9)
+    link = cost_model.LinkModel(1e8, 0.0)
+    one = cost_model.predict(2**24, 4, 4, 512, link, rates)
+    four = cost_model.predict(2**24, 4, 4, 512, link, rates, share=4.0)
+    assert four["wire"] == one["wire"] and math.isclose(four["codec"], 4 * one["codec"])
+
+
+@pytest.mark.multiprocess
+def test_processes_agree_on_figures_and_decisions(tmp_path):
+    nproc, port = 2, free_port()
+    worker = SUPPORT / "policy_worker.py"
+    commands = [[sys.executable, str(worker), str(i), str(nproc), str(port), str(tmp_path)] for i in range(nproc)]
+    for returncode, log in run_all(commands, timeout=300):
+        assert returncode == 0, log[-4000:]
+    records = [json.loads((tmp_path / f"process{i}.json").read_text()) for i in range(nproc)]
+    assert records[0]["figures"] == records[1]["figures"]  # each measured its own; they agreed
+    assert records[0]["slow_link_compresses"] and records[1]["slow_link_compresses"]
+    assert records[0]["compressed_in_jaxpr"] == records[1]["compressed_in_jaxpr"]
+    assert_same_bits(np.asarray(records[0]["result"], np.float32), np.asarray(records[1]["result"], np.float32),
+                     "process 1 vs process 0")
