@@ -10,7 +10,8 @@ step, Adam (or SGD with momentum) with a cosine-decaying --lr. One trainer per c
 same batches, take one step each in turn (round robin: every compressor sees the same load on the
 machine and the link), until each reaches ``--target`` percent test accuracy or ``--max-steps``.
 
-Compressors: ``none`` (pmean), ``maxmin:BITS`` (``+ef``: with error feedback), ``cast`` (bfloat16),
+Compressors: ``none`` (pmean), ``maxmin:BITS`` (``+ef``: with error feedback; ``+backward``:
+averaged in the backward pass; ``+auto``: ``policy="auto"``), ``cast`` (bfloat16),
 ``powersgd:RANK``, ``topk:RATIO``. The clock counts training steps only: evaluation (the whole test
 set, every ``--eval-every`` steps) is outside it, and the first step, which compiles, counts as the
 median step. Test accuracy is the same on every process (a psum), so every process stops a trainer
@@ -36,7 +37,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--compressors", nargs="+",
                    default=["none", "maxmin:4", "maxmin:8", "maxmin:2+ef", "powersgd:2", "topk:0.01"],
-                   help="none, maxmin:BITS[+ef], cast, powersgd:RANK, topk:RATIO (default: %(default)s)")
+                   help="none, maxmin:BITS[+ef|+backward][+auto], cast, powersgd:RANK, topk:RATIO (default: %(default)s)")
     p.add_argument("--target", type=float, default=97.5, help="test accuracy, percent (default: %(default)s)")
     p.add_argument("--max-steps", type=int, default=300, help="(default: %(default)s)")
     p.add_argument("--eval-every", type=int, default=10, help="steps between evaluations (default: %(default)s)")
@@ -71,16 +72,19 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def example_argv(spec: str) -> list[str]:
     """examples/train_digits.py's compressor flags for ``spec`` (``maxmin:2+ef``, ``topk:0.01``, ...)."""
-    body, ef = (spec[:-3], True) if spec.endswith("+ef") else (spec, False)
-    name, _, value = body.partition(":")
-    bad = ValueError(f"{spec!r} is not none, maxmin:BITS[+ef], cast, powersgd:RANK or topk:RATIO")
-    if ef and name != "maxmin":
+    name, _, value = spec.partition(":")
+    value, *options = value.split("+")
+    bad = ValueError(f"{spec!r} is not none, maxmin:BITS[+ef|+backward][+auto], cast, powersgd:RANK or topk:RATIO")
+    if options and (name != "maxmin" or not set(options) <= {"ef", "auto", "backward"}
+                    or len(set(options)) < len(options) or {"ef", "backward"} <= set(options)):
         raise bad
     if name in ("none", "cast") and not value:
         return ["--compressor", name]
     try:
         if name == "maxmin":
-            return ["--compressor", name, "--bits", str(int(value))] + (["--error-feedback"] if ef else [])
+            return (["--compressor", name, "--bits", str(int(value))] + (["--error-feedback"] if "ef" in options else [])
+                    + (["--policy", "auto"] if "auto" in options else [])
+                    + (["--reduce-in-backward"] if "backward" in options else []))
         if name == "powersgd":
             return ["--compressor", name, "--rank", str(int(value))]
         if name == "topk":
@@ -112,7 +116,8 @@ class Trainer:
         # and the first step past a target is luck (docs/performance.md).
         schedule = optax.cosine_decay_schedule(args.lr, args.max_steps)
         compressor, optimizer = _common.make_optimizer(self.ex, schedule)
-        self.dp = _common.DataParallel(train_digits.loss_fn, compressor, optimizer, devices)
+        self.dp = _common.DataParallel(train_digits.loss_fn, compressor, optimizer, devices,
+                                       mark=_common.backward_marker(self.ex))
         self.params, self.state = self.dp.init(train_digits.init_params(jax.random.key(args.seed), SIZES),
                                                (self.x_train[:batch], self.y_train[:batch]))
         self.wire = int(_common.wire_bytes(self.ex, self.params, self.dp.world))

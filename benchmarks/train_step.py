@@ -40,7 +40,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", choices=("mlp", "charlm"), default="mlp", help="(default: %(default)s)")
     p.add_argument("--compressors", nargs="+", default=["none", "maxmin:4", "maxmin:8", "cast", "powersgd:2"],
-                   help="none, maxmin:BITS, cast, powersgd:RANK (default: %(default)s)")
+                   help="none, maxmin:BITS[+auto][+backward], cast, powersgd:RANK (+auto: policy='auto'; "
+                        "+backward: reduce_in_backward) "
+                        "(default: %(default)s)")
     p.add_argument("--steps", type=int, default=30, help="steps per compressor (default: %(default)s)")
     p.add_argument("--warmup", type=int, default=3, help="first steps left out of the median (default: %(default)s)")
     p.add_argument("--batch-per-device", type=int, default=16, help="(default: %(default)s)")
@@ -66,18 +68,25 @@ def parse_args(argv=None) -> argparse.Namespace:
 def example_args(spec: str, args: argparse.Namespace, world: int) -> argparse.Namespace:
     """The example's arguments for one compressor spec (``maxmin:4``, ``powersgd:2``, ...)."""
     name, _, value = spec.partition(":")
+    value, *options = value.split("+")
     argv = ["--compressor", name, "--steps", str(args.steps), "--batch", str(args.batch_per_device * world),
             "--devices", str(world), "--log-every", "0", "--no-progress"]
+    if options and (name != "maxmin" or not set(options) <= {"auto", "backward"} or len(set(options)) < len(options)):
+        sys.exit(f"train_step: {spec!r}: only maxmin takes +auto (policy='auto') and +backward "
+                 "(reduce_in_backward)")
     if name == "maxmin":
-        argv += ["--bits", value or "4"]
+        argv += ["--bits", value or "4", "--policy", "auto" if "auto" in options else "always"]
+        argv += ["--reduce-in-backward"] if "backward" in options else []
     elif name == "powersgd":
         argv += ["--rank", value or "1"]
     elif value or name not in ("none", "cast"):
-        sys.exit(f"train_step: {spec!r} is not none, maxmin:BITS, cast or powersgd:RANK")
+        sys.exit(f"train_step: {spec!r} is not none, maxmin:BITS[+auto][+backward], cast or powersgd:RANK")
     if args.model == "mlp":
         import train_digits
 
         return train_digits.parse_args(argv + ["--optimizer", "adam", "--lr", "1e-3"])
+    if "backward" in options:
+        sys.exit(f"train_step: {spec!r}: +backward needs --model mlp (its layers are marked where they are used)")
     import train_charlm
 
     return train_charlm.parse_args(argv + ["--context", str(args.context), "--d-model", str(args.d_model),
@@ -134,7 +143,8 @@ class Trainer:
         self.spec, self.ex = spec, example_args("none" if spec == "compute" else spec, args, len(devices))
         self.model = model
         compressor, optimizer = _common.make_optimizer(self.ex, optax.cosine_decay_schedule(self.ex.lr, self.ex.steps))
-        self.dp = _common.DataParallel(model.loss_fn, compressor, optimizer, devices)
+        self.dp = _common.DataParallel(model.loss_fn, compressor, optimizer, devices,
+                                       mark=_common.backward_marker(self.ex))
         example = model.batch(np.random.default_rng(0), self.ex.batch)
         self.params, self.state = self.dp.init(model.init(), example)
         self.rng = np.random.default_rng(0)  # the same batches on every process and for every compressor

@@ -53,6 +53,12 @@ def add_args(p: argparse.ArgumentParser, *, steps: int, batch: int, lr: float, l
     p.add_argument("--bits", type=int, default=4, help="maxmin: bits per value, 1..8 (default: %(default)s)")
     p.add_argument("--bucket-size", type=int, default=512, help="maxmin: values per bucket (default: %(default)s)")
     p.add_argument("--stochastic", action="store_true", help="maxmin: stochastic rounding")
+    p.add_argument("--policy", choices=("always", "auto"), default="always",
+                   help="maxmin: compress always, or only where jax_cgx's cost model predicts a gain on "
+                        "this link (default: %(default)s)")
+    p.add_argument("--reduce-in-backward", action="store_true",
+                   help="maxmin: average each layer's gradient in the backward pass, as soon as it exists "
+                        "(jax_cgx.reduce_in_backward), instead of all of them after it")
     p.add_argument("--error-feedback", action="store_true",
                    help="maxmin: carry each rank's quantization error into its next step")
     p.add_argument("--layer-min-size", type=int, default=1024,
@@ -83,7 +89,8 @@ def pmean(axis_name: str) -> optax.GradientTransformation:
 
 
 def _maxmin_config(args) -> jax_cgx.CompressionConfig:
-    return jax_cgx.CompressionConfig(bits=args.bits, bucket_size=args.bucket_size, stochastic=args.stochastic)
+    return jax_cgx.CompressionConfig(bits=args.bits, bucket_size=args.bucket_size, stochastic=args.stochastic,
+                                     policy=args.policy)
 
 
 def make_compressor(args, axis_name: str = AXIS) -> optax.GradientTransformation:
@@ -93,6 +100,8 @@ def make_compressor(args, axis_name: str = AXIS) -> optax.GradientTransformation
     import jax_cgx.optax as cgx_optax  # needs optax, an optional dependency of jax_cgx
 
     seed = args.seed
+    if args.compressor == "maxmin" and args.reduce_in_backward:
+        return optax.identity()  # the gradients come out of jax.grad averaged (backward_marker)
     if args.compressor == "maxmin":
         return cgx_optax.compressed_mean(axis_name, _maxmin_config(args), layer_min_size=args.layer_min_size,
                                          error_feedback=args.error_feedback, seed=seed)
@@ -104,6 +113,30 @@ def make_compressor(args, axis_name: str = AXIS) -> optax.GradientTransformation
         momentum = args.momentum if args.optimizer == "sgd" else 0.0
         return cgx_optax.topk_mean(axis_name, args.ratio, momentum=momentum, seed=seed)
     raise ValueError(f"unknown compressor {args.compressor!r}")
+
+
+def backward_marker(args, axis_name: str = AXIS):
+    """``mark(i, layer)`` for a loss that marks each layer where it uses it, or None.
+
+    With ``--reduce-in-backward`` each layer's gradient is averaged by ``compressed_pmean``
+    in the backward pass, with the leaves ``compressed_mean``'s filter would leave exact
+    (fewer than ``--layer-min-size`` values) averaged exactly.
+    """
+    if not args.reduce_in_backward:
+        return None
+    if args.compressor != "maxmin" or args.error_feedback:
+        sys.exit("--reduce-in-backward: only with --compressor maxmin, without --error-feedback "
+                 "(a transpose cannot carry a residual to the next step)")
+    config = _maxmin_config(args)
+
+    def leaf_config(path, leaf):
+        return config if leaf.size >= args.layer_min_size else None
+
+    def mark(i, layer):
+        key = jax.random.fold_in(jax.random.key(args.seed), i) if config.stochastic else None
+        return jax_cgx.reduce_in_backward(layer, axis_name, leaf_config, key=key)
+
+    return mark
 
 
 def make_optimizer(args, schedule, axis_name: str = AXIS):
@@ -120,7 +153,8 @@ def make_optimizer(args, schedule, axis_name: str = AXIS):
 def describe(args) -> str:
     """A short name of the compressor and its settings."""
     if args.compressor == "maxmin":
-        extra = (", stochastic" if args.stochastic else "") + (", error feedback" if args.error_feedback else "")
+        extra = ((", stochastic" if args.stochastic else "") + (", error feedback" if args.error_feedback else "")
+                 + (", policy auto" if args.policy == "auto" else ""))
         return f"maxmin {args.bits}-bit, bucket {args.bucket_size}{extra}"
     if args.compressor == "cast":
         return "cast bfloat16"
@@ -188,19 +222,23 @@ class DataParallel:
     """
 
     def __init__(self, loss_fn, compressor: optax.GradientTransformation, optimizer: optax.GradientTransformation,
-                 devices):
+                 devices, mark=None):
         self.world = len(devices)
         self.mesh = jax.make_mesh((self.world,), (AXIS,), axis_types=(jax.sharding.AxisType.Explicit,),
                                   devices=devices)
         self.replicated = NamedSharding(self.mesh, P())
         self.sharded = NamedSharding(self.mesh, P(AXIS))
         self.loss_fn, self.compressor, self.optimizer = loss_fn, compressor, optimizer
+        self.mark = mark  # backward_marker's: loss_fn(params, *batch, mark=mark) averages in backward
         self.per_device = None  # compressor state: a pytree of bools, True where the leaf is per device
         self._evals = {}
 
     def _compress(self, params, state, batch, per_device):
         """Inside shard_map: the local loss and the compressed mean of the local gradients."""
         state = jax.tree.map(lambda s, d: s[0] if d else s, state, per_device)
+        if self.mark is not None:  # reduce_in_backward types the parameters as varying itself
+            loss, grads = jax.value_and_grad(lambda p: self.loss_fn(p, *batch, mark=self.mark))(params)
+            return loss, *self.compressor.update(grads, state, params)
         local = jax.lax.pcast(params, AXIS, to="varying")
         loss, grads = jax.value_and_grad(self.loss_fn)(local, *batch)
         mean, state = self.compressor.update(grads, state, params)

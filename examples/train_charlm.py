@@ -107,6 +107,8 @@ def run(args) -> dict:
     def loss_fn(params, tokens):
         return sequence_loss(params, tokens).mean()
 
+    if args.reduce_in_backward:
+        sys.exit("--reduce-in-backward: train_digits.py marks its layers; this example does not (yet)")
     compressor, optimizer = _common.make_optimizer(args, optax.cosine_decay_schedule(args.lr, args.steps))
     dp = _common.DataParallel(loss_fn, compressor, optimizer, _common.mesh_devices(args.devices))
     params = init_params(jax.random.key(args.seed), len(vocab), args.d_model, args.layers, T)

@@ -52,14 +52,17 @@ def init_params(key, sizes=SIZES):
             for k, a, b in zip(keys, sizes[:-1], sizes[1:])]
 
 
-def logits_fn(params, x):
-    for layer in params[:-1]:
-        x = jax.nn.relu(x @ layer["w"] + layer["b"])
-    return x @ params[-1]["w"] + params[-1]["b"]
+def logits_fn(params, x, mark=None):
+    """``mark(i, layer)``: where each layer is used (jax_cgx.reduce_in_backward; --reduce-in-backward)."""
+    for i, layer in enumerate(params):
+        layer = mark(i, layer) if mark else layer
+        x = x @ layer["w"] + layer["b"]
+        x = jax.nn.relu(x) if i < len(params) - 1 else x
+    return x
 
 
-def loss_fn(params, x, y):
-    return optax.softmax_cross_entropy_with_integer_labels(logits_fn(params, x), y).mean()
+def loss_fn(params, x, y, mark=None):
+    return optax.softmax_cross_entropy_with_integer_labels(logits_fn(params, x, mark), y).mean()
 
 
 def correct(params, x, y):
@@ -72,7 +75,8 @@ def run(args) -> dict:
     if args.batch % args.devices:
         sys.exit(f"--batch {args.batch} must be a multiple of --devices {args.devices}")
     compressor, optimizer = _common.make_optimizer(args, optax.cosine_decay_schedule(args.lr, args.steps))
-    dp = _common.DataParallel(loss_fn, compressor, optimizer, _common.mesh_devices(args.devices))
+    dp = _common.DataParallel(loss_fn, compressor, optimizer, _common.mesh_devices(args.devices),
+                              mark=_common.backward_marker(args))
     params, state = dp.init(init_params(jax.random.key(args.seed)), (x_train[:args.batch], y_train[:args.batch]))
     wire = _common.wire_bytes(args, params, dp.world)
     print(_common.header("digits MLP", args, params, dp.world, wire), flush=True)

@@ -21,7 +21,13 @@ from jax_cgx.codec import (  # noqa: E402
     payload_bytes,
     quantize,
 )
-from jax_cgx.collectives import calibrate, compressed_pmean, compressed_psum, explain  # noqa: E402
+from jax_cgx.collectives import (  # noqa: E402
+    calibrate,
+    compressed_pmean,
+    compressed_psum,
+    explain,
+    reduce_in_backward,
+)
 from jax_cgx.config import CompressionConfig  # noqa: E402
 from jax_cgx.nccl import lowering as _nccl_lowering  # noqa: E402, F401  (registers the CUDA lowering rule)
 
@@ -31,6 +37,7 @@ __all__ = [
     "CompressionConfig",
     "compressed_psum",
     "compressed_pmean",
+    "reduce_in_backward",
     "explain",
     "calibrate",
     "Quantized",

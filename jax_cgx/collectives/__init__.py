@@ -1,6 +1,7 @@
 """Compressed collectives: ``compressed_psum`` / ``compressed_pmean`` and how they run.
 
 - :mod:`~jax_cgx.collectives.allreduce`: the public functions: fusion buffers, ``bytes_on_wire``;
+- :mod:`~jax_cgx.collectives.backward`: ``reduce_in_backward``, the mean taken in the backward pass;
 - :mod:`~jax_cgx.collectives.plan`: how each leaf is reduced (its lane, its fusion buffers);
 - :mod:`~jax_cgx.collectives.policy`: ``policy="auto"``: the measured figures and each buffer's
   decision, with :mod:`~jax_cgx.collectives.cost_model` (the predicted times) and
@@ -17,8 +18,9 @@ Data flows one way: collectives -> codec -> config. The nccl backend's lowering
 """
 
 from jax_cgx.collectives.allreduce import ConfigSpec, bytes_on_wire, compressed_pmean, compressed_psum
+from jax_cgx.collectives.backward import reduce_in_backward
 from jax_cgx.collectives.explain import Explanation, explain
 from jax_cgx.collectives.policy import Figures, calibrate
 
 __all__ = ["compressed_psum", "compressed_pmean", "bytes_on_wire", "ConfigSpec", "explain", "Explanation",
-           "calibrate", "Figures"]
+           "calibrate", "Figures", "reduce_in_backward"]

@@ -96,16 +96,20 @@ def compressed_psum(
 
     out: list[jax.Array | None] = [None] * len(leaves)
     res: list[jax.Array | None] = [None] * len(leaves)
-    for i, (leaf, lane, c) in enumerate(zip(leaves, plan.lanes, plan.configs)):
-        if lane == "exact":
-            out[i] = lax.psum(leaf, axes)
-            if return_residual:
-                res[i] = jnp.zeros_like(leaf)
-        elif lane == "half":
-            half = leaf.astype(jnp.dtype(c.half_dtype))
-            out[i] = lax.psum(half, axes).astype(leaf.dtype)
-            if return_residual:  # the local cast error; the half-precision sum's rounding is no rank's
-                res[i] = (leaf.astype(jnp.float32) - half.astype(jnp.float32)).astype(leaf.dtype)
+    # The uncompressed lanes in one psum each, as lax.psum of a pytree does: one all-reduce of
+    # many operands instead of one per leaf (each costs a collective's fixed cost; on gloo
+    # about 2 ms, which made policy="auto" 5% slower than pmean with every leaf psum'd).
+    exact = [i for i, lane in enumerate(plan.lanes) if lane in ("exact", "auto-psum")]
+    for i, total in zip(exact, lax.psum([leaves[i] for i in exact], axes) if exact else []):
+        out[i] = total
+        if return_residual:
+            res[i] = jnp.zeros_like(leaves[i])
+    halves = {i: leaves[i].astype(jnp.dtype(plan.configs[i].half_dtype))
+              for i, lane in enumerate(plan.lanes) if lane == "half"}
+    for (i, half), total in zip(halves.items(), lax.psum(list(halves.values()), axes) if halves else []):
+        out[i] = total.astype(leaves[i].dtype)
+        if return_residual:  # the local cast error; the half-precision sum's rounding is no rank's
+            res[i] = (leaves[i].astype(jnp.float32) - half.astype(jnp.float32)).astype(leaves[i].dtype)
 
     if plan.groups:
         if vmapped := _compat.vmapped_axes(axes):
@@ -127,13 +131,6 @@ def compressed_psum(
         buffer_index = 0
         for group, members in plan.groups.items():
             spans = plan.buffers(group)
-            if not plan.fused(group):  # policy="auto" found no buffer worth compressing
-                buffer_index += len(spans)
-                for i in members:
-                    out[i] = lax.psum(leaves[i], axes)
-                    if return_residual:
-                        res[i] = jnp.zeros_like(leaves[i])
-                continue
             flat = [leaves[i].reshape(-1) for i in members]
             bounds = np.cumsum([0] + [plan.sizes[i] for i in members])
             reduced, lost = [], []
@@ -209,7 +206,7 @@ def bytes_on_wire(x, world: int, config: ConfigSpec = None, *, inner_world: int 
     ring = 2 * (world - 1) / world
     total = 0.0
     for leaf, lane, c in zip(leaves, plan.lanes, plan.configs):
-        if lane == "exact":
+        if lane in ("exact", "auto-psum"):
             total += ring * leaf.size * np.dtype(leaf.dtype).itemsize
         elif lane == "half":
             total += ring * leaf.size * 2

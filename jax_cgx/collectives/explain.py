@@ -46,7 +46,8 @@ class BufferReport:
 @dataclasses.dataclass(frozen=True)
 class LeafReport:
     """One leaf: how it is reduced (``"exact"``, ``"half"``, ``"compressed"``, ``"psum (auto)"``
-    or, for a leaf across buffers of both kinds, ``"mixed (auto)"``) and its buffers."""
+    or, for a leaf across buffers of both kinds, ``"mixed (auto)"``) and its fusion buffers
+    (none for a leaf reduced on its own)."""
 
     path: str
     shape: tuple[int, ...]
@@ -135,11 +136,17 @@ def explain(x, axis_name=None, config: ConfigSpec = None, *, world: int | None =
             for j, i in enumerate(members):
                 if bounds[j] < stop and bounds[j + 1] > start:
                     leaf_buffers.setdefault(i, []).append(index)
+    for group, values, d in plan.dissolved:  # priced once, lost: their leaves are psum'd one by one
+        buffers.append(BufferReport(len(buffers), group.dtype.name, group.config.bits, values, "auto", False,
+                                    d.psum_s * 1e3, d.compressed_s * 1e3))
+        figures = figures or policy.figures(group.config)
 
     leaves_out = []
     for i, (path, leaf) in enumerate(zip(paths, leaves)):
         mine = leaf_buffers.get(i, [])
-        if plan.lanes[i] != "quantized":
+        if plan.lanes[i] == "auto-psum":
+            how = "psum (auto)"
+        elif plan.lanes[i] != "quantized":
             how = plan.lanes[i]
         else:
             kinds = {buffers[b].compressed for b in mine}

@@ -9,10 +9,13 @@ Leaves go through three lanes:
 - **quantized**: ``bits`` 1..8: leaves of one dtype and config form a :class:`Group`,
   whose values are cut into fusion buffers of at most ``fusion_buffer_mb``.
 
-Under ``policy="always"`` every buffer is compressed. Under ``policy="auto"`` each buffer
-carries the cost model's :class:`~jax_cgx.collectives.policy.Decision`; a group none of whose
-buffers compresses is reduced leaf by leaf with ``psum``. The plan is pure Python, built
-while tracing from shapes and configs: the same on every rank, static under ``jit``.
+Under ``policy="always"`` every buffer is compressed. Under ``policy="auto"`` each buffer is
+priced (:func:`jax_cgx.collectives.policy.decide`). Leaves that lie only in buffers that lose
+leave the group for the **auto-psum** lane, a ``psum`` leaf by leaf, as without jax_cgx (no
+fusion-buffer copies); the rest are fused again and their buffers priced once more (one
+that still loses, e.g. a small last buffer, is ``psum``'d as a buffer). The plan is pure
+Python, built while tracing from shapes and configs: the same on every rank, static under
+``jit``.
 """
 
 from __future__ import annotations
@@ -86,6 +89,8 @@ class Plan:
     groups: dict[Group, list[int]]
     sizes: list[int]
     decisions: dict[Group, list[policy.Decision | None]] = dataclasses.field(default_factory=dict)
+    # policy="auto": the first pricing's losing buffers whose leaves moved to the auto-psum lane.
+    dissolved: list[tuple[Group, int, policy.Decision]] = dataclasses.field(default_factory=list)
 
     def buffers(self, group: Group) -> list[tuple[int, int]]:
         """``(start, stop)`` of each fusion buffer over the group's concatenated values."""
@@ -96,10 +101,6 @@ class Plan:
     def compressed(self, group: Group) -> list[bool]:
         """Whether each of the group's buffers is compressed."""
         return [d is None or d.compress for d in self.decisions.get(group, [None] * len(self.buffers(group)))]
-
-    def fused(self, group: Group) -> bool:
-        """False when no buffer of the group is compressed: its leaves are psum'd one by one."""
-        return any(self.compressed(group))
 
     def check_buffer_count(self) -> None:
         """Raise a clear error when the quantized leaves need more than ``MAX_FUSION_BUFFERS`` buffers."""
@@ -148,17 +149,43 @@ def make_plan(paths, leaves, spec: ConfigSpec, tree, world: int | None = None,
             groups.setdefault(Group(np.dtype(leaf.dtype), c), []).append(i)
     plan = Plan(lanes, configs, groups, [int(np.prod(np.shape(leaf))) for leaf in leaves])
     if world is not None and world > 1:
-        for group in groups:
-            if group.config.policy == "auto":
-                plan.decisions[group] = [
-                    policy.decide(stop - start, group.dtype, world, group.config, inner_world=inner_world)
-                    for start, stop in plan.buffers(group)
-                ]
+        for group in [g for g in groups if g.config.policy == "auto"]:
+            _decide(plan, group, world, inner_world)
     return plan
 
 
+def _decide(plan: Plan, group: Group, world: int, inner_world: int | None) -> None:
+    """Price the group's buffers; move leaves only in losing buffers to the auto-psum lane."""
+
+    def price() -> list[policy.Decision]:
+        return [policy.decide(stop - start, group.dtype, world, group.config, inner_world=inner_world)
+                for start, stop in plan.buffers(group)]
+
+    decisions = price()
+    if all(d.compress for d in decisions):
+        plan.decisions[group] = decisions
+        return
+    members = plan.groups[group]
+    bounds = np.cumsum([0] + [plan.sizes[i] for i in members])
+    spans = plan.buffers(group)
+    keep = []
+    for j, i in enumerate(members):
+        wins = any(d.compress for (a, b), d in zip(spans, decisions) if a < bounds[j + 1] and b > bounds[j])
+        if wins:
+            keep.append(i)
+        else:
+            plan.lanes[i] = "auto-psum"
+    plan.dissolved += [(group, stop - start, d) for (start, stop), d in zip(spans, decisions) if not d.compress]
+    if keep:
+        plan.groups[group] = keep
+        plan.decisions[group] = price()
+    else:
+        del plan.groups[group]
+
+
 def lane(path, leaf, config: CompressionConfig | None) -> str:
-    """"exact" (psum), "half" (psum in 16 bits) or "quantized" (compressed, fused by dtype and config)."""
+    """"exact" (psum), "half" (psum in 16 bits) or "quantized" (compressed, fused by dtype and config;
+    :func:`make_plan` may move it to "auto-psum")."""
     if config is None or not config.enabled:
         return "exact"
     dtype = np.dtype(leaf.dtype)

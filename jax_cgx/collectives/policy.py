@@ -4,8 +4,9 @@ Compression pays on slow links and costs on fast ones (docs/performance.md: at 4
 comm-bound step runs 3x faster than pmean at 1 Gbit/s and 0.94x on an unlimited link). With
 ``CompressionConfig(policy="auto")`` every fusion buffer is priced twice by
 :mod:`jax_cgx.collectives.cost_model`, as a plain ``psum`` and as the compressed exchange,
-and takes the cheaper; a group of leaves none of whose buffers compresses is reduced leaf
-by leaf with ``psum``, exactly as without jax_cgx (no fusion-buffer copies).
+and is compressed only when that is predicted :data:`MIN_SPEEDUP` (1.1) times faster;
+leaves that lie only in losing buffers are reduced leaf by leaf with ``psum``, exactly as
+without jax_cgx (no fusion-buffer copies; :mod:`jax_cgx.collectives.plan`).
 
 The figures the model needs are measured once per process, the first time they are needed
 (or by :func:`calibrate`):
@@ -46,16 +47,20 @@ from jax_cgx.collectives import wire as _wire
 from jax_cgx.collectives.cost_model import CodecRates, LinkModel, predict
 from jax_cgx.config import CompressionConfig, link_gbps_from_env
 
-__all__ = ["Figures", "Decision", "calibrate", "figures", "decide"]
+__all__ = ["Figures", "Decision", "ExchangeFit", "calibrate", "figures", "decide", "MIN_SPEEDUP"]
 
 logger = logging.getLogger("jax_cgx")
 
-# The link probe's psum sizes per device: one that latency dominates, one that bandwidth does.
-_PROBE_SMALL_BYTES = 64 * 1024
-_PROBE_LARGE_BYTES = 4 * 2**20
+# The probe's sizes per device: fixed costs dominate the first; the slope between the other two
+# gives the rates (measured: a 4 MiB probe put the loopback at 4.5 Gbit/s, where 64 MiB psums ran at 6.7).
+_PROBE_BYTES = (64 * 1024, 2**20, 16 * 2**20)
 # The codec probe's buffer: large enough to stream from memory, small enough to be quick.
 _CODEC_PROBE_VALUES = 2**20
 _REPEATS = 5
+# Compress only where the prediction is this much faster than a psum: a psum is exact, and
+# near a tie the model cannot tell (a small buffer's exchange and its psum both cost a few
+# collectives' fixed costs; at W=2 the model prices them the same).
+MIN_SPEEDUP = 1.1
 _PROBE_AXIS = "jax_cgx_link_probe"
 
 
@@ -149,9 +154,10 @@ def _measure_rates(device) -> CodecRates:
 def _measure_link(devices, rates: CodecRates, share: float) -> tuple[LinkModel, ExchangeFit]:
     """The link's rate and latency, and the compressed exchange's compute, over ``devices``.
 
-    Times a ``psum`` and a 4-bit compressed sum at two sizes. The psums fit the cost model's
+    Times a ``psum`` and a 4-bit compressed sum at three sizes. The psums fit the cost model's
     ``t(S) = 2(W-1)/W S/B + share (W-1)/W S/add + 2(W-1) latency``; what the compressed sums
-    take beyond their predicted wire time fits :class:`ExchangeFit`.
+    take beyond their predicted wire time fits :class:`ExchangeFit`. Rates come from the
+    slope between the two larger sizes, fixed costs from the smallest.
     """
     from jax_cgx.collectives.primitive import compressed_sum  # the primitive, not the pytree API (which decides)
 
@@ -169,9 +175,9 @@ def _measure_link(devices, rates: CodecRates, share: float) -> tuple[LinkModel, 
         x = make()
         return _median_time(lambda: fn(x))
 
-    sizes = (_PROBE_SMALL_BYTES, _PROBE_LARGE_BYTES)
+    sizes = _PROBE_BYTES
     psum = [timed(lambda v: jax.lax.psum(v, _PROBE_AXIS), n) for n in sizes]
-    slope = (psum[1] - psum[0]) / (sizes[1] - sizes[0])
+    slope = (psum[2] - psum[1]) / (sizes[2] - sizes[1])
     wire_slope = slope - share * (w - 1) / w / rates.add  # seconds per byte that the adds do not explain
     bandwidth = 2 * (w - 1) / w / wire_slope if wire_slope > 0 else float("inf")
     link = LinkModel(bandwidth, max(0.0, psum[0] - slope * sizes[0]) / (2 * (w - 1)))
@@ -182,7 +188,7 @@ def _measure_link(devices, rates: CodecRates, share: float) -> tuple[LinkModel, 
         wire = predict(n, w, config.bits, config.bucket_size, link, rates,
                        message_cap=_wire.message_cap([devices[0].platform]))["wire"]
         compute.append(max(0.0, t - wire))
-    per_byte = (compute[1] - compute[0]) / (sizes[1] - sizes[0])
+    per_byte = (compute[2] - compute[1]) / (sizes[2] - sizes[1])
     fit = ExchangeFit(max(0.0, compute[0] - per_byte * sizes[0]), 1 / per_byte if per_byte > 0 else math.inf)
     return link, fit
 
@@ -311,7 +317,7 @@ def decide(values: int, dtype, world: int, config: CompressionConfig, *, inner_w
         compressed = inner + exchange(size / inner_world, world // inner_world)
     else:
         compressed = exchange(size, world)
-    decision = Decision(compressed < psum, psum, compressed)
+    decision = Decision(compressed * MIN_SPEEDUP < psum, psum, compressed)
     key = (values, np.dtype(dtype).name, world, inner_world, config, fig)
     if log and key not in _logged:
         _logged.add(key)
