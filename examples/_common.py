@@ -119,8 +119,8 @@ def backward_marker(args, axis_name: str = AXIS):
     """``mark(i, layer)`` for a loss that marks each layer where it uses it, or None.
 
     With ``--reduce-in-backward`` each layer's gradient is averaged by ``compressed_pmean``
-    in the backward pass, with the leaves ``compressed_mean``'s filter would leave exact
-    (fewer than ``--layer-min-size`` values) averaged exactly.
+    in the backward pass, with the leaves ``compressed_mean``'s filter leaves exact (biases
+    and other leaves of ndim <= 1, fewer than ``--layer-min-size`` values) averaged exactly.
     """
     if not args.reduce_in_backward:
         return None
@@ -130,7 +130,7 @@ def backward_marker(args, axis_name: str = AXIS):
     config = _maxmin_config(args)
 
     def leaf_config(path, leaf):
-        return config if leaf.size >= args.layer_min_size else None
+        return config if leaf.ndim > 1 and leaf.size >= args.layer_min_size else None
 
     def mark(i, layer):
         key = jax.random.fold_in(jax.random.key(args.seed), i) if config.stochastic else None
@@ -154,7 +154,8 @@ def describe(args) -> str:
     """A short name of the compressor and its settings."""
     if args.compressor == "maxmin":
         extra = ((", stochastic" if args.stochastic else "") + (", error feedback" if args.error_feedback else "")
-                 + (", policy auto" if args.policy == "auto" else ""))
+                 + (", policy auto" if args.policy == "auto" else "")
+                 + (", in backward" if args.reduce_in_backward else ""))
         return f"maxmin {args.bits}-bit, bucket {args.bucket_size}{extra}"
     if args.compressor == "cast":
         return "cast bfloat16"
