@@ -41,11 +41,12 @@ def test_two_processes_reach_a_low_target(tmp_path):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--compressors", "topk"], "'topk' is not none, maxmin:BITS[+ef][+auto], cast, powersgd:RANK or topk:RATIO"),
+    (["--compressors", "topk"], "'topk' is not none, maxmin:BITS[+ef|+backward][+auto], cast, powersgd:RANK or topk:RATIO"),
     (["--compressors", "powersgd:2+ef"], "'powersgd:2+ef' is not"),
     (["--compressors", "maxmin:x"], "'maxmin:x' is not"),
     (["--compressors", "maxmin:4+ef+ef"], "'maxmin:4+ef+ef' is not"),
     (["--compressors", "maxmin:4+fast"], "'maxmin:4+fast' is not"),
+    (["--compressors", "maxmin:4+ef+backward"], "'maxmin:4+ef+backward' is not"),
     (["--target", "101"], "--target must be a percentage"),
     (["--eval-every", "0"], "--eval-every must be at least 1"),
     (["--lr", "0"], "--lr must be positive"),
@@ -62,4 +63,6 @@ def test_compressor_specs_become_example_flags(monkeypatch):
     assert time_to_accuracy.example_argv("maxmin:2+ef+auto") == [
         "--compressor", "maxmin", "--bits", "2", "--error-feedback", "--policy", "auto"]
     assert time_to_accuracy.example_argv("maxmin:4") == ["--compressor", "maxmin", "--bits", "4"]
+    assert time_to_accuracy.example_argv("maxmin:4+backward") == [
+        "--compressor", "maxmin", "--bits", "4", "--reduce-in-backward"]
     assert time_to_accuracy.example_argv("powersgd:2") == ["--compressor", "powersgd", "--rank", "2"]
