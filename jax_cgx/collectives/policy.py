@@ -21,7 +21,8 @@ Every process must take the same decisions, or their programs would not match. S
 figures are agreed before anyone uses them: every process measures, the measurements are
 gathered, and all take the slowest (the collective runs at the pace of its slowest rank).
 Measuring is therefore collective: every process has to reach it, as every process reaches
-the first trace of a step that uses ``compressed_psum``. A decision is a Python bool computed
+the first trace of a step that uses ``compressed_psum`` (and ``JAX_CGX_LINK_GBPS``, which skips the
+link probe, must then be set on every process or on none). A decision is a Python bool computed
 while tracing, from shapes and those figures: static under ``jit``. Each figure set and each
 distinct decision is logged once at INFO on the ``jax_cgx`` logger;
 :func:`jax_cgx.explain` shows them for a pytree.
@@ -43,8 +44,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_cgx import codec
 from jax_cgx.collectives import wire as _wire
 from jax_cgx.collectives.cost_model import CodecRates, LinkModel, predict
+from jax_cgx.collectives.primitive import compressed_sum  # the primitive: the pytree API would decide again
 from jax_cgx.config import CompressionConfig, link_gbps_from_env
 
 __all__ = ["Figures", "Decision", "ExchangeFit", "calibrate", "figures", "decide", "MIN_SPEEDUP"]
@@ -137,8 +140,6 @@ def _median_time(fn: Callable[[], object]) -> float:
 
 
 def _measure_rates(device) -> CodecRates:
-    from jax_cgx import codec  # the codec sits below the collectives; imported here to keep start-up light
-
     config = CompressionConfig(bits=4)
     x = jax.device_put(jax.random.normal(jax.random.key(0), (_CODEC_PROBE_VALUES,), jnp.float32), device)
     quantize = jax.jit(lambda a: codec.quantize(a, config))
@@ -159,8 +160,6 @@ def _measure_link(devices, rates: CodecRates, share: float) -> tuple[LinkModel, 
     take beyond their predicted wire time fits :class:`ExchangeFit`. Rates come from the
     slope between the two larger sizes, fixed costs from the smallest.
     """
-    from jax_cgx.collectives.primitive import compressed_sum  # the primitive, not the pytree API (which decides)
-
     w = len(devices)
     if w < 2:
         return LinkModel(float("inf"), 0.0), ExchangeFit()
