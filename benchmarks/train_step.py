@@ -55,6 +55,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "compressor with JAX's profiler into DIR/<compressor>-process<i> and add where the time went")
     p.add_argument("--profile-steps", type=int, default=3, help="(default: %(default)s)")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    p.add_argument("--share-gpu", action="store_true",
+                   help="every process uses GPU 0 (a one-GPU machine: checks the GPU paths, measures no link)")
     args = p.parse_args(argv)
     if args.steps <= args.warmup:
         p.error(f"--steps {args.steps} must exceed --warmup {args.warmup}")
@@ -210,7 +212,14 @@ def main(argv=None) -> list[dict]:
     import jax_cgx
 
     args = parse_args(argv)
-    jax_cgx.distributed.initialize()
+    if args.share_gpu:  # every rank on GPU 0 (tools/gpu_check.sh): checks the GPU paths, not a link
+        from jax_cgx.bench.allreduce import share_one_gpu
+
+        info = jax_cgx.distributed.detect()
+        share_one_gpu(info.process_index, info.process_count)
+        jax_cgx.distributed.initialize(local_device_ids=[0])
+    else:
+        jax_cgx.distributed.initialize()
     import jax
 
     from jax_cgx.bench._table import print_table, save

@@ -46,6 +46,11 @@ for n in 2 4; do
   step "bench_allreduce_gpu_w$n" python -m jax_cgx.launch -n "$n" benchmarks/allreduce.py --share-gpu \
     --sizes-mib 16 64 256 --bits 4 8 --backends xla nccl --repeats 10 --output "$out/bench_allreduce_gpu_w$n.json"
 done
+# The training step on the GPU (2 ranks sharing it): policy="auto" calibrating on a GPU, and
+# reduce_in_backward where XLA's latency-hiding scheduler may overlap it (the profile shows whether).
+step train_step_gpu_w2 python -m jax_cgx.launch -n 2 benchmarks/train_step.py --share-gpu --steps 20 \
+  --compressors none maxmin:4 maxmin:4+auto maxmin:4+backward --no-progress \
+  --profile "$out/train_step_profile" --output "$out/train_step_gpu_w2.json"
 python tools/results_table.py "$out"/bench_allreduce_gpu_w*.json >"$out/allreduce_table.md" 2>>"$out/summary.txt"
 tail -n 30 "$out/bench_codec_gpu.log" >>"$out/summary.txt" 2>/dev/null
 cat "$out/allreduce_table.md" >>"$out/summary.txt" 2>/dev/null

@@ -82,7 +82,7 @@ def sizes_in_bytes(args: argparse.Namespace) -> list[int]:
     return sizes
 
 
-def _share_one_gpu(process_id: int, count: int) -> None:
+def share_one_gpu(process_id: int, count: int) -> None:
     """Environment for `count` ranks on GPU 0: one NCCL host id each, sockets on lo, memory split."""
     os.environ.setdefault("NCCL_HOSTID", f"jax-cgx-rank-{process_id}")
     os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
@@ -128,7 +128,7 @@ def _progress(total: int, enabled: bool):
 def run(args: argparse.Namespace) -> list[dict]:
     if args.share_gpu:
         info = jax_cgx.distributed.detect()
-        _share_one_gpu(info.process_index, info.process_count)
+        share_one_gpu(info.process_index, info.process_count)
         jax_cgx.distributed.initialize(local_device_ids=[0])
     else:
         jax_cgx.distributed.initialize()
