@@ -46,8 +46,8 @@ class BufferReport:
 @dataclasses.dataclass(frozen=True)
 class LeafReport:
     """One leaf: how it is reduced (``"exact"``, ``"half"``, ``"compressed"``, ``"psum (auto)"``
-    or, for a leaf across buffers of both kinds, ``"mixed (auto)"``) and its fusion buffers
-    (none for a leaf reduced on its own)."""
+    or, for a leaf across buffers of both kinds, ``"mixed (auto)"``) and the fusion buffers it
+    was priced in (none for the exact and half lanes)."""
 
     path: str
     shape: tuple[int, ...]
@@ -136,7 +136,9 @@ def explain(x, axis_name=None, config: ConfigSpec = None, *, world: int | None =
             for j, i in enumerate(members):
                 if bounds[j] < stop and bounds[j + 1] > start:
                     leaf_buffers.setdefault(i, []).append(index)
-    for group, values, d in plan.dissolved:  # priced once, lost: their leaves are psum'd one by one
+    for group, values, d, moved in plan.dissolved:  # priced once, lost: their leaves are psum'd one by one
+        for i in moved:
+            leaf_buffers.setdefault(i, []).append(len(buffers))
         buffers.append(BufferReport(len(buffers), group.dtype.name, group.config.bits, values, "auto", False,
                                     d.psum_s * 1e3, d.compressed_s * 1e3))
         figures = figures or policy.figures(group.config)

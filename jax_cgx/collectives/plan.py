@@ -89,8 +89,9 @@ class Plan:
     groups: dict[Group, list[int]]
     sizes: list[int]
     decisions: dict[Group, list[policy.Decision | None]] = dataclasses.field(default_factory=dict)
-    # policy="auto": the first pricing's losing buffers whose leaves moved to the auto-psum lane.
-    dissolved: list[tuple[Group, int, policy.Decision]] = dataclasses.field(default_factory=list)
+    # policy="auto": the first pricing's losing buffers (group, values, decision, the leaves that
+    # moved from them to the auto-psum lane).
+    dissolved: list[tuple[Group, int, policy.Decision, tuple[int, ...]]] = dataclasses.field(default_factory=list)
 
     def buffers(self, group: Group) -> list[tuple[int, int]]:
         """``(start, stop)`` of each fusion buffer over the group's concatenated values."""
@@ -175,7 +176,11 @@ def _decide(plan: Plan, group: Group, world: int, inner_world: int | None) -> No
             keep.append(i)
         else:
             plan.lanes[i] = "auto-psum"
-    plan.dissolved += [(group, stop - start, d) for (start, stop), d in zip(spans, decisions) if not d.compress]
+    moved = [i for i in members if plan.lanes[i] == "auto-psum"]
+    plan.dissolved += [
+        (group, b - a, d, tuple(i for j, i in enumerate(members) if i in moved and bounds[j] < b and bounds[j + 1] > a))
+        for (a, b), d in zip(spans, decisions) if not d.compress
+    ]
     if keep:
         plan.groups[group] = keep
         plan.decisions[group] = price()

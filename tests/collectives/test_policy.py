@@ -120,6 +120,7 @@ def test_buffers_decided_one_by_one(monkeypatch):
     report = jax_cgx.explain(jax.tree.map(lambda v: v[0], x), world=W, config=base.replace(policy="auto"), file=None)
     assert {r.path: r.how for r in report.leaves} == {"['a']": "mixed (auto)", "['b']": "psum (auto)"}
     assert [b.compressed for b in report.buffers] == [True, True, False, False]  # a's three, then the dissolved one
+    assert {r.path: r.buffers for r in report.leaves} == {"['a']": (0, 1, 2), "['b']": (3,)}
 
 
 def test_residual_of_an_uncompressed_buffer_is_zero():
@@ -206,6 +207,7 @@ def test_explain_prints_every_leaf():
     how = {r.path: r.how for r in report.leaves}
     assert how == {"['w']": "psum (auto)", "['n']": "exact", "['h']": "half"}
     (buf,) = report.buffers
+    assert [r.buffers for r in report.leaves] == [(), (), (0,)]  # h, n: their own lanes; w: the dissolved buffer
     assert not buf.compressed and buf.psum_ms < buf.compressed_ms * policy.MIN_SPEEDUP and buf.values == BIG
     assert "psum (auto)" in text.getvalue() and "unlimited" in text.getvalue()
     always = jax_cgx.explain(x, config=jax_cgx.CompressionConfig(bits=4, link_gbps=0.1), world=W, file=None)
