@@ -234,9 +234,10 @@ def output_path(bench_args: list[str]) -> Path | None:
     return None
 
 
-def default_output(plan: Plan) -> Path:
+def default_output(plan: Plan, script: Path) -> Path:
+    """results/<script>_<N>p_<rate>_mtu<MTU>_<time>.json: named after the benchmark that wrote it."""
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    return DEFAULT_RESULTS / f"allreduce_{plan.processes}p_{plan.rate}_mtu{plan.mtu}_{stamp}.json"
+    return DEFAULT_RESULTS / f"{script.stem}_{plan.processes}p_{plan.rate}_mtu{plan.mtu}_{stamp}.json"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -473,7 +474,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     plan: Plan = args.plan
     output = output_path(args.bench_args)
-    output = (output if output is not None else default_output(plan)).resolve()
+    output = (output if output is not None else default_output(plan, args.script)).resolve()
     bench_argv = benchmark_argv(args.bench_args, output, args.script.resolve(), args.python)
     if args.dry_run:
         print_plan(plan, bench_argv, args.python)
