@@ -127,10 +127,10 @@ def backward_marker(args, axis_name: str = AXIS):
     if args.compressor != "maxmin" or args.error_feedback:
         sys.exit("--reduce-in-backward: only with --compressor maxmin, without --error-feedback "
                  "(a transpose cannot carry a residual to the next step)")
-    config = _maxmin_config(args)
+    from jax_cgx.optax import layer_filter
 
-    def leaf_config(path, leaf):
-        return config if leaf.ndim > 1 and leaf.size >= args.layer_min_size else None
+    config = _maxmin_config(args)
+    leaf_config = layer_filter(config, args.layer_min_size)
 
     def mark(i, layer):
         key = jax.random.fold_in(jax.random.key(args.seed), i) if config.stochastic else None
@@ -175,13 +175,9 @@ def wire_bytes(args, params, world: int) -> int:
         return int(round(ring * sum(v.size * (2 if jnp.issubdtype(v.dtype, jnp.floating) else v.dtype.itemsize)
                                     for v in jax.tree.leaves(params))))
     if args.compressor == "maxmin":  # compressed_mean's layer filter: biases, norms, small leaves exact
-        config = _maxmin_config(args)
+        from jax_cgx.optax import layer_filter
 
-        def leaf_config(path, leaf):
-            compressed = leaf.ndim > 1 and leaf.size >= args.layer_min_size and jnp.issubdtype(leaf.dtype, jnp.floating)
-            return config if compressed else None
-
-        return bytes_on_wire(params, world, leaf_config)
+        return bytes_on_wire(params, world, layer_filter(_maxmin_config(args), args.layer_min_size))
     if args.compressor == "powersgd":
         from jax_cgx.optax._powersgd import powersgd_bytes
 

@@ -36,6 +36,7 @@ from jax_cgx.optax._mean import (
     cast_mean,
     compressed_mean,
     compressed_mean_state_specs,
+    layer_filter,
 )
 from jax_cgx.optax._powersgd import PowerSGDState, powersgd_bytes, powersgd_mean
 from jax_cgx.optax._topk import TopKState, topk_bytes, topk_mean, topk_state_specs
@@ -44,6 +45,7 @@ __all__ = [
     "compressed_mean",
     "CompressedMeanState",
     "compressed_mean_state_specs",
+    "layer_filter",
     "cast_mean",
     "CastMeanState",
     "powersgd_mean",

@@ -68,6 +68,23 @@ def _filtered(leaf, layer_min_size: int) -> bool:
     )
 
 
+def layer_filter(config, layer_min_size: int = 1024):
+    """``compressed_mean``'s per-leaf config: ``None`` (reduce exactly) for what torch_cgx's layer
+    filter keeps out (leaves of ndim <= 1, fewer than ``layer_min_size`` elements, non-float),
+    ``config`` (or ``config(path, leaf)`` when it is a function) for the rest.
+
+    A ``config`` for :func:`jax_cgx.compressed_pmean`, :func:`jax_cgx.bytes_on_wire` or
+    :func:`jax_cgx.reduce_in_backward` that treats leaves as ``compressed_mean`` does.
+    """
+
+    def leaf_config(path, leaf):
+        if _filtered(leaf, layer_min_size):
+            return None
+        return config(path, leaf) if callable(config) else config
+
+    return leaf_config
+
+
 def _is_bound(axes, api: str) -> bool:
     try:
         _compat.check_axis_names(axes, api)
@@ -174,10 +191,7 @@ def compressed_mean(
         )
     axes = _checks.axes(axis_name)
 
-    def leaf_config(path, leaf):
-        if _filtered(leaf, layer_min_size):
-            return None
-        return config(path, leaf) if callable(config) else config
+    leaf_config = layer_filter(config, layer_min_size)
 
     def init_fn(params):
         count = jnp.zeros([], jnp.int32)

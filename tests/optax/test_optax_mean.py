@@ -554,3 +554,15 @@ def test_complex_leaves_are_averaged_exactly():
     assert a.dtype == b.dtype == jnp.complex64 and np.abs(np.asarray(ref).imag).max() > 0.1
     np.testing.assert_array_equal(np.asarray(a), np.asarray(ref))
     np.testing.assert_array_equal(np.asarray(b), np.asarray(ref))
+
+
+def test_layer_filter_is_compressed_means_per_leaf_config():
+    import jax_cgx.optax as cgx_optax
+
+    config = CompressionConfig(bits=4)
+    spec = cgx_optax.layer_filter(config, layer_min_size=100)
+    leaves = {"w": jnp.zeros((10, 20)), "small": jnp.zeros((5, 5)), "bias": jnp.zeros(500),
+              "ints": jnp.zeros((10, 20), jnp.int32)}
+    assert {k: spec((), v) for k, v in leaves.items()} == {"w": config, "small": None, "bias": None, "ints": None}
+    by_path = cgx_optax.layer_filter(lambda path, leaf: config.replace(bits=8), layer_min_size=100)
+    assert by_path((), leaves["w"]).bits == 8 and by_path((), leaves["bias"]) is None
