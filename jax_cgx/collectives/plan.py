@@ -78,6 +78,11 @@ class Group:
     dtype: np.dtype
     config: CompressionConfig
 
+    @property
+    def capacity(self) -> int:
+        """Values per fusion buffer."""
+        return max(1, self.config.fusion_buffer_bytes // self.dtype.itemsize)
+
 
 @dataclasses.dataclass
 class Plan:
@@ -96,8 +101,7 @@ class Plan:
     def buffers(self, group: Group) -> list[tuple[int, int]]:
         """``(start, stop)`` of each fusion buffer over the group's concatenated values."""
         total = sum(self.sizes[i] for i in self.groups[group])
-        cap = max(1, group.config.fusion_buffer_bytes // group.dtype.itemsize)
-        return [(start, min(start + cap, total)) for start in range(0, total, cap)]
+        return [(start, min(start + group.capacity, total)) for start in range(0, total, group.capacity)]
 
     def compressed(self, group: Group) -> list[bool]:
         """Whether each of the group's buffers is compressed."""
@@ -108,7 +112,7 @@ class Plan:
         count, total_bytes = 0, 0
         for group, members in self.groups.items():
             n = sum(self.sizes[i] for i in members)
-            count += -(-n // max(1, group.config.fusion_buffer_bytes // group.dtype.itemsize))
+            count += -(-n // group.capacity)
             total_bytes += n * group.dtype.itemsize
         if count <= MAX_FUSION_BUFFERS:
             return
@@ -169,17 +173,17 @@ def _decide(plan: Plan, group: Group, world: int, inner_world: int | None) -> No
     members = plan.groups[group]
     bounds = np.cumsum([0] + [plan.sizes[i] for i in members])
     spans = plan.buffers(group)
-    keep = []
-    for j, i in enumerate(members):
-        wins = any(d.compress for (a, b), d in zip(spans, decisions) if a < bounds[j + 1] and b > bounds[j])
-        if wins:
-            keep.append(i)
-        else:
-            plan.lanes[i] = "auto-psum"
-    moved = [i for i in members if plan.lanes[i] == "auto-psum"]
+    # The buffers each leaf lies in.
+    within = {i: [k for k, (a, b) in enumerate(spans) if a < bounds[j + 1] and b > bounds[j]]
+              for j, i in enumerate(members)}
+    wins = {i: any(decisions[k].compress for k in within[i]) for i in members}
+    keep = [i for i in members if wins[i]]
+    moved = [i for i in members if not wins[i]]
+    for i in moved:
+        plan.lanes[i] = "auto-psum"
     plan.dissolved += [
-        (group, b - a, d, tuple(i for j, i in enumerate(members) if i in moved and bounds[j] < b and bounds[j + 1] > a))
-        for (a, b), d in zip(spans, decisions) if not d.compress
+        (group, b - a, d, tuple(i for i in moved if k in within[i]))
+        for k, ((a, b), d) in enumerate(zip(spans, decisions)) if not d.compress
     ]
     if keep:
         plan.groups[group] = keep

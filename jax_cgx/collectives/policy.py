@@ -116,8 +116,8 @@ class Decision:
 
 
 _lock = threading.RLock()
-_measured_link: dict[str, tuple[LinkModel, str]] = {}  # by platform
-_measured_exchange: dict[str, ExchangeFit] = {}
+# By platform: what the probe measured over all devices (link, exchange, where it was measured).
+_measured_link: dict[str, tuple[LinkModel, ExchangeFit, str]] = {}
 _measured_rates: dict[str, CodecRates] = {}
 _logged: set = set()
 
@@ -209,12 +209,12 @@ def _cached(platform: str, link_gbps: float | None, source: str | None) -> Figur
         return None
     if link_gbps is not None:
         # A given rate comes without a latency: per-message costs are then not priced at all.
-        return Figures(LinkModel(link_gbps * 1e9 / 8, 0.0), rates, platform, source, _share(platform),
-                       _measured_exchange.get(platform, ExchangeFit()))
+        exchange = _measured_link[platform][1] if platform in _measured_link else ExchangeFit()
+        return Figures(LinkModel(link_gbps * 1e9 / 8, 0.0), rates, platform, source, _share(platform), exchange)
     if platform not in _measured_link:
         return None
-    link, measured_source = _measured_link[platform]
-    return Figures(link, rates, platform, measured_source, _share(platform), _measured_exchange[platform])
+    link, exchange, measured_source = _measured_link[platform]
+    return Figures(link, rates, platform, measured_source, _share(platform), exchange)
 
 
 def _share(platform: str) -> float:
@@ -238,8 +238,8 @@ def _calibrate_platform(platform: str, link_gbps: float | None, source: str | No
         # The slowest link, the longest latency, the slowest exchange.
         bandwidth, neg_latency, neg_overhead, rate = _agree(
             [link.bandwidth, -link.latency, -fit.overhead, fit.rate], np.min)
-        _measured_link[platform] = (LinkModel(bandwidth, -neg_latency), f"measured over {len(devices)} devices")
-        _measured_exchange[platform] = ExchangeFit(-neg_overhead, rate)
+        _measured_link[platform] = (LinkModel(bandwidth, -neg_latency), ExchangeFit(-neg_overhead, rate),
+                                    f"measured over {len(devices)} devices")
     fig = _cached(platform, link_gbps, source)
     logger.info("jax_cgx: policy='auto' calibrated in %.2f s: %s", time.perf_counter() - t0, fig.describe())
     return fig
@@ -284,7 +284,6 @@ def reset() -> None:
     with _lock:
         _measured_link.clear()
         _measured_rates.clear()
-        _measured_exchange.clear()
         _logged.clear()
 
 
@@ -305,9 +304,9 @@ def decide(values: int, dtype, world: int, config: CompressionConfig, *, inner_w
                        message_cap=_wire.message_cap([fig.platform]), share=fig.share)
 
     def exchange(nbytes: float, ranks: int) -> float:
-        p = model(nbytes, ranks)
         if ranks < 2:
             return 0.0
+        p = model(nbytes, ranks)
         return p["wire"] + max(p["codec"] + p["copies"], fig.exchange.seconds(nbytes / itemsize * 4))
 
     psum = model(size, world)["psum"]
