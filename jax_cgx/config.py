@@ -43,7 +43,7 @@ JAX_CGX_ENV_VARS: Mapping[str, str] = {
     "JAX_CGX_POLICY": "always",
     "JAX_CGX_LINK_GBPS": "",  # unset: policy="auto" measures the link
 }
-BACKENDS = ("auto", "xla", "nccl")
+BACKENDS = ("auto", "xla", "nccl", "tcp")
 ALGORITHMS = ("sra", "ring")
 POLICIES = ("always", "auto")
 # torch_cgx's transport choices, accepted for its cross-node communicator.
@@ -89,9 +89,11 @@ class CompressionConfig:
       backend: who runs the compressed exchange. ``"xla"``: XLA collectives
         (``all_to_all``/``all_gather``/``ppermute``) around the codec kernels, on any
         platform. ``"nccl"``: one custom call per fusion buffer over jax_cgx's own NCCL
-        communicators (GPU only; see :func:`jax_cgx.nccl.setup`). ``"auto"``: ``nccl`` on
-        GPU when communicators exist for the mesh, otherwise ``xla``. Both backends give
-        bitwise the same result.
+        communicators (GPU only; see :func:`jax_cgx.nccl.setup`). ``"tcp"``: one custom
+        call per fusion buffer over jax_cgx's own TCP connections, the codec pipelined with
+        the wire (CPU only, SRA only; see :func:`jax_cgx.tcp.setup`). ``"auto"``: ``nccl``
+        on GPU and ``tcp`` on CPU when communicators exist for the mesh, otherwise ``xla``.
+        All backends give bitwise the same result.
       algorithm: ``"sra"`` (scatter-reduce/all-gather: every value quantized twice) or
         ``"ring"`` (a ring reduce-scatter re-quantizing the partial sum at every hop, then
         an all-gather: W quantizations, the same bytes on the wire, neighbour-only
@@ -99,9 +101,10 @@ class CompressionConfig:
       hierarchical: for a reduction over several axes ``(outer..., inner)``, sum over the
         last (intra-node) axis uncompressed with a reduce-scatter, run the compressed
         exchange over the other axes, and all-gather back over the inner axis.
-      pipeline_segments: how the exchange is cut, 0..64; 0 picks by size. nccl backend: each
-        chunk is split into this many segments so that quantizing one segment overlaps
-        sending the previous. xla backend: every collective's per-peer message is sent
+      pipeline_segments: how the exchange is cut, 0..64; 0 picks by size. nccl and tcp
+        backends: each chunk is split into this many segments so that quantizing one
+        segment overlaps sending the previous (by size: about 16 MiB of input per segment
+        on nccl, 1 MiB on tcp). xla backend: every collective's per-peer message is sent
         as this many messages; by size, at most 256 KiB each on CPU with several
         processes (gloo runs large two-way messages at half the line rate of a slow
         link), one message elsewhere. Never changes the result.
@@ -114,7 +117,7 @@ class CompressionConfig:
     min_size: int = 16
     fusion_buffer_mb: float = 64
     half_dtype: Literal["bfloat16", "float16"] = "bfloat16"
-    backend: Literal["auto", "xla", "nccl"] = "auto"
+    backend: Literal["auto", "xla", "nccl", "tcp"] = "auto"
     algorithm: Literal["sra", "ring"] = "sra"
     hierarchical: bool = False
     pipeline_segments: int = 0
@@ -315,7 +318,7 @@ def _execution_from_env(env: Mapping[str, str]) -> dict:
 
     if (backend := read("JAX_CGX_BACKEND")) is not None:
         if backend.lower() not in BACKENDS:
-            raise ValueError(f"JAX_CGX_BACKEND={backend!r} must be auto, xla or nccl")
+            raise ValueError(f"JAX_CGX_BACKEND={backend!r} must be auto, xla, nccl or tcp")
         fields["backend"] = backend.lower()
     if (algorithm := read("JAX_CGX_ALGORITHM")) is not None:
         if algorithm.lower() not in ALGORITHMS:

@@ -165,7 +165,7 @@ def test_from_env_execution_variables():
 @pytest.mark.parametrize(
     "env, match",
     [
-        ({"JAX_CGX_BACKEND": "gloo"}, "JAX_CGX_BACKEND='gloo' must be auto, xla or nccl"),
+        ({"JAX_CGX_BACKEND": "gloo"}, "JAX_CGX_BACKEND='gloo' must be auto, xla, nccl or tcp"),
         ({"JAX_CGX_ALGORITHM": "tree"}, "JAX_CGX_ALGORITHM='tree' must be sra or ring"),
         ({"JAX_CGX_HIERARCHICAL": "yes"}, "JAX_CGX_HIERARCHICAL='yes' must be 0 or 1"),
         ({"JAX_CGX_PIPELINE_SEGMENTS": "x"}, "JAX_CGX_PIPELINE_SEGMENTS='x' is not an integer"),

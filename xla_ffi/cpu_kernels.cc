@@ -67,6 +67,7 @@ struct QuantizeRow {
   FloatType x_type;
   int64_t m, bucket, valid;
   uint32_t seed0, seed1;
+  uint32_t index_base;  // stochastic rounding draws for element index_base + i
   uint8_t* payload;
   float* meta;
 };
@@ -89,6 +90,7 @@ struct ReduceRow {
   const void* addend;  // nullptr: absent
   FloatType addend_type;
   uint32_t seed0, seed1;
+  uint32_t index_base;  // as QuantizeRow's
   uint8_t* payload_out;  // nullptr: no requantization
   float* meta_out;
   void* out;
@@ -140,7 +142,7 @@ void quantize_row_impl(const QuantizeRow& a) {
       std::memset(levels, 0, n);
     } else {
       encode<kBits, kStochastic>(x, n, meta.min, inverse_scale(meta.scale), a.seed0, a.seed1,
-                                 static_cast<uint32_t>(first), levels);
+                                 a.index_base + static_cast<uint32_t>(first), levels);
     }
   };
 
@@ -252,7 +254,7 @@ void reduce_row_impl(const ReduceRow& a) {
         std::memset(levels + i, 0, n);
       } else {
         encode<kBits, kStochastic>(acc + i, n, meta.min, inv, a.seed0, a.seed1,
-                                   static_cast<uint32_t>(first + t), levels + i);
+                                   a.index_base + static_cast<uint32_t>(first + t), levels + i);
       }
       decode_store(levels + i, n, meta.min, meta.scale,
                    element_ptr(a.out, a.out_type, first + t), a.out_type, acc + i);
@@ -420,7 +422,7 @@ int64_t payload_bytes(int64_t m, int64_t bucket_size, int bits) {
 
 void quantize(const void* x, FloatType x_type, int64_t rows, int64_t n, int64_t m,
               const uint32_t* seeds, const int32_t* valid, int bits, int64_t bucket_size,
-              bool stochastic, uint8_t* payload, float* meta) {
+              bool stochastic, uint8_t* payload, float* meta, int64_t index_base) {
   if (m == 0) return;
   const QuantizeFn fn = kernels().quantize[bits - 1][stochastic ? 1 : 0];
   const int64_t p = payload_bytes(m, bucket_size, bits);
@@ -433,6 +435,7 @@ void quantize(const void* x, FloatType x_type, int64_t rows, int64_t n, int64_t 
                     valid != nullptr ? valid[r] : m,
                     stochastic ? seeds[2 * r] : 0u,
                     stochastic ? seeds[2 * r + 1] : 0u,
+                    static_cast<uint32_t>(index_base),
                     payload + r * p,
                     meta + r * nb * 2};
     fn(row);
@@ -456,8 +459,8 @@ namespace {
 void reduce(const uint8_t* payload, const float* meta, int64_t rows, int64_t inputs, int64_t m,
             int bits, int64_t bucket_size, const void* addend, FloatType addend_type,
             const uint32_t* seeds, const int32_t* valid, bool requantize, bool stochastic,
-            uint8_t* payload_out,
-            float* meta_out, void* out, FloatType out_type) {
+            int64_t index_base, uint8_t* payload_out, float* meta_out, void* out,
+            FloatType out_type) {
   if (m == 0) return;
   const int mode = requantize ? (stochastic ? 2 : 1) : 0;
   const ReduceFn fn = kernels().reduce[bits - 1][mode];
@@ -476,6 +479,7 @@ void reduce(const uint8_t* payload, const float* meta, int64_t rows, int64_t inp
                   addend_type,
                   mode == 2 ? seeds[2 * r] : 0u,
                   mode == 2 ? seeds[2 * r + 1] : 0u,
+                  static_cast<uint32_t>(index_base),
                   requantize ? payload_out + r * p : nullptr,
                   requantize ? meta_out + r * nb * 2 : nullptr,
                   element_ptr(out, out_type, r * m),
@@ -489,16 +493,16 @@ void dequantize_sum(const uint8_t* payload, const float* meta, int64_t rows, int
                     int64_t m, int bits, int64_t bucket_size, const void* addend,
                     FloatType addend_type, void* out, FloatType out_type) {
   reduce(payload, meta, rows, inputs, m, bits, bucket_size, addend, addend_type, nullptr, nullptr,
-         /*requantize=*/false, /*stochastic=*/false, nullptr, nullptr, out, out_type);
+         /*requantize=*/false, /*stochastic=*/false, 0, nullptr, nullptr, out, out_type);
 }
 
 void dequantize_sum_requantize(const uint8_t* payload, const float* meta, int64_t rows,
                                int64_t inputs, int64_t m, int bits, int64_t bucket_size,
                                const void* addend, FloatType addend_type, const uint32_t* seeds,
                                const int32_t* valid, bool stochastic, uint8_t* payload_out,
-                               float* meta_out, void* out, FloatType out_type) {
+                               float* meta_out, void* out, FloatType out_type, int64_t index_base) {
   reduce(payload, meta, rows, inputs, m, bits, bucket_size, addend, addend_type, seeds, valid,
-         /*requantize=*/true, stochastic, payload_out, meta_out, out, out_type);
+         /*requantize=*/true, stochastic, index_base, payload_out, meta_out, out, out_type);
 }
 
 const char* active_isa() { return kernels().name; }

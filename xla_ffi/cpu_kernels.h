@@ -37,9 +37,13 @@ int64_t payload_bytes(int64_t m, int64_t bucket_size, int bits);
 // valid[rows] (nullptr: m for every row): only a row's first valid[r]
 // elements set its buckets' ranges; later ones (padding) are encoded inside
 // those ranges, and a bucket with none gets metadata (0, 0).
+// n is also the row stride, so rows may be windows of a longer array.
+// index_base: stochastic rounding of a row's element i draws for index
+// index_base + i, so a row that is a bucket-aligned window starting at
+// element index_base of a longer row encodes exactly as that row would there.
 void quantize(const void* x, FloatType x_type, int64_t rows, int64_t n, int64_t m,
               const uint32_t* seeds, const int32_t* valid, int bits, int64_t bucket_size,
-              bool stochastic, uint8_t* payload, float* meta);
+              bool stochastic, uint8_t* payload, float* meta, int64_t index_base = 0);
 
 // payload[rows, P], meta[rows, nb, 2] -> out[rows, m].
 void dequantize(const uint8_t* payload, const float* meta, int64_t rows, int64_t m, int bits,
@@ -54,12 +58,13 @@ void dequantize_sum(const uint8_t* payload, const float* meta, int64_t rows, int
 
 // As dequantize_sum, then quantizes the f32 sum of each row into
 // payload_out[rows, P], meta_out[rows, nb, 2] (valid: as for quantize) and
-// writes its decoded value to out[rows, m].
+// writes its decoded value to out[rows, m]. index_base: as for quantize.
 void dequantize_sum_requantize(const uint8_t* payload, const float* meta, int64_t rows,
                                int64_t inputs, int64_t m, int bits, int64_t bucket_size,
                                const void* addend, FloatType addend_type, const uint32_t* seeds,
                                const int32_t* valid, bool stochastic, uint8_t* payload_out,
-                               float* meta_out, void* out, FloatType out_type);
+                               float* meta_out, void* out, FloatType out_type,
+                               int64_t index_base = 0);
 
 // ISA variants: "avx512", "avx2", "baseline". The active one is the best the
 // CPU supports unless the environment variable JAX_CGX_CPU_ISA names another

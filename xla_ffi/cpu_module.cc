@@ -1,12 +1,20 @@
 // Python module jax_cgx._cpu: exports the CPU FFI handlers as capsules for
 // jax.ffi.register_ffi_target(name, capsule, platform="cpu").
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
+#include <nanobind/stl/vector.h>
 
+#include <stdexcept>
 #include <string>
+#include <tuple>
+#include <vector>
 
 #include "xla_ffi/cpu_handlers.h"
 #include "xla_ffi/cpu_kernels.h"
+#include "xla_ffi/tcp_allreduce.h"
+#include "xla_ffi/tcp_comms.h"
 
 namespace nb = nanobind;
 
@@ -30,6 +38,7 @@ NB_MODULE(_cpu, m) {
         d["jax_cgx_dequantize"] = handler_capsule(CpuDequantize);
         d["jax_cgx_dequantize_sum"] = handler_capsule(CpuDequantizeSum);
         d["jax_cgx_dequantize_sum_requantize"] = handler_capsule(CpuDequantizeSumRequantize);
+        d["jax_cgx_tcp_allreduce"] = handler_capsule(CpuTcpAllreduce);
         return d;
       },
       "Target name -> FFI handler capsule, for jax.ffi.register_ffi_target(..., platform='cpu').");
@@ -60,4 +69,57 @@ NB_MODULE(_cpu, m) {
       "Selects the kernel variant ('auto', 'avx512', 'avx2', 'baseline') for this process; "
       "returns False if the name is unknown or the CPU lacks it. For tests and benchmarks "
       "(the environment variable JAX_CGX_CPU_ISA sets the initial choice).");
+
+  // ---- the tcp backend's communicators (jax_cgx/tcp/): set-up, teardown, inspection.
+  namespace tcp = jax_cgx::tcp;
+  m.def(
+      "tcp_listen",
+      []() {
+        std::string error;
+        const auto [fd, port] = tcp::Listen(&error);
+        if (fd < 0) throw std::runtime_error("jax_cgx.tcp: " + error);
+        return std::make_pair(fd, port);
+      },
+      "A listening socket on an ephemeral port of all interfaces: (handle, port).");
+  m.def("tcp_close_listener", &tcp::CloseListener, nb::arg("handle"),
+        "Closes a listening socket from tcp_listen that tcp_init will not use.");
+  m.def(
+      "tcp_init",
+      [](int64_t key, int world, const std::vector<std::string>& addresses,
+         const std::vector<std::tuple<int, int, int>>& members, const std::string& description,
+         double timeout_s) {
+        std::vector<tcp::Member> ms;
+        for (const auto& [ordinal, rank, listener] : members) ms.push_back({ordinal, rank, listener});
+        std::string error;
+        {
+          nb::gil_scoped_release release;  // blocks until every rank of the group connected
+          error = tcp::InitGroup(key, world, addresses, ms, description, timeout_s);
+        }
+        if (!error.empty()) throw std::runtime_error(error);
+      },
+      nb::arg("key"), nb::arg("world"), nb::arg("addresses"), nb::arg("members"), nb::arg("description"),
+      nb::arg("timeout_s"),
+      "Connects this process's members [(ordinal, rank, listener)] of one group (addresses: "
+      "'host:port' of every rank) and registers their communicators under key. Closes the listeners.");
+  m.def(
+      "tcp_destroy",
+      [](int64_t key) {
+        nb::gil_scoped_release release;
+        return tcp::DestroyCommunicators(key);
+      },
+      nb::arg("key"), "Stops the communicators of key (all when key < 0); returns how many.");
+  m.def("tcp_communicators", &tcp::ListCommunicators,
+        "(key, ordinal, rank, world, description) of every tcp communicator of this process.");
+  m.def(
+      "tcp_segments",
+      [](int64_t n, int64_t world, int64_t chunk, int bits, int64_t bucket_size, int64_t elem_bytes,
+         int64_t segments) {
+        tcp::Plan plan;
+        const std::string bad = tcp::MakePlan(n, world, chunk, bits, bucket_size, elem_bytes, segments, &plan);
+        if (!bad.empty()) throw std::invalid_argument(bad);
+        return plan.segments;
+      },
+      nb::arg("n"), nb::arg("world"), nb::arg("chunk"), nb::arg("bits"), nb::arg("bucket_size"),
+      nb::arg("elem_bytes"), nb::arg("segments"),
+      "How many segments jax_cgx_tcp_allreduce cuts each chunk of a row into (segments = 0: by size).");
 }

@@ -98,13 +98,14 @@ def xla_rows(x, seeds, valid, *, algorithm, backend, **params):
 
 def lower_xla(ctx, x, seeds, valid, *, backend, residual=False, **params):
     """The xla backend's program for either primitive (``residual``: the error-feedback one)."""
-    if backend == "nccl":
+    if backend in ("nccl", "tcp"):
         if residual:
             raise NotImplementedError(RESIDUAL_BACKEND_ERROR)
         platforms = ", ".join(ctx.module_context.platforms)
+        where = "CUDA GPUs" if backend == "nccl" else "CPU devices"
         raise NotImplementedError(
-            f"compressed_psum: backend='nccl' runs on CUDA GPUs only, but this computation is "
-            f"lowered for {platforms}. Use backend='auto' (nccl where available, else xla) or "
+            f"compressed_psum: backend={backend!r} runs on {where} only, but this computation is "
+            f"lowered for {platforms}. Use backend='auto' ({backend} where set up, else xla) or "
             "backend='xla'."
         )
     cap = wire.message_cap(ctx.module_context.platforms)

@@ -23,6 +23,7 @@ __all__ = [
     "PlannedGroup",
     "families",
     "family_key",
+    "find_family",
     "groups",
     "groups_array",
     "key_of",
@@ -119,6 +120,43 @@ def families(names: tuple[str, ...], axes) -> list[tuple[str, ...]]:
         if tup not in out:
             out.append(tup)
     return out
+
+
+def find_family(table: dict[tuple, dict[tuple[str, ...], int]], mesh, axes) -> tuple[int | None, str]:
+    """The key of the family of ``(mesh, axes)`` in ``table`` (mesh ident -> {axes: key}), and why not.
+
+    ``mesh`` may be a concrete ``jax.sharding.Mesh`` or an ``AbstractMesh``; an abstract mesh
+    matches the meshes of ``table`` with the same axis names and sizes, and gives a key only
+    when exactly one matches. Shared by the backends that own communicators (nccl, tcp).
+    """
+    if mesh is None:
+        return None, "no mesh (the reduction is not inside shard_map over a mesh)"
+    if isinstance(mesh, jax.sharding.AbstractMesh):
+        names = tuple(mesh.axis_names)
+        sizes = tuple(int(s) for s in mesh.axis_sizes)
+        matches = [fams for (ids, n, shape), fams in table.items() if n == names and shape == sizes]
+        if not matches:
+            return None, "no communicators for this mesh"
+        if len(matches) > 1:
+            return None, (f"{len(matches)} meshes with axes {dict(zip(names, sizes))} have communicators "
+                          "and the abstract mesh cannot tell them apart")
+        fams = matches[0]
+    else:
+        try:
+            devices, names = mesh_parts(mesh)
+        except (TypeError, ValueError, AttributeError) as err:
+            return None, f"not a mesh ({err})"
+        fams = table.get(mesh_ident(devices, names))
+        if fams is None:
+            return None, "no communicators for this mesh"
+    try:
+        tup = normalize_axes(axes, names)
+    except ValueError as err:
+        return None, str(err)
+    key = fams.get(tup)
+    if key is None:
+        return None, f"communicators exist for this mesh, but not for axes {tup} (set up: {sorted(fams)})"
+    return key, ""
 
 
 @dataclasses.dataclass(frozen=True)

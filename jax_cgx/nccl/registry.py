@@ -13,11 +13,9 @@ import logging
 import threading
 from typing import NamedTuple
 
-import jax
-
 from jax_cgx.config import BACKENDS
 from jax_cgx.nccl import library
-from jax_cgx.nccl.groups import mesh_ident, mesh_parts, normalize_axes
+from jax_cgx.nccl.groups import find_family
 from jax_cgx.nccl.library import NcclError
 
 __all__ = ["CommunicatorInfo", "communicators", "lock", "lookup", "select_backend"]
@@ -85,39 +83,12 @@ def lookup(mesh, axes) -> int | None:
 
 def _lookup(mesh, axes) -> tuple[int | None, str]:
     """(key or None, why not)."""
-    if mesh is None:
-        return None, "no mesh (the reduction is not inside shard_map over a mesh)"
     with lock:
-        if isinstance(mesh, jax.sharding.AbstractMesh):
-            names = tuple(mesh.axis_names)
-            sizes = tuple(int(s) for s in mesh.axis_sizes)
-            matches = [fams for (ids, n, shape), fams in _families.items() if n == names and shape == sizes]
-            if not matches:
-                return None, "no communicators for this mesh"
-            if len(matches) > 1:
-                return None, (f"{len(matches)} meshes with axes {dict(zip(names, sizes))} have communicators "
-                              "and the abstract mesh cannot tell them apart")
-            fams = matches[0]
-        else:
-            try:
-                devices, names = mesh_parts(mesh)
-            except (TypeError, ValueError, AttributeError) as err:
-                return None, f"not a mesh ({err})"
-            fams = _families.get(mesh_ident(devices, names))
-            if fams is None:
-                return None, "no communicators for this mesh"
-        try:
-            tup = normalize_axes(axes, names)
-        except ValueError as err:
-            return None, str(err)
-        key = fams.get(tup)
-        if key is None:
-            return None, f"communicators exist for this mesh, but not for axes {tup} (set up: {sorted(fams)})"
-        return key, ""
+        return find_family(_families, mesh, axes)
 
 
 def select_backend(requested: str, platform: str, mesh, axes) -> tuple[str, str]:
-    """Which backend runs a compressed reduction over ``axes`` of ``mesh``: ``(backend, reason)``.
+    """Which backend runs a compressed reduction over ``axes`` of ``mesh`` on CUDA: ``(backend, reason)``.
 
     ``requested`` is ``CompressionConfig.backend`` ("auto", "xla" or "nccl"), ``platform``
     the lowering platform ("cuda", "cpu", ...). ``"nccl"`` raises :class:`NcclError` when it
@@ -135,6 +106,11 @@ def select_backend(requested: str, platform: str, mesh, axes) -> tuple[str, str]
 def _select(requested: str, platform: str, mesh, axes) -> tuple[str, str]:
     if requested == "xla":
         return "xla", "requested"
+    if requested == "tcp":
+        raise ValueError(
+            f"jax_cgx: backend='tcp' runs on CPU devices only, but this computation is lowered for {platform!r}. "
+            "Use backend='auto' or 'xla' (or 'nccl' on CUDA GPUs)."
+        )
     if platform != "cuda":
         if requested == "nccl":
             raise NcclError(

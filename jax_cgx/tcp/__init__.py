@@ -1,0 +1,61 @@
+"""TCP connections owned by jax_cgx: the Python half of the ``tcp`` backend (CPU).
+
+XLA:CPU runs a process's work in order, so with the xla backend the codec and the
+wire take turns: quantize everything, send everything, reduce, gather, decode. The
+``tcp`` backend runs the whole compressed all-reduce (SRA) of a fusion buffer as one
+custom call, ``jax_cgx_tcp_allreduce`` (xla_ffi/tcp_allreduce.cc), over TCP connections
+jax_cgx opens itself; each chunk is cut into segments and an I/O thread moves segment
+``s`` while the handler's thread quantizes ``s + 1``, reduces as segments arrive and
+decodes as the gathered ones do. The result is bitwise the xla backend's.
+
+Typical use, on every process, after ``jax_cgx.distributed.initialize()`` and before the
+first compressed reduction is traced::
+
+    mesh = jax.make_mesh((jax.device_count(),), ("data",))
+    jax_cgx.tcp.setup(mesh)           # every reduction a program on `mesh` may run
+
+Then ``backend="auto"`` (the default) picks ``tcp`` for reductions over those axes on
+that mesh, and ``backend="tcp"`` insists on it. :func:`setup` blocks until every rank of
+every group has connected, so every process calls it with the same arguments in the
+same order. Reduction groups and family keys are the nccl backend's
+(:mod:`jax_cgx.nccl.groups`); each device of a group gets a *communicator*: a TCP
+connection to every other rank of its group and one I/O thread.
+
+Addresses: each device listens on an ephemeral port of all interfaces and publishes
+``host:port`` through the ``jax.distributed`` key-value store (one process needs no
+store: 127.0.0.1). ``host`` is ``$JAX_CGX_TCP_HOST``, else this machine's address on
+the route to the ``jax.distributed`` coordinator. A call whose peers stop moving bytes
+fails after ``$JAX_CGX_TCP_TIMEOUT_S`` (default 300 s) instead of hanging.
+
+What it does not do: error feedback residuals and the ring algorithm run on the xla
+backend (``backend="auto"`` picks it and logs why at debug level; ``"tcp"`` raises).
+
+=================  ==================================================================
+``lifecycle``      :func:`setup`, :func:`teardown`, the families, the exit hook
+``lowering``       the CPU lowering rule of the compressed all-reduce
+=================  ==================================================================
+"""
+
+from jax_cgx.tcp.lifecycle import (
+    DEFAULT_TIMEOUT_S,
+    HOST_ENV,
+    TIMEOUT_ENV,
+    CommunicatorInfo,
+    TcpError,
+    communicators,
+    lookup,
+    setup,
+    teardown,
+)
+
+__all__ = [
+    "DEFAULT_TIMEOUT_S",
+    "HOST_ENV",
+    "TIMEOUT_ENV",
+    "CommunicatorInfo",
+    "TcpError",
+    "communicators",
+    "lookup",
+    "setup",
+    "teardown",
+]

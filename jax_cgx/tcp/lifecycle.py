@@ -1,0 +1,294 @@
+"""Creating and releasing the tcp backend's communicators: :func:`setup`, :func:`teardown`.
+
+:func:`setup` plans every group of the families asked for (the nccl backend's groups and
+family keys, :mod:`jax_cgx.nccl.groups`), opens a listening socket per local member,
+exchanges the addresses (the ``jax.distributed`` key-value store), connects each group
+and records its family here. At interpreter exit the communicators still alive are
+stopped after ``jax.effects_barrier()``.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import socket
+import threading
+import time
+import types
+from typing import NamedTuple
+
+import jax
+import numpy as np
+
+from jax_cgx.codec import kernels
+from jax_cgx.nccl.groups import PlannedGroup, families, find_family, groups_array, key_of, mesh_ident, mesh_parts
+
+__all__ = ["DEFAULT_TIMEOUT_S", "HOST_ENV", "TIMEOUT_ENV", "CommunicatorInfo", "TcpError", "communicators",
+           "lookup", "setup", "teardown"]
+
+log = logging.getLogger("jax_cgx")
+
+TIMEOUT_ENV = "JAX_CGX_TCP_TIMEOUT_S"
+HOST_ENV = "JAX_CGX_TCP_HOST"
+DEFAULT_TIMEOUT_S = 300.0
+# Key-value store keys of the addresses: <prefix>/<family key>/<generation>/<group index>/<rank>.
+KV_PREFIX = "jax_cgx/tcp/addr"
+
+lock = threading.RLock()
+# mesh ident -> {axes tuple: family key}, for families whose communicators exist here.
+_families: dict[tuple, dict[tuple[str, ...], int]] = {}
+# family key -> how many times this process created it (part of the store keys).
+_generations: dict[int, int] = {}
+_atexit_registered = False
+
+
+class TcpError(RuntimeError):
+    """The tcp backend cannot do what was asked (set-up, a missing communicator, a dead peer)."""
+
+
+class CommunicatorInfo(NamedTuple):
+    """One communicator of this process (see :func:`communicators`)."""
+
+    key: int
+    ordinal: int
+    rank: int
+    world: int
+    description: str
+
+
+def timeout(timeout_s: float | None) -> float:
+    """``timeout_s``, else ``$JAX_CGX_TCP_TIMEOUT_S``, else 300 s."""
+    if timeout_s is None:
+        raw = os.environ.get(TIMEOUT_ENV, "")
+        if not raw:
+            return DEFAULT_TIMEOUT_S
+        try:
+            timeout_s = float(raw)
+        except ValueError:
+            raise ValueError(f"{TIMEOUT_ENV}={raw!r} is not a number of seconds") from None
+    if not timeout_s > 0:
+        raise ValueError(f"jax_cgx.tcp: the timeout must be > 0 seconds, got {timeout_s!r}")
+    return float(timeout_s)
+
+
+def _kv_client():
+    from jax._src import distributed
+
+    return distributed.global_state.client
+
+
+def host_address() -> str:
+    """The address this process's peers reach it at (see the package docstring)."""
+    if (host := os.environ.get(HOST_ENV)):
+        return host
+    if jax.process_count() == 1:
+        return "127.0.0.1"
+    from jax._src import distributed
+
+    coordinator = getattr(distributed.global_state, "coordinator_address", None) or ""
+    target = coordinator.rsplit(":", 1)[0].strip("[]") if coordinator else ""
+    if target:
+        # The local address of a UDP socket "connected" to the coordinator: the interface
+        # on the route to it (no packet is sent).
+        try:
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+                s.connect((target, 9))
+                return s.getsockname()[0]
+        except OSError:
+            pass
+    return socket.gethostbyname(socket.gethostname())
+
+
+def lookup(mesh, axes) -> int | None:
+    """The family key when :func:`setup` connected ``(mesh, axes)`` here, else None."""
+    return find(mesh, axes)[0]
+
+
+def find(mesh, axes) -> tuple[int | None, str]:
+    """(key or None, why not)."""
+    with lock:
+        return find_family(_families, mesh, axes)
+
+
+def _check_devices(devices: np.ndarray) -> None:
+    platforms = sorted({str(getattr(d, "platform", "?")) for d in devices.flat})
+    if platforms != ["cpu"]:
+        raise TcpError(
+            f"jax_cgx.tcp: the tcp backend runs on CPU devices; the mesh has {', '.join(platforms)} devices. "
+            "On GPUs use jax_cgx.nccl.setup (backend 'nccl'), elsewhere backend='xla'."
+        )
+
+
+def _kv_key(g: PlannedGroup, rank: int) -> str:
+    return f"{KV_PREFIX}/{g.key:016x}/{g.generation}/{g.index}/{rank}"
+
+
+def _members(g: PlannedGroup, process: int) -> list[tuple[int, int]]:
+    """``[(device ordinal, rank)]`` of the group's devices this process owns (ordinal: XLA's
+    ``DeviceOrdinal`` on CPU, the device's ``local_hardware_id``)."""
+    return [(int(d.local_hardware_id), rank) for rank, d in enumerate(g.devices) if int(d.process_index) == process]
+
+
+def _addresses(plan: list[PlannedGroup], listeners: dict, process: int, timeout_s: float) -> dict:
+    """Every rank's ``host:port`` of every group with a member here: ``{(group, key): [address]}``.
+
+    Publishes all of this process's addresses before reading any other's, so no read
+    waits on a process that waits on us.
+    """
+    host = host_address()
+    mine = {(g.index, g.key): g for g in plan if process in g.processes}
+    out = {k: [""] * g.world for k, g in mine.items()}
+    for (gk, rank), (_, port) in listeners.items():
+        out[gk][rank] = f"{host}:{port}"
+    if all(all(a for a in addrs) for addrs in out.values()):
+        return out
+    client = _kv_client()
+    if client is None:
+        raise TcpError(
+            "jax_cgx.tcp.setup: several processes, but jax.distributed is not initialized, so their "
+            "addresses cannot be exchanged: call jax_cgx.distributed.initialize() first"
+        )
+    for (gk, rank), (_, port) in listeners.items():
+        client.key_value_set(_kv_key(mine[gk], rank), f"{host}:{port}")
+    deadline = time.monotonic() + timeout_s
+    for gk, g in mine.items():
+        for rank, d in enumerate(g.devices):
+            if out[gk][rank]:
+                continue
+            remaining_ms = max(1, int((deadline - time.monotonic()) * 1000))
+            try:
+                out[gk][rank] = client.blocking_key_value_get(_kv_key(g, rank), remaining_ms)
+            except Exception as err:
+                raise TcpError(
+                    f"jax_cgx.tcp.setup: timed out after {timeout_s:g} s waiting for process {d.process_index} "
+                    f"to publish the address of rank {rank} of {g.description}. Did every process call "
+                    f"jax_cgx.tcp.setup with the same mesh and axes, in the same order? ({type(err).__name__}: {err})"
+                ) from err
+    return out
+
+
+def setup(mesh, axes=None, *, timeout_s: float | None = None):
+    """Connect the tcp backend's communicators of every reduction a program on ``mesh`` may run.
+
+    Call on every process, with the same arguments and in the same order, before the
+    first compressed reduction with backend "tcp"/"auto" is compiled; it blocks until
+    every rank of every group has connected.
+
+    Args:
+      mesh: a concrete ``jax.sharding.Mesh`` of CPU devices.
+      axes: the reductions, as for :func:`jax_cgx.nccl.setup`: ``None`` (every non-empty
+        subset of the mesh's axes), a name or tuple of names, or a list of those.
+      timeout_s: how long set-up waits for peers, and how long a call waits for bytes to
+        move before failing (default ``$JAX_CGX_TCP_TIMEOUT_S`` or 300 s).
+
+    Returns the families of this call (axes tuple -> key), a read-only mapping. Families
+    already set up are kept, so calling again is cheap.
+    """
+    global _atexit_registered
+    wait = timeout(timeout_s)
+    devices, names = mesh_parts(mesh)
+    _check_devices(devices)
+    ident = mesh_ident(devices, names)
+    wanted: dict[tuple[str, ...], int] = {}
+    for fam in families(names, axes):
+        world = int(np.prod([devices.shape[names.index(a)] for a in fam], dtype=np.int64))
+        if world > 1:
+            wanted[fam] = key_of(ident, fam)
+    binding = kernels._cpu
+    with lock:
+        have = _families.get(ident, {})
+        new = [fam for fam in wanted if fam not in have]
+        if not new:
+            return types.MappingProxyType(dict(wanted))
+        process = jax.process_index()
+        plan: list[PlannedGroup] = []
+        for fam in new:
+            key = wanted[fam]
+            arr = groups_array(devices, names, fam)
+            plan.extend(PlannedGroup(fam, key, _generations.get(key, 0), i, len(arr), tuple(g))
+                        for i, g in enumerate(arr))
+        # (group index, key), rank -> (listener handle, port), for this process's members.
+        listeners: dict = {}
+        try:
+            for g in plan:
+                for _, rank in _members(g, process):
+                    listeners[(g.index, g.key), rank] = binding.tcp_listen()
+            addresses = _addresses(plan, listeners, process, wait)
+        except BaseException:
+            for handle, _ in listeners.values():
+                binding.tcp_close_listener(handle)
+            raise
+        if not _atexit_registered:
+            atexit.register(_at_exit)
+            _atexit_registered = True
+        for fam in new:
+            key = wanted[fam]
+            _generations[key] = _generations.get(key, 0) + 1
+        # One global order (families, then groups): connecting never waits on an accept,
+        # accepting waits only on ranks that connect in the same group.
+        try:
+            for g in plan:
+                members = [(ordinal, rank, listeners.pop(((g.index, g.key), rank))[0])
+                           for ordinal, rank in _members(g, process)]
+                if members:
+                    try:
+                        binding.tcp_init(g.key, g.world, addresses[g.index, g.key], members, g.description, wait)
+                    except Exception as err:
+                        raise TcpError(
+                            f"jax_cgx.tcp.setup: connecting {g.description} (members (ordinal, rank) "
+                            f"{[(o, r) for o, r, _ in members]} of {g.world}) failed: {err}"
+                        ) from err
+        except BaseException:
+            for handle, _ in listeners.values():
+                binding.tcp_close_listener(handle)
+            for fam in new:
+                binding.tcp_destroy(wanted[fam])
+            raise
+        for fam in new:
+            _families.setdefault(ident, {})[fam] = wanted[fam]
+            log.debug("jax_cgx.tcp: communicators for axes %r (key %#x)", fam, wanted[fam])
+    return types.MappingProxyType(dict(wanted))
+
+
+def teardown(mesh=None) -> int:
+    """Stop the communicators of ``mesh`` (all when None) and forget them; returns how many.
+
+    No computation that uses them may still be running: block on its results first. A
+    call still waiting for peers fails with an error instead of hanging.
+    """
+    binding = kernels._cpu
+    with lock:
+        if mesh is None:
+            keys = [-1] if _families else []
+            _families.clear()
+        else:
+            devices, names = mesh_parts(mesh)
+            keys = sorted(set(_families.pop(mesh_ident(devices, names), {}).values()))
+        if not keys:
+            return 0
+        try:
+            jax.effects_barrier()
+        except Exception:  # pragma: no cover - best effort
+            pass
+        return sum(int(binding.tcp_destroy(k)) for k in keys)
+
+
+def communicators() -> list[CommunicatorInfo]:
+    """Every tcp communicator of this process."""
+    return [CommunicatorInfo(*row) for row in kernels._cpu.tcp_communicators()]
+
+
+def _at_exit() -> None:
+    """Stop what is left after the last effects (no lock: a thread stuck in setup must not block exit)."""
+    if not _families:
+        return
+    _families.clear()
+    try:
+        jax.effects_barrier()
+    except Exception:
+        pass
+    try:
+        kernels._cpu.tcp_destroy(-1)
+    except Exception as err:  # pragma: no cover - exit is best effort
+        log.warning("jax_cgx.tcp: stopping communicators at exit failed: %s", err)

@@ -1,0 +1,319 @@
+// jax_cgx_tcp_allreduce: the compressed all-reduce (SRA) of one row as one
+// CPU custom call over jax_cgx's own TCP connections (xla_ffi/tcp_comms.h).
+//
+// It computes what the xla backend's lowering of the same primitive computes
+// (jax_cgx/collectives/sra.py), with the same CPU kernels on the same
+// values, so results are bitwise equal; only the transport and the schedule
+// differ. Each chunk is cut into segments of whole buckets; the handler's
+// thread runs the codec on one segment while the communicator's I/O thread
+// moves the previous ones:
+//
+//   handler:   Q0 Q1 Q2 ... | R0 R1 R2 ... | U0 U1 U2 ...   Q quantize, R fused
+//   I/O:          X0 X1 X2 ...  G0 G1 G2 ...                 dequantize-sum-
+//                                                           requantize, U decode;
+//                                                           X exchange, G gather
+//
+// A segment starting at value o of its chunk is encoded with index_base o,
+// so stochastic rounding draws what the whole chunk's encoding would.
+// No allocation per call: the workspace is the communicator's, grown once.
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <string_view>
+
+#include "xla/ffi/api/ffi.h"
+#include "xla_ffi/cpu_kernels.h"
+#include "xla_ffi/ffi_support.h"
+#include "xla_ffi/tcp_allreduce.h"
+#include "xla_ffi/tcp_comms.h"
+
+namespace ffi = xla::ffi;
+
+namespace jax_cgx::tcp {
+
+namespace {
+
+constexpr int64_t kAlign = 64;
+
+int64_t AlignUp(int64_t v) { return (v + kAlign - 1) / kAlign * kAlign; }
+int64_t CeilDiv(int64_t a, int64_t b) { return a / b + (a % b != 0 ? 1 : 0); }
+
+}  // namespace
+
+std::string MakePlan(int64_t n, int64_t world, int64_t chunk, int bits, int64_t bucket_size,
+                     int64_t elem_bytes, int64_t segments, Plan* plan) {
+  if (n < 1) return "the row must hold at least one value, got " + std::to_string(n);
+  if (world < 2) return "world must be >= 2, got " + std::to_string(world);
+  if (chunk < 1 || chunk > (int64_t{1} << 40) / world || chunk * world < n) {
+    return "chunk=" + std::to_string(chunk) + " does not cut " + std::to_string(n) + " values into " +
+           std::to_string(world) + " chunks";
+  }
+  if (bits < 1 || bits > 8) return "bits must be in 1..8, got " + std::to_string(bits);
+  if (bucket_size < 1) return "bucket_size must be >= 1, got " + std::to_string(bucket_size);
+  if (elem_bytes != 2 && elem_bytes != 4) return "values must be f32, bf16 or f16";
+  if (segments < 0 || segments > kMaxSegments) {
+    return "segments must be in 0.." + std::to_string(kMaxSegments) + ", got " + std::to_string(segments);
+  }
+  Plan& p = *plan;
+  p = Plan();
+  p.n = n;
+  p.world = world;
+  p.chunk = chunk;
+  p.bucket = bucket_size;
+  p.bits = bits;
+  p.elem_bytes = elem_bytes;
+  p.full_chunks = std::min(world, n / chunk);
+  p.tail_chunks = world - p.full_chunks;
+
+  // Segments are runs of whole buckets of a chunk (its last bucket may be short).
+  const int64_t bucket = std::min(bucket_size, chunk);
+  const int64_t buckets = CeilDiv(chunk, bucket);
+  int64_t wanted = segments;
+  if (wanted == 0) {
+    wanted = std::clamp<int64_t>(CeilDiv(chunk * elem_bytes, kAutoSegmentBytes), 1, kMaxSegments);
+  }
+  wanted = std::min(wanted, buckets);
+  const int64_t per_segment = CeilDiv(buckets, wanted);  // buckets
+  p.segments = static_cast<int>(CeilDiv(buckets, per_segment));
+
+  int64_t cursor = 0;
+  auto take = [&cursor](int64_t bytes) {
+    const int64_t at = cursor;
+    cursor += AlignUp(bytes);
+    return at;
+  };
+  p.x_tail = take(p.tail_chunks * chunk * elem_bytes);
+  p.out_tail = take(p.tail_chunks * chunk * elem_bytes);
+  for (int s = 0; s < p.segments; ++s) {
+    Segment& seg = p.segment[s];
+    seg.offset = s * per_segment * bucket;
+    seg.length = std::min(chunk, seg.offset + per_segment * bucket) - seg.offset;
+    seg.buckets = cpu::bucket_count(seg.length, bucket_size);
+    seg.payload_bytes = cpu::payload_bytes(seg.length, bucket_size, bits);
+    auto region = [&]() {
+      Region r;
+      r.payload = take(world * seg.payload_bytes);
+      r.meta = take(world * seg.meta_bytes());
+      return r;
+    };
+    seg.send = region();
+    seg.recv = region();
+    seg.gathered = region();
+  }
+  p.workspace_bytes = std::max<int64_t>(cursor, 1);
+  return "";
+}
+
+namespace {
+
+constexpr std::string_view kTarget = "jax_cgx_tcp_allreduce";
+
+using ffi_support::CheckDType;
+using ffi_support::CheckFloatType;
+using ffi_support::CheckShape;
+using ffi_support::Internal;
+using ffi_support::InvalidArgument;
+
+// One call's buffers and the communicator it runs on.
+struct Call {
+  const Plan& plan;
+  Communicator& comm;
+  FloatType type;
+  const char* x;
+  char* out;
+  char* ws;
+  const uint32_t* seeds;  // [W + 1, 2]
+  bool stochastic;
+  int64_t valid;  // x's first `valid` values are real, the rest padding
+
+  int64_t Bytes(int64_t values) const { return values * plan.elem_bytes; }
+  // First value of chunk j of the zero-padded input: x itself, or its staged tail.
+  const char* ChunkIn(int64_t j) const {
+    return j < plan.full_chunks ? x + Bytes(j * plan.chunk)
+                                : ws + plan.x_tail + Bytes((j - plan.full_chunks) * plan.chunk);
+  }
+  char* ChunkOut(int64_t j) const {
+    return j < plan.full_chunks ? out + Bytes(j * plan.chunk)
+                                : ws + plan.out_tail + Bytes((j - plan.full_chunks) * plan.chunk);
+  }
+  uint8_t* Payload(const Region& r, const Segment& s, int64_t slot) const {
+    return reinterpret_cast<uint8_t*>(ws + r.payload + slot * s.payload_bytes);
+  }
+  float* Meta(const Region& r, const Segment& s, int64_t slot) const {
+    return reinterpret_cast<float*>(ws + r.meta + slot * s.meta_bytes());
+  }
+  // How many values of segment s of chunk j set their buckets' ranges.
+  int32_t Valid(int64_t j, const Segment& s) const {
+    return static_cast<int32_t>(std::clamp<int64_t>(valid - (j * plan.chunk + s.offset), 0, s.length));
+  }
+};
+
+ffi::Error Transport(const std::string& error) {
+  if (error.empty()) return ffi::Error::Success();
+  return Internal(kTarget, error);
+}
+
+// Posts the exchange of one slot with `peer`: our slot `peer` of `send` goes
+// out, its encoding for us lands in slot `peer` of `recv` (payload, then metadata).
+ffi::Error Exchange(const Call& c, const Segment& s, const Region& send, int64_t send_slot, const Region& recv,
+                    int peer) {
+  Communicator& comm = c.comm;
+  CGX_RETURN_IF_ERROR(Transport(comm.PostSend(peer, c.Payload(send, s, send_slot), s.payload_bytes)));
+  CGX_RETURN_IF_ERROR(Transport(comm.PostSend(peer, c.Meta(send, s, send_slot), s.meta_bytes())));
+  CGX_RETURN_IF_ERROR(Transport(comm.PostRecv(peer, c.Payload(recv, s, peer), s.payload_bytes)));
+  return Transport(comm.PostRecv(peer, c.Meta(recv, s, peer), s.meta_bytes()));
+}
+
+// Segment s of chunks [a, b) (none of them past the staged tail boundary) into send slots a..b-1.
+void QuantizeChunks(const Call& c, const Segment& s, int64_t a, int64_t b) {
+  const Plan& p = c.plan;
+  for (int64_t j = a; j < b; ++j) c.comm.counts[static_cast<size_t>(j)] = c.Valid(j, s);
+  // Rows are windows of stride `chunk` (the kernels' n) into x or the staged tail.
+  cpu::quantize(c.ChunkIn(a) + c.Bytes(s.offset), c.type, b - a, p.chunk, s.length, c.seeds + 2 * a,
+                c.comm.counts.data() + a, p.bits, p.bucket, c.stochastic, c.Payload(s.send, s, a),
+                c.Meta(s.send, s, a), s.offset);
+}
+
+// Chunks [a, b) except our own, split where x ends and the staged tail begins.
+void QuantizePeers(const Call& c, const Segment& s) {
+  const Plan& p = c.plan;
+  const int64_t me = c.comm.rank;
+  for (const auto& [lo, hi] : {std::pair<int64_t, int64_t>{0, me}, std::pair<int64_t, int64_t>{me + 1, p.world}}) {
+    const int64_t mid = std::clamp(p.full_chunks, lo, hi);
+    if (lo < mid) QuantizeChunks(c, s, lo, mid);
+    if (mid < hi) QuantizeChunks(c, s, mid, hi);
+  }
+}
+
+ffi::Error RunSra(const Call& c) {
+  const Plan& p = c.plan;
+  Communicator& comm = c.comm;
+  const int me = comm.rank;
+  // 1. Quantize segment s of every peer's chunk and post its exchange; the
+  //    I/O thread sends it while segment s+1 is quantized.
+  for (int i = 0; i < p.segments; ++i) {
+    const Segment& s = p.segment[i];
+    QuantizePeers(c, s);
+    for (int j = 0; j < p.world; ++j) {
+      if (j != me) CGX_RETURN_IF_ERROR(Exchange(c, s, s.send, j, s.recv, j));
+    }
+  }
+  // 2. As each segment arrives: sum it with our own chunk in full precision
+  //    (our own slot decodes to +0), re-quantize, and post its all-gather.
+  //    The fused kernel's decoded output is our chunk of the result.
+  for (int i = 0; i < p.segments; ++i) {
+    const Segment& s = p.segment[i];
+    for (int j = 0; j < p.world; ++j) {
+      if (j != me) CGX_RETURN_IF_ERROR(Transport(comm.WaitRecvs(j, 2 * (i + 1))));
+    }
+    std::memset(c.Meta(s.recv, s, me), 0, s.meta_bytes());
+    const int32_t own_valid = c.Valid(me, s);
+    cpu::dequantize_sum_requantize(c.Payload(s.recv, s, 0), c.Meta(s.recv, s, 0), 1, p.world, s.length, p.bits,
+                                   p.bucket, c.ChunkIn(me) + c.Bytes(s.offset), c.type, c.seeds + 2 * p.world,
+                                   &own_valid, c.stochastic, c.Payload(s.gathered, s, me),
+                                   c.Meta(s.gathered, s, me), c.ChunkOut(me) + c.Bytes(s.offset), c.type,
+                                   s.offset);
+    for (int j = 0; j < p.world; ++j) {
+      if (j != me) CGX_RETURN_IF_ERROR(Exchange(c, s, s.gathered, me, s.gathered, j));
+    }
+  }
+  // 3. Decode every peer's reduced chunk as it arrives.
+  const int64_t exchanged = 2 * p.segments;
+  for (int i = 0; i < p.segments; ++i) {
+    const Segment& s = p.segment[i];
+    for (int j = 0; j < p.world; ++j) {
+      if (j == me) continue;
+      CGX_RETURN_IF_ERROR(Transport(comm.WaitRecvs(j, exchanged + 2 * (i + 1))));
+      cpu::dequantize(c.Payload(s.gathered, s, j), c.Meta(s.gathered, s, j), 1, s.length, p.bits, p.bucket,
+                      c.ChunkOut(j) + c.Bytes(s.offset), c.type);
+    }
+  }
+  // Our sends read the workspace, which the next call overwrites.
+  return Transport(comm.WaitSends());
+}
+
+ffi::Error TcpAllreduceImpl(int32_t ordinal, ffi::AnyBuffer x, ffi::AnyBuffer seeds, ffi::AnyBuffer valid,
+                            ffi::Result<ffi::AnyBuffer> out, int64_t comm_key, int64_t world, int64_t chunk,
+                            int32_t bits, int64_t bucket_size, bool stochastic, int64_t segments) {
+  FloatType type = FloatType::kF32;
+  CGX_RETURN_IF_ERROR(CheckFloatType(kTarget, "x", x.element_type(), &type));
+  CGX_RETURN_IF_ERROR(CheckShape(kTarget, "x", x.dimensions(), {-1}, "rank 1 [n] (one row)"));
+  const int64_t n = x.dimensions()[0];
+  CGX_RETURN_IF_ERROR(CheckDType(kTarget, "out", out->element_type(), x.element_type()));
+  CGX_RETURN_IF_ERROR(CheckShape(kTarget, "out", out->dimensions(), {n}, "[n] like x"));
+  Plan plan;
+  const std::string bad = MakePlan(n, world, chunk, bits, bucket_size, FloatTypeBytes(type), segments, &plan);
+  if (!bad.empty()) return InvalidArgument(kTarget, bad);
+  CGX_RETURN_IF_ERROR(CheckDType(kTarget, "seeds", seeds.element_type(), ffi::DataType::U32));
+  CGX_RETURN_IF_ERROR(CheckShape(kTarget, "seeds", seeds.dimensions(), {world + 1, 2}, "[world + 1, 2]"));
+  CGX_RETURN_IF_ERROR(CheckDType(kTarget, "valid", valid.element_type(), ffi::DataType::S32));
+  CGX_RETURN_IF_ERROR(CheckShape(kTarget, "valid", valid.dimensions(), {1},
+                                 "[1] (how many of x's values are real, the rest padding)"));
+  const std::shared_ptr<Communicator> comm = FindCommunicator(comm_key, ordinal);
+  if (comm == nullptr) {
+    return Internal(kTarget, "device " + std::to_string(ordinal) + " has no jax_cgx tcp communicator for this " +
+                             "reduction (key " + std::to_string(comm_key) + "): call jax_cgx.tcp.setup(mesh) on " +
+                             "every process with the mesh this program runs on, before running it");
+  }
+  if (comm->world != world) {
+    return Internal(kTarget, "communicator '" + comm->description + "' has " + std::to_string(comm->world) +
+                             " ranks but the reduction has " + std::to_string(world));
+  }
+  std::lock_guard<std::mutex> lock(comm->call_mu);
+  if (comm->broken) {
+    return Internal(kTarget, "communicator '" + comm->description + "' is unusable: an earlier call failed " +
+                             "midway (its ranks may be out of step) or it was torn down; call " +
+                             "jax_cgx.tcp.teardown() and jax_cgx.tcp.setup(mesh) again on every process");
+  }
+  if (static_cast<int64_t>(comm->workspace.size()) < plan.workspace_bytes) {
+    comm->workspace.resize(static_cast<size_t>(plan.workspace_bytes));  // grows once per larger row
+  }
+  comm->Reset();
+  const Call call{plan,
+                  *comm,
+                  type,
+                  static_cast<const char*>(x.untyped_data()),
+                  static_cast<char*>(out->untyped_data()),
+                  comm->workspace.data(),
+                  static_cast<const uint32_t*>(seeds.untyped_data()),
+                  stochastic,
+                  std::clamp<int64_t>(*static_cast<const int32_t*>(valid.untyped_data()), 0, n)};
+  // Zero padding: chunks past x's end are read from a staged copy of x's tail.
+  const int64_t rem = n - plan.full_chunks * chunk;
+  if (plan.tail_chunks > 0) {
+    std::memset(call.ws + plan.x_tail, 0, call.Bytes(plan.tail_chunks * chunk));
+    if (rem > 0) std::memcpy(call.ws + plan.x_tail, call.x + call.Bytes(plan.full_chunks * chunk), call.Bytes(rem));
+  }
+  ffi::Error result = RunSra(call);
+  if (result.failure()) {
+    // The ranks are out of step: no later call may use these connections.
+    comm->broken = true;
+    comm->Abort("an earlier call failed");
+    return result;
+  }
+  if (plan.tail_chunks > 0 && rem > 0) {
+    std::memcpy(call.out + call.Bytes(plan.full_chunks * chunk), call.ws + plan.out_tail, call.Bytes(rem));
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+}  // namespace jax_cgx::tcp
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(CpuTcpAllreduce, jax_cgx::tcp::TcpAllreduceImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Arg<ffi::AnyBuffer>()  // x[n]
+                                  .Arg<ffi::AnyBuffer>()  // seeds[W + 1, 2]
+                                  .Arg<ffi::AnyBuffer>()  // valid[1]
+                                  .Ret<ffi::AnyBuffer>()  // out[n]
+                                  .Attr<int64_t>("comm_key")
+                                  .Attr<int64_t>("world")
+                                  .Attr<int64_t>("chunk")
+                                  .Attr<int32_t>("bits")
+                                  .Attr<int64_t>("bucket_size")
+                                  .Attr<bool>("stochastic")
+                                  .Attr<int64_t>("segments"));

@@ -1,0 +1,131 @@
+// The tcp backend's communicators: one per (family key, CPU device), a full
+// mesh of TCP connections to the other ranks of the device's reduction group,
+// and one I/O thread that moves the bytes while the handler's thread runs
+// the codec (xla_ffi/tcp_allreduce.cc).
+//
+// Transfers. A handler posts sends and receives per peer; each direction of
+// each connection is a FIFO byte stream, and every rank posts its transfers
+// with one peer in the same order (SPMD), so a receive needs no tag: the
+// k-th receive from peer j is the k-th send of peer j to us. The I/O thread
+// runs them with non-blocking sockets and poll(), both directions of every
+// connection at once, and counts completions; the handler waits for counts.
+// Nothing here allocates per call: queues are fixed rings sized at creation.
+#ifndef JAX_CGX_XLA_FFI_TCP_COMMS_H_
+#define JAX_CGX_XLA_FFI_TCP_COMMS_H_
+
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+namespace jax_cgx::tcp {
+
+// Transfers a handler may have posted per peer and direction at once.
+inline constexpr int kQueueDepth = 512;
+
+class Communicator {
+ public:
+  // Takes ownership of `sockets` (sockets[rank] == -1) and starts the I/O thread.
+  Communicator(int rank, int world, std::vector<int> sockets, std::string description,
+               double timeout_s);
+  ~Communicator();  // stops the I/O thread, closes the sockets
+  Communicator(const Communicator&) = delete;
+  Communicator& operator=(const Communicator&) = delete;
+
+  const int rank;
+  const int world;
+  const std::string description;
+
+  // Held by a handler for its whole call: one call at a time per communicator.
+  std::mutex call_mu;
+  // Set when a call failed midway (ranks out of step) or the communicator is
+  // being destroyed; every later call fails.
+  bool broken = false;
+  // Scratch that lives as long as the communicator, grown (never shrunk)
+  // under call_mu: the handler's workspace and per-call small arrays.
+  std::vector<char> workspace;
+  std::vector<int32_t> counts;
+
+  // Queue a transfer with `peer`; "" or why not (queue full, broken link).
+  std::string PostSend(int peer, const void* data, int64_t bytes);
+  std::string PostRecv(int peer, void* data, int64_t bytes);
+  // Blocks until `n` receives from `peer` (counted since Reset) completed, or
+  // all posted sends did (peer < 0 with WaitSends). "" or the error: a
+  // transport failure, or no progress for timeout_s.
+  std::string WaitRecvs(int peer, int64_t n);
+  std::string WaitSends();
+  // Starts a call: forgets completed transfers (all queues must be drained).
+  void Reset();
+  // Fails every pending and later wait with `why` (teardown, a failed call).
+  void Abort(const std::string& why);
+
+ private:
+  struct Transfer {
+    char* data = nullptr;
+    int64_t bytes = 0;
+  };
+  // One direction of one connection: a ring of posted transfers.
+  struct Queue {
+    std::vector<Transfer> ring;
+    int64_t posted = 0;  // transfers posted since Reset
+    int64_t done = 0;    // transfers completed since Reset
+    int64_t offset = 0;  // bytes of transfer `done` moved so far
+  };
+  std::string Post(std::vector<Queue>& queues, int peer, char* data, int64_t bytes);
+  std::string Wait(const std::vector<Queue>& queues, int peer, int64_t n);
+  void Run();                  // the I/O thread
+  void Fail(std::string why);  // under mu_
+  void Wake();
+
+  std::vector<int> sockets_;
+  const double timeout_s_;
+  std::mutex mu_;
+  std::condition_variable progress_;
+  std::vector<Queue> send_, recv_;
+  std::string error_;
+  std::chrono::steady_clock::time_point last_progress_ = std::chrono::steady_clock::now();
+  bool stop_ = false;
+  int wake_[2] = {-1, -1};  // a pipe that interrupts the I/O thread's poll()
+  std::thread io_;
+};
+
+// Listening sockets: a new one on an ephemeral port of all interfaces.
+// Returns (fd, port) or fd = -1 and *error.
+std::pair<int, int> Listen(std::string* error);
+void CloseListener(int fd);
+
+// One of this process's devices in a group: its ordinal, its rank and the
+// listening socket it published.
+struct Member {
+  int ordinal;
+  int rank;
+  int listener;
+};
+
+// Connects this process's members of one group of `world` ranks (addresses:
+// "host:port" of every rank's listener) and registers their communicators
+// under `key`. Every member first connects to the ranks below it, then
+// accepts the ranks above it, so no process waits on another's accept.
+// Returns "" or an error message; closes the listeners either way.
+std::string InitGroup(int64_t key, int world, const std::vector<std::string>& addresses,
+                      const std::vector<Member>& members, const std::string& description,
+                      double timeout_s);
+
+// Stops and forgets the communicators of `key` (all when key < 0); returns how many.
+int DestroyCommunicators(int64_t key);
+
+// The communicator of (key, ordinal), or nullptr.
+std::shared_ptr<Communicator> FindCommunicator(int64_t key, int ordinal);
+
+// (key, ordinal, rank, world, description) of every registered communicator.
+std::vector<std::tuple<int64_t, int, int, int, std::string>> ListCommunicators();
+
+}  // namespace jax_cgx::tcp
+
+#endif  // JAX_CGX_XLA_FFI_TCP_COMMS_H_
