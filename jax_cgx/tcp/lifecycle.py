@@ -125,9 +125,10 @@ def _kv_key(g: PlannedGroup, rank: int) -> str:
 
 
 def _members(g: PlannedGroup, process: int) -> list[tuple[int, int]]:
-    """``[(device ordinal, rank)]`` of the group's devices this process owns (ordinal: XLA's
-    ``DeviceOrdinal`` on CPU, the device's ``local_hardware_id``)."""
-    return [(int(d.local_hardware_id), rank) for rank, d in enumerate(g.devices) if int(d.process_index) == process]
+    """``[(device ordinal, rank)]`` of the group's devices this process owns. The ordinal is what
+    XLA:CPU gives a custom call as ``DeviceOrdinal``: the device's global id (measured, jax 0.10.2:
+    process 1's first device is 2048), not its ``local_hardware_id``."""
+    return [(int(d.id), rank) for rank, d in enumerate(g.devices) if int(d.process_index) == process]
 
 
 def _addresses(plan: list[PlannedGroup], listeners: dict, process: int, timeout_s: float) -> dict:
