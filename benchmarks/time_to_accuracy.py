@@ -74,8 +74,9 @@ def example_argv(spec: str) -> list[str]:
     """examples/train_digits.py's compressor flags for ``spec`` (``maxmin:2+ef``, ``topk:0.01``, ...)."""
     name, _, value = spec.partition(":")
     value, *options = value.split("+")
-    bad = ValueError(f"{spec!r} is not none, maxmin:BITS[+ef|+backward][+auto], cast, powersgd:RANK or topk:RATIO")
-    if options and (name != "maxmin" or not set(options) <= {"ef", "auto", "backward"}
+    bad = ValueError(f"{spec!r} is not none, maxmin:BITS[+ef|+backward][+auto][+tcp], cast, powersgd:RANK or "
+                     "topk:RATIO")
+    if options and (name != "maxmin" or not set(options) <= {"ef", "auto", "backward", "tcp"}
                     or len(set(options)) < len(options) or {"ef", "backward"} <= set(options)):
         raise bad
     if name in ("none", "cast") and not value:
@@ -84,7 +85,8 @@ def example_argv(spec: str) -> list[str]:
         if name == "maxmin":
             return (["--compressor", name, "--bits", str(int(value))] + (["--error-feedback"] if "ef" in options else [])
                     + (["--policy", "auto"] if "auto" in options else [])
-                    + (["--reduce-in-backward"] if "backward" in options else []))
+                    + (["--reduce-in-backward"] if "backward" in options else [])
+                    + (["--backend", "tcp"] if "tcp" in options else []))
         if name == "powersgd":
             return ["--compressor", name, "--rank", str(int(value))]
         if name == "topk":
@@ -117,7 +119,7 @@ class Trainer:
         schedule = optax.cosine_decay_schedule(args.lr, args.max_steps)
         compressor, optimizer = _common.make_optimizer(self.ex, schedule)
         self.dp = _common.DataParallel(train_digits.loss_fn, compressor, optimizer, devices,
-                                       mark=_common.backward_marker(self.ex))
+                                       mark=_common.backward_marker(self.ex), backend=self.ex.backend)
         self.params, self.state = self.dp.init(train_digits.init_params(jax.random.key(args.seed), SIZES),
                                                (self.x_train[:batch], self.y_train[:batch]))
         self.wire = int(_common.wire_bytes(self.ex, self.params, self.dp.world))

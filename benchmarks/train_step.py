@@ -73,16 +73,18 @@ def example_args(spec: str, args: argparse.Namespace, world: int) -> argparse.Na
     value, *options = value.split("+")
     argv = ["--compressor", name, "--steps", str(args.steps), "--batch", str(args.batch_per_device * world),
             "--devices", str(world), "--log-every", "0", "--no-progress"]
-    if options and (name != "maxmin" or not set(options) <= {"auto", "backward"} or len(set(options)) < len(options)):
-        sys.exit(f"train_step: {spec!r}: only maxmin takes +auto (policy='auto') and +backward "
-                 "(reduce_in_backward)")
+    if options and (name != "maxmin" or not set(options) <= {"auto", "backward", "tcp"}
+                    or len(set(options)) < len(options)):
+        sys.exit(f"train_step: {spec!r}: only maxmin takes +auto (policy='auto'), +backward "
+                 "(reduce_in_backward) and +tcp (the tcp backend)")
     if name == "maxmin":
         argv += ["--bits", value or "4", "--policy", "auto" if "auto" in options else "always"]
         argv += ["--reduce-in-backward"] if "backward" in options else []
+        argv += ["--backend", "tcp"] if "tcp" in options else []
     elif name == "powersgd":
         argv += ["--rank", value or "1"]
     elif value or name not in ("none", "cast"):
-        sys.exit(f"train_step: {spec!r} is not none, maxmin:BITS[+auto][+backward], cast or powersgd:RANK")
+        sys.exit(f"train_step: {spec!r} is not none, maxmin:BITS[+auto][+backward][+tcp], cast or powersgd:RANK")
     if args.model == "mlp":
         import train_digits
 
@@ -146,7 +148,7 @@ class Trainer:
         self.model = model
         compressor, optimizer = _common.make_optimizer(self.ex, optax.cosine_decay_schedule(self.ex.lr, self.ex.steps))
         self.dp = _common.DataParallel(model.loss_fn, compressor, optimizer, devices,
-                                       mark=_common.backward_marker(self.ex))
+                                       mark=_common.backward_marker(self.ex), backend=self.ex.backend)
         example = model.batch(np.random.default_rng(0), self.ex.batch)
         self.params, self.state = self.dp.init(model.init(), example)
         self.rng = np.random.default_rng(0)  # the same batches on every process and for every compressor

@@ -56,6 +56,9 @@ def add_args(p: argparse.ArgumentParser, *, steps: int, batch: int, lr: float, l
     p.add_argument("--policy", choices=("always", "auto"), default="always",
                    help="maxmin: compress always, or only where jax_cgx's cost model predicts a gain on "
                         "this link (default: %(default)s)")
+    p.add_argument("--backend", choices=("auto", "xla", "tcp"), default="auto",
+                   help="maxmin: who runs the compressed exchange; tcp: jax_cgx's own TCP connections, the codec "
+                        "pipelined with the wire (CPU; connected by jax_cgx.tcp.setup) (default: %(default)s)")
     p.add_argument("--reduce-in-backward", action="store_true",
                    help="maxmin: average each layer's gradient in the backward pass, as soon as it exists "
                         "(jax_cgx.reduce_in_backward), instead of all of them after it")
@@ -90,7 +93,7 @@ def pmean(axis_name: str) -> optax.GradientTransformation:
 
 def _maxmin_config(args) -> jax_cgx.CompressionConfig:
     return jax_cgx.CompressionConfig(bits=args.bits, bucket_size=args.bucket_size, stochastic=args.stochastic,
-                                     policy=args.policy)
+                                     policy=args.policy, backend=args.backend)
 
 
 def make_compressor(args, axis_name: str = AXIS) -> optax.GradientTransformation:
@@ -155,6 +158,7 @@ def describe(args) -> str:
     if args.compressor == "maxmin":
         extra = ((", stochastic" if args.stochastic else "") + (", error feedback" if args.error_feedback else "")
                  + (", policy auto" if args.policy == "auto" else "")
+                 + (f", {args.backend} backend" if args.backend != "auto" else "")
                  + (", in backward" if args.reduce_in_backward else ""))
         return f"maxmin {args.bits}-bit, bucket {args.bucket_size}{extra}"
     if args.compressor == "cast":
@@ -219,10 +223,12 @@ class DataParallel:
     """
 
     def __init__(self, loss_fn, compressor: optax.GradientTransformation, optimizer: optax.GradientTransformation,
-                 devices, mark=None):
+                 devices, mark=None, backend: str = "auto"):
         self.world = len(devices)
         self.mesh = jax.make_mesh((self.world,), (AXIS,), axis_types=(jax.sharding.AxisType.Explicit,),
                                   devices=devices)
+        if backend == "tcp" and self.world > 1:
+            jax_cgx.tcp.setup(self.mesh)  # the one line a user adds for the tcp backend
         self.replicated = NamedSharding(self.mesh, P())
         self.sharded = NamedSharding(self.mesh, P(AXIS))
         self.loss_fn, self.compressor, self.optimizer = loss_fn, compressor, optimizer

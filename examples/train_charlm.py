@@ -110,7 +110,8 @@ def run(args) -> dict:
     if args.reduce_in_backward:
         sys.exit("--reduce-in-backward: train_digits.py marks its layers; this example does not (yet)")
     compressor, optimizer = _common.make_optimizer(args, optax.cosine_decay_schedule(args.lr, args.steps))
-    dp = _common.DataParallel(loss_fn, compressor, optimizer, _common.mesh_devices(args.devices))
+    dp = _common.DataParallel(loss_fn, compressor, optimizer, _common.mesh_devices(args.devices),
+                              backend=args.backend)
     params = init_params(jax.random.key(args.seed), len(vocab), args.d_model, args.layers, T)
     params, state = dp.init(params, (np.zeros((args.batch, T + 1), np.int32),))
     wire = _common.wire_bytes(args, params, dp.world)

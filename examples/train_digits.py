@@ -76,7 +76,7 @@ def run(args) -> dict:
         sys.exit(f"--batch {args.batch} must be a multiple of --devices {args.devices}")
     compressor, optimizer = _common.make_optimizer(args, optax.cosine_decay_schedule(args.lr, args.steps))
     dp = _common.DataParallel(loss_fn, compressor, optimizer, _common.mesh_devices(args.devices),
-                              mark=_common.backward_marker(args))
+                              mark=_common.backward_marker(args), backend=args.backend)
     params, state = dp.init(init_params(jax.random.key(args.seed)), (x_train[:args.batch], y_train[:args.batch]))
     wire = _common.wire_bytes(args, params, dp.world)
     print(_common.header("digits MLP", args, params, dp.world, wire), flush=True)

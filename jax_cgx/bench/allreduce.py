@@ -18,7 +18,8 @@ devices there is no wire, so the time shows the cost of the codec, not the benef
 moving fewer bytes; docs/results.md says which is which.
 
 ``--backends`` compares jax_cgx's backends (``xla``: XLA collectives; ``nccl``: one
-custom call on jax_cgx's NCCL communicators, GPU only). Under a launcher
+custom call on jax_cgx's NCCL communicators, GPU only; ``tcp``: one CPU custom call on
+jax_cgx's TCP connections, the codec pipelined with the wire). Under a launcher
 (``python -m jax_cgx.launch -n 4 benchmarks/allreduce.py ...``, mpirun, srun) every
 process runs it and process 0 prints; ``--share-gpu`` lets all ranks use GPU 0 of
 one machine, each as its own NCCL "host" (ARCHITECTURE.md §5), which is how the
@@ -139,6 +140,8 @@ def run(args: argparse.Namespace) -> list[dict]:
     backends = args.backends or (["xla", "nccl"] if devices[0].platform == "gpu" and world > 1 else ["xla"])
     if "nccl" in backends:
         jax_cgx.nccl.setup(mesh)
+    if "tcp" in backends:
+        jax_cgx.tcp.setup(mesh)
     dtype = jnp.dtype(args.dtype)
     bus = 2 * (world - 1) / world if world > 1 else 1.0
 
@@ -189,6 +192,8 @@ def run(args: argparse.Namespace) -> list[dict]:
                 bar.advance(f"{size / 2**20:g} MiB {bits} bits {backend}")
     if "nccl" in backends:
         jax_cgx.nccl.teardown()
+    if "tcp" in backends:
+        jax_cgx.tcp.teardown()
     return records
 
 
@@ -202,8 +207,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-d", "--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--bits", type=int, nargs="+", default=[2, 4, 8])
     p.add_argument("--bucket-sizes", "--bucket-size", type=int, nargs="+", default=[512], dest="bucket_sizes")
-    p.add_argument("--backends", nargs="+", choices=["xla", "nccl"],
-                   help="jax_cgx backends to time (default: xla, plus nccl on GPUs)")
+    p.add_argument("--backends", nargs="+", choices=["xla", "nccl", "tcp"],
+                   help="jax_cgx backends to time (default: xla, plus nccl on GPUs); nccl and tcp are set up "
+                        "with jax_cgx.nccl.setup / jax_cgx.tcp.setup")
     p.add_argument("--algorithm", default="sra", choices=["sra", "ring"])
     p.add_argument("--impl", default="auto", choices=["kernel", "reference", "auto"])
     p.add_argument("-n", "--repeats", type=int, default=10, help="timed calls per point (median)")

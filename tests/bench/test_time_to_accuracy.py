@@ -41,7 +41,7 @@ def test_two_processes_reach_a_low_target(tmp_path):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--compressors", "topk"], "'topk' is not none, maxmin:BITS[+ef|+backward][+auto], cast, powersgd:RANK or topk:RATIO"),
+    (["--compressors", "topk"], "'topk' is not none, maxmin:BITS[+ef|+backward][+auto][+tcp], cast, powersgd:RANK or topk:RATIO"),
     (["--compressors", "powersgd:2+ef"], "'powersgd:2+ef' is not"),
     (["--compressors", "maxmin:x"], "'maxmin:x' is not"),
     (["--compressors", "maxmin:4+ef+ef"], "'maxmin:4+ef+ef' is not"),

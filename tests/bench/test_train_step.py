@@ -40,7 +40,7 @@ def test_two_processes_time_every_compressor(tmp_path):
 def test_bad_compressor_spec_is_refused():
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "train_step.py"), "--compressors", "topk:3",
                            "--steps", "4"], capture_output=True, text=True, timeout=120, cwd=ROOT)
-    assert proc.returncode != 0 and "is not none, maxmin:BITS[+auto][+backward], cast or powersgd:RANK" in proc.stderr
+    assert proc.returncode != 0 and "is not none, maxmin:BITS[+auto][+backward][+tcp], cast or powersgd:RANK" in proc.stderr
 
 
 def test_bad_arguments_are_refused():

@@ -1,0 +1,44 @@
+"""The tcp backend across processes (one CPU device each, jax.distributed + gloo for the
+xla backend): bitwise the xla backend's result on every process, and a peer that leaves
+makes a call fail instead of hang."""
+
+import sys
+
+import numpy as np
+import pytest
+from bitwise import assert_same_bits
+from processes import SUPPORT, run_all
+
+from jax_cgx.launch import free_port
+
+pytestmark = pytest.mark.multiprocess
+
+
+def _run(tmp_path, nproc: int, mode: str, timeout: float):
+    port = free_port()
+    worker = SUPPORT / "tcp_worker.py"
+    commands = [[sys.executable, str(worker), str(i), str(nproc), str(port), str(tmp_path), mode]
+                for i in range(nproc)]
+    return run_all(commands, timeout=timeout)
+
+
+@pytest.mark.parametrize("nproc", [2, 3])
+def test_tcp_equals_xla_on_every_process(tmp_path, nproc):
+    for returncode, log in _run(tmp_path, nproc, "compare", timeout=300):
+        assert returncode == 0, log[-4000:]
+    results = [np.load(tmp_path / f"process{i}.npz") for i in range(nproc)]
+    for name in results[0].files:
+        if not name.startswith("tcp_"):
+            continue
+        for i, r in enumerate(results):
+            assert_same_bits(r[name], r["xla_" + name[4:]], f"process {i}: {name} vs the xla backend")
+            assert_same_bits(r[name], results[0][name], f"{name}: process {i} vs process 0")
+
+
+def test_a_peer_that_leaves_fails_the_call(tmp_path):
+    outcomes = _run(tmp_path, 2, "dead_peer", timeout=120)
+    assert outcomes[0][0] == 0, outcomes[0][1][-4000:]
+    elapsed, message = (tmp_path / "process0.txt").read_text().split("\n", 1)
+    assert "jax_cgx_tcp_allreduce" in message and ("closed the connection" in message or "no bytes moved" in message
+                                                   or "Connection reset" in message), message
+    assert float(elapsed) < 30
