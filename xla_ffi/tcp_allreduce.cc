@@ -87,6 +87,7 @@ std::string MakePlan(int64_t n, int64_t world, int64_t chunk, int bits, int64_t 
   };
   p.x_tail = take(p.tail_chunks * chunk * elem_bytes);
   p.out_tail = take(p.tail_chunks * chunk * elem_bytes);
+  p.headers = take(world * static_cast<int64_t>(sizeof(Header)));
   for (int s = 0; s < p.segments; ++s) {
     Segment& seg = p.segment[s];
     seg.offset = s * per_segment * bucket;
@@ -188,10 +189,55 @@ void QuantizePeers(const Call& c, const Segment& s) {
   }
 }
 
-ffi::Error RunSra(const Call& c) {
+constexpr uint32_t kHeaderMagic = 0x63677831;  // "cgx1"
+
+Header HeaderOf(const Plan& p, int64_t site) {
+  Header h;
+  h.magic = kHeaderMagic;
+  h.site = site;
+  h.bits = static_cast<uint32_t>(p.bits);
+  h.n = p.n;
+  h.chunk = p.chunk;
+  h.bucket = p.bucket;
+  h.elem_bytes = p.elem_bytes;
+  h.segments = p.segments;
+  return h;
+}
+
+std::string Describe(const Header& h) {
+  return "call " + std::to_string(h.site) + " of the program: n=" + std::to_string(h.n) + ", chunk=" + std::to_string(h.chunk) + ", bits=" + std::to_string(h.bits) +
+         ", bucket_size=" + std::to_string(h.bucket) + ", " + std::to_string(h.elem_bytes) + "-byte values, " +
+         std::to_string(h.segments) + " segments";
+}
+
+// Receives (already posted) are the header, then 2 per segment of the
+// exchange, then 2 per segment of the all-gather.
+int64_t ExchangedBy(int segment) { return 1 + 2 * (segment + 1); }
+int64_t GatheredBy(const Plan& p, int segment) { return 1 + 2 * p.segments + 2 * (segment + 1); }
+
+ffi::Error CheckHeader(const Call& c, int peer) {
+  const Header* headers = reinterpret_cast<const Header*>(c.ws + c.plan.headers);
+  const Header& mine = headers[c.comm.rank];
+  const Header& theirs = headers[peer];
+  if (std::memcmp(&mine, &theirs, sizeof(Header)) == 0) return ffi::Error::Success();
+  return Internal(kTarget, "rank " + std::to_string(peer) + " of '" + c.comm.description + "' runs a different " +
+                           "reduction (" + (theirs.magic == kHeaderMagic ? Describe(theirs) : "not a jax_cgx call") +
+                           ") than this rank (" + Describe(mine) + "): the ranks' programs differ, or run their " +
+                           "compressed reductions in different orders");
+}
+
+ffi::Error RunSra(const Call& c, int64_t site) {
   const Plan& p = c.plan;
   Communicator& comm = c.comm;
   const int me = comm.rank;
+  // 0. Every stream starts with the call's header.
+  Header* headers = reinterpret_cast<Header*>(c.ws + p.headers);
+  headers[me] = HeaderOf(p, site);
+  for (int j = 0; j < p.world; ++j) {
+    if (j == me) continue;
+    CGX_RETURN_IF_ERROR(Transport(comm.PostSend(j, &headers[me], sizeof(Header))));
+    CGX_RETURN_IF_ERROR(Transport(comm.PostRecv(j, &headers[j], sizeof(Header))));
+  }
   // 1. Quantize segment s of every peer's chunk and post its exchange; the
   //    I/O thread sends it while segment s+1 is quantized.
   for (int i = 0; i < p.segments; ++i) {
@@ -207,7 +253,12 @@ ffi::Error RunSra(const Call& c) {
   for (int i = 0; i < p.segments; ++i) {
     const Segment& s = p.segment[i];
     for (int j = 0; j < p.world; ++j) {
-      if (j != me) CGX_RETURN_IF_ERROR(Transport(comm.WaitRecvs(j, 2 * (i + 1))));
+      if (j == me) continue;
+      if (i == 0) {  // the header first: a peer running another reduction sends other sizes
+        CGX_RETURN_IF_ERROR(Transport(comm.WaitRecvs(j, 1)));
+        CGX_RETURN_IF_ERROR(CheckHeader(c, j));
+      }
+      CGX_RETURN_IF_ERROR(Transport(comm.WaitRecvs(j, ExchangedBy(i))));
     }
     std::memset(c.Meta(s.recv, s, me), 0, s.meta_bytes());
     const int32_t own_valid = c.Valid(me, s);
@@ -221,12 +272,11 @@ ffi::Error RunSra(const Call& c) {
     }
   }
   // 3. Decode every peer's reduced chunk as it arrives.
-  const int64_t exchanged = 2 * p.segments;
   for (int i = 0; i < p.segments; ++i) {
     const Segment& s = p.segment[i];
     for (int j = 0; j < p.world; ++j) {
       if (j == me) continue;
-      CGX_RETURN_IF_ERROR(Transport(comm.WaitRecvs(j, exchanged + 2 * (i + 1))));
+      CGX_RETURN_IF_ERROR(Transport(comm.WaitRecvs(j, GatheredBy(p, i))));
       cpu::dequantize(c.Payload(s.gathered, s, j), c.Meta(s.gathered, s, j), 1, s.length, p.bits, p.bucket,
                       c.ChunkOut(j) + c.Bytes(s.offset), c.type);
     }
@@ -236,7 +286,8 @@ ffi::Error RunSra(const Call& c) {
 }
 
 ffi::Error TcpAllreduceImpl(int32_t ordinal, ffi::AnyBuffer x, ffi::AnyBuffer seeds, ffi::AnyBuffer valid,
-                            ffi::Result<ffi::AnyBuffer> out, int64_t comm_key, int64_t world, int64_t chunk,
+                            ffi::AnyBuffer /*after*/, ffi::Result<ffi::AnyBuffer> out, int64_t comm_key, int64_t site,
+                            int64_t world, int64_t chunk,
                             int32_t bits, int64_t bucket_size, bool stochastic, int64_t segments) {
   FloatType type = FloatType::kF32;
   CGX_RETURN_IF_ERROR(CheckFloatType(kTarget, "x", x.element_type(), &type));
@@ -287,7 +338,7 @@ ffi::Error TcpAllreduceImpl(int32_t ordinal, ffi::AnyBuffer x, ffi::AnyBuffer se
     std::memset(call.ws + plan.x_tail, 0, call.Bytes(plan.tail_chunks * chunk));
     if (rem > 0) std::memcpy(call.ws + plan.x_tail, call.x + call.Bytes(plan.full_chunks * chunk), call.Bytes(rem));
   }
-  ffi::Error result = RunSra(call);
+  ffi::Error result = RunSra(call, site);
   if (result.failure()) {
     // The ranks are out of step: no later call may use these connections.
     comm->broken = true;
@@ -309,8 +360,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(CpuTcpAllreduce, jax_cgx::tcp::TcpAllreduceImpl,
                                   .Arg<ffi::AnyBuffer>()  // x[n]
                                   .Arg<ffi::AnyBuffer>()  // seeds[W + 1, 2]
                                   .Arg<ffi::AnyBuffer>()  // valid[1]
+                                  .Arg<ffi::AnyBuffer>()  // after: unread, orders the calls (tcp/lowering.py)
                                   .Ret<ffi::AnyBuffer>()  // out[n]
                                   .Attr<int64_t>("comm_key")
+                                  .Attr<int64_t>("site")
                                   .Attr<int64_t>("world")
                                   .Attr<int64_t>("chunk")
                                   .Attr<int32_t>("bits")

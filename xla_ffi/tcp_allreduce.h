@@ -38,6 +38,20 @@ struct Segment {
   int64_t meta_bytes() const { return buckets * 2 * static_cast<int64_t>(sizeof(float)); }
 };
 
+// What every call sends each peer first: the peer checks that both run the
+// same reduction, so ranks whose programs differ (or run their reductions in
+// different orders) get an error instead of each other's bytes.
+struct Header {
+  uint32_t magic = 0;
+  uint32_t bits = 0;
+  int64_t site = 0;  // which call of the program (jax_cgx/tcp/lowering.py numbers them)
+  int64_t n = 0;
+  int64_t chunk = 0;
+  int64_t bucket = 0;
+  int64_t elem_bytes = 0;
+  int64_t segments = 0;
+};
+
 // The whole schedule of one call, from its shapes and attributes only (the
 // same on every rank).
 struct Plan {
@@ -51,6 +65,7 @@ struct Plan {
   int64_t tail_chunks = 0;  // W - full_chunks: staged through padded copies
   int64_t x_tail = 0;       // workspace offset: tail_chunks * c values, x's tail then zeros
   int64_t out_tail = 0;     // workspace offset: the decoded tail chunks
+  int64_t headers = 0;      // workspace offset: W Headers (slot j: from rank j; ours in our slot)
   int segments = 0;
   Segment segment[kMaxSegments];
   int64_t workspace_bytes = 0;

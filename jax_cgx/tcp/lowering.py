@@ -8,12 +8,23 @@ backend's program: only the transport and the schedule differ.
 
 ``compressed_allreduce_residual_p`` (error feedback) always lowers to the xla backend:
 ``backend="tcp"`` raises, ``"auto"`` picks xla (logged at debug level).
+
+Order. A custom call's transfers with a peer must pair with the peer's calls in the same
+order, but XLA:CPU runs a program's thunks as a dataflow graph, concurrently where they are
+independent, and gives custom calls no ordering resource as it does its own collectives.
+So every tcp call takes one more operand, ``after``: the result of the previous tcp call
+lowered into the same block (a zero-size array for the first), which it never reads. The
+calls of a block then run one after another in lowering order, the same on every rank.
+(Calls in different blocks, e.g. inside and outside a loop body, are not chained; if
+they ever run out of order, the calls' headers disagree and they fail with an error
+naming both reductions, never mixing their bytes.)
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -30,19 +41,20 @@ __all__ = ["select_backend", "tcp_allreduce_p"]
 log = logging.getLogger("jax_cgx")
 
 # One row: x[n], seeds[W+1, 2], valid int32[1] (x's first valid[0] values are real, the rest
-# padding that never widens a bucket) -> out[n].
+# padding that never widens a bucket), after (any array, unread: orders the calls) -> out[n].
 tcp_allreduce_p = Primitive("jax_cgx_tcp_allreduce")
 
 
-def _abstract(x, seeds, valid, **params):
-    del seeds, valid, params
+def _abstract(x, seeds, valid, after, **params):
+    del seeds, valid, after, params
     return x
 
 
-def _lower_row(ctx, x, seeds, valid, *, key, world, chunk, bits, bucket_size, stochastic, segments):
+def _lower_row(ctx, x, seeds, valid, after, *, key, site, world, chunk, bits, bucket_size, stochastic, segments):
     # has_side_effect: a collective; XLA must neither drop it nor merge two of them.
     return jax.ffi.ffi_lowering("jax_cgx_tcp_allreduce", has_side_effect=True)(
-        ctx, x, seeds, valid, comm_key=np.int64(key), world=np.int64(world), chunk=np.int64(chunk),
+        ctx, x, seeds, valid, after, comm_key=np.int64(key), site=np.int64(site), world=np.int64(world),
+        chunk=np.int64(chunk),
         bits=np.int32(bits), bucket_size=np.int64(bucket_size), stochastic=bool(stochastic),
         segments=np.int64(segments),
     )
@@ -50,6 +62,51 @@ def _lower_row(ctx, x, seeds, valid, *, key, world, chunk, bits, bucket_size, st
 
 tcp_allreduce_p.def_abstract_eval(_abstract)
 mlir.register_lowering(tcp_allreduce_p, _lower_row, platform="cpu")
+
+
+class _ModuleCalls:
+    """The tcp calls lowered so far into one module: how many (each call's ``site``, sent in
+    its header, so two calls of equal shapes that run in different orders on two ranks are
+    told apart), and the last one of each block (the next call's ``after`` operand)."""
+
+    def __init__(self, module):
+        self.module = module  # keeps id(module) from being reused while we hold it
+        self.sites = 0
+        self.last: list[tuple] = []  # [(block, result value, its aval)]
+
+
+# id(module) -> its calls. Few modules are lowered at once (nested jits lower into their
+# caller's module), so only the latest few are kept.
+_modules: dict[int, _ModuleCalls] = {}
+_modules_lock = threading.Lock()
+_MODULES_KEPT = 8
+
+
+def _calls_of(ctx) -> _ModuleCalls:
+    module = ctx.module_context.module
+    calls = _modules.get(id(module))
+    if calls is None:
+        if len(_modules) >= _MODULES_KEPT:
+            _modules.pop(next(iter(_modules)))
+        calls = _modules[id(module)] = _ModuleCalls(module)
+    return calls
+
+
+def _next_calls(ctx, count: int) -> tuple[int, tuple | None]:
+    """(the first site of ``count`` calls being lowered, (value, aval) of the last call in the
+    current block or None)."""
+    block = mlir.ir.InsertionPoint.current.block
+    with _modules_lock:
+        calls = _calls_of(ctx)
+        first, calls.sites = calls.sites, calls.sites + count
+        return first, next(((v, a) for b, v, a in reversed(calls.last) if b == block), None)
+
+
+def _record_call(ctx, value, aval) -> None:
+    block = mlir.ir.InsertionPoint.current.block
+    with _modules_lock:
+        calls = _calls_of(ctx)
+        calls.last = [c for c in calls.last if c[0] != block] + [(block, value, aval)]
 
 
 def _context_mesh(ctx):
@@ -102,15 +159,30 @@ def _lower_cpu(ctx, x, seeds, valid, *, backend, axes, world, chunk, bits, bucke
         return primitive.lower_xla(ctx, x, seeds, valid, backend=choice, **params)
     key = lifecycle.lookup(mesh, axes)
 
-    def rows(x, seeds, valid):
+    def rows(x, seeds, valid, *previous):
         row = functools.partial(tcp_allreduce_p.bind, key=key, world=world, chunk=chunk, bits=bits,
                                 bucket_size=bucket_size, stochastic=stochastic, segments=segments)
-        return jnp.stack([row(x[i], seeds[i], valid[i : i + 1]) for i in range(x.shape[0])])
+        after = previous[0] if previous else jnp.zeros((0,), jnp.uint8)
+        out = []
+        for i in range(x.shape[0]):
+            after = row(x[i], seeds[i], valid[i : i + 1], after, site=site + i)
+            out.append(after)
+        return jnp.stack(out)
 
-    return mlir.lower_fun(rows, multiple_results=False)(ctx, x, seeds, valid)
+    site, previous = _next_calls(ctx, ctx.avals_in[0].shape[0])
+    if previous is None:
+        results = mlir.lower_fun(rows, multiple_results=False)(ctx, x, seeds, valid)
+    else:
+        value, aval = previous
+        results = mlir.lower_fun(rows, multiple_results=False)(ctx.replace(avals_in=[*ctx.avals_in, aval]), x,
+                                                                seeds, valid, value)
+    _record_call(ctx, results[0], ctx.avals_out[0])
+    return results
 
 
-mlir.register_lowering(primitive.compressed_allreduce_p, _lower_cpu, platform="cpu")
+# Not cacheable: a cached lowering is emitted once as a private function that every identical
+# call site calls, out of the block the calls are chained in.
+mlir.register_lowering(primitive.compressed_allreduce_p, _lower_cpu, platform="cpu", cacheable=False)
 
 
 def _lower_cpu_residual(ctx, x, seeds, valid, *, backend, axes, **params):

@@ -6,7 +6,8 @@ One CPU device per process. MODE ``compare``: compressed_psum with the tcp and t
 backend, nearest and stochastic, float32 and bfloat16; writes OUT_DIR/process<ID>.npz.
 MODE ``dead_peer``: after setup, the last process exits without reducing; the others must
 get an error, not hang; they write OUT_DIR/process<ID>.txt with the message and how long
-it took.
+it took. MODE ``mismatch``: every process reduces a different size (programs that differ);
+each writes its error message to OUT_DIR/process<ID>.txt.
 """
 
 import os
@@ -54,6 +55,16 @@ def main() -> None:
         jax_cgx.tcp.teardown()
         jax.distributed.shutdown()
         return
+    if mode == "mismatch":
+        f, x = reduce(jax_cgx.CompressionConfig(backend="tcp"), np.ones((1, 1000 * (pid + 1)), np.float32))
+        try:
+            jax.block_until_ready(f(x))
+            message = "no error"
+        except Exception as err:  # the test checks the message
+            message = str(err)
+        with open(os.path.join(out_dir, f"process{pid}.txt"), "w") as fh:
+            fh.write(message)
+        os._exit(0)
     # dead_peer: the last process leaves; the others' call must fail, not hang.
     if pid == nproc - 1:
         os._exit(0)

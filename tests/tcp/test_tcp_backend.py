@@ -2,6 +2,8 @@
 (TCP over loopback), bitwise against the xla backend. tests/tcp/test_tcp_processes.py runs
 it across processes."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -89,11 +91,20 @@ def test_rows_and_fusion_buffers(mesh2d):
     def run(config):
         f = jax.jit(jax.shard_map(lambda t: jax.tree.map(lambda v: v[None], jax_cgx.compressed_pmean(
             jax.tree.map(lambda v: v[0], t), ("a", "b"), config)), mesh=mesh2d, in_specs=spec, out_specs=spec))
-        return jax.tree.map(np.asarray, f(jax.device_put(tree, NamedSharding(mesh2d, spec))))
+        x = jax.device_put(tree, NamedSharding(mesh2d, spec))
+        return f.lower(x).as_text(), jax.tree.map(np.asarray, f(x))
 
-    got, want = run(small), run(small.replace(backend="xla"))
+    hlo, got = run(small)
+    want = run(small.replace(backend="xla"))[1]
     for k in tree:
         assert_same_bits(got[k], want[k], k)
+    # Chained: only the first call's `after` operand is the zero-size placeholder, and every
+    # call has its own site.
+    calls = [line for line in hlo.splitlines() if f"@{TARGET}(" in line]
+    assert len(calls) >= 3
+    assert sum("tensor<0xui8>) ->" in line for line in calls) == 1
+    sites = [re.search(r"site = (\d+)", line).group(1) for line in calls]
+    assert len(set(sites)) == len(sites)
 
 
 def test_gradient_through_the_tcp_backend(mesh2d):

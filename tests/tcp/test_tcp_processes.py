@@ -42,3 +42,12 @@ def test_a_peer_that_leaves_fails_the_call(tmp_path):
     assert "jax_cgx_tcp_allreduce" in message and ("closed the connection" in message or "no bytes moved" in message
                                                    or "Connection reset" in message), message
     assert float(elapsed) < 30
+
+
+def test_ranks_running_different_reductions_fail_with_both_named(tmp_path):
+    for returncode, log in _run(tmp_path, 2, "mismatch", timeout=120):
+        assert returncode == 0, log[-4000:]
+    for pid in range(2):
+        message = (tmp_path / f"process{pid}.txt").read_text()
+        assert "runs a different reduction" in message, message
+        assert "n=1000," in message and "n=2000," in message, message
