@@ -15,8 +15,13 @@
 //
 // A segment starting at value o of its chunk is encoded with index_base o,
 // so stochastic rounding draws what the whole chunk's encoding would.
-// No allocation per call: the workspace is the communicator's, grown once.
+// The handler only checks its arguments and hands the call to the
+// communicator's call thread (asynchronous FFI: it returns a future), so XLA
+// goes on with independent work, e.g. the rest of a backward pass, while the
+// exchange runs. Allocation per call: the future's small shared state only;
+// the call records and the workspace are the communicator's, made once.
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <memory>
@@ -285,10 +290,77 @@ ffi::Error RunSra(const Call& c, int64_t site) {
   return Transport(comm.WaitSends());
 }
 
-ffi::Error TcpAllreduceImpl(int32_t ordinal, ffi::AnyBuffer x, ffi::AnyBuffer seeds, ffi::AnyBuffer valid,
-                            ffi::AnyBuffer /*after*/, ffi::Result<ffi::AnyBuffer> out, int64_t comm_key, int64_t site,
-                            int64_t world, int64_t chunk,
-                            int32_t bits, int64_t bucket_size, bool stochastic, int64_t segments) {
+// One call, as the handler hands it to the communicator's call thread. XLA
+// keeps x, out and seeds alive and untouched until the call's future completes.
+class PendingCall final : public Task {
+ public:
+  explicit PendingCall(Communicator* comm) : comm_(comm) {}
+  Plan plan;
+  FloatType type = FloatType::kF32;
+  const char* x = nullptr;
+  char* out = nullptr;
+  const uint32_t* seeds = nullptr;
+  bool stochastic = false;
+  int64_t valid = 0;
+  int64_t site = 0;
+  ffi::Promise promise;
+  std::atomic<bool> busy{false};
+
+  void Run() override {
+    ffi::Error result = Execute();
+    ffi::Promise done = std::move(promise);
+    busy.store(false, std::memory_order_release);  // this record may be reused from here on
+    if (result.failure()) {
+      done.SetError(std::move(result));
+    } else {
+      done.SetAvailable();
+    }
+  }
+
+ private:
+  ffi::Error Execute();
+  // Not owned: the record lives in the communicator's slots, and the
+  // communicator's destructor runs every queued call before its members go.
+  Communicator* comm_;
+};
+
+ffi::Error PendingCall::Execute() {
+  Communicator& comm = *comm_;
+  if (comm.broken) {
+    return Internal(kTarget, "communicator '" + comm.description + "' is unusable: an earlier call failed " +
+                             "midway (its ranks may be out of step) or it was torn down; call " +
+                             "jax_cgx.tcp.teardown() and jax_cgx.tcp.setup(mesh) again on every process");
+  }
+  if (static_cast<int64_t>(comm.workspace.size()) < plan.workspace_bytes) {
+    comm.workspace.resize(static_cast<size_t>(plan.workspace_bytes));  // grows once per larger row
+  }
+  comm.Reset();
+  const Call call{plan, comm, type, x, out, comm.workspace.data(), seeds, stochastic, valid};
+  // Zero padding: chunks past x's end are read from a staged copy of x's tail.
+  const int64_t rem = plan.n - plan.full_chunks * plan.chunk;
+  if (plan.tail_chunks > 0) {
+    std::memset(call.ws + plan.x_tail, 0, call.Bytes(plan.tail_chunks * plan.chunk));
+    if (rem > 0) std::memcpy(call.ws + plan.x_tail, x + call.Bytes(plan.full_chunks * plan.chunk), call.Bytes(rem));
+  }
+  ffi::Error result = RunSra(call, site);
+  if (result.failure()) {
+    // The ranks are out of step: no later call may use these connections.
+    comm.broken = true;
+    comm.Abort("an earlier call failed");
+    return result;
+  }
+  if (plan.tail_chunks > 0 && rem > 0) {
+    std::memcpy(out + call.Bytes(plan.full_chunks * plan.chunk), call.ws + plan.out_tail, call.Bytes(rem));
+  }
+  return ffi::Error::Success();
+}
+
+// Checks the buffers and attributes, finds the communicator and a free call
+// record, and fills it in.
+ffi::Error Prepare(int32_t ordinal, ffi::AnyBuffer x, ffi::AnyBuffer seeds, ffi::AnyBuffer valid,
+                   ffi::Result<ffi::AnyBuffer> out, int64_t comm_key, int64_t site, int64_t world, int64_t chunk,
+                   int32_t bits, int64_t bucket_size, bool stochastic, int64_t segments,
+                   std::shared_ptr<Communicator>* found, PendingCall** record) {
   FloatType type = FloatType::kF32;
   CGX_RETURN_IF_ERROR(CheckFloatType(kTarget, "x", x.element_type(), &type));
   CGX_RETURN_IF_ERROR(CheckShape(kTarget, "x", x.dimensions(), {-1}, "rank 1 [n] (one row)"));
@@ -303,7 +375,7 @@ ffi::Error TcpAllreduceImpl(int32_t ordinal, ffi::AnyBuffer x, ffi::AnyBuffer se
   CGX_RETURN_IF_ERROR(CheckDType(kTarget, "valid", valid.element_type(), ffi::DataType::S32));
   CGX_RETURN_IF_ERROR(CheckShape(kTarget, "valid", valid.dimensions(), {1},
                                  "[1] (how many of x's values are real, the rest padding)"));
-  const std::shared_ptr<Communicator> comm = FindCommunicator(comm_key, ordinal);
+  std::shared_ptr<Communicator> comm = FindCommunicator(comm_key, ordinal);
   if (comm == nullptr) {
     return Internal(kTarget, "device " + std::to_string(ordinal) + " has no jax_cgx tcp communicator for this " +
                              "reduction (key " + std::to_string(comm_key) + "): call jax_cgx.tcp.setup(mesh) on " +
@@ -313,42 +385,64 @@ ffi::Error TcpAllreduceImpl(int32_t ordinal, ffi::AnyBuffer x, ffi::AnyBuffer se
     return Internal(kTarget, "communicator '" + comm->description + "' has " + std::to_string(comm->world) +
                              " ranks but the reduction has " + std::to_string(world));
   }
-  std::lock_guard<std::mutex> lock(comm->call_mu);
-  if (comm->broken) {
-    return Internal(kTarget, "communicator '" + comm->description + "' is unusable: an earlier call failed " +
-                             "midway (its ranks may be out of step) or it was torn down; call " +
-                             "jax_cgx.tcp.teardown() and jax_cgx.tcp.setup(mesh) again on every process");
+  PendingCall* call = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(comm->slots_mu);
+    for (auto& slot : comm->slots) {
+      auto* c = static_cast<PendingCall*>(slot.get());
+      if (!c->busy.load(std::memory_order_acquire)) {
+        call = c;
+        break;
+      }
+    }
+    if (call == nullptr && comm->slots.size() < static_cast<size_t>(kMaxPendingCalls)) {
+      comm->slots.push_back(std::make_unique<PendingCall>(comm.get()));  // once per slot, for the communicator's life
+      call = static_cast<PendingCall*>(comm->slots.back().get());
+    }
+    if (call == nullptr) {
+      return Internal(kTarget, "more than " + std::to_string(kMaxPendingCalls) + " calls pending on communicator '" +
+                               comm->description + "'");
+    }
+    call->busy.store(true, std::memory_order_relaxed);
   }
-  if (static_cast<int64_t>(comm->workspace.size()) < plan.workspace_bytes) {
-    comm->workspace.resize(static_cast<size_t>(plan.workspace_bytes));  // grows once per larger row
-  }
-  comm->Reset();
-  const Call call{plan,
-                  *comm,
-                  type,
-                  static_cast<const char*>(x.untyped_data()),
-                  static_cast<char*>(out->untyped_data()),
-                  comm->workspace.data(),
-                  static_cast<const uint32_t*>(seeds.untyped_data()),
-                  stochastic,
-                  std::clamp<int64_t>(*static_cast<const int32_t*>(valid.untyped_data()), 0, n)};
-  // Zero padding: chunks past x's end are read from a staged copy of x's tail.
-  const int64_t rem = n - plan.full_chunks * chunk;
-  if (plan.tail_chunks > 0) {
-    std::memset(call.ws + plan.x_tail, 0, call.Bytes(plan.tail_chunks * chunk));
-    if (rem > 0) std::memcpy(call.ws + plan.x_tail, call.x + call.Bytes(plan.full_chunks * chunk), call.Bytes(rem));
-  }
-  ffi::Error result = RunSra(call, site);
-  if (result.failure()) {
-    // The ranks are out of step: no later call may use these connections.
-    comm->broken = true;
-    comm->Abort("an earlier call failed");
-    return result;
-  }
-  if (plan.tail_chunks > 0 && rem > 0) {
-    std::memcpy(call.out + call.Bytes(plan.full_chunks * chunk), call.ws + plan.out_tail, call.Bytes(rem));
-  }
+  call->plan = plan;
+  call->type = type;
+  call->x = static_cast<const char*>(x.untyped_data());
+  call->out = static_cast<char*>(out->untyped_data());
+  call->seeds = static_cast<const uint32_t*>(seeds.untyped_data());
+  call->stochastic = stochastic;
+  call->valid = std::clamp<int64_t>(*static_cast<const int32_t*>(valid.untyped_data()), 0, n);
+  call->site = site;
+  *found = std::move(comm);
+  *record = call;
   return ffi::Error::Success();
+}
+
+// Asynchronous: checks its arguments, hands the call to the communicator's
+// call thread and returns; XLA runs independent work (the rest of a backward
+// pass) meanwhile and waits for the future where the result is used.
+ffi::Future TcpAllreduceImpl(int32_t ordinal, ffi::AnyBuffer x, ffi::AnyBuffer seeds, ffi::AnyBuffer valid,
+                             ffi::AnyBuffer /*after*/, ffi::Result<ffi::AnyBuffer> out, int64_t comm_key,
+                             int64_t site, int64_t world, int64_t chunk, int32_t bits, int64_t bucket_size,
+                             bool stochastic, int64_t segments) {
+  std::shared_ptr<Communicator> comm;
+  PendingCall* call = nullptr;
+  ffi::Error error = Prepare(ordinal, x, seeds, valid, out, comm_key, site, world, chunk, bits, bucket_size,
+                             stochastic, segments, &comm, &call);
+  ffi::Promise promise;
+  ffi::Future future(promise);
+  if (error.failure()) {
+    promise.SetError(std::move(error));
+    return future;
+  }
+  call->promise = std::move(promise);
+  if (!comm->Submit(call)) {
+    ffi::Promise refused = std::move(call->promise);
+    call->busy.store(false, std::memory_order_release);
+    refused.SetError(Internal(kTarget, "more than " + std::to_string(kMaxPendingCalls) +
+                                           " calls pending on communicator '" + comm->description + "'"));
+  }
+  return future;
 }
 
 }  // namespace

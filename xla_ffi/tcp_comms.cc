@@ -149,15 +149,25 @@ Communicator::Communicator(int rank_, int world_, std::vector<int> sockets, std:
       recv_(static_cast<size_t>(world_)) {
   for (Queue& q : send_) q.ring.resize(kQueueDepth);
   for (Queue& q : recv_) q.ring.resize(kQueueDepth);
-  if (::pipe2(wake_, O_NONBLOCK | O_CLOEXEC) != 0) {
+  if (::pipe2(wake_, O_NONBLOCK | O_CLOEXEC) == 0) {
+    io_ = std::thread([this] { Run(); });
+  } else {  // every call fails with this error
     error_ = Errno("pipe2");
     broken = true;
-    return;
   }
-  io_ = std::thread([this] { Run(); });
+  calls_ = std::thread([this] { RunCalls(); });
 }
 
 Communicator::~Communicator() {
+  // Calls still queued or running fail fast (their waits see the error) and
+  // complete their futures; then both threads stop.
+  Abort("the communicator was destroyed");
+  {
+    std::lock_guard<std::mutex> lock(tasks_mu_);
+    tasks_stop_ = true;
+  }
+  tasks_cv_.notify_all();
+  if (calls_.joinable()) calls_.join();
   {
     std::lock_guard<std::mutex> lock(mu_);
     stop_ = true;
@@ -167,6 +177,31 @@ Communicator::~Communicator() {
   for (int fd : sockets_) CloseFd(fd);
   CloseFd(wake_[0]);
   CloseFd(wake_[1]);
+}
+
+bool Communicator::Submit(Task* task) {
+  {
+    std::lock_guard<std::mutex> lock(tasks_mu_);
+    if (tasks_tail_ - tasks_head_ >= kMaxPendingCalls) return false;
+    tasks_[tasks_tail_++ % kMaxPendingCalls] = task;
+  }
+  tasks_cv_.notify_one();
+  return true;
+}
+
+// The call thread: runs the submitted calls one after another. It drains the
+// queue before it stops, so every call completes its future.
+void Communicator::RunCalls() {
+  while (true) {
+    Task* task;
+    {
+      std::unique_lock<std::mutex> lock(tasks_mu_);
+      tasks_cv_.wait(lock, [this] { return tasks_stop_ || tasks_head_ < tasks_tail_; });
+      if (tasks_head_ == tasks_tail_) return;  // stopping, nothing left
+      task = tasks_[tasks_head_++ % kMaxPendingCalls];
+    }
+    task->Run();
+  }
 }
 
 void Communicator::Wake() {

@@ -28,13 +28,22 @@ namespace jax_cgx::tcp {
 
 // Transfers a handler may have posted per peer and direction at once.
 inline constexpr int kQueueDepth = 512;
+// Calls that may wait for a communicator's call thread at once.
+inline constexpr int kMaxPendingCalls = 16;
+
+// Work for a communicator's call thread (xla_ffi/tcp_allreduce.cc: one call).
+class Task {
+ public:
+  virtual ~Task() = default;
+  virtual void Run() = 0;
+};
 
 class Communicator {
  public:
-  // Takes ownership of `sockets` (sockets[rank] == -1) and starts the I/O thread.
+  // Takes ownership of `sockets` (sockets[rank] == -1) and starts the I/O and call threads.
   Communicator(int rank, int world, std::vector<int> sockets, std::string description,
                double timeout_s);
-  ~Communicator();  // stops the I/O thread, closes the sockets
+  ~Communicator();  // fails what is pending, stops both threads, closes the sockets
   Communicator(const Communicator&) = delete;
   Communicator& operator=(const Communicator&) = delete;
 
@@ -42,15 +51,23 @@ class Communicator {
   const int world;
   const std::string description;
 
-  // Held by a handler for its whole call: one call at a time per communicator.
-  std::mutex call_mu;
-  // Set when a call failed midway (ranks out of step) or the communicator is
-  // being destroyed; every later call fails.
+  // Runs `task` on the call thread after the tasks submitted before it (the
+  // handler returns at once; XLA waits for the call's future). `task` is not
+  // owned and must live until its Run returns. False when kMaxPendingCalls
+  // tasks are waiting already.
+  bool Submit(Task* task);
+
+  // What the call thread owns while it runs a call:
+  // set when a call failed midway (ranks out of step) or the communicator is
+  // being destroyed: every later call fails;
   bool broken = false;
-  // Scratch that lives as long as the communicator, grown (never shrunk)
-  // under call_mu: the handler's workspace and per-call small arrays.
+  // scratch that lives as long as the communicator, grown (never shrunk):
+  // the calls' workspace and per-call small arrays.
   std::vector<char> workspace;
   std::vector<int32_t> counts;
+  // The handler's reusable call records (xla_ffi/tcp_allreduce.cc), under slots_mu.
+  std::mutex slots_mu;
+  std::vector<std::unique_ptr<Task>> slots;
 
   // Queue a transfer with `peer`; "" or why not (queue full, broken link).
   std::string PostSend(int peer, const void* data, int64_t bytes);
@@ -80,6 +97,7 @@ class Communicator {
   std::string Post(std::vector<Queue>& queues, int peer, char* data, int64_t bytes);
   std::string Wait(const std::vector<Queue>& queues, int peer, int64_t n);
   void Run();                  // the I/O thread
+  void RunCalls();             // the call thread
   void Fail(std::string why);  // under mu_
   void Wake();
 
@@ -93,6 +111,13 @@ class Communicator {
   bool stop_ = false;
   int wake_[2] = {-1, -1};  // a pipe that interrupts the I/O thread's poll()
   std::thread io_;
+  // The call thread's queue: a ring of kMaxPendingCalls tasks.
+  std::mutex tasks_mu_;
+  std::condition_variable tasks_cv_;
+  Task* tasks_[kMaxPendingCalls] = {};
+  int64_t tasks_head_ = 0, tasks_tail_ = 0;
+  bool tasks_stop_ = false;
+  std::thread calls_;
 };
 
 // Listening sockets: a new one on an ephemeral port of all interfaces.
