@@ -12,8 +12,9 @@ XLA_FFI_Error* CpuQuantize(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* CpuDequantize(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* CpuDequantizeSum(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* CpuDequantizeSumRequantize(XLA_FFI_CallFrame* call_frame);
-// The tcp backend's all-reduce (xla_ffi/tcp_allreduce.cc).
-XLA_FFI_Error* CpuTcpAllreduce(XLA_FFI_CallFrame* call_frame);
+// The tcp backend's all-reduce, started and awaited (xla_ffi/tcp_allreduce.cc).
+XLA_FFI_Error* CpuTcpAllreduceStart(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* CpuTcpAllreduceDone(XLA_FFI_CallFrame* call_frame);
 }
 
 #endif  // JAX_CGX_XLA_FFI_CPU_HANDLERS_H_

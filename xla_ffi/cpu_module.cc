@@ -38,7 +38,8 @@ NB_MODULE(_cpu, m) {
         d["jax_cgx_dequantize"] = handler_capsule(CpuDequantize);
         d["jax_cgx_dequantize_sum"] = handler_capsule(CpuDequantizeSum);
         d["jax_cgx_dequantize_sum_requantize"] = handler_capsule(CpuDequantizeSumRequantize);
-        d["jax_cgx_tcp_allreduce"] = handler_capsule(CpuTcpAllreduce);
+        d["jax_cgx_tcp_allreduce_start"] = handler_capsule(CpuTcpAllreduceStart);
+        d["jax_cgx_tcp_allreduce_done"] = handler_capsule(CpuTcpAllreduceDone);
         return d;
       },
       "Target name -> FFI handler capsule, for jax.ffi.register_ffi_target(..., platform='cpu').");

@@ -116,6 +116,8 @@ std::string MakePlan(int64_t n, int64_t world, int64_t chunk, int bits, int64_t 
 namespace {
 
 constexpr std::string_view kTarget = "jax_cgx_tcp_allreduce";
+constexpr std::string_view kStartTarget = "jax_cgx_tcp_allreduce_start";
+constexpr std::string_view kDoneTarget = "jax_cgx_tcp_allreduce_done";
 
 using ffi_support::CheckDType;
 using ffi_support::CheckFloatType;
@@ -290,8 +292,10 @@ ffi::Error RunSra(const Call& c, int64_t site) {
   return Transport(comm.WaitSends());
 }
 
-// One call, as the handler hands it to the communicator's call thread. XLA
-// keeps x, out and seeds alive and untouched until the call's future completes.
+// One call, from its start to its done custom call. XLA keeps x, out and
+// seeds alive and untouched until the done call's future completes (they are
+// the done call's operands too). The record is reused once both the call
+// thread and the done handler are through with it.
 class PendingCall final : public Task {
  public:
   explicit PendingCall(Communicator* comm) : comm_(comm) {}
@@ -303,25 +307,69 @@ class PendingCall final : public Task {
   bool stochastic = false;
   int64_t valid = 0;
   int64_t site = 0;
-  ffi::Promise promise;
   std::atomic<bool> busy{false};
+
+  // Filled in by the start handler; the call thread runs it next.
+  void Started() {
+    std::lock_guard<std::mutex> lock(mu_);
+    finished_ = waited_ = false;
+    result_ = ffi::Error::Success();
+  }
 
   void Run() override {
     ffi::Error result = Execute();
-    ffi::Promise done = std::move(promise);
-    busy.store(false, std::memory_order_release);  // this record may be reused from here on
-    if (result.failure()) {
-      done.SetError(std::move(result));
-    } else {
-      done.SetAvailable();
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      finished_ = true;
+      result_ = std::move(result);
+      if (!waited_) return;  // the done handler takes the result when it comes
     }
+    comm_->SubmitFinish(this);
+  }
+
+  // On the finishing thread, when the done handler was waiting.
+  void Finish() override {
+    ffi::Promise promise = std::move(promise_);
+    ffi::Error result = std::move(result_);
+    busy.store(false, std::memory_order_release);
+    Complete(promise, std::move(result));
+  }
+
+  // The done handler: a future that completes when the call has.
+  ffi::Future Done() {
+    ffi::Promise promise;
+    ffi::Future future(promise);
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (!finished_) {
+        waited_ = true;
+        promise_ = std::move(promise);
+        return future;
+      }
+    }
+    ffi::Error result = std::move(result_);
+    busy.store(false, std::memory_order_release);
+    Complete(promise, std::move(result));
+    return future;
   }
 
  private:
+  static void Complete(ffi::Promise& promise, ffi::Error result) {
+    if (result.failure()) {
+      promise.SetError(std::move(result));
+    } else {
+      promise.SetAvailable();
+    }
+  }
   ffi::Error Execute();
   // Not owned: the record lives in the communicator's slots, and the
   // communicator's destructor runs every queued call before its members go.
   Communicator* comm_;
+  std::mutex mu_;
+  bool finished_ = false;  // the call thread is through
+  bool waited_ = false;    // the done handler is waiting (promise_ is set)
+  ffi::Error result_;
+  ffi::Promise promise_;
 };
 
 ffi::Error PendingCall::Execute() {
@@ -360,47 +408,49 @@ ffi::Error PendingCall::Execute() {
 ffi::Error Prepare(int32_t ordinal, ffi::AnyBuffer x, ffi::AnyBuffer seeds, ffi::AnyBuffer valid,
                    ffi::Result<ffi::AnyBuffer> out, int64_t comm_key, int64_t site, int64_t world, int64_t chunk,
                    int32_t bits, int64_t bucket_size, bool stochastic, int64_t segments,
-                   std::shared_ptr<Communicator>* found, PendingCall** record) {
+                   std::shared_ptr<Communicator>* found, PendingCall** record, int64_t* ticket) {
   FloatType type = FloatType::kF32;
-  CGX_RETURN_IF_ERROR(CheckFloatType(kTarget, "x", x.element_type(), &type));
-  CGX_RETURN_IF_ERROR(CheckShape(kTarget, "x", x.dimensions(), {-1}, "rank 1 [n] (one row)"));
+  CGX_RETURN_IF_ERROR(CheckFloatType(kStartTarget, "x", x.element_type(), &type));
+  CGX_RETURN_IF_ERROR(CheckShape(kStartTarget, "x", x.dimensions(), {-1}, "rank 1 [n] (one row)"));
   const int64_t n = x.dimensions()[0];
-  CGX_RETURN_IF_ERROR(CheckDType(kTarget, "out", out->element_type(), x.element_type()));
-  CGX_RETURN_IF_ERROR(CheckShape(kTarget, "out", out->dimensions(), {n}, "[n] like x"));
+  CGX_RETURN_IF_ERROR(CheckDType(kStartTarget, "out", out->element_type(), x.element_type()));
+  CGX_RETURN_IF_ERROR(CheckShape(kStartTarget, "out", out->dimensions(), {n}, "[n] like x"));
   Plan plan;
   const std::string bad = MakePlan(n, world, chunk, bits, bucket_size, FloatTypeBytes(type), segments, &plan);
-  if (!bad.empty()) return InvalidArgument(kTarget, bad);
-  CGX_RETURN_IF_ERROR(CheckDType(kTarget, "seeds", seeds.element_type(), ffi::DataType::U32));
-  CGX_RETURN_IF_ERROR(CheckShape(kTarget, "seeds", seeds.dimensions(), {world + 1, 2}, "[world + 1, 2]"));
-  CGX_RETURN_IF_ERROR(CheckDType(kTarget, "valid", valid.element_type(), ffi::DataType::S32));
-  CGX_RETURN_IF_ERROR(CheckShape(kTarget, "valid", valid.dimensions(), {1},
+  if (!bad.empty()) return InvalidArgument(kStartTarget, bad);
+  CGX_RETURN_IF_ERROR(CheckDType(kStartTarget, "seeds", seeds.element_type(), ffi::DataType::U32));
+  CGX_RETURN_IF_ERROR(CheckShape(kStartTarget, "seeds", seeds.dimensions(), {world + 1, 2}, "[world + 1, 2]"));
+  CGX_RETURN_IF_ERROR(CheckDType(kStartTarget, "valid", valid.element_type(), ffi::DataType::S32));
+  CGX_RETURN_IF_ERROR(CheckShape(kStartTarget, "valid", valid.dimensions(), {1},
                                  "[1] (how many of x's values are real, the rest padding)"));
   std::shared_ptr<Communicator> comm = FindCommunicator(comm_key, ordinal);
   if (comm == nullptr) {
-    return Internal(kTarget, "device " + std::to_string(ordinal) + " has no jax_cgx tcp communicator for this " +
+    return Internal(kStartTarget, "device " + std::to_string(ordinal) + " has no jax_cgx tcp communicator for this " +
                              "reduction (key " + std::to_string(comm_key) + "): call jax_cgx.tcp.setup(mesh) on " +
                              "every process with the mesh this program runs on, before running it");
   }
   if (comm->world != world) {
-    return Internal(kTarget, "communicator '" + comm->description + "' has " + std::to_string(comm->world) +
+    return Internal(kStartTarget, "communicator '" + comm->description + "' has " + std::to_string(comm->world) +
                              " ranks but the reduction has " + std::to_string(world));
   }
   PendingCall* call = nullptr;
   {
     std::lock_guard<std::mutex> lock(comm->slots_mu);
-    for (auto& slot : comm->slots) {
-      auto* c = static_cast<PendingCall*>(slot.get());
+    for (size_t i = 0; i < comm->slots.size(); ++i) {
+      auto* c = static_cast<PendingCall*>(comm->slots[i].get());
       if (!c->busy.load(std::memory_order_acquire)) {
         call = c;
+        *ticket = static_cast<int64_t>(i);
         break;
       }
     }
     if (call == nullptr && comm->slots.size() < static_cast<size_t>(kMaxPendingCalls)) {
       comm->slots.push_back(std::make_unique<PendingCall>(comm.get()));  // once per slot, for the communicator's life
       call = static_cast<PendingCall*>(comm->slots.back().get());
+      *ticket = static_cast<int64_t>(comm->slots.size() - 1);
     }
     if (call == nullptr) {
-      return Internal(kTarget, "more than " + std::to_string(kMaxPendingCalls) + " calls pending on communicator '" +
+      return Internal(kStartTarget, "more than " + std::to_string(kMaxPendingCalls) + " calls pending on communicator '" +
                                comm->description + "'");
     }
     call->busy.store(true, std::memory_order_relaxed);
@@ -418,44 +468,70 @@ ffi::Error Prepare(int32_t ordinal, ffi::AnyBuffer x, ffi::AnyBuffer seeds, ffi:
   return ffi::Error::Success();
 }
 
-// Asynchronous: checks its arguments, hands the call to the communicator's
-// call thread and returns; XLA runs independent work (the rest of a backward
-// pass) meanwhile and waits for the future where the result is used.
-ffi::Future TcpAllreduceImpl(int32_t ordinal, ffi::AnyBuffer x, ffi::AnyBuffer seeds, ffi::AnyBuffer valid,
-                             ffi::AnyBuffer /*after*/, ffi::Result<ffi::AnyBuffer> out, int64_t comm_key,
-                             int64_t site, int64_t world, int64_t chunk, int32_t bits, int64_t bucket_size,
-                             bool stochastic, int64_t segments) {
+// jax_cgx_tcp_allreduce_start: checks its arguments, hands the call to the
+// communicator's call thread and returns at once, writing the call's ticket.
+// The call thread fills `out` later; only the done call makes it visible.
+ffi::Error TcpStartImpl(int32_t ordinal, ffi::AnyBuffer x, ffi::AnyBuffer seeds, ffi::AnyBuffer valid,
+                        ffi::AnyBuffer /*after*/, ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> ticket,
+                        int64_t comm_key, int64_t site, int64_t world, int64_t chunk, int32_t bits,
+                        int64_t bucket_size, bool stochastic, int64_t segments) {
+  CGX_RETURN_IF_ERROR(CheckDType(kStartTarget, "ticket", ticket->element_type(), ffi::DataType::S32));
+  CGX_RETURN_IF_ERROR(CheckShape(kStartTarget, "ticket", ticket->dimensions(), {1}, "[1]"));
   std::shared_ptr<Communicator> comm;
   PendingCall* call = nullptr;
-  ffi::Error error = Prepare(ordinal, x, seeds, valid, out, comm_key, site, world, chunk, bits, bucket_size,
-                             stochastic, segments, &comm, &call);
-  ffi::Promise promise;
-  ffi::Future future(promise);
-  if (error.failure()) {
-    promise.SetError(std::move(error));
+  int64_t slot = 0;
+  CGX_RETURN_IF_ERROR(Prepare(ordinal, x, seeds, valid, out, comm_key, site, world, chunk, bits, bucket_size,
+                              stochastic, segments, &comm, &call, &slot));
+  call->Started();
+  if (!comm->Submit(call)) {
+    call->busy.store(false, std::memory_order_release);
+    return Internal(kStartTarget, "more than " + std::to_string(kMaxPendingCalls) +
+                                      " calls pending on communicator '" + comm->description + "'");
+  }
+  *static_cast<int32_t*>(ticket->untyped_data()) = static_cast<int32_t>(slot);
+  return ffi::Error::Success();
+}
+
+// jax_cgx_tcp_allreduce_done: asynchronous (an FFI future), completes when
+// the started call has; its result aliases the start call's `out`. XLA runs
+// independent work, e.g. the rest of a backward pass, until something uses it.
+ffi::Future TcpDoneImpl(int32_t ordinal, ffi::AnyBuffer /*started*/, ffi::AnyBuffer /*x*/, ffi::AnyBuffer /*seeds*/,
+                        ffi::AnyBuffer ticket, ffi::Result<ffi::AnyBuffer> /*out*/, int64_t comm_key) {
+  const std::shared_ptr<Communicator> comm = FindCommunicator(comm_key, ordinal);
+  const int64_t slot = ticket.element_type() == ffi::DataType::S32 && ticket.element_count() == 1
+                           ? *static_cast<const int32_t*>(ticket.untyped_data())
+                           : -1;
+  PendingCall* call = nullptr;
+  if (comm != nullptr) {
+    std::lock_guard<std::mutex> lock(comm->slots_mu);
+    if (slot >= 0 && slot < static_cast<int64_t>(comm->slots.size())) {
+      call = static_cast<PendingCall*>(comm->slots[static_cast<size_t>(slot)].get());
+    }
+  }
+  if (call == nullptr || !call->busy.load(std::memory_order_acquire)) {
+    ffi::Promise promise;
+    ffi::Future future(promise);
+    promise.SetError(Internal(kDoneTarget, "no started call for ticket " + std::to_string(slot) + " on device " +
+                                               std::to_string(ordinal) + " (key " + std::to_string(comm_key) +
+                                               "): the communicator was torn down, or the ticket is not a start "
+                                               "call's"));
     return future;
   }
-  call->promise = std::move(promise);
-  if (!comm->Submit(call)) {
-    ffi::Promise refused = std::move(call->promise);
-    call->busy.store(false, std::memory_order_release);
-    refused.SetError(Internal(kTarget, "more than " + std::to_string(kMaxPendingCalls) +
-                                           " calls pending on communicator '" + comm->description + "'"));
-  }
-  return future;
+  return call->Done();
 }
 
 }  // namespace
 }  // namespace jax_cgx::tcp
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(CpuTcpAllreduce, jax_cgx::tcp::TcpAllreduceImpl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(CpuTcpAllreduceStart, jax_cgx::tcp::TcpStartImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::DeviceOrdinal>()
                                   .Arg<ffi::AnyBuffer>()  // x[n]
                                   .Arg<ffi::AnyBuffer>()  // seeds[W + 1, 2]
                                   .Arg<ffi::AnyBuffer>()  // valid[1]
-                                  .Arg<ffi::AnyBuffer>()  // after: unread, orders the calls (tcp/lowering.py)
-                                  .Ret<ffi::AnyBuffer>()  // out[n]
+                                  .Arg<ffi::AnyBuffer>()  // after: the previous start's ticket (tcp/lowering.py)
+                                  .Ret<ffi::AnyBuffer>()  // out[n], filled by the call thread
+                                  .Ret<ffi::AnyBuffer>()  // ticket s32[1]
                                   .Attr<int64_t>("comm_key")
                                   .Attr<int64_t>("site")
                                   .Attr<int64_t>("world")
@@ -464,3 +540,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(CpuTcpAllreduce, jax_cgx::tcp::TcpAllreduceImpl,
                                   .Attr<int64_t>("bucket_size")
                                   .Attr<bool>("stochastic")
                                   .Attr<int64_t>("segments"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(CpuTcpAllreduceDone, jax_cgx::tcp::TcpDoneImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Arg<ffi::AnyBuffer>()  // out[n] of the start call (aliased to the result)
+                                  .Arg<ffi::AnyBuffer>()  // x[n]: kept alive until the call is done
+                                  .Arg<ffi::AnyBuffer>()  // seeds[W + 1, 2]: likewise
+                                  .Arg<ffi::AnyBuffer>()  // ticket s32[1]
+                                  .Ret<ffi::AnyBuffer>()  // out[n]
+                                  .Attr<int64_t>("comm_key"));

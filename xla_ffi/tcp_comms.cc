@@ -156,6 +156,7 @@ Communicator::Communicator(int rank_, int world_, std::vector<int> sockets, std:
     broken = true;
   }
   calls_ = std::thread([this] { RunCalls(); });
+  finisher_ = std::thread([this] { RunFinishes(); });
 }
 
 Communicator::~Communicator() {
@@ -167,7 +168,9 @@ Communicator::~Communicator() {
     tasks_stop_ = true;
   }
   tasks_cv_.notify_all();
+  finish_cv_.notify_all();
   if (calls_.joinable()) calls_.join();
+  if (finisher_.joinable()) finisher_.join();  // after the calls: they may submit finishes
   {
     std::lock_guard<std::mutex> lock(mu_);
     stop_ = true;
@@ -197,10 +200,37 @@ void Communicator::RunCalls() {
     {
       std::unique_lock<std::mutex> lock(tasks_mu_);
       tasks_cv_.wait(lock, [this] { return tasks_stop_ || tasks_head_ < tasks_tail_; });
-      if (tasks_head_ == tasks_tail_) return;  // stopping, nothing left
+      if (tasks_head_ == tasks_tail_) {  // stopping, nothing left
+        calls_running_ = false;
+        finish_cv_.notify_all();
+        return;
+      }
       task = tasks_[tasks_head_++ % kMaxPendingCalls];
     }
     task->Run();
+  }
+}
+
+void Communicator::SubmitFinish(Task* task) {
+  {
+    std::lock_guard<std::mutex> lock(tasks_mu_);
+    finishes_[finish_tail_++ % kMaxPendingCalls] = task;
+  }
+  finish_cv_.notify_one();
+}
+
+// The finishing thread: completes the calls' futures. It too drains its queue
+// before it stops (it stops only after the call thread has).
+void Communicator::RunFinishes() {
+  while (true) {
+    Task* task;
+    {
+      std::unique_lock<std::mutex> lock(tasks_mu_);
+      finish_cv_.wait(lock, [this] { return (tasks_stop_ && !calls_running_) || finish_head_ < finish_tail_; });
+      if (finish_head_ == finish_tail_) return;
+      task = finishes_[finish_head_++ % kMaxPendingCalls];
+    }
+    task->Finish();
   }
 }
 

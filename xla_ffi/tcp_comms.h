@@ -32,10 +32,15 @@ inline constexpr int kQueueDepth = 512;
 inline constexpr int kMaxPendingCalls = 16;
 
 // Work for a communicator's call thread (xla_ffi/tcp_allreduce.cc: one call).
+// Finish() runs on the communicator's finishing thread after Submit(task,
+// /*finish=*/true): it completes XLA's future there, because XLA may run the
+// work that waited for it on the completing thread, which must not be the
+// call thread (the next call would wait behind that work).
 class Task {
  public:
   virtual ~Task() = default;
   virtual void Run() = 0;
+  virtual void Finish() {}
 };
 
 class Communicator {
@@ -56,6 +61,9 @@ class Communicator {
   // owned and must live until its Run returns. False when kMaxPendingCalls
   // tasks are waiting already.
   bool Submit(Task* task);
+  // Runs task->Finish() on the finishing thread (in order; never refused:
+  // every task is finished at most once and at most kMaxPendingCalls exist).
+  void SubmitFinish(Task* task);
 
   // What the call thread owns while it runs a call:
   // set when a call failed midway (ranks out of step) or the communicator is
@@ -98,6 +106,7 @@ class Communicator {
   std::string Wait(const std::vector<Queue>& queues, int peer, int64_t n);
   void Run();                  // the I/O thread
   void RunCalls();             // the call thread
+  void RunFinishes();          // the finishing thread
   void Fail(std::string why);  // under mu_
   void Wake();
 
@@ -117,7 +126,13 @@ class Communicator {
   Task* tasks_[kMaxPendingCalls] = {};
   int64_t tasks_head_ = 0, tasks_tail_ = 0;
   bool tasks_stop_ = false;
+  bool calls_running_ = true;  // false once the call thread has stopped
   std::thread calls_;
+  // The finishing thread's queue (under tasks_mu_): a ring of kMaxPendingCalls tasks.
+  std::condition_variable finish_cv_;
+  Task* finishes_[kMaxPendingCalls] = {};
+  int64_t finish_head_ = 0, finish_tail_ = 0;
+  std::thread finisher_;
 };
 
 // Listening sockets: a new one on an ephemeral port of all interfaces.

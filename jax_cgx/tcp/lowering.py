@@ -1,10 +1,19 @@
 """The CPU lowering of the compressed all-reduce: the tcp backend, or the xla one.
 
-On CPU, ``compressed_allreduce_p`` lowers to one ``jax_cgx_tcp_allreduce`` custom call per
-row (xla_ffi/tcp_allreduce.cc) when :func:`select_backend` picks ``tcp`` (communicators
-exist for the mesh and axes being reduced, or ``backend="tcp"`` was asked for), and to the
-xla backend's collectives otherwise. The custom call computes the same bytes as the xla
-backend's program: only the transport and the schedule differ.
+On CPU, ``compressed_allreduce_p`` lowers to a pair of custom calls per row
+(xla_ffi/tcp_allreduce.cc) when :func:`select_backend` picks ``tcp`` (communicators exist
+for the mesh and axes being reduced, or ``backend="tcp"`` was asked for), and to the xla
+backend's collectives otherwise:
+
+- ``jax_cgx_tcp_allreduce_start(x, seeds, valid, after) -> (out, ticket)`` checks its
+  arguments, queues the all-reduce on the communicator's call thread and returns at once;
+- ``jax_cgx_tcp_allreduce_done(out, x, seeds, ticket) -> out`` (its result aliases ``out``)
+  is asynchronous: XLA:CPU goes on with independent work, e.g. the rest of a backward pass,
+  until something uses the result. Taking ``x`` and ``seeds`` keeps them alive and
+  untouched while the call thread reads them.
+
+The pair computes the same bytes as the xla backend's program: only the transport and
+the schedule differ.
 
 ``compressed_allreduce_residual_p`` (error feedback) always lowers to the xla backend:
 ``backend="tcp"`` raises, ``"auto"`` picks xla (logged at debug level).
@@ -12,9 +21,11 @@ backend's program: only the transport and the schedule differ.
 Order. A custom call's transfers with a peer must pair with the peer's calls in the same
 order, but XLA:CPU runs a program's thunks as a dataflow graph, concurrently where they are
 independent, and gives custom calls no ordering resource as it does its own collectives.
-So every tcp call takes one more operand, ``after``: the result of the previous tcp call
+So every start call takes one more operand, ``after``: the ticket of the previous start call
 lowered into the same block (a zero-size array for the first), which it never reads. The
-calls of a block then run one after another in lowering order, the same on every rank.
+calls of a block then start one after another in lowering order, the same on every rank,
+and the call thread runs them in that order; a start waits for the previous start only
+(microseconds), never for the previous exchange.
 (Calls in different blocks, e.g. inside and outside a loop body, are not chained; if
 they ever run out of order, the calls' headers disagree and they fail with an error
 naming both reductions, never mixing their bytes.)
@@ -22,7 +33,6 @@ naming both reductions, never mixing their bytes.)
 
 from __future__ import annotations
 
-import functools
 import logging
 import threading
 
@@ -36,43 +46,58 @@ from jax_cgx.collectives import primitive
 from jax_cgx.tcp import lifecycle
 from jax_cgx.tcp.lifecycle import TcpError
 
-__all__ = ["select_backend", "tcp_allreduce_p"]
+__all__ = ["select_backend", "tcp_done_p", "tcp_start_p"]
 
 log = logging.getLogger("jax_cgx")
 
 # One row: x[n], seeds[W+1, 2], valid int32[1] (x's first valid[0] values are real, the rest
-# padding that never widens a bucket), after (any array, unread: orders the calls) -> out[n].
-tcp_allreduce_p = Primitive("jax_cgx_tcp_allreduce")
+# padding that never widens a bucket), after (any array, unread: orders the starts)
+# -> out[n] (filled in later: only tcp_done_p's result may be read), ticket int32[1].
+tcp_start_p = Primitive("jax_cgx_tcp_allreduce_start")
+tcp_start_p.multiple_results = True
+# out[n] of the start, x, seeds, ticket -> out[n] (the same buffer), once the call is done.
+tcp_done_p = Primitive("jax_cgx_tcp_allreduce_done")
 
 
-def _abstract(x, seeds, valid, after, **params):
-    del seeds, valid, after, params
-    return x
+def _start_abstract(x, seeds, valid, after, **params):
+    del seeds, after, params
+    return x, valid.update(shape=(1,), dtype=np.dtype(np.int32), weak_type=False)
 
 
-def _lower_row(ctx, x, seeds, valid, after, *, key, site, world, chunk, bits, bucket_size, stochastic, segments):
+def _done_abstract(started, x, seeds, ticket, **params):
+    del x, seeds, ticket, params
+    return started
+
+
+def _lower_start(ctx, x, seeds, valid, after, *, key, site, world, chunk, bits, bucket_size, stochastic, segments):
     # has_side_effect: a collective; XLA must neither drop it nor merge two of them.
-    return jax.ffi.ffi_lowering("jax_cgx_tcp_allreduce", has_side_effect=True)(
+    return jax.ffi.ffi_lowering("jax_cgx_tcp_allreduce_start", has_side_effect=True)(
         ctx, x, seeds, valid, after, comm_key=np.int64(key), site=np.int64(site), world=np.int64(world),
-        chunk=np.int64(chunk),
-        bits=np.int32(bits), bucket_size=np.int64(bucket_size), stochastic=bool(stochastic),
+        chunk=np.int64(chunk), bits=np.int32(bits), bucket_size=np.int64(bucket_size), stochastic=bool(stochastic),
         segments=np.int64(segments),
     )
 
 
-tcp_allreduce_p.def_abstract_eval(_abstract)
-mlir.register_lowering(tcp_allreduce_p, _lower_row, platform="cpu")
+def _lower_done(ctx, started, x, seeds, ticket, *, key):
+    return jax.ffi.ffi_lowering("jax_cgx_tcp_allreduce_done", has_side_effect=True, operand_output_aliases={0: 0})(
+        ctx, started, x, seeds, ticket, comm_key=np.int64(key))
+
+
+tcp_start_p.def_abstract_eval(_start_abstract)
+tcp_done_p.def_abstract_eval(_done_abstract)
+mlir.register_lowering(tcp_start_p, _lower_start, platform="cpu")
+mlir.register_lowering(tcp_done_p, _lower_done, platform="cpu")
 
 
 class _ModuleCalls:
     """The tcp calls lowered so far into one module: how many (each call's ``site``, sent in
     its header, so two calls of equal shapes that run in different orders on two ranks are
-    told apart), and the last one of each block (the next call's ``after`` operand)."""
+    told apart), and the last start of each block (its ticket: the next start's ``after``)."""
 
     def __init__(self, module):
         self.module = module  # keeps id(module) from being reused while we hold it
         self.sites = 0
-        self.last: list[tuple] = []  # [(block, result value, its aval)]
+        self.last: list[tuple] = []  # [(block, ticket value, its aval)]
 
 
 # id(module) -> its calls. Few modules are lowered at once (nested jits lower into their
@@ -160,24 +185,26 @@ def _lower_cpu(ctx, x, seeds, valid, *, backend, axes, world, chunk, bits, bucke
     key = lifecycle.lookup(mesh, axes)
 
     def rows(x, seeds, valid, *previous):
-        row = functools.partial(tcp_allreduce_p.bind, key=key, world=world, chunk=chunk, bits=bits,
-                                bucket_size=bucket_size, stochastic=stochastic, segments=segments)
         after = previous[0] if previous else jnp.zeros((0,), jnp.uint8)
         out = []
         for i in range(x.shape[0]):
-            after = row(x[i], seeds[i], valid[i : i + 1], after, site=site + i)
-            out.append(after)
-        return jnp.stack(out)
+            started, after = tcp_start_p.bind(x[i], seeds[i], valid[i : i + 1], after, key=key, site=site + i,
+                                              world=world, chunk=chunk, bits=bits, bucket_size=bucket_size,
+                                              stochastic=stochastic, segments=segments)
+            out.append(tcp_done_p.bind(started, x[i], seeds[i], after, key=key))
+        return jnp.stack(out), after
 
     site, previous = _next_calls(ctx, ctx.avals_in[0].shape[0])
+    ticket_aval = ctx.avals_in[2].update(shape=(1,))  # int32[1], typed like `valid`
+    inner = ctx.replace(avals_out=[*ctx.avals_out, ticket_aval])
     if previous is None:
-        results = mlir.lower_fun(rows, multiple_results=False)(ctx, x, seeds, valid)
+        out, ticket = mlir.lower_fun(rows, multiple_results=True)(inner, x, seeds, valid)
     else:
         value, aval = previous
-        results = mlir.lower_fun(rows, multiple_results=False)(ctx.replace(avals_in=[*ctx.avals_in, aval]), x,
-                                                                seeds, valid, value)
-    _record_call(ctx, results[0], ctx.avals_out[0])
-    return results
+        out, ticket = mlir.lower_fun(rows, multiple_results=True)(inner.replace(avals_in=[*ctx.avals_in, aval]), x,
+                                                                   seeds, valid, value)
+    _record_call(ctx, ticket, ticket_aval)
+    return [out]
 
 
 # Not cacheable: a cached lowering is emitted once as a private function that every identical
