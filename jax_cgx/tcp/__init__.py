@@ -1,12 +1,14 @@
 """TCP connections owned by jax_cgx: the Python half of the ``tcp`` backend (CPU).
 
-XLA:CPU runs a process's work in order, so with the xla backend the codec and the
-wire take turns: quantize everything, send everything, reduce, gather, decode. The
-``tcp`` backend runs the whole compressed all-reduce (SRA) of a fusion buffer as one
-custom call, ``jax_cgx_tcp_allreduce`` (xla_ffi/tcp_allreduce.cc), over TCP connections
-jax_cgx opens itself; each chunk is cut into segments and an I/O thread moves segment
-``s`` while the handler's thread quantizes ``s + 1``, reduces as segments arrive and
-decodes as the gathered ones do. The result is bitwise the xla backend's.
+XLA:CPU runs a process's collectives in line with its compute, so with the xla backend
+the codec and the wire take turns: quantize everything, send everything, reduce, gather,
+decode. The ``tcp`` backend runs the whole compressed all-reduce (SRA) of a fusion buffer
+on jax_cgx's own threads over TCP connections jax_cgx opens itself, started and awaited
+by two custom calls (``jax_cgx_tcp_allreduce_start`` / ``_done``,
+xla_ffi/tcp_allreduce.cc); each chunk is cut into segments and an I/O thread moves
+segment ``s`` while the call thread quantizes ``s + 1``, reduces as segments arrive and
+decodes as the gathered ones do, and XLA runs independent work meanwhile. The result is
+bitwise the xla backend's (docs/tcp.md).
 
 Typical use, on every process, after ``jax_cgx.distributed.initialize()`` and before the
 first compressed reduction is traced::
