@@ -444,14 +444,10 @@ ffi::Error Prepare(int32_t ordinal, ffi::AnyBuffer x, ffi::AnyBuffer seeds, ffi:
         break;
       }
     }
-    if (call == nullptr && comm->slots.size() < static_cast<size_t>(kMaxPendingCalls)) {
-      comm->slots.push_back(std::make_unique<PendingCall>(comm.get()));  // once per slot, for the communicator's life
+    if (call == nullptr) {  // more calls pending than ever before: one more record, kept
+      comm->slots.push_back(std::make_unique<PendingCall>(comm.get()));
       call = static_cast<PendingCall*>(comm->slots.back().get());
       *ticket = static_cast<int64_t>(comm->slots.size() - 1);
-    }
-    if (call == nullptr) {
-      return Internal(kStartTarget, "more than " + std::to_string(kMaxPendingCalls) + " calls pending on communicator '" +
-                               comm->description + "'");
     }
     call->busy.store(true, std::memory_order_relaxed);
   }
@@ -483,11 +479,7 @@ ffi::Error TcpStartImpl(int32_t ordinal, ffi::AnyBuffer x, ffi::AnyBuffer seeds,
   CGX_RETURN_IF_ERROR(Prepare(ordinal, x, seeds, valid, out, comm_key, site, world, chunk, bits, bucket_size,
                               stochastic, segments, &comm, &call, &slot));
   call->Started();
-  if (!comm->Submit(call)) {
-    call->busy.store(false, std::memory_order_release);
-    return Internal(kStartTarget, "more than " + std::to_string(kMaxPendingCalls) +
-                                      " calls pending on communicator '" + comm->description + "'");
-  }
+  comm->Submit(call);
   *static_cast<int32_t*>(ticket->untyped_data()) = static_cast<int32_t>(slot);
   return ffi::Error::Success();
 }

@@ -182,14 +182,12 @@ Communicator::~Communicator() {
   CloseFd(wake_[1]);
 }
 
-bool Communicator::Submit(Task* task) {
+void Communicator::Submit(Task* task) {
   {
     std::lock_guard<std::mutex> lock(tasks_mu_);
-    if (tasks_tail_ - tasks_head_ >= kMaxPendingCalls) return false;
-    tasks_[tasks_tail_++ % kMaxPendingCalls] = task;
+    tasks_.push_back(task);
   }
   tasks_cv_.notify_one();
-  return true;
 }
 
 // The call thread: runs the submitted calls one after another. It drains the
@@ -199,13 +197,14 @@ void Communicator::RunCalls() {
     Task* task;
     {
       std::unique_lock<std::mutex> lock(tasks_mu_);
-      tasks_cv_.wait(lock, [this] { return tasks_stop_ || tasks_head_ < tasks_tail_; });
-      if (tasks_head_ == tasks_tail_) {  // stopping, nothing left
+      tasks_cv_.wait(lock, [this] { return tasks_stop_ || !tasks_.empty(); });
+      if (tasks_.empty()) {  // stopping, nothing left
         calls_running_ = false;
         finish_cv_.notify_all();
         return;
       }
-      task = tasks_[tasks_head_++ % kMaxPendingCalls];
+      task = tasks_.front();
+      tasks_.pop_front();
     }
     task->Run();
   }
@@ -214,7 +213,7 @@ void Communicator::RunCalls() {
 void Communicator::SubmitFinish(Task* task) {
   {
     std::lock_guard<std::mutex> lock(tasks_mu_);
-    finishes_[finish_tail_++ % kMaxPendingCalls] = task;
+    finishes_.push_back(task);
   }
   finish_cv_.notify_one();
 }
@@ -226,9 +225,10 @@ void Communicator::RunFinishes() {
     Task* task;
     {
       std::unique_lock<std::mutex> lock(tasks_mu_);
-      finish_cv_.wait(lock, [this] { return (tasks_stop_ && !calls_running_) || finish_head_ < finish_tail_; });
-      if (finish_head_ == finish_tail_) return;
-      task = finishes_[finish_head_++ % kMaxPendingCalls];
+      finish_cv_.wait(lock, [this] { return (tasks_stop_ && !calls_running_) || !finishes_.empty(); });
+      if (finishes_.empty()) return;
+      task = finishes_.front();
+      finishes_.pop_front();
     }
     task->Finish();
   }

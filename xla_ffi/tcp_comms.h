@@ -16,6 +16,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
+#include <deque>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -28,12 +29,10 @@ namespace jax_cgx::tcp {
 
 // Transfers a handler may have posted per peer and direction at once.
 inline constexpr int kQueueDepth = 512;
-// Calls that may wait for a communicator's call thread at once.
-inline constexpr int kMaxPendingCalls = 16;
 
 // Work for a communicator's call thread (xla_ffi/tcp_allreduce.cc: one call).
-// Finish() runs on the communicator's finishing thread after Submit(task,
-// /*finish=*/true): it completes XLA's future there, because XLA may run the
+// Finish() runs on the communicator's finishing thread after
+// SubmitFinish(task): it completes XLA's future there, because XLA may run the
 // work that waited for it on the completing thread, which must not be the
 // call thread (the next call would wait behind that work).
 class Task {
@@ -57,12 +56,10 @@ class Communicator {
   const std::string description;
 
   // Runs `task` on the call thread after the tasks submitted before it (the
-  // handler returns at once; XLA waits for the call's future). `task` is not
-  // owned and must live until its Run returns. False when kMaxPendingCalls
-  // tasks are waiting already.
-  bool Submit(Task* task);
-  // Runs task->Finish() on the finishing thread (in order; never refused:
-  // every task is finished at most once and at most kMaxPendingCalls exist).
+  // start handler returns at once; XLA waits for the done call's future).
+  // `task` is not owned and must live until its Run returns.
+  void Submit(Task* task);
+  // Runs task->Finish() on the finishing thread, in order.
   void SubmitFinish(Task* task);
 
   // What the call thread owns while it runs a call:
@@ -73,7 +70,9 @@ class Communicator {
   // the calls' workspace and per-call small arrays.
   std::vector<char> workspace;
   std::vector<int32_t> counts;
-  // The handler's reusable call records (xla_ffi/tcp_allreduce.cc), under slots_mu.
+  // The handler's reusable call records (xla_ffi/tcp_allreduce.cc), under
+  // slots_mu: as many as were ever pending at once (a backward pass may start
+  // one call per layer before the first is done), made once each.
   std::mutex slots_mu;
   std::vector<std::unique_ptr<Task>> slots;
 
@@ -120,18 +119,16 @@ class Communicator {
   bool stop_ = false;
   int wake_[2] = {-1, -1};  // a pipe that interrupts the I/O thread's poll()
   std::thread io_;
-  // The call thread's queue: a ring of kMaxPendingCalls tasks.
+  // The call thread's queue.
   std::mutex tasks_mu_;
   std::condition_variable tasks_cv_;
-  Task* tasks_[kMaxPendingCalls] = {};
-  int64_t tasks_head_ = 0, tasks_tail_ = 0;
+  std::deque<Task*> tasks_;
   bool tasks_stop_ = false;
   bool calls_running_ = true;  // false once the call thread has stopped
   std::thread calls_;
-  // The finishing thread's queue (under tasks_mu_): a ring of kMaxPendingCalls tasks.
+  // The finishing thread's queue (under tasks_mu_).
   std::condition_variable finish_cv_;
-  Task* finishes_[kMaxPendingCalls] = {};
-  int64_t finish_head_ = 0, finish_tail_ = 0;
+  std::deque<Task*> finishes_;
   std::thread finisher_;
 };
 

@@ -107,6 +107,23 @@ def test_rows_and_fusion_buffers(mesh2d):
     assert len(set(sites)) == len(sites)
 
 
+def test_many_calls_pending_at_once(mesh2d):
+    """40 reductions started before the first is done (as a backward pass over 40 layers does):
+    each gets its own call record, and the results are the xla backend's."""
+    spec = P(("a", "b"))
+    leaves = [jax.random.normal(jax.random.key(i), (8, 3000 + 17 * i)) for i in range(40)]
+
+    def run(config):
+        def body(*vs):
+            return tuple(jax_cgx.compressed_psum(v[0], ("a", "b"), config)[None] for v in vs)
+
+        f = jax.jit(jax.shard_map(body, mesh=mesh2d, in_specs=spec, out_specs=spec))
+        return [np.asarray(o) for o in f(*jax.device_put(leaves, NamedSharding(mesh2d, spec)))]
+
+    for i, (got, want) in enumerate(zip(run(CompressionConfig(backend="tcp")), run(CompressionConfig(backend="xla")))):
+        assert_same_bits(got, want, f"leaf {i}")
+
+
 def test_gradient_through_the_tcp_backend(mesh2d):
     """The transpose of compressed_psum is compressed_psum: grad runs the custom call too."""
     spec = P(("a", "b"))
