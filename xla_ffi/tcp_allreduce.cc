@@ -30,6 +30,7 @@
 #include <string_view>
 
 #include "xla/ffi/api/ffi.h"
+#include "xla_ffi/exchange_plan.h"
 #include "xla_ffi/cpu_kernels.h"
 #include "xla_ffi/ffi_support.h"
 #include "xla_ffi/tcp_allreduce.h"
@@ -44,24 +45,14 @@ namespace {
 constexpr int64_t kAlign = 64;
 
 int64_t AlignUp(int64_t v) { return (v + kAlign - 1) / kAlign * kAlign; }
-int64_t CeilDiv(int64_t a, int64_t b) { return a / b + (a % b != 0 ? 1 : 0); }
 
 }  // namespace
 
 std::string MakePlan(int64_t n, int64_t world, int64_t chunk, int bits, int64_t bucket_size,
                      int64_t elem_bytes, int64_t segments, Plan* plan) {
-  if (n < 1) return "the row must hold at least one value, got " + std::to_string(n);
-  if (world < 2) return "world must be >= 2, got " + std::to_string(world);
-  if (chunk < 1 || chunk > (int64_t{1} << 40) / world || chunk * world < n) {
-    return "chunk=" + std::to_string(chunk) + " does not cut " + std::to_string(n) + " values into " +
-           std::to_string(world) + " chunks";
-  }
-  if (bits < 1 || bits > 8) return "bits must be in 1..8, got " + std::to_string(bits);
-  if (bucket_size < 1) return "bucket_size must be >= 1, got " + std::to_string(bucket_size);
-  if (elem_bytes != 2 && elem_bytes != 4) return "values must be f32, bf16 or f16";
-  if (segments < 0 || segments > kMaxSegments) {
-    return "segments must be in 0.." + std::to_string(kMaxSegments) + ", got " + std::to_string(segments);
-  }
+  const std::string bad = exchange::CheckArguments(n, world, chunk, bits, bucket_size, elem_bytes, segments,
+                                                    kMaxSegments);
+  if (!bad.empty()) return bad;
   Plan& p = *plan;
   p = Plan();
   p.n = n;
@@ -73,16 +64,10 @@ std::string MakePlan(int64_t n, int64_t world, int64_t chunk, int bits, int64_t 
   p.full_chunks = std::min(world, n / chunk);
   p.tail_chunks = world - p.full_chunks;
 
-  // Segments are runs of whole buckets of a chunk (its last bucket may be short).
-  const int64_t bucket = std::min(bucket_size, chunk);
-  const int64_t buckets = CeilDiv(chunk, bucket);
-  int64_t wanted = segments;
-  if (wanted == 0) {
-    wanted = std::clamp<int64_t>(CeilDiv(chunk * elem_bytes, kAutoSegmentBytes), 1, kMaxSegments);
-  }
-  wanted = std::min(wanted, buckets);
-  const int64_t per_segment = CeilDiv(buckets, wanted);  // buckets
-  p.segments = static_cast<int>(CeilDiv(buckets, per_segment));
+  // Segments are runs of whole buckets of a chunk (exchange_plan.h).
+  const exchange::ChunkCut cut = exchange::CutChunk(chunk, bucket_size, elem_bytes, segments, kAutoSegmentBytes,
+                                                    kMaxSegments);
+  p.segments = static_cast<int>(cut.count);
 
   int64_t cursor = 0;
   auto take = [&cursor](int64_t bytes) {
@@ -95,8 +80,8 @@ std::string MakePlan(int64_t n, int64_t world, int64_t chunk, int bits, int64_t 
   p.headers = take(world * static_cast<int64_t>(sizeof(Header)));
   for (int s = 0; s < p.segments; ++s) {
     Segment& seg = p.segment[s];
-    seg.offset = s * per_segment * bucket;
-    seg.length = std::min(chunk, seg.offset + per_segment * bucket) - seg.offset;
+    seg.offset = s * cut.values;
+    seg.length = std::min(chunk, seg.offset + cut.values) - seg.offset;
     seg.buckets = cpu::bucket_count(seg.length, bucket_size);
     seg.payload_bytes = cpu::payload_bytes(seg.length, bucket_size, bits);
     auto region = [&]() {

@@ -155,22 +155,14 @@ Communicator::Communicator(int rank_, int world_, std::vector<int> sockets, std:
     error_ = Errno("pipe2");
     broken = true;
   }
-  calls_ = std::thread([this] { RunCalls(); });
-  finisher_ = std::thread([this] { RunFinishes(); });
 }
 
 Communicator::~Communicator() {
   // Calls still queued or running fail fast (their waits see the error) and
   // complete their futures; then both threads stop.
   Abort("the communicator was destroyed");
-  {
-    std::lock_guard<std::mutex> lock(tasks_mu_);
-    tasks_stop_ = true;
-  }
-  tasks_cv_.notify_all();
-  finish_cv_.notify_all();
-  if (calls_.joinable()) calls_.join();
-  if (finisher_.joinable()) finisher_.join();  // after the calls: they may submit finishes
+  calls_.Stop();
+  finisher_.Stop();  // after the calls: they may submit finishes
   {
     std::lock_guard<std::mutex> lock(mu_);
     stop_ = true;
@@ -182,55 +174,40 @@ Communicator::~Communicator() {
   CloseFd(wake_[1]);
 }
 
-void Communicator::Submit(Task* task) {
+void Communicator::Submit(Task* task) { calls_.Submit(task); }
+
+void Communicator::SubmitFinish(Task* task) { finisher_.Submit(task); }
+
+TaskThread::TaskThread(void (Task::*method)()) : method_(method), thread_([this] { Loop(); }) {}
+
+void TaskThread::Submit(Task* task) {
   {
-    std::lock_guard<std::mutex> lock(tasks_mu_);
-    tasks_.push_back(task);
+    std::lock_guard<std::mutex> lock(mu_);
+    queue_.push_back(task);
   }
-  tasks_cv_.notify_one();
+  cv_.notify_one();
 }
 
-// The call thread: runs the submitted calls one after another. It drains the
-// queue before it stops, so every call completes its future.
-void Communicator::RunCalls() {
+void TaskThread::Stop() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_ = true;
+  }
+  cv_.notify_all();
+  if (thread_.joinable()) thread_.join();
+}
+
+void TaskThread::Loop() {
   while (true) {
     Task* task;
     {
-      std::unique_lock<std::mutex> lock(tasks_mu_);
-      tasks_cv_.wait(lock, [this] { return tasks_stop_ || !tasks_.empty(); });
-      if (tasks_.empty()) {  // stopping, nothing left
-        calls_running_ = false;
-        finish_cv_.notify_all();
-        return;
-      }
-      task = tasks_.front();
-      tasks_.pop_front();
+      std::unique_lock<std::mutex> lock(mu_);
+      cv_.wait(lock, [this] { return stop_ || !queue_.empty(); });
+      if (queue_.empty()) return;  // stopping, and every task has run
+      task = queue_.front();
+      queue_.pop_front();
     }
-    task->Run();
-  }
-}
-
-void Communicator::SubmitFinish(Task* task) {
-  {
-    std::lock_guard<std::mutex> lock(tasks_mu_);
-    finishes_.push_back(task);
-  }
-  finish_cv_.notify_one();
-}
-
-// The finishing thread: completes the calls' futures. It too drains its queue
-// before it stops (it stops only after the call thread has).
-void Communicator::RunFinishes() {
-  while (true) {
-    Task* task;
-    {
-      std::unique_lock<std::mutex> lock(tasks_mu_);
-      finish_cv_.wait(lock, [this] { return (tasks_stop_ && !calls_running_) || !finishes_.empty(); });
-      if (finishes_.empty()) return;
-      task = finishes_.front();
-      finishes_.pop_front();
-    }
-    task->Finish();
+    (task->*method_)();
   }
 }
 

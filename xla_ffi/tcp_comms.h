@@ -42,6 +42,27 @@ class Task {
   virtual void Finish() {}
 };
 
+// A thread that runs one method of the tasks submitted to it, in submission
+// order. Stop() lets it drain its queue, then joins it.
+class TaskThread {
+ public:
+  explicit TaskThread(void (Task::*method)());
+  ~TaskThread() { Stop(); }
+  TaskThread(const TaskThread&) = delete;
+  TaskThread& operator=(const TaskThread&) = delete;
+  void Submit(Task* task);  // not owned: must live until its method returns
+  void Stop();
+
+ private:
+  void Loop();
+  void (Task::*const method_)();
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<Task*> queue_;
+  bool stop_ = false;
+  std::thread thread_;
+};
+
 class Communicator {
  public:
   // Takes ownership of `sockets` (sockets[rank] == -1) and starts the I/O and call threads.
@@ -104,8 +125,6 @@ class Communicator {
   std::string Post(std::vector<Queue>& queues, int peer, char* data, int64_t bytes);
   std::string Wait(const std::vector<Queue>& queues, int peer, int64_t n);
   void Run();                  // the I/O thread
-  void RunCalls();             // the call thread
-  void RunFinishes();          // the finishing thread
   void Fail(std::string why);  // under mu_
   void Wake();
 
@@ -119,17 +138,9 @@ class Communicator {
   bool stop_ = false;
   int wake_[2] = {-1, -1};  // a pipe that interrupts the I/O thread's poll()
   std::thread io_;
-  // The call thread's queue.
-  std::mutex tasks_mu_;
-  std::condition_variable tasks_cv_;
-  std::deque<Task*> tasks_;
-  bool tasks_stop_ = false;
-  bool calls_running_ = true;  // false once the call thread has stopped
-  std::thread calls_;
-  // The finishing thread's queue (under tasks_mu_).
-  std::condition_variable finish_cv_;
-  std::deque<Task*> finishes_;
-  std::thread finisher_;
+  // The call thread runs Task::Run, the finishing thread Task::Finish.
+  TaskThread calls_{&Task::Run};
+  TaskThread finisher_{&Task::Finish};
 };
 
 // Listening sockets: a new one on an ephemeral port of all interfaces.

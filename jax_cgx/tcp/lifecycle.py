@@ -16,13 +16,13 @@ import socket
 import threading
 import time
 import types
-from typing import NamedTuple
 
 import jax
 import numpy as np
 
 from jax_cgx.codec import kernels
 from jax_cgx.nccl.groups import PlannedGroup, families, find_family, groups_array, key_of, mesh_ident, mesh_parts
+from jax_cgx.nccl.registry import CommunicatorInfo  # (key, ordinal, rank, world, description), as for nccl
 
 __all__ = ["DEFAULT_TIMEOUT_S", "HOST_ENV", "TIMEOUT_ENV", "CommunicatorInfo", "TcpError", "communicators",
            "lookup", "setup", "teardown"]
@@ -45,16 +45,6 @@ _atexit_registered = False
 
 class TcpError(RuntimeError):
     """The tcp backend cannot do what was asked (set-up, a missing communicator, a dead peer)."""
-
-
-class CommunicatorInfo(NamedTuple):
-    """One communicator of this process (see :func:`communicators`)."""
-
-    key: int
-    ordinal: int
-    rank: int
-    world: int
-    description: str
 
 
 def timeout(timeout_s: float | None) -> float:

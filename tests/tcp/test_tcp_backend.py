@@ -210,3 +210,27 @@ def test_setup_checks_its_arguments(monkeypatch):
         jax_cgx.tcp.setup(mesh, "model", timeout_s=5)
     assert jax_cgx.tcp.setup(_mesh((1,), ("d",)) if False else jax.make_mesh(
         (1,), ("d",), devices=jax.devices()[:1]), timeout_s=5) == {}  # one device: nothing to connect
+
+
+def test_hierarchical_runs_its_outer_exchange_on_tcp(mesh2d):
+    x = jax.random.normal(jax.random.key(4), (8, 100_000))
+    config = CompressionConfig(bits=4, hierarchical=True)
+    hlo, got = _reduce(mesh2d, ("a", "b"), config, x)
+    assert f"@{TARGET}_start(" in hlo
+    assert_same_bits(got, _reduce(mesh2d, ("a", "b"), config.replace(backend="xla"), x)[1], "hierarchical")
+
+
+def test_pmap_over_a_mesh_that_was_set_up():
+    """pmap lowers inside a mesh of its devices and axis name: set that mesh up and pmap uses tcp."""
+    devices = jax.devices()
+    jax_cgx.tcp.setup(jax.sharding.Mesh(np.array(devices), ("i",)))
+    try:
+        y = np.random.default_rng(0).standard_normal((8, 5000)).astype(np.float32)
+
+        def run(backend):
+            config = CompressionConfig(bits=4, backend=backend)
+            return np.asarray(jax.pmap(lambda v: jax_cgx.compressed_psum(v, "i", config), axis_name="i")(y))
+
+        assert_same_bits(run("tcp"), run("xla"), "pmap")
+    finally:
+        jax_cgx.tcp.teardown(jax.sharding.Mesh(np.array(devices), ("i",)))
