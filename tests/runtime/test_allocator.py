@@ -13,19 +13,22 @@ import pytest
 from jax_cgx import allocator
 
 # Minor page faults per call of `x * 2` on 64 MiB of float32, in the steady state: glibc's heap
-# takes some calls to hold enough freed space (measured: 9 calls here), so 15 warm-up calls.
+# takes some calls to hold enough freed space (measured: 9 calls here), so 15 warm-up calls. The
+# median of 7 calls: the property is that a call does not fault its output in, and one call in a
+# dozen or so still does now and then (measured: 3277 faults averaged over 5 calls, 1 run in 12).
 PROBE = """
-import resource, sys
+import resource, statistics, sys
 import jax_cgx, jax, jax.numpy as jnp
 f = jax.jit(lambda x: x * 2)
 x = jnp.ones((16 << 20,), jnp.float32)
 for _ in range(15):
     f(x).block_until_ready()
-before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-for _ in range(5):
+faults = []
+for _ in range(7):
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     f(x).block_until_ready()
-faults = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / 5
-print(jax_cgx.allocator.applied(), faults)
+    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+print(jax_cgx.allocator.applied(), statistics.median(faults))
 """
 PAGES = (64 << 20) // os.sysconf("SC_PAGE_SIZE")
 
@@ -50,7 +53,7 @@ def test_import_reuses_large_buffers():
         pytest.skip("not glibc")
     applied, faults = _probe(None)
     assert applied
-    assert faults < PAGES / 8, f"{faults} page faults per call with jax_cgx's default ({PAGES} pages of output)"
+    assert faults < PAGES / 8, f"{faults} page faults per call (median) with jax_cgx's default ({PAGES} pages of output)"
     applied, faults = _probe("0")
     assert not applied
     assert faults > PAGES / 2, f"only {faults} page faults per call with {allocator.ENV}=0: is the probe valid?"
