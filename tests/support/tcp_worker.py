@@ -55,27 +55,26 @@ def main() -> None:
         jax_cgx.tcp.teardown()
         jax.distributed.shutdown()
         return
-    if mode == "mismatch":
-        f, x = reduce(jax_cgx.CompressionConfig(backend="tcp"), np.ones((1, 1000 * (pid + 1)), np.float32))
+    def error_of(n: int) -> str:
+        """The error a tcp reduction of n values raises here ("no error" if none)."""
+        f, x = reduce(jax_cgx.CompressionConfig(backend="tcp"), np.ones((1, n), np.float32))
         try:
             jax.block_until_ready(f(x))
-            message = "no error"
+            return "no error"
         except Exception as err:  # the test checks the message
-            message = str(err)
-        with open(os.path.join(out_dir, f"process{pid}.txt"), "w") as fh:
-            fh.write(message)
+            return str(err)
+
+    path = os.path.join(out_dir, f"process{pid}.txt")
+    if mode == "mismatch":
+        with open(path, "w") as fh:
+            fh.write(error_of(1000 * (pid + 1)))
         os._exit(0)
     # dead_peer: the last process leaves; the others' call must fail, not hang.
     if pid == nproc - 1:
         os._exit(0)
-    f, x = reduce(jax_cgx.CompressionConfig(backend="tcp"), np.ones((1, 1 << 20), np.float32))
     start = time.monotonic()
-    try:
-        jax.block_until_ready(f(x))
-        message = "no error"
-    except Exception as err:  # the test checks the message
-        message = str(err)
-    with open(os.path.join(out_dir, f"process{pid}.txt"), "w") as fh:
+    message = error_of(1 << 20)
+    with open(path, "w") as fh:
         fh.write(f"{time.monotonic() - start:.3f}\n{message}")
     os._exit(0)  # jax.distributed's shutdown would wait for the process that left
 
