@@ -92,7 +92,7 @@ def compressed_psum(
     leaves_with_paths, treedef = jax.tree_util.tree_flatten_with_path(x)
     paths = [p for p, _ in leaves_with_paths]
     leaves = [jnp.asarray(v) for _, v in leaves_with_paths]
-    plan = make_plan(paths, leaves, config, x, world, _inner_world(axes))
+    plan = make_plan(paths, leaves, config, x, world, _inner_world(axes), axes)
 
     out: list[jax.Array | None] = [None] * len(leaves)
     res: list[jax.Array | None] = [None] * len(leaves)

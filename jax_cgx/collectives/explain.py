@@ -27,7 +27,9 @@ __all__ = ["explain", "Explanation", "LeafReport", "BufferReport"]
 
 @dataclasses.dataclass(frozen=True)
 class BufferReport:
-    """One fusion buffer: its size, the policy, the decision and the two predictions (ms)."""
+    """One fusion buffer: its size, the policy, the decision and the two times (ms), predicted
+    by the cost model or, for a near-tie on a measured link, timed (``priced``: "model" or
+    "timed on <backend>")."""
 
     index: int
     dtype: str
@@ -37,6 +39,7 @@ class BufferReport:
     compressed: bool
     psum_ms: float
     compressed_ms: float
+    priced: str = "model"
 
     @property
     def mib(self) -> float:
@@ -76,9 +79,9 @@ class Explanation:
               ",".join(map(str, r.buffers)) or "-"] for r in self.leaves]))
         if self.buffers:
             lines.append(_table(
-                ["buffer", "dtype", "bits", "MiB", "policy", "compressed", "psum ms", "compressed ms", "speedup"],
+                ["buffer", "dtype", "bits", "MiB", "policy", "compressed", "psum ms", "compressed ms", "speedup", "priced"],
                 [[str(b.index), b.dtype, str(b.bits), f"{b.mib:.4g}", b.policy, "yes" if b.compressed else "no",
-                  f"{b.psum_ms:.3g}", f"{b.compressed_ms:.3g}", f"{b.psum_ms / b.compressed_ms:.2f}x"]
+                  f"{b.psum_ms:.3g}", f"{b.compressed_ms:.3g}", f"{b.psum_ms / b.compressed_ms:.2f}x", b.priced]
                  for b in self.buffers]))
         return "\n".join(lines)
 
@@ -88,6 +91,10 @@ def _table(columns: list[str], rows: list[list[str]]) -> str:
     out = ["  " + "  ".join(c.ljust(w) for c, w in zip(columns, widths))]
     out += ["  " + "  ".join(v.ljust(w) for v, w in zip(r, widths)) for r in rows]
     return "\n".join(out)
+
+
+def _priced(d: policy.Decision | None) -> str:
+    return "-" if d is None else f"timed on {d.backend}" if d.measured else "model"
 
 
 def explain(x, axis_name=None, config: ConfigSpec = None, *, world: int | None = None,
@@ -111,11 +118,13 @@ def explain(x, axis_name=None, config: ConfigSpec = None, *, world: int | None =
         _compat.check_axis_names(axes, "explain")
         world = int(np.prod([jax.lax.axis_size(a) for a in axes]))
         inner_world = jax.lax.axis_size(axes[-1]) if len(axes) > 1 else None
+    else:
+        axes = None
     if not isinstance(world, int) or world < 1:
         raise ValueError(f"explain: world must be a positive int, got {world!r}")
     flat = jax.tree_util.tree_flatten_with_path(x)[0]
     paths, leaves = [p for p, _ in flat], [v for _, v in flat]
-    plan = make_plan(paths, leaves, config, x, world, inner_world)
+    plan = make_plan(paths, leaves, config, x, world, inner_world, axes)
 
     buffers: list[BufferReport] = []
     leaf_buffers: dict[int, list[int]] = {}
@@ -126,13 +135,14 @@ def explain(x, axis_name=None, config: ConfigSpec = None, *, world: int | None =
         for k, (start, stop) in enumerate(plan.buffers(group)):
             d = decisions[k] if decisions else None
             if d is None and world > 1:  # "always": what "auto" would have predicted
-                d = policy.decide(stop - start, group.dtype, world, group.config, inner_world=inner_world, log=False)
+                d = policy.decide(stop - start, group.dtype, world, group.config, inner_world=inner_world,
+                                  backend=policy.running_backend(group.config, axes, world), log=False)
             figures = figures or (policy.figures(group.config) if world > 1 else None)
             index = len(buffers)
             buffers.append(BufferReport(
                 index, group.dtype.name, group.config.bits, stop - start, group.config.policy,
                 decisions is None or decisions[k].compress,
-                0.0 if d is None else d.psum_s * 1e3, 0.0 if d is None else d.compressed_s * 1e3))
+                0.0 if d is None else d.psum_s * 1e3, 0.0 if d is None else d.compressed_s * 1e3, _priced(d)))
             for j, i in enumerate(members):
                 if bounds[j] < stop and bounds[j + 1] > start:
                     leaf_buffers.setdefault(i, []).append(index)
@@ -140,7 +150,7 @@ def explain(x, axis_name=None, config: ConfigSpec = None, *, world: int | None =
         for i in moved:
             leaf_buffers.setdefault(i, []).append(len(buffers))
         buffers.append(BufferReport(len(buffers), group.dtype.name, group.config.bits, values, "auto", False,
-                                    d.psum_s * 1e3, d.compressed_s * 1e3))
+                                    d.psum_s * 1e3, d.compressed_s * 1e3, _priced(d)))
         figures = figures or policy.figures(group.config)
 
     leaves_out = []

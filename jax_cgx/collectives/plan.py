@@ -139,11 +139,12 @@ class Plan:
 
 
 def make_plan(paths, leaves, spec: ConfigSpec, tree, world: int | None = None,
-              inner_world: int | None = None) -> Plan:
+              inner_world: int | None = None, axes: tuple | None = None) -> Plan:
     """The plan for ``leaves`` (with their ``paths``) of ``tree`` reduced over ``world`` ranks.
 
     ``world`` None or 1: no decisions are taken (nothing moves). ``inner_world``: the inner
-    axis's size, for hierarchical configs' cost.
+    axis's size, for hierarchical configs' cost. ``axes``: the reduction's axis names while
+    tracing inside a mesh (None: outside), which tell the backend that will run it.
     """
     configs = leaf_configs(spec, tree, paths)
     lanes, groups = [], {}
@@ -155,15 +156,16 @@ def make_plan(paths, leaves, spec: ConfigSpec, tree, world: int | None = None,
     plan = Plan(lanes, configs, groups, [int(np.prod(np.shape(leaf))) for leaf in leaves])
     if world is not None and world > 1:
         for group in [g for g in groups if g.config.policy == "auto"]:
-            _decide(plan, group, world, inner_world)
+            _decide(plan, group, world, inner_world, policy.running_backend(group.config, axes, world))
     return plan
 
 
-def _decide(plan: Plan, group: Group, world: int, inner_world: int | None) -> None:
+def _decide(plan: Plan, group: Group, world: int, inner_world: int | None, backend: str) -> None:
     """Price the group's buffers; move leaves only in losing buffers to the auto-psum lane."""
 
     def price() -> list[policy.Decision]:
-        return [policy.decide(stop - start, group.dtype, world, group.config, inner_world=inner_world)
+        return [policy.decide(stop - start, group.dtype, world, group.config, inner_world=inner_world,
+                              backend=backend)
                 for start, stop in plan.buffers(group)]
 
     decisions = price()

@@ -17,6 +17,14 @@ The figures the model needs are measured once per process, the first time they a
   latency term: nothing is measured over the network);
 - **the codec**: quantize, dequantize and copy throughput of this machine's first device.
 
+The model prices clear cases well and near-ties poorly: on a fast CPU link it once predicted a
+64 MiB psum at 66 ms and the compressed exchange at 79 ms, where the step measured about 89 and
+56 ms (docs/performance.md). So when the link is measured (not given) and the two predictions
+lie within :data:`TIE_BAND` of each other, the buffer is settled by timing it: a psum and the
+compressed exchange of exactly its size, over all devices, with the backend that will run it
+(``tcp`` when :func:`jax_cgx.tcp.setup` connected the reduction's mesh; the probe connects a
+mesh of its own for that). Each size is timed once per process.
+
 Every process must take the same decisions, or their programs would not match. So the
 figures are agreed before anyone uses them: every process measures, the measurements are
 gathered, and all take the slowest (the collective runs at the pace of its slowest rank).
@@ -50,7 +58,8 @@ from jax_cgx.collectives.cost_model import CodecRates, LinkModel, predict
 from jax_cgx.collectives.primitive import compressed_sum  # the primitive: the pytree API would decide again
 from jax_cgx.config import CompressionConfig, link_gbps_from_env
 
-__all__ = ["Figures", "Decision", "ExchangeFit", "calibrate", "figures", "decide", "MIN_SPEEDUP"]
+__all__ = ["Figures", "Decision", "ExchangeFit", "calibrate", "figures", "decide", "running_backend", "MIN_SPEEDUP",
+           "TIE_BAND"]
 
 logger = logging.getLogger("jax_cgx")
 
@@ -65,6 +74,10 @@ _REPEATS = 5
 # collectives' fixed costs; at W=2 the model prices them the same).
 MIN_SPEEDUP = 1.1
 _PROBE_AXIS = "jax_cgx_link_probe"
+# Predictions closer than this factor are settled by timing the buffer itself (measured link only).
+TIE_BAND = 2.0
+# ...unless one timing (psum plus exchange, predicted) would take longer than this.
+_SETTLE_MAX_S = 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,6 +108,11 @@ class Figures:
     share: float = 1.0  # ranks per core: CPU devices of one process share its cores
     exchange: ExchangeFit = ExchangeFit()
 
+    @property
+    def link_measured(self) -> bool:
+        """The link's figures come from the probe (not from a rate the user gave)."""
+        return self.link_source.startswith("measured")
+
     def describe(self) -> str:
         bw = self.link.bandwidth
         link = "unlimited" if bw == float("inf") else f"{bw * 8 / 1e9:.3g} Gbit/s"
@@ -113,12 +131,16 @@ class Decision:
     compress: bool
     psum_s: float
     compressed_s: float
+    measured: bool = False  # the two times were measured on this buffer's size, not predicted
+    backend: str = "xla"  # the backend the compressed exchange was priced on
 
 
 _lock = threading.RLock()
 # By platform: what the probe measured over all devices (link, exchange, where it was measured).
 _measured_link: dict[str, tuple[LinkModel, ExchangeFit, str]] = {}
 _measured_rates: dict[str, CodecRates] = {}
+# (platform, values, dtype, config, backend) -> (psum seconds, exchange seconds), agreed.
+_settled: dict[tuple, tuple[float, float]] = {}
 _logged: set = set()
 
 
@@ -152,6 +174,20 @@ def _measure_rates(device) -> CodecRates:
                       add=nbytes / _median_time(lambda: copy(x)))
 
 
+def _probe_mesh(devices) -> jax.sharding.Mesh:
+    return jax.sharding.Mesh(np.array(devices), (_PROBE_AXIS,))
+
+
+def _time_over(mesh, body, values: int, dtype) -> float:
+    """Median seconds of ``body`` (a per-device function) over ``values`` values per device."""
+    spec = jax.sharding.PartitionSpec(_PROBE_AXIS)
+    fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False))
+    make = jax.jit(lambda: jnp.ones((mesh.size * values,), dtype) * 0.5,
+                   out_shardings=jax.sharding.NamedSharding(mesh, spec))
+    x = make()
+    return _median_time(lambda: fn(x))
+
+
 def _measure_link(devices, rates: CodecRates, share: float) -> tuple[LinkModel, ExchangeFit]:
     """The link's rate and latency, and the compressed exchange's compute, over ``devices``.
 
@@ -163,16 +199,11 @@ def _measure_link(devices, rates: CodecRates, share: float) -> tuple[LinkModel, 
     w = len(devices)
     if w < 2:
         return LinkModel(float("inf"), 0.0), ExchangeFit()
-    mesh = jax.sharding.Mesh(np.array(devices), (_PROBE_AXIS,))
-    spec = jax.sharding.PartitionSpec(_PROBE_AXIS)
+    mesh = _probe_mesh(devices)
     config = CompressionConfig(bits=4)
 
     def timed(body, nbytes: int) -> float:
-        fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False))
-        make = jax.jit(lambda: jnp.ones((w * nbytes // 4,), jnp.float32) * 0.5,
-                       out_shardings=jax.sharding.NamedSharding(mesh, spec))
-        x = make()
-        return _median_time(lambda: fn(x))
+        return _time_over(mesh, body, nbytes // 4, np.float32)
 
     sizes = _PROBE_BYTES
     psum = [timed(lambda v: jax.lax.psum(v, _PROBE_AXIS), n) for n in sizes]
@@ -284,15 +315,79 @@ def reset() -> None:
     with _lock:
         _measured_link.clear()
         _measured_rates.clear()
+        _settled.clear()
         _logged.clear()
 
 
+def running_backend(config: CompressionConfig, axes, world: int, platform: str | None = None) -> str:
+    """The backend a compressed reduction over ``axes`` will run on, as far as tracing can tell.
+
+    "tcp" when the tcp backend will take it (CPU devices, inside a ``shard_map`` whose mesh
+    :func:`jax_cgx.tcp.setup` connected for ``axes``); else "xla", whose exchange the cost
+    model describes (GPU backends are priced as xla too).
+    """
+    platform = platform or jax.default_backend()
+    if platform != "cpu" or axes is None:
+        return "xla"
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return "xla"
+    from jax_cgx.tcp.lowering import TcpError, select_backend
+
+    try:
+        choice, _ = select_backend(config.backend, mesh, tuple(axes), algorithm=config.algorithm, world=world)
+    except TcpError:  # backend="tcp" without communicators: its lowering raises this error
+        return "xla"
+    return "tcp" if choice == "tcp" else "xla"
+
+
+def _time_exchange(devices, values: int, dtype, config: CompressionConfig, backend: str) -> tuple[float, float]:
+    """Median seconds of a psum and of the compressed exchange of ``values`` values per device
+    over ``devices``, on ``backend``; the slowest process's, agreed. Runs on a fresh thread."""
+    from jax_cgx import tcp
+
+    mesh = _probe_mesh(devices)
+    config = config.replace(policy="always", backend=backend)
+    if backend == "tcp":
+        tcp.setup(mesh)
+    try:
+        psum = _time_over(mesh, lambda v: jax.lax.psum(v, _PROBE_AXIS), values, dtype)
+        exchange = _time_over(mesh, lambda v: compressed_sum(v, (_PROBE_AXIS,), len(devices), config, None, "auto"),
+                              values, dtype)
+    finally:
+        if backend == "tcp":
+            tcp.teardown(mesh)
+    psum, exchange = _agree([psum, exchange], np.max)
+    return psum, exchange
+
+
+def _settle(values: int, dtype, world: int, config: CompressionConfig, backend: str,
+            fig: Figures) -> tuple[float, float] | None:
+    """The measured ``(psum, exchange)`` seconds of this buffer, or None where it cannot be
+    timed alone: the reduction does not span every device, or is hierarchical."""
+    devices = jax.devices(fig.platform)
+    if len(devices) != world or config.hierarchical:
+        return None
+    key = (fig.platform, values, np.dtype(dtype).name, config, backend)
+    with _lock:
+        if key not in _settled:
+            t0 = time.perf_counter()
+            _settled[key] = _outside_trace(lambda: _time_exchange(devices, values, dtype, config, backend))
+            logger.info("jax_cgx: policy='auto': timed a %.4g MiB %s buffer over %d ranks in %.2f s "
+                        "(psum %.3g ms, compressed exchange on %s %.3g ms)", values * np.dtype(dtype).itemsize / 2**20,
+                        np.dtype(dtype).name, world, time.perf_counter() - t0, _settled[key][0] * 1e3, backend,
+                        _settled[key][1] * 1e3)
+        return _settled[key]
+
+
 def decide(values: int, dtype, world: int, config: CompressionConfig, *, inner_world: int | None = None,
-           platform: str | None = None, log: bool = True) -> Decision:
+           platform: str | None = None, backend: str = "xla", log: bool = True) -> Decision:
     """Whether ``policy="auto"`` compresses a buffer of ``values`` values of ``dtype`` summed over ``world`` ranks.
 
     ``inner_world``: the inner axis's size for a hierarchical config (its reduce-scatter and
-    all-gather run within a node, priced at memory speed). The decision is logged once.
+    all-gather run within a node, priced at memory speed). ``backend``: the one that will
+    run the exchange (:func:`running_backend`); near-ties are timed on it. The decision is
+    logged once.
     """
     fig = figures(config, platform)
     itemsize = np.dtype(dtype).itemsize
@@ -315,13 +410,21 @@ def decide(values: int, dtype, world: int, config: CompressionConfig, *, inner_w
         compressed = inner + exchange(size / inner_world, world // inner_world)
     else:
         compressed = exchange(size, world)
-    decision = Decision(compressed * MIN_SPEEDUP < psum, psum, compressed)
-    key = (values, np.dtype(dtype).name, world, inner_world, config, fig)
+    measured = None
+    if (fig.link_measured and psum / TIE_BAND < compressed < psum * TIE_BAND
+            and psum + compressed < _SETTLE_MAX_S):
+        measured = _settle(values, dtype, world, config, backend, fig)
+    if measured is not None:
+        # What the step adds to a compressed buffer: its leaves copied in, its result sliced out.
+        psum, compressed = measured[0], measured[1] + fig.share * 2 * size / fig.rates.add
+    decision = Decision(compressed * MIN_SPEEDUP < psum, psum, compressed, measured is not None, backend)
+    key = (values, np.dtype(dtype).name, world, inner_world, config, fig, backend)
     if log and key not in _logged:
         _logged.add(key)
         logger.info(
             "jax_cgx: policy='auto': %s a %.4g MiB %s buffer over %d ranks at %d bits "
-            "(predicted %.3g ms compressed, %.3g ms psum)",
+            "(%s %.3g ms compressed on %s, %.3g ms psum)",
             "compress" if decision.compress else "psum (uncompressed)", size / 2**20, np.dtype(dtype).name,
-            world, config.bits, compressed * 1e3, psum * 1e3)
+            world, config.bits, "measured" if decision.measured else "predicted", compressed * 1e3, backend,
+            psum * 1e3)
     return decision

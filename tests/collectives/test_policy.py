@@ -5,6 +5,7 @@ import io
 import json
 import logging
 import math
+import re
 import sys
 
 import jax
@@ -143,6 +144,73 @@ def test_measured_figures_on_virtual_devices_choose_psum():
     assert policy.figures() is not fig and policy.figures() == fig  # cached: measured once
 
 
+def _tie_on_measured_link(monkeypatch, psum_s: float, exchange_s: float) -> list:
+    """Every prediction a near-tie, on a measured link, and the timing of a buffer faked:
+    returns the list of ``(values, backend)`` timed."""
+    monkeypatch.setattr(policy, "TIE_BAND", math.inf)
+    monkeypatch.setattr(policy, "_SETTLE_MAX_S", math.inf)
+    timed = []
+
+    def fake(devices, values, dtype, config, backend):
+        assert len(devices) == W and config.policy == "auto"
+        timed.append((values, backend))
+        return psum_s, exchange_s
+
+    monkeypatch.setattr(policy, "_time_exchange", fake)
+    return timed
+
+
+@pytest.mark.parametrize("tcp", [False, True], ids=["xla", "tcp"])
+def test_near_tie_is_timed_on_the_backend_that_runs(monkeypatch, caplog, tcp):
+    # The model says psum on these virtual devices (test above); the buffer's timing says
+    # compressing is 100x faster, and wins. It is timed once, on the backend the lowering picks.
+    timed = _tie_on_measured_link(monkeypatch, psum_s=1.0, exchange_s=0.01)
+    mesh = Mesh(np.array(jax.devices()[:W]), ("d",))
+    x = _tree()
+    config = jax_cgx.CompressionConfig(bits=4, policy="auto")
+    if tcp:
+        jax_cgx.tcp.setup(mesh)
+    try:
+        with caplog.at_level(logging.INFO, logger="jax_cgx"):
+            fn = _psum_fn(config)
+            assert _uses_compression(fn, x)
+            out = fn(x)
+            _psum_fn(config)(x)  # traced again: not timed again
+        backend = "tcp" if tcp else "xla"
+        assert timed == [(BIG + 300, backend)]  # "w" and "b" fused in one buffer
+        always = _psum_fn(config.replace(policy="always"))(x)
+        for k in x:
+            assert_same_bits(np.asarray(out[k]), np.asarray(always[k]), k)
+        # The timed exchange, plus the fusion buffer's copies in and out.
+        assert re.search(rf"compress a .* \(measured 1\d\.?\d* ms compressed on {backend}, 1e\+03 ms psum\)",
+                         caplog.text), caplog.text
+        seen = {}
+
+        def body(t):
+            seen["report"] = jax_cgx.explain(jax.tree.map(lambda a: a[0], t), "d", config, file=None)
+            return t["step"]
+
+        jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("d"), out_specs=P("d"))).trace(x)
+        (buf,) = seen["report"].buffers
+        assert buf.compressed and buf.priced == f"timed on {backend}"
+    finally:
+        if tcp:
+            jax_cgx.tcp.teardown(mesh)
+
+
+def test_given_link_rates_are_never_timed(monkeypatch):
+    timed = _tie_on_measured_link(monkeypatch, psum_s=1.0, exchange_s=0.01)
+    fn = _psum_fn(jax_cgx.CompressionConfig(bits=4, policy="auto", link_gbps=math.inf))
+    assert not _uses_compression(fn, _tree()) and timed == []
+
+
+def test_timing_a_buffer_over_tcp_leaves_no_communicators():
+    devices = jax.devices()[:W]
+    psum_s, exchange_s = policy._time_exchange(devices, 4096, np.float32, jax_cgx.CompressionConfig(bits=4), "tcp")
+    assert psum_s > 0 and exchange_s > 0
+    assert jax_cgx.tcp.communicators() == []
+
+
 def test_link_from_environment(monkeypatch):
     monkeypatch.setenv("JAX_CGX_LINK_GBPS", "2.5")
     fig = policy.figures(jax_cgx.CompressionConfig(policy="auto"))
@@ -250,5 +318,7 @@ def test_processes_agree_on_figures_and_decisions(tmp_path):
     assert records[0]["figures"] == records[1]["figures"]  # each measured its own; they agreed
     assert records[0]["slow_link_compresses"] and records[1]["slow_link_compresses"]
     assert records[0]["compressed_in_jaxpr"] == records[1]["compressed_in_jaxpr"]
+    assert records[0]["timed"] == records[1]["timed"] and min(records[0]["timed"]) > 0  # agreed
+    assert records[0]["tcp_left"] == records[1]["tcp_left"] == 0  # the probe's communicators are gone
     assert_same_bits(np.asarray(records[0]["result"], np.float32), np.asarray(records[1]["result"], np.float32),
                      "process 1 vs process 0")

@@ -6,7 +6,8 @@ One CPU device per process. Every process measures different codec rates (proces
 reports its quantize throughput divided by ``i + 1``), so agreement is what makes their
 figures, and so their decisions and programs, the same. Writes OUT_DIR/process<ID>.json:
 the agreed figures, the decision on a buffer the slow link makes worth compressing, the
-jaxpr's primitives, and this device's result.
+jaxpr's primitives, this device's result, and a near-tie's timing over the tcp backend
+(each process times its own; they agree on the slowest).
 """
 
 import dataclasses
@@ -49,8 +50,10 @@ def main() -> None:
     out = np.asarray(f(x).addressable_shards[0].data)[0]
     fig = policy.figures(config)
     slow = policy.decide(1 << 24, np.float32, len(devices), config.replace(link_gbps=0.01), log=False)
+    timed = policy._time_exchange(devices, 1 << 16, np.float32, config, "tcp")
     record = dict(figures=repr(fig), quantize=fig.rates.quantize, slow_link_compresses=slow.compress,
-                  compressed_in_jaxpr="compressed_allreduce" in jaxpr, result=out.tolist())
+                  compressed_in_jaxpr="compressed_allreduce" in jaxpr, result=out.tolist(), timed=list(timed),
+                  tcp_left=len(jax_cgx.tcp.communicators()))
     with open(os.path.join(out_dir, f"process{pid}.json"), "w") as fh:
         json.dump(record, fh)
     jax.distributed.shutdown()
