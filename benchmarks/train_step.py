@@ -40,8 +40,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", choices=("mlp", "charlm"), default="mlp", help="(default: %(default)s)")
     p.add_argument("--compressors", nargs="+", default=["none", "maxmin:4", "maxmin:8", "cast", "powersgd:2"],
-                   help="none, maxmin:BITS[+auto][+backward], cast, powersgd:RANK (+auto: policy='auto'; "
-                        "+backward: reduce_in_backward) "
+                   help="none, maxmin:BITS[+auto][+backward][+tcp], cast, powersgd:RANK (+auto: policy='auto'; "
+                        "+backward: reduce_in_backward; +tcp: the tcp backend) "
                         "(default: %(default)s)")
     p.add_argument("--steps", type=int, default=30, help="steps per compressor (default: %(default)s)")
     p.add_argument("--warmup", type=int, default=3, help="first steps left out of the median (default: %(default)s)")

@@ -78,6 +78,8 @@ _PROBE_AXIS = "jax_cgx_link_probe"
 TIE_BAND = 2.0
 # ...unless one timing (psum plus exchange, predicted) would take longer than this.
 _SETTLE_MAX_S = 1.0
+# Runs of each when timing a buffer: a near-tie needs more than the probe's five.
+_SETTLE_REPEATS = 9
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,14 +153,22 @@ def _outside_trace(fn: Callable):
         return pool.submit(fn).result()
 
 
+def _median_times(*fns: Callable[[], object], repeats: int = _REPEATS) -> list[float]:
+    """Each function's median seconds, their runs interleaved so that all see the same
+    machine (a neighbour's burst of work slows them alike)."""
+    for fn in fns:
+        jax.block_until_ready(fn())  # compile and warm up
+    times: list[list[float]] = [[] for _ in fns]
+    for _ in range(repeats):
+        for fn, t in zip(fns, times):
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn())
+            t.append(time.perf_counter() - t0)
+    return [statistics.median(t) for t in times]
+
+
 def _median_time(fn: Callable[[], object]) -> float:
-    jax.block_until_ready(fn())  # compile and warm up
-    times = []
-    for _ in range(_REPEATS):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return _median_times(fn)[0]
 
 
 def _measure_rates(device) -> CodecRates:
@@ -178,14 +188,19 @@ def _probe_mesh(devices) -> jax.sharding.Mesh:
     return jax.sharding.Mesh(np.array(devices), (_PROBE_AXIS,))
 
 
-def _time_over(mesh, body, values: int, dtype) -> float:
-    """Median seconds of ``body`` (a per-device function) over ``values`` values per device."""
+def _over(mesh, body, values: int, dtype) -> Callable[[], jax.Array]:
+    """``body`` (a per-device function) compiled over ``mesh``, ready to run on ``values`` values per device."""
     spec = jax.sharding.PartitionSpec(_PROBE_AXIS)
     fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False))
     make = jax.jit(lambda: jnp.ones((mesh.size * values,), dtype) * 0.5,
                    out_shardings=jax.sharding.NamedSharding(mesh, spec))
     x = make()
-    return _median_time(lambda: fn(x))
+    return lambda: fn(x)
+
+
+def _time_over(mesh, body, values: int, dtype) -> float:
+    """Median seconds of ``body`` (a per-device function) over ``values`` values per device."""
+    return _median_time(_over(mesh, body, values, dtype))
 
 
 def _measure_link(devices, rates: CodecRates, share: float) -> tuple[LinkModel, ExchangeFit]:
@@ -351,9 +366,10 @@ def _time_exchange(devices, values: int, dtype, config: CompressionConfig, backe
     if backend == "tcp":
         tcp.setup(mesh)
     try:
-        psum = _time_over(mesh, lambda v: jax.lax.psum(v, _PROBE_AXIS), values, dtype)
-        exchange = _time_over(mesh, lambda v: compressed_sum(v, (_PROBE_AXIS,), len(devices), config, None, "auto"),
-                              values, dtype)
+        psum, exchange = _median_times(
+            _over(mesh, lambda v: jax.lax.psum(v, _PROBE_AXIS), values, dtype),
+            _over(mesh, lambda v: compressed_sum(v, (_PROBE_AXIS,), len(devices), config, None, "auto"), values, dtype),
+            repeats=_SETTLE_REPEATS)
     finally:
         if backend == "tcp":
             tcp.teardown(mesh)
