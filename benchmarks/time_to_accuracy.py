@@ -11,7 +11,7 @@ same batches, take one step each in turn (round robin: every compressor sees the
 machine and the link), until each reaches ``--target`` percent test accuracy or ``--max-steps``.
 
 Compressors: ``none`` (pmean), ``maxmin:BITS`` (``+ef``: with error feedback; ``+backward``:
-averaged in the backward pass; ``+auto``: ``policy="auto"``), ``cast`` (bfloat16),
+averaged in the backward pass; ``+auto``: ``policy="auto"``; ``+tcp``: the tcp backend), ``cast`` (bfloat16),
 ``powersgd:RANK``, ``topk:RATIO``. The clock counts training steps only: evaluation (the whole test
 set, every ``--eval-every`` steps) is outside it, and the first step, which compiles, counts as the
 median step. Test accuracy is the same on every process (a psum), so every process stops a trainer
@@ -37,7 +37,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--compressors", nargs="+",
                    default=["none", "maxmin:4", "maxmin:8", "maxmin:2+ef", "powersgd:2", "topk:0.01"],
-                   help="none, maxmin:BITS[+ef|+backward][+auto], cast, powersgd:RANK, topk:RATIO (default: %(default)s)")
+                   help="none, maxmin:BITS[+ef|+backward][+auto][+tcp], cast, powersgd:RANK, topk:RATIO "
+                        "(default: %(default)s)")
     p.add_argument("--target", type=float, default=97.5, help="test accuracy, percent (default: %(default)s)")
     p.add_argument("--max-steps", type=int, default=300, help="(default: %(default)s)")
     p.add_argument("--eval-every", type=int, default=10, help="steps between evaluations (default: %(default)s)")
