@@ -2,8 +2,12 @@
 
 Bucketed max-min quantization (1-8 bits) as XLA FFI kernels on CPU and CUDA, with a
 bit-identical pure-JAX reference, and a compressed all-reduce over XLA collectives or
-jax_cgx's own NCCL communicators (:mod:`jax_cgx.nccl`). See README.md and docs/.
+jax_cgx's own communicators (:mod:`jax_cgx.nccl` on GPUs, :mod:`jax_cgx.tcp` on CPUs).
+:mod:`jax_cgx.optax` (gradient transformations) is imported on first use, as optax's own
+subpackages are reachable from ``optax``. See README.md and docs/.
 """
+
+import importlib
 
 from jax_cgx import allocator
 
@@ -29,6 +33,7 @@ from jax_cgx.collectives import (  # noqa: E402
     reduce_in_backward,
 )
 from jax_cgx.config import CompressionConfig  # noqa: E402
+from jax_cgx.data_parallel import data_parallel_value_and_grad  # noqa: E402
 from jax_cgx.nccl import lowering as _nccl_lowering  # noqa: E402, F401  (registers the CUDA lowering rule)
 from jax_cgx.tcp import lowering as _tcp_lowering  # noqa: E402, F401  (registers the CPU lowering rule)
 
@@ -39,6 +44,7 @@ __all__ = [
     "compressed_psum",
     "compressed_pmean",
     "reduce_in_backward",
+    "data_parallel_value_and_grad",
     "explain",
     "calibrate",
     "Quantized",
@@ -52,4 +58,19 @@ __all__ = [
     "allocator",
     "distributed",
     "nccl",
+    "optax",
+    "tcp",
 ]
+
+# Imported on first use: importing optax costs time that users of the collectives alone need not pay.
+_LAZY_SUBMODULES = ("optax",)
+
+
+def __getattr__(name: str):
+    if name in _LAZY_SUBMODULES:
+        return importlib.import_module(f"jax_cgx.{name}")  # binds jax_cgx.<name>: no second call
+    raise AttributeError(f"module 'jax_cgx' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY_SUBMODULES))

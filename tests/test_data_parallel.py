@@ -1,0 +1,197 @@
+"""jax_cgx.data_parallel_value_and_grad: a plain jax.jit step with compressed gradient averaging
+(jax_cgx/data_parallel.py); and jax_cgx.optax reachable after ``import jax_cgx``."""
+
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from allreduce_cases import oracle, sra_bound
+from bitwise import assert_same_bits
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jax_cgx
+
+W = 8
+ROWS = 4 * W  # rows of the global batch
+FOUR_BITS = jax_cgx.CompressionConfig(bits=4, bucket_size=64)
+
+
+def _mesh(axis_type=AxisType.Auto):
+    return jax.make_mesh((W,), ("data",), axis_types=(axis_type,), devices=jax.devices()[:W])
+
+
+def _loss(params, x, y):
+    h = jnp.tanh(x @ params["w1"] + params["b1"])
+    return jnp.mean((h @ params["w2"] - y) ** 2)
+
+
+def _problem(seed=0):
+    rng = np.random.default_rng(seed)
+    params = {"w1": rng.standard_normal((16, 64)).astype(np.float32) * 0.3,
+              "b1": rng.standard_normal((64,)).astype(np.float32) * 0.1,
+              "w2": rng.standard_normal((64, 4)).astype(np.float32) * 0.3}
+    x = rng.standard_normal((ROWS, 16)).astype(np.float32)
+    y = rng.standard_normal((ROWS, 4)).astype(np.float32)
+    return params, x, y
+
+
+def _placed(mesh, params, x, y):
+    return (jax.device_put(params, NamedSharding(mesh, P())), jax.device_put(x, NamedSharding(mesh, P("data"))),
+            jax.device_put(y, NamedSharding(mesh, P("data"))))
+
+
+def _shard_grads(params, x, y):
+    """Each device's own gradient, stacked: [W, ...] per leaf."""
+    xs, ys = x.reshape(W, -1, x.shape[1]), y.reshape(W, -1, y.shape[1])
+    return jax.vmap(jax.grad(_loss), in_axes=(None, 0, 0))(params, xs, ys)
+
+
+def _assert_replicated(tree):
+    for leaf in jax.tree.leaves(tree):
+        assert leaf.sharding.is_fully_replicated, leaf.sharding
+        first = np.asarray(leaf.addressable_shards[0].data)
+        for shard in leaf.addressable_shards[1:]:
+            assert_same_bits(np.asarray(shard.data), first, f"device {shard.device}")
+
+
+@pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit], ids=["auto", "explicit"])
+def test_bits32_is_value_and_grad_of_the_whole_batch(axis_type):
+    mesh = _mesh(axis_type)
+    params, x, y = _placed(mesh, *_problem())
+    grad_fn = jax_cgx.data_parallel_value_and_grad(_loss, mesh=mesh, config=jax_cgx.CompressionConfig(bits=32))
+    loss, grads = jax.jit(grad_fn)(params, x, y)
+    ref_loss, ref_grads = jax.value_and_grad(_loss)(*_problem())
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
+    for k in ref_grads:
+        np.testing.assert_allclose(grads[k], ref_grads[k], rtol=2e-5, atol=1e-7, err_msg=k)
+    _assert_replicated((loss, grads))
+
+
+@pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit], ids=["auto", "explicit"])
+def test_compressed_is_the_shard_map_recipe_bitwise(axis_type):
+    # The helper is the README's recipe written once: pcast, value_and_grad, compressed_pmean.
+    mesh = _mesh(axis_type)
+    params, x, y = _placed(mesh, *_problem())
+    key = jax.random.key(3)
+    config = FOUR_BITS.replace(stochastic=True)
+    grad_fn = jax_cgx.data_parallel_value_and_grad(_loss, mesh=mesh, config=config)
+
+    @jax.jit
+    def step(params, x, y, key):
+        return grad_fn(params, x, y, key=key)
+
+    def recipe(params, x, y, key):
+        loss, grads = jax.value_and_grad(_loss)(jax.lax.pcast(params, "data", to="varying"), x, y)
+        return jax.lax.pmean(loss, "data"), jax_cgx.compressed_pmean(grads, "data", config, key=key)
+
+    loss, grads = step(params, x, y, key)
+    ref_loss, ref_grads = jax.jit(jax.shard_map(recipe, mesh=mesh, in_specs=(P(), P("data"), P("data"), P()),
+                                                out_specs=P()))(params, x, y, key)
+    assert_same_bits(np.asarray(loss), np.asarray(ref_loss), "loss")
+    for k in grads:
+        assert_same_bits(np.asarray(grads[k]), np.asarray(ref_grads[k]), k)
+    _assert_replicated(grads)
+
+
+def test_compressed_gradient_within_the_bound():
+    mesh = _mesh()
+    params, x, y = _problem()
+    only_w1 = {"w1": FOUR_BITS, "b1": None, "w2": None}  # per-leaf configs: b1, w2 exact
+    grad_fn = jax_cgx.data_parallel_value_and_grad(_loss, mesh=mesh, config=only_w1)
+    _, grads = grad_fn(*_placed(mesh, params, x, y))
+    shards = _shard_grads(params, x, y)
+    xs = np.asarray(shards["w1"]).reshape(W, -1)
+    _, scales, chunk = oracle(xs, FOUR_BITS)
+    # W = 8: the mean times 8 is exactly the sum the bound is stated for.
+    err, bound = sra_bound(xs, np.asarray(grads["w1"]).reshape(-1) * W, scales, chunk, FOUR_BITS.bucket_size)
+    assert np.all(err <= bound), float(np.max(err - bound))
+    assert np.any(err > 0)  # it was compressed
+    for k in ("b1", "w2"):
+        np.testing.assert_allclose(grads[k], np.asarray(shards[k]).mean(0), rtol=1e-5, atol=1e-7, err_msg=k)
+
+
+def test_aux_is_averaged_like_the_loss():
+    mesh = _mesh()
+    params, x, y = _problem()
+
+    def loss_with_aux(params, x, y):
+        loss = _loss(params, x, y)
+        return loss, {"loss": loss, "rows": jnp.float32(x.shape[0])}
+
+    grad_fn = jax_cgx.data_parallel_value_and_grad(loss_with_aux, mesh=mesh, has_aux=True,
+                                                   config=jax_cgx.CompressionConfig(bits=32))
+    (loss, aux), grads = jax.jit(grad_fn)(*_placed(mesh, params, x, y))
+    assert float(aux["rows"]) == ROWS // W  # each device's shard: the mean over devices of its rows
+    np.testing.assert_allclose(aux["loss"], loss, rtol=1e-6)
+    assert set(grads) == set(params)
+
+
+def test_pytree_batch_and_errors():
+    mesh = _mesh()
+    params, x, y = _problem()
+    grad_fn = jax_cgx.data_parallel_value_and_grad(lambda p, batch: _loss(p, batch["x"], batch["y"]), mesh=mesh,
+                                                   config=jax_cgx.CompressionConfig(bits=32))
+    loss, _ = grad_fn(params, {"x": x, "y": y})
+    np.testing.assert_allclose(loss, _loss(params, x, y), rtol=1e-6)
+    with pytest.raises(ValueError, match=r"batch argument 0\['x'\] has 12 rows, not divisible by the 8 devices"):
+        grad_fn(params, {"x": x[:12], "y": y[:12]})
+    with pytest.raises(ValueError, match=r"batch argument 0\['y'\] is a scalar"):
+        grad_fn(params, {"x": x, "y": 1.0})
+    with pytest.raises(TypeError, match="needs at least one batch argument"):
+        grad_fn(params)
+    with pytest.raises(ValueError, match=r"axis 'batch' is not an axis of the mesh \(its axes: \('data',\)\)"):
+        jax_cgx.data_parallel_value_and_grad(_loss, mesh=mesh, axis_name="batch")
+    with pytest.raises(TypeError, match="fun must be callable"):
+        jax_cgx.data_parallel_value_and_grad(None, mesh=mesh)
+
+
+def test_optax_subpackage_after_import_jax_cgx():
+    code = ("import sys, jax_cgx; assert 'jax_cgx.optax' not in sys.modules; "
+            "t = jax_cgx.optax.compressed_mean; assert 'jax_cgx.optax' in sys.modules; "
+            "assert 'optax' in dir(jax_cgx); print('ok')")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+    with pytest.raises(AttributeError, match="module 'jax_cgx' has no attribute 'nonexistent'"):
+        jax_cgx.nonexistent  # noqa: B018
+
+
+def test_flax_linen_and_equinox_parameters():
+    # docs/flax.md's recipes: a linen params dict, and Equinox's partition (None where static).
+    linen = pytest.importorskip("flax.linen")
+    eqx = pytest.importorskip("equinox")
+    import optax
+
+    mesh = _mesh()
+    _, x, y = _problem()
+    labels = (np.abs(y[:, 0]) * 3).astype(np.int32) % 4
+    exact = jax_cgx.CompressionConfig(bits=32)
+
+    model = linen.Sequential([linen.Dense(32), linen.relu, linen.Dense(4)])
+    variables = model.init(jax.random.key(0), x[:1])
+
+    def linen_loss(params, x, y):
+        return optax.softmax_cross_entropy_with_integer_labels(model.apply({"params": params}, x), y).mean()
+
+    loss, grads = jax_cgx.data_parallel_value_and_grad(linen_loss, mesh=mesh, config=exact)(
+        variables["params"], x, labels)
+    ref_loss, ref = jax.value_and_grad(linen_loss)(variables["params"], x, labels)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-7), grads, ref)
+
+    mlp = eqx.nn.MLP(16, 4, 32, depth=2, key=jax.random.key(1))
+    params, static = eqx.partition(mlp, eqx.is_inexact_array)
+
+    def eqx_loss(params, x, y):
+        logits = jax.vmap(eqx.combine(params, static))(x)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+    loss, grads = jax_cgx.data_parallel_value_and_grad(eqx_loss, mesh=mesh, config=FOUR_BITS)(params, x, labels)
+    ref_loss, ref = jax.value_and_grad(eqx_loss)(params, x, labels)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
+    assert jax.tree.structure(grads) == jax.tree.structure(ref)  # the Nones where the static parts were
+    # The weight matrices went through the 4-bit exchange (their bound: the tests above).
+    assert any(np.any(np.asarray(g) != r) for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref)) if r.size >= 512)
