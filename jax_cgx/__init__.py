@@ -26,9 +26,12 @@ from jax_cgx.codec import (  # noqa: E402
     quantize,
 )
 from jax_cgx.collectives import (  # noqa: E402
+    bytes_on_wire,
     calibrate,
+    compressed_all_gather,
     compressed_pmean,
     compressed_psum,
+    compressed_psum_scatter,
     explain,
     reduce_in_backward,
 )
@@ -43,6 +46,9 @@ __all__ = [
     "CompressionConfig",
     "compressed_psum",
     "compressed_pmean",
+    "compressed_psum_scatter",
+    "compressed_all_gather",
+    "bytes_on_wire",
     "reduce_in_backward",
     "data_parallel_value_and_grad",
     "explain",

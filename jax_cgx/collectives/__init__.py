@@ -2,6 +2,10 @@
 
 - :mod:`~jax_cgx.collectives.allreduce`: the public functions: fusion buffers, ``bytes_on_wire``;
 - :mod:`~jax_cgx.collectives.backward`: ``reduce_in_backward``, the mean taken in the backward pass;
+- :mod:`~jax_cgx.collectives.reduce_scatter`, :mod:`~jax_cgx.collectives.all_gather`:
+  ``compressed_psum_scatter`` and ``compressed_all_gather`` (sharded training), each a
+  primitive with its rules and its pytree API; :mod:`~jax_cgx.collectives.sharded` holds
+  what they share (lanes, fusion of whole leaves, keys, bytes on the wire);
 - :mod:`~jax_cgx.collectives.plan`: how each leaf is reduced (its lane, its fusion buffers);
 - :mod:`~jax_cgx.collectives.policy`: ``policy="auto"``: the measured figures and each buffer's
   decision, with :mod:`~jax_cgx.collectives.cost_model` (the predicted times) and
@@ -17,10 +21,12 @@ Data flows one way: collectives -> codec -> config. The nccl backend's lowering
 (:mod:`jax_cgx.nccl.lowering`) builds on :mod:`~jax_cgx.collectives.primitive`.
 """
 
+from jax_cgx.collectives.all_gather import compressed_all_gather
 from jax_cgx.collectives.allreduce import ConfigSpec, bytes_on_wire, compressed_pmean, compressed_psum
 from jax_cgx.collectives.backward import reduce_in_backward
 from jax_cgx.collectives.explain import Explanation, explain
 from jax_cgx.collectives.policy import Figures, calibrate
+from jax_cgx.collectives.reduce_scatter import compressed_psum_scatter
 
-__all__ = ["compressed_psum", "compressed_pmean", "bytes_on_wire", "ConfigSpec", "explain", "Explanation",
+__all__ = ["compressed_psum", "compressed_pmean", "compressed_psum_scatter", "compressed_all_gather", "bytes_on_wire", "ConfigSpec", "explain", "Explanation",
            "calibrate", "Figures", "reduce_in_backward"]

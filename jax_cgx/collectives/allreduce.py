@@ -24,6 +24,7 @@ from jax import lax
 
 from jax_cgx import _compat
 from jax_cgx.codec import Impl, check_impl
+from jax_cgx.collectives import sharded
 from jax_cgx.collectives.chunks import wire_bytes_per_rank
 from jax_cgx.collectives.hierarchical import hierarchical_wire_bytes, reduce_hierarchical
 from jax_cgx.collectives.plan import ConfigSpec, make_plan
@@ -177,8 +178,17 @@ def _take(parts, spans, lo: int, hi: int) -> jax.Array:
     return pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces)
 
 
-def bytes_on_wire(x, world: int, config: ConfigSpec = None, *, inner_world: int | None = None) -> int:
+WIRE_OPS = ("psum", "psum_scatter", "all_gather")
+
+
+def bytes_on_wire(x, world: int, config: ConfigSpec = None, *, inner_world: int | None = None,
+                  op: str = "psum") -> int:
     """Bytes one rank sends to reduce the pytree ``x`` (arrays or ShapeDtypeStructs) over ``world`` ranks.
+
+    ``op``: ``"psum"`` (:func:`compressed_psum`, described below), ``"psum_scatter"``
+    (:func:`~jax_cgx.compressed_psum_scatter` of ``x``: ``W-1`` of its ``W`` blocks,
+    packed when quantized) or ``"all_gather"`` (:func:`~jax_cgx.compressed_all_gather` of the
+    shard ``x``: ``W-1`` copies of it, packed when quantized).
 
     Uncompressed lanes are counted as a bandwidth-optimal all-reduce, ``2(W-1)/W`` times
     the array's bytes; a quantized buffer as the compressed exchange: ``W-1`` packed
@@ -195,6 +205,10 @@ def bytes_on_wire(x, world: int, config: ConfigSpec = None, *, inner_world: int 
         axis, ``2(Wi-1)/Wi`` times its bytes, plus the compressed exchange of one shard
         over the ``world / inner_world`` outer ranks.
     """
+    if op not in WIRE_OPS:
+        raise ValueError(f"bytes_on_wire: op must be one of {', '.join(map(repr, WIRE_OPS))}, got {op!r}")
+    if op != "psum":
+        return sharded.wire_bytes(x, world, config, op)
     leaves_with_paths = jax.tree_util.tree_flatten_with_path(x)[0]
     paths = [p for p, _ in leaves_with_paths]
     leaves = [v for _, v in leaves_with_paths]

@@ -14,7 +14,7 @@ from jax_cgx import codec
 from jax_cgx.codec.quantized import META_BYTES, num_buckets, payload_bytes
 from jax_cgx.collectives import wire as _wire
 
-__all__ = ["chunk_length", "chunk_valid", "row_plan", "gather_decode", "wire_bytes_per_rank"]
+__all__ = ["chunk_length", "chunk_valid", "row_plan", "gather_decode", "gather_decode_chunks", "wire_bytes_per_rank"]
 
 # Chunks of buffers at least this many buckets per rank are whole buckets long.
 _WHOLE_BUCKETS_ABOVE = 64
@@ -56,11 +56,18 @@ def gather_decode(wire, axes, k: int, p: int, nb: int, n: int, dtype, codec_args
     """The last step of SRA and ring: all-gather every rank's final encoding ``wire[R, L]``
     of its chunk and decode them all, the first ``n`` values: ``[R, n]``, the same bits on
     every replica."""
+    chunks = gather_decode_chunks(wire, axes, k, p, nb, dtype, codec_args)
+    return chunks.reshape(chunks.shape[0], -1)[:, :n]
+
+
+def gather_decode_chunks(wire, axes, k: int, p: int, nb: int, dtype, codec_args):
+    """All-gather every rank's encoding ``wire[R, L]`` of one chunk and decode them:
+    ``[R, W, c]``, rank ``j``'s chunk at ``[:, j]``, the same bits on every replica."""
     gathered = _wire.all_gather(wire, axes, k)
     r, w = gathered.shape[:2]
     payload, meta = _wire.from_wire(gathered, p, nb)
     out = codec.dequantize_rows(payload.reshape(r * w, p), meta.reshape(r * w, nb, 2), dtype=dtype, **codec_args)
-    return out.reshape(r, -1)[:, :n]
+    return out.reshape(r, w, -1)
 
 
 def wire_bytes_per_rank(n: int, world: int, bits: int, bucket_size: int, whole_buckets: bool) -> int:

@@ -1,0 +1,170 @@
+"""``compressed_all_gather``: ``lax.all_gather`` with each shard quantized once, by its owner.
+
+The parameter all-gather of sharded training (FSDP, ZeRO-3; DeepSpeed's qwZ). Every rank
+quantizes its shard (the kernels' ``valid`` counts keep the alignment padding out of every
+bucket), the encodings are all-gathered, and every rank decodes all ``W`` of them with the
+same kernel, its own included: every replica holds bitwise the same result, which a rank
+keeping its own shard in full precision would break. The error of a value of rank ``r``'s
+shard is at most ``s_r / 2`` (``s_r`` its bucket's scale; ``s_r`` with stochastic
+rounding). Moves ``(W - 1)/W`` of the gathered compressed bytes per rank.
+
+The module reads top to bottom: the per-device program on rows, the primitive, its rules
+(differentiation as ``lax.all_gather``: the tangent goes through lax's exact collective, so
+``jax.grad`` gives lax's gradient, a ``psum_scatter``; vmap folds into rows), the lowering
+(every platform, the xla backend), and the pytree API.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.extend.core import Primitive
+from jax.interpreters import ad, batching, mlir
+
+from jax_cgx import _compat, codec
+from jax_cgx.codec import Impl, batch_rows, check_impl
+from jax_cgx.collectives import wire as _wire
+from jax_cgx.collectives.chunks import chunk_length, gather_decode_chunks, row_plan
+from jax_cgx.collectives.plan import ConfigSpec
+from jax_cgx.collectives.sharded import Leaves, buffer_keys, buffers, check_key
+
+__all__ = ["compressed_all_gather", "compressed_all_gather_p", "gather_rows"]
+
+API = "compressed_all_gather"
+
+
+# ------------------------------------------------------------------ the per-device program
+
+def gather_rows(x, seeds, *, axes, world, bits, bucket_size, stochastic, impl, segments, message_cap=None):
+    """``x[R, m]`` (this rank's shard), ``seeds[R, 2]`` -> ``[R, W, m]``: every rank's shard,
+    decoded, the same bits on every replica."""
+    r, m = x.shape
+    c = chunk_length(m, 1, bucket_size, False)  # m, aligned for the kernels' vector loads
+    padded = x if c == m else lax.dynamic_update_slice(jnp.zeros((r, c), x.dtype), x, (0, 0))
+    p, nb, codec_args, k = row_plan(c, bits, bucket_size, impl, segments, message_cap)
+    payload, meta = codec.quantize_rows(padded, seeds, stochastic=stochastic, valid=jnp.full((r,), m, jnp.int32),
+                                        **codec_args)
+    return gather_decode_chunks(_wire.to_wire(payload, meta), axes, k, p, nb, x.dtype, codec_args)[:, :, :m]
+
+
+# ------------------------------------------------------------------ the primitive and its rules
+
+compressed_all_gather_p = Primitive("jax_cgx_compressed_all_gather")
+
+
+def _abstract_eval(x, seeds, *, axes, world, **params):
+    del seeds, params
+    _compat.check_axis_names(axes, API)
+    # Typed as lax.all_gather's result is: varying over the axes (lax.all_gather_invariant is another op).
+    return x.update(shape=(x.shape[0], world, x.shape[1])), {_compat.NamedAxisEffect(a) for a in axes}
+
+
+def _lower(ctx, x, seeds, **params):
+    cap = _wire.message_cap(ctx.module_context.platforms)
+    return mlir.lower_fun(functools.partial(gather_rows, message_cap=cap, **params), multiple_results=False)(
+        ctx, x, seeds)
+
+
+def _jvp(primals, tangents, *, axes, **params):
+    x, seeds = primals
+    out = compressed_all_gather_p.bind(x, seeds, axes=axes, **params)
+    tx = tangents[0]
+    if type(tx) is ad.Zero:
+        return out, ad.Zero.from_primal_value(out)
+    # Quantization is the identity to differentiation: lax's exact, linear all_gather.
+    return out, lax.all_gather(tx, axes, axis=1, tiled=False)
+
+
+def _batch(axis_data, args, dims, *, axes, **params):
+    if axis_data.name is not None and axis_data.name in axes:
+        raise NotImplementedError(f"{API} over the vmapped axis {axis_data.name!r} is not supported: vmap has no "
+                                  "wire to compress; use jax.lax.all_gather, or map the axis with shard_map/pmap")
+    return batch_rows(compressed_all_gather_p, args, dims, axes=axes, **params)
+
+
+compressed_all_gather_p.def_effectful_abstract_eval(_abstract_eval)
+compressed_all_gather_p.def_impl(functools.partial(_compat.apply_primitive, compressed_all_gather_p))
+mlir.register_lowering(compressed_all_gather_p, _lower)
+ad.primitive_jvps[compressed_all_gather_p] = _jvp
+batching.fancy_primitive_batchers[compressed_all_gather_p] = _batch
+
+
+# ------------------------------------------------------------------ the API
+
+def _gathered(rows, shape: tuple, axis: int, tiled: bool):
+    """``rows[W, m]`` (rank ``j``'s shard flattened in row ``j``) as ``lax.all_gather`` lays it out."""
+    world = rows.shape[0]
+    stacked = jnp.moveaxis(rows.reshape((world, *shape)), 0, axis)
+    if not tiled:
+        return stacked
+    return stacked.reshape(shape[:axis] + (world * shape[axis],) + shape[axis + 1:])
+
+
+def compressed_all_gather(x, axis_name, config: ConfigSpec = None, *, axis: int = 0, tiled: bool = False,
+                          key: jax.Array | None = None, impl: Impl = "auto"):
+    """``jax.lax.all_gather`` of a pytree, compressed: each shard quantized once, by its owner.
+
+    The semantics of ``lax.all_gather``: ``tiled=False`` stacks the ranks' leaves along a new
+    dimension ``axis``; ``tiled=True`` concatenates them along ``axis``. Leaves take the lanes
+    of :func:`~jax_cgx.compressed_psum`: ``bits=32`` (or a ``None`` config, integer and small
+    leaves) is exactly ``lax.all_gather``, ``bits=16`` the same in ``half_dtype``, and the
+    quantized leaves of one dtype and config are fused into buffers of whole leaves of at
+    most ``fusion_buffer_mb``. Every replica gets bitwise the same result.
+
+    Args:
+      x: a pytree of arrays, this rank's shards (inside ``shard_map`` or ``pmap``).
+      axis_name: the mapped axis name(s) to gather over.
+      config: as for :func:`~jax_cgx.compressed_psum`.
+      axis: where the ranks' dimension goes (``tiled=False``) or which dimension grows (``tiled=True``).
+      tiled: as for ``lax.all_gather``.
+      key: a PRNG key for stochastic rounding, the same on every rank (each folds in its index).
+      impl: the codec implementation: "auto", "kernel" or "reference" (bitwise the same).
+    """
+    check_impl(impl)
+    _compat.check_prng_key(key, API)
+    axes = _compat.axes_tuple(axis_name)
+    _compat.check_axis_names(axes, API)
+    world = int(np.prod([lax.axis_size(a) for a in axes]))
+    leaves = Leaves(x, config, API)
+    axes_of = []
+    for i, leaf in enumerate(leaves.leaves):
+        ndim = leaf.ndim + (0 if tiled else 1)
+        if tiled and leaf.ndim == 0:
+            raise ValueError(f"{API}: leaf {leaves.name(i)} is a scalar; tiled=True needs a dimension to concatenate")
+        if not -ndim <= axis < ndim:
+            raise ValueError(f"{API}: axis={axis} is out of range for leaf {leaves.name(i)} of shape {leaf.shape} "
+                             f"(tiled={tiled})")
+        axes_of.append(axis % ndim)
+    check_key(leaves, key, API)
+    out: list = [None] * len(leaves.leaves)
+    for i, (kind, leaf) in enumerate(zip(leaves.lanes, leaves.leaves)):
+        if kind == "exact":
+            out[i] = lax.all_gather(leaf, axes, axis=axes_of[i], tiled=tiled)
+        elif kind == "half":
+            half = leaf.astype(jnp.dtype(leaves.configs[i].half_dtype))
+            out[i] = lax.all_gather(half, axes, axis=axes_of[i], tiled=tiled).astype(leaf.dtype)
+    if leaves.groups:
+        if vmapped := _compat.vmapped_axes(axes):
+            raise NotImplementedError(f"{API} over the vmapped axis {vmapped[0]!r} is not supported: vmap has no "
+                                      "wire to compress; use jax.lax.all_gather for that axis")
+        planned = buffers(leaves, world, "all_gather")
+        for (group, members), buf_key in zip(planned, buffer_keys(key, axes, len(planned))):
+            cfg = group.config
+            flat = [leaves.leaves[i].reshape(-1) for i in members]
+            joined = flat[0] if len(flat) == 1 else lax.optimization_barrier(jnp.concatenate(flat))
+            joined = _compat.ensure_varying(joined, axes)
+            seeds = (jnp.zeros((1, 2), jnp.uint32) if buf_key is None
+                     else jax.random.bits(buf_key, (1, 2), jnp.uint32))
+            rows = compressed_all_gather_p.bind(
+                joined[None], seeds, axes=axes, world=world, bits=cfg.bits, bucket_size=cfg.bucket_size,
+                stochastic=cfg.stochastic, impl=impl, segments=cfg.pipeline_segments)[0]
+            start = 0
+            for i, piece in zip(members, flat):
+                shard = rows[:, start:start + piece.size]
+                out[i] = _gathered(shard, leaves.leaves[i].shape, axes_of[i], tiled)
+                start += piece.size
+    return leaves.treedef.unflatten(out)

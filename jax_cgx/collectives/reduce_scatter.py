@@ -1,0 +1,204 @@
+"""``compressed_psum_scatter``: ``lax.psum_scatter`` with each contribution quantized once.
+
+The reduce-scatter of sharded training (FSDP, ZeRO): rank ``j`` ends with the sum over the
+ranks of block ``j`` of their inputs. Compressed, it is SRA's first half (docs/algorithm.md):
+
+1. every rank quantizes its ``W`` blocks (each with its own seed; the kernels' ``valid``
+   counts keep the alignment padding out of every bucket) and ``all_to_all``\\ s the bytes,
+   so rank ``j`` receives the ``W`` encodings of block ``j``;
+2. the owner decodes the ``W - 1`` blocks from its peers and adds them to its own block in
+   full precision (its own encoding is ignored: its metadata is zeroed, so it decodes to
+   +0), accumulating in float32, in one kernel.
+
+Each contribution is quantized once, and the owner's own not at all: the error of a value
+of block ``o`` is at most ``sum over r != o of s_r / 2`` (``s_r`` the scale of rank ``r``'s
+bucket holding it; twice that with stochastic rounding), plus float32 rounding. Moves
+``(W - 1)/W`` of the compressed buffer per rank, as lax's ring moves of the float one.
+
+The module reads top to bottom: the per-device program on rows, the primitive, its rules
+(differentiation as ``lax.psum_scatter``: the tangent goes through lax's exact collective,
+so ``jax.grad`` gives lax's gradient, an ``all_gather``; vmap folds into rows), the
+lowering (every platform, the xla backend), and the pytree API.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.extend.core import Primitive
+from jax.interpreters import ad, batching, mlir
+
+from jax_cgx import _compat, codec
+from jax_cgx.codec import Impl, batch_rows, check_impl
+from jax_cgx.collectives import wire as _wire
+from jax_cgx.collectives.chunks import chunk_length, row_plan
+from jax_cgx.collectives.plan import ConfigSpec
+from jax_cgx.collectives.sharded import Leaves, buffer_keys, buffers, check_key
+
+__all__ = ["compressed_psum_scatter", "compressed_reduce_scatter_p", "scatter_rows", "scatter_blocks",
+           "unscatter_block"]
+
+API = "compressed_psum_scatter"
+
+
+# ------------------------------------------------------------------ the per-device program
+
+def scatter_rows(x, seeds, *, axes, world, bits, bucket_size, stochastic, impl, segments, message_cap=None):
+    """``x[R, W, m]`` (block ``j`` of each row goes to rank ``j``), ``seeds[R, W, 2]`` ->
+    ``[R, m]``: this rank's block summed over the ranks, in ``x.dtype``."""
+    r, w, m = x.shape
+    c = chunk_length(w * m, w, bucket_size, False)  # m, aligned for the kernels' vector loads
+    padded = x if c == m else lax.dynamic_update_slice(jnp.zeros((r, w, c), x.dtype), x, (0, 0, 0))
+    p, nb, codec_args, k = row_plan(c, bits, bucket_size, impl, segments, message_cap)
+    payload, meta = codec.quantize_rows(padded.reshape(r * w, c), seeds.reshape(r * w, 2), stochastic=stochastic,
+                                        valid=jnp.full((r * w,), m, jnp.int32), **codec_args)
+    received = _wire.all_to_all(_wire.to_wire(payload.reshape(r, w, p), meta.reshape(r, w, nb, 2)), axes, k)
+    recv_payload, recv_meta = _wire.from_wire(received, p, nb)
+    me = lax.axis_index(axes)
+    # Our own block enters in full precision; its received encoding must add exactly +0.
+    recv_meta = lax.dynamic_update_index_in_dim(recv_meta, jnp.zeros((r, 1, nb, 2), jnp.float32), me, axis=1)
+    own = lax.dynamic_index_in_dim(padded, me, axis=1, keepdims=False)
+    out = codec.dequantize_sum_rows(recv_payload, recv_meta, own, dtype=x.dtype, **codec_args)
+    return out[:, :m]
+
+
+# ------------------------------------------------------------------ the primitive and its rules
+
+compressed_reduce_scatter_p = Primitive("jax_cgx_compressed_reduce_scatter")
+
+
+def _abstract_eval(x, seeds, *, axes, **params):
+    del seeds, params
+    _compat.check_axis_names(axes, API)
+    # Each rank holds a different block: the result stays varying over the axes, as lax's does.
+    return x.update(shape=(x.shape[0], x.shape[2])), {_compat.NamedAxisEffect(a) for a in axes}
+
+
+def _lower(ctx, x, seeds, **params):
+    cap = _wire.message_cap(ctx.module_context.platforms)
+    return mlir.lower_fun(functools.partial(scatter_rows, message_cap=cap, **params), multiple_results=False)(
+        ctx, x, seeds)
+
+
+def _jvp(primals, tangents, *, axes, **params):
+    x, seeds = primals
+    out = compressed_reduce_scatter_p.bind(x, seeds, axes=axes, **params)
+    tx = tangents[0]
+    if type(tx) is ad.Zero:
+        return out, ad.Zero.from_primal_value(out)
+    # Quantization is the identity to differentiation: lax's exact, linear psum_scatter.
+    return out, lax.psum_scatter(tx, axes, scatter_dimension=1, tiled=False)
+
+
+def _batch(axis_data, args, dims, *, axes, **params):
+    if axis_data.name is not None and axis_data.name in axes:
+        raise NotImplementedError(f"{API} over the vmapped axis {axis_data.name!r} is not supported: vmap has no "
+                                  "wire to compress; use jax.lax.psum_scatter, or map the axis with shard_map/pmap")
+    return batch_rows(compressed_reduce_scatter_p, args, dims, axes=axes, **params)
+
+
+compressed_reduce_scatter_p.def_effectful_abstract_eval(_abstract_eval)
+compressed_reduce_scatter_p.def_impl(functools.partial(_compat.apply_primitive, compressed_reduce_scatter_p))
+mlir.register_lowering(compressed_reduce_scatter_p, _lower)
+ad.primitive_jvps[compressed_reduce_scatter_p] = _jvp
+batching.fancy_primitive_batchers[compressed_reduce_scatter_p] = _batch
+
+
+# ------------------------------------------------------------------ leaves as blocks and back
+
+def _check_shape(name: str, shape: tuple, dim: int, tiled: bool, world: int) -> int:
+    """``dim`` normalized; raises like lax when the leaf cannot be scattered over ``world`` ranks."""
+    if not -len(shape) <= dim < len(shape):
+        raise ValueError(f"{API}: scatter_dimension={dim} is out of range for leaf {name} of shape {shape}")
+    dim %= len(shape)
+    if tiled and shape[dim] % world:
+        raise ValueError(f"{API}: leaf {name} has {shape[dim]} entries along scatter_dimension {dim}, not divisible "
+                         f"by the {world} ranks (tiled=True)")
+    if not tiled and shape[dim] != world:
+        raise ValueError(f"{API}: leaf {name} has {shape[dim]} entries along scatter_dimension {dim}; with "
+                         f"tiled=False it must equal the number of ranks, {world}")
+    return dim
+
+
+def scatter_blocks(leaf, dim: int, world: int):
+    """``[W, m]``: row ``j`` is the block rank ``j`` receives, flattened (tiled or not)."""
+    return jnp.moveaxis(leaf, dim, 0).reshape(world, -1)
+
+
+def unscatter_block(block, shape: tuple, dim: int, tiled: bool, world: int):
+    """A received block ``[m]`` in the leaf's output shape: ``dim`` dropped, or divided by ``world`` (tiled)."""
+    moved = (shape[dim] // world,) if tiled else ()
+    rest = shape[:dim] + shape[dim + 1:]
+    out = block.reshape(moved + rest)
+    return jnp.moveaxis(out, 0, dim) if tiled else out
+
+
+# ------------------------------------------------------------------ the API
+
+def compressed_psum_scatter(x, axis_name, config: ConfigSpec = None, *, scatter_dimension: int = 0,
+                            tiled: bool = False, key: jax.Array | None = None, impl: Impl = "auto"):
+    """``jax.lax.psum_scatter`` of a pytree, compressed: each contribution quantized at most once.
+
+    The semantics, shapes and conventions of ``lax.psum_scatter``: with ``tiled=False`` every
+    leaf's ``scatter_dimension`` has one entry per rank and is removed from the result; with
+    ``tiled=True`` it is a multiple of the number of ranks and is divided by it. Leaves take
+    the lanes of :func:`~jax_cgx.compressed_psum`: ``bits=32`` (or a ``None`` config, integer
+    and small leaves) is exactly ``lax.psum_scatter``, ``bits=16`` the same in ``half_dtype``,
+    and the quantized leaves of one dtype and config are fused into buffers of whole leaves
+    of at most ``fusion_buffer_mb``.
+
+    Args:
+      x: a pytree of arrays (inside ``shard_map`` or ``pmap``).
+      axis_name: the mapped axis name(s) to reduce over.
+      config: a :class:`~jax_cgx.CompressionConfig`, a pytree of them (or ``None`` per leaf),
+        a function ``(path, leaf) -> config``, or ``None`` (the environment's).
+      scatter_dimension: the dimension each leaf is split along.
+      tiled: as for ``lax.psum_scatter``.
+      key: a PRNG key for stochastic rounding, the same on every rank (each folds in its index).
+      impl: the codec implementation: "auto", "kernel" or "reference" (bitwise the same).
+
+    Returns:
+      The pytree of this rank's blocks, summed over ``axis_name``; the error of a compressed
+      value is bounded by the scales of its peers' buckets (module docstring).
+    """
+    check_impl(impl)
+    _compat.check_prng_key(key, API)
+    axes = _compat.axes_tuple(axis_name)
+    _compat.check_axis_names(axes, API)
+    world = int(np.prod([lax.axis_size(a) for a in axes]))
+    leaves = Leaves(x, config, API)
+    dims = [_check_shape(leaves.name(i), leaf.shape, scatter_dimension, tiled, world)
+            for i, leaf in enumerate(leaves.leaves)]
+    check_key(leaves, key, API)
+    out: list = [None] * len(leaves.leaves)
+    for i, (kind, leaf) in enumerate(zip(leaves.lanes, leaves.leaves)):
+        if kind == "exact":
+            out[i] = lax.psum_scatter(leaf, axes, scatter_dimension=dims[i], tiled=tiled)
+        elif kind == "half":
+            half = leaf.astype(jnp.dtype(leaves.configs[i].half_dtype))
+            out[i] = lax.psum_scatter(half, axes, scatter_dimension=dims[i], tiled=tiled).astype(leaf.dtype)
+    if leaves.groups:
+        if vmapped := _compat.vmapped_axes(axes):
+            raise NotImplementedError(f"{API} over the vmapped axis {vmapped[0]!r} is not supported: vmap has no "
+                                      "wire to compress; use jax.lax.psum_scatter for that axis")
+        planned = buffers(leaves, world, "psum_scatter")
+        for (group, members), buf_key in zip(planned, buffer_keys(key, axes, len(planned))):
+            cfg = group.config
+            blocks = [scatter_blocks(leaves.leaves[i], dims[i], world) for i in members]
+            joined = blocks[0] if len(blocks) == 1 else lax.optimization_barrier(jnp.concatenate(blocks, axis=1))
+            joined = _compat.ensure_varying(joined, axes)  # like lax: an invariant value is summed W times
+            seeds = (jnp.zeros((1, world, 2), jnp.uint32) if buf_key is None
+                     else jax.random.bits(buf_key, (1, world, 2), jnp.uint32))
+            summed = compressed_reduce_scatter_p.bind(
+                joined[None], seeds, axes=axes, world=world, bits=cfg.bits, bucket_size=cfg.bucket_size,
+                stochastic=cfg.stochastic, impl=impl, segments=cfg.pipeline_segments)[0]
+            start = 0
+            for i, block in zip(members, blocks):
+                m = block.shape[1]
+                out[i] = unscatter_block(summed[start:start + m], leaves.leaves[i].shape, dims[i], tiled, world)
+                start += m
+    return leaves.treedef.unflatten(out)

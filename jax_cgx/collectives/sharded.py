@@ -1,0 +1,128 @@
+"""What ``compressed_psum_scatter`` and ``compressed_all_gather`` share: the pytree's lanes,
+quantized leaves fused into buffers, one key per buffer, and the checks of a config.
+
+Each leaf takes a lane, as in ``compressed_psum`` (:func:`jax_cgx.collectives.plan.lane`):
+"exact" (``lax`` itself), "half" (``lax`` in 16 bits) or "quantized". Quantized leaves of
+one dtype and config are fused, in order, into buffers of whole leaves holding at most
+``fusion_buffer_mb`` (a larger leaf is a buffer of its own): a buffer is one exchange, and
+its leaves share buckets only where one leaf ends and the next begins.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+from jax import lax
+
+from jax_cgx.codec.quantized import META_BYTES, num_buckets, payload_bytes
+from jax_cgx.collectives.chunks import chunk_length
+from jax_cgx.collectives.plan import ConfigSpec, Group, lane, leaf_configs
+from jax_cgx.config import CompressionConfig
+
+__all__ = ["Leaves", "fuse", "buffer_keys", "check_config", "check_key", "wire_bytes"]
+
+log = logging.getLogger("jax_cgx")
+_logged: set = set()
+
+
+class Leaves:
+    """A pytree's leaves, their configs and lanes, and the fusion groups of the quantized ones."""
+
+    def __init__(self, x, spec: ConfigSpec, api: str):
+        flat, self.treedef = jax.tree_util.tree_flatten_with_path(x)
+        self.paths = [p for p, _ in flat]
+        self.leaves = [v if isinstance(v, jax.ShapeDtypeStruct) else jax.numpy.asarray(v) for _, v in flat]
+        self.configs = leaf_configs(spec, x, self.paths)
+        self.lanes = [lane(p, v, c) for p, v, c in zip(self.paths, self.leaves, self.configs)]
+        self.groups: dict[Group, list[int]] = {}
+        for i, (kind, leaf, c) in enumerate(zip(self.lanes, self.leaves, self.configs)):
+            if kind == "quantized":
+                check_config(c, api)
+                self.groups.setdefault(Group(np.dtype(leaf.dtype), c), []).append(i)
+
+    def name(self, i: int) -> str:
+        return jax.tree_util.keystr(self.paths[i]) or "(root)"
+
+
+def fuse(sizes: Sequence[int], capacity: int) -> list[list[int]]:
+    """Consecutive runs of positions whose ``sizes`` (values) add up to at most ``capacity``;
+    a size above it is a run of its own."""
+    runs: list[list[int]] = []
+    total = 0
+    for k, n in enumerate(sizes):
+        if runs and total + n <= capacity:
+            runs[-1].append(k)
+            total += n
+        else:
+            runs.append([k])
+            total = n
+    return runs
+
+
+def buffer_keys(key, axes, count: int) -> list:
+    """One key per buffer, each rank's own (it folds in its index): independent rounding noise."""
+    if key is None:
+        return [None] * count
+    rank_key = jax.random.fold_in(key, lax.axis_index(axes))
+    return [jax.random.fold_in(rank_key, b) for b in range(count)]
+
+
+def check_config(config: CompressionConfig, api: str) -> None:
+    """Refuse what these collectives cannot do; say once what they do differently."""
+    if config.hierarchical:
+        raise ValueError(f"{api}: hierarchical=True applies to all-reduces only; use hierarchical=False here")
+    if config.backend in ("nccl", "tcp"):
+        raise NotImplementedError(
+            f"{api}: backend={config.backend!r} runs all-reduces only so far; use backend='auto' or 'xla' "
+            "(XLA collectives around the codec's kernels, on every platform)")
+    notes = []
+    if config.policy == "auto":
+        notes.append("policy='auto' prices all-reduces only: this exchange is always compressed")
+    if config.algorithm != "sra":
+        notes.append(f"algorithm={config.algorithm!r} does not apply: the exchange is one all_to_all or all_gather")
+    for note in notes:
+        if (api, note) not in _logged:
+            _logged.add((api, note))
+            log.info("jax_cgx: %s: %s", api, note)
+
+
+def check_key(leaves: Leaves, key, api: str) -> None:
+    if key is None and any(g.config.stochastic for g in leaves.groups):
+        raise ValueError(f"{api}: stochastic rounding needs a PRNG key; pass key=jax.random.key(...) "
+                         "(the same on every rank; each rank folds in its index)")
+
+
+def buffers(leaves: Leaves, world: int, op: str) -> list[tuple[Group, list[int]]]:
+    """The fusion buffers of the quantized leaves, in order: ``(group, leaf indices)``.
+
+    Capacity counts what one exchange holds: ``world`` blocks of a psum_scatter input (the
+    leaf), ``world`` shards of an all_gather output (``world`` times the leaf)."""
+    per = (lambda i: leaves.leaves[i].size // world) if op == "psum_scatter" else (lambda i: leaves.leaves[i].size)
+    return [(group, [members[k] for k in run]) for group, members in leaves.groups.items()
+            for run in fuse([per(i) for i in members], group.capacity // world)]
+
+
+def wire_bytes(x, world: int, config: ConfigSpec, op: str) -> int:
+    """Bytes one rank sends for ``compressed_psum_scatter`` (``x``: each rank's input) or
+    ``compressed_all_gather`` (``x``: each rank's shard): ``W - 1`` blocks or shards, each
+    the leaf's bytes over ``W`` (reduce-scatter) or the shard's (all-gather) uncompressed,
+    packed (payload plus 8 bytes per bucket) when quantized."""
+    if world <= 1:
+        return 0
+    leaves = Leaves(x, config, "bytes_on_wire")
+    share = (world - 1) / world if op == "psum_scatter" else world - 1
+    total = 0.0
+    for leaf, kind in zip(leaves.leaves, leaves.lanes):
+        if kind == "exact":
+            total += share * leaf.size * np.dtype(leaf.dtype).itemsize
+        elif kind == "half":
+            total += share * leaf.size * 2
+    for group, members in buffers(leaves, world, op):
+        m = sum(leaves.leaves[i].size for i in members) // (world if op == "psum_scatter" else 1)
+        c = chunk_length(m * world, world, group.config.bucket_size, False)
+        packed = payload_bytes(c, group.config.bucket_size, group.config.bits)
+        total += (world - 1) * (packed + num_buckets(c, group.config.bucket_size) * META_BYTES)
+    return int(round(total))
