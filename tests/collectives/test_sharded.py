@@ -1,0 +1,210 @@
+"""compressed_psum_scatter and compressed_all_gather (jax_cgx/collectives/{reduce_scatter,all_gather}.py):
+bits=32 is lax to the bit, the error stays within the analytic bound from the data's own buckets,
+all_gather's replicas are identical, gradients are lax's, vmap and jit/scan, bytes_on_wire."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from bitwise import assert_same_bits
+from jax import lax
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+import jax_cgx
+
+W = 8
+BUCKET = 64
+
+
+def _mesh():
+    return Mesh(np.array(jax.devices()[:W]), ("d",))
+
+
+def _run(fn, xs, check_vma=True):
+    """``fn`` on device i's ``xs[i]``; returns every device's result stacked."""
+    body = lambda v: jax.tree.map(lambda o: o[None], fn(jax.tree.map(lambda a: a[0], v)))  # noqa: E731
+    out = jax.jit(jax.shard_map(body, mesh=_mesh(), in_specs=P("d"), out_specs=P("d"), check_vma=check_vma))(xs)
+    return jax.tree.map(np.asarray, out)
+
+
+def _data(shape, seed=0):
+    rng = np.random.default_rng(seed)
+    scale = np.exp(rng.uniform(-3, 3, size=(W, 1) + (1,) * (len(shape) - 1)))  # ranks of different magnitudes
+    return (rng.standard_normal((W, *shape)) * scale).astype(np.float32)
+
+
+def _scales(values: np.ndarray, config) -> np.ndarray:
+    """The scale of the bucket holding each value of ``values`` (1-D), as the codec computes it."""
+    meta = np.asarray(jax_cgx.quantize(jnp.asarray(values), config.replace(stochastic=False)).meta)
+    return np.repeat(meta[:, 1].astype(np.float64), config.bucket_size)[: values.size]
+
+
+# ----------------------------------------------------------------- bits=32 is lax
+
+CASES = [(False, 0, (W, 40, 24)), (True, 0, (2 * W, 40, 24)), (False, 1, (40, W, 24)), (True, 1, (40, 3 * W, 24))]
+
+
+@pytest.mark.parametrize("tiled, dim, shape", CASES, ids=["untiled-0", "tiled-0", "untiled-1", "tiled-1"])
+def test_psum_scatter_bits32_is_lax(tiled, dim, shape):
+    xs = _data(shape)
+    exact = jax_cgx.CompressionConfig(bits=32)
+    ours = _run(lambda v: jax_cgx.compressed_psum_scatter(v, "d", exact, scatter_dimension=dim, tiled=tiled), xs)
+    ref = _run(lambda v: lax.psum_scatter(v, "d", scatter_dimension=dim, tiled=tiled), xs)
+    assert_same_bits(ours, ref, "bits=32")
+    half = jax_cgx.CompressionConfig(bits=16)
+    ours = _run(lambda v: jax_cgx.compressed_psum_scatter(v, "d", half, scatter_dimension=dim, tiled=tiled), xs)
+    ref = _run(lambda v: lax.psum_scatter(v.astype(jnp.bfloat16), "d", scatter_dimension=dim,
+                                          tiled=tiled).astype(jnp.float32), xs)
+    assert_same_bits(ours, ref, "bits=16")
+
+
+@pytest.mark.parametrize("tiled, axis", [(False, 0), (True, 0), (False, 1), (True, 1), (False, 2)])
+def test_all_gather_bits32_is_lax(tiled, axis):
+    xs = _data((40, 24))
+    for bits, cast in ((32, jnp.float32), (16, jnp.bfloat16)):
+        cfg = jax_cgx.CompressionConfig(bits=bits)
+        ours = _run(lambda v: jax_cgx.compressed_all_gather(v, "d", cfg, axis=axis, tiled=tiled), xs)  # noqa: B023
+        ref = _run(lambda v: lax.all_gather(v.astype(cast), "d", axis=axis, tiled=tiled).astype(jnp.float32), xs)  # noqa: B023
+        assert_same_bits(ours, ref, f"bits={bits}")
+
+
+# ----------------------------------------------------------------- the error bound
+
+@pytest.mark.parametrize("bits", range(1, 9))
+@pytest.mark.parametrize("stochastic", [False, True], ids=["nearest", "stochastic"])
+def test_psum_scatter_error_within_the_bound(bits, stochastic):
+    # Block o of the result: the owner's block exact, each peer's quantized once.
+    m = 1000  # values per block: not a multiple of the bucket (a short last bucket) nor of 16 (padding)
+    xs = _data((W, m), seed=bits)
+    cfg = jax_cgx.CompressionConfig(bits=bits, bucket_size=BUCKET, stochastic=stochastic)
+    key = jax.random.key(bits) if stochastic else None
+    out = _run(lambda v: jax_cgx.compressed_psum_scatter(v, "d", cfg, key=key), xs)  # [W(owner), m]
+    x64 = xs.astype(np.float64)
+    factor = 1.0 if stochastic else 0.5
+    for o in range(W):
+        exact = x64[:, o].sum(0)
+        peers = sum(_scales(xs[r, o], cfg) for r in range(W) if r != o)
+        rounding = 2.0**-22 * np.abs(x64[:, o]).sum(0) * W
+        err = np.abs(out[o] - exact)
+        bound = peers * (factor + 1e-4) + rounding
+        assert np.all(err <= bound), (o, float(np.max(err - bound)))
+    assert np.any(out != _run(lambda v: lax.psum_scatter(v, "d"), xs))  # it was compressed
+
+
+@pytest.mark.parametrize("bits", range(1, 9))
+@pytest.mark.parametrize("stochastic", [False, True], ids=["nearest", "stochastic"])
+def test_all_gather_error_within_the_bound_and_replicas_identical(bits, stochastic):
+    m = 1000
+    xs = _data((m,), seed=bits)
+    cfg = jax_cgx.CompressionConfig(bits=bits, bucket_size=BUCKET, stochastic=stochastic)
+    key = jax.random.key(bits) if stochastic else None
+    out = _run(lambda v: jax_cgx.compressed_all_gather(v, "d", cfg, key=key), xs)  # [W(replica), W(shard), m]
+    for r in range(1, W):
+        assert_same_bits(out[r], out[0], f"replica {r}")
+    factor = 1.0 if stochastic else 0.5
+    for s in range(W):
+        err = np.abs(out[0, s].astype(np.float64) - xs[s])
+        bound = _scales(xs[s], cfg) * (factor + 1e-4) + 2.0**-23 * np.abs(xs[s])
+        assert np.all(err <= bound), (s, float(np.max(err - bound)))
+    assert np.any(out[0] != xs)
+
+
+# ----------------------------------------------------------------- pytrees, lanes, fusion
+
+def test_pytrees_lanes_and_fusion():
+    rng = np.random.default_rng(5)
+    tree = {"w": rng.standard_normal((W, 2 * W, 300)).astype(np.float32),
+            "v": rng.standard_normal((W, W, 50)).astype(np.float32),
+            "small": rng.standard_normal((W, W)).astype(np.float32),  # < min_size: exact
+            "n": np.arange(W * W * 3, dtype=np.int32).reshape(W, W, 3)}
+    cfg = jax_cgx.CompressionConfig(bits=4, bucket_size=BUCKET)
+    out = _run(lambda t: jax_cgx.compressed_psum_scatter(t, "d", cfg, tiled=True), tree)
+    ref = _run(lambda t: jax.tree.map(lambda a: lax.psum_scatter(a, "d", tiled=True), t), tree)
+    for k in ("small", "n"):
+        assert_same_bits(out[k], ref[k], k)
+    for k in ("w", "v"):
+        assert out[k].shape == ref[k].shape and np.any(out[k] != ref[k])
+    # Per-leaf configs: w exact, the rest compressed.
+    per_leaf = {"w": None, "v": cfg, "small": cfg, "n": None}
+    out = _run(lambda t: jax_cgx.compressed_psum_scatter(t, "d", per_leaf, tiled=True), tree)
+    assert_same_bits(out["w"], ref["w"], "w: config None")
+    gathered = _run(lambda t: jax_cgx.compressed_all_gather(jax.tree.map(lambda a: a[0], t), "d", cfg), tree)
+    exact = _run(lambda t: jax.tree.map(lambda a: lax.all_gather(a[0], "d"), t), tree)
+    assert_same_bits(gathered["n"], exact["n"], "n")
+    assert gathered["w"].shape == exact["w"].shape
+
+
+def test_bytes_on_wire_ops():
+    x = {"w": jax.ShapeDtypeStruct((W, 4096), jnp.float32), "n": jax.ShapeDtypeStruct((W, 4), jnp.int32)}
+    plain = jax_cgx.CompressionConfig(bits=32)
+    assert jax_cgx.bytes_on_wire(x, W, plain, op="psum_scatter") == (W - 1) * (4096 + 4) * 4
+    assert jax_cgx.bytes_on_wire(x, W, plain, op="all_gather") == (W - 1) * W * (4096 + 4) * 4
+    four = jax_cgx.CompressionConfig(bits=4, bucket_size=512)
+    packed = 4096 // 2 + 8 * 8  # 4096 values at 4 bits, 8 buckets of (min, scale)
+    assert jax_cgx.bytes_on_wire(x, W, four, op="psum_scatter") == (W - 1) * (packed + 4 * 4)
+    with pytest.raises(ValueError, match="op must be one of 'psum', 'psum_scatter', 'all_gather'"):
+        jax_cgx.bytes_on_wire(x, W, four, op="reduce_scatter")
+
+
+# ----------------------------------------------------------------- JAX transformations
+
+def test_gradients_are_lax_gradients():
+    # A linear loss: the cotangent does not depend on the (compressed) value, so the gradient
+    # must be lax's to the bit (quantization is the identity to differentiation).
+    xs = _data((2 * W, 30))
+    cfg = jax_cgx.CompressionConfig(bits=3, bucket_size=BUCKET)
+    weights = np.random.default_rng(1).standard_normal((W, 2, 30)).astype(np.float32)
+
+    def loss(xs, scatter):
+        out = jax.shard_map(lambda v: scatter(v[0])[None], mesh=_mesh(), in_specs=P("d"), out_specs=P("d"))(xs)
+        return jnp.sum(out * weights)
+
+    ours = jax.grad(loss)(xs, lambda v: jax_cgx.compressed_psum_scatter(v, "d", cfg, tiled=True))
+    ref = jax.grad(loss)(xs, lambda v: lax.psum_scatter(v, "d", tiled=True))
+    assert_same_bits(np.asarray(ours), np.asarray(ref), "psum_scatter")
+
+    shards = _data((30,))
+    g_weights = np.random.default_rng(2).standard_normal((W, W, 30)).astype(np.float32)
+
+    def gather_loss(xs, gather):
+        out = jax.shard_map(lambda v: gather(v[0])[None], mesh=_mesh(), in_specs=P("d"), out_specs=P("d"))(xs)
+        return jnp.sum(out * g_weights)
+
+    ours = jax.grad(gather_loss)(shards, lambda v: jax_cgx.compressed_all_gather(v, "d", cfg))
+    ref = jax.grad(gather_loss)(shards, lambda v: lax.all_gather(v, "d"))
+    assert_same_bits(np.asarray(ours), np.asarray(ref), "all_gather")
+
+
+def test_vmap_scan_and_no_check_vma():
+    xs = _data((3, W, 200))  # a vmapped leading axis of 3
+    cfg = jax_cgx.CompressionConfig(bits=4, bucket_size=BUCKET)
+    one = lambda v: jax_cgx.compressed_psum_scatter(v, "d", cfg)  # noqa: E731
+    vmapped = _run(jax.vmap(one), xs)
+    looped = _run(lambda v: jnp.stack([one(v[i]) for i in range(3)]), xs)
+    assert_same_bits(vmapped, looped, "vmap = rows")
+    scanned = _run(lambda v: lax.scan(lambda c, row: (c, one(row)), 0, v)[1], xs)
+    assert_same_bits(scanned, looped, "scan")
+    unchecked = _run(lambda v: jnp.stack([one(v[i]) for i in range(3)]), xs, check_vma=False)
+    assert_same_bits(unchecked, looped, "check_vma=False")
+    gathered = _run(jax.vmap(lambda v: jax_cgx.compressed_all_gather(v, "d", cfg)), xs[:, :, 0])
+    assert gathered.shape == (W, 3, W, 200)
+
+
+def test_errors():
+    xs = _data((W + 1, 10))
+    cfg = jax_cgx.CompressionConfig(bits=4)
+    with pytest.raises(ValueError, match=r"has 9 entries along scatter_dimension 0; with tiled=False it must equal"):
+        _run(lambda v: jax_cgx.compressed_psum_scatter(v, "d", cfg), xs)
+    with pytest.raises(ValueError, match="not divisible by the 8 ranks"):
+        _run(lambda v: jax_cgx.compressed_psum_scatter(v, "d", cfg, tiled=True), xs)
+    with pytest.raises(ValueError, match="stochastic rounding needs a PRNG key"):
+        _run(lambda v: jax_cgx.compressed_all_gather(v, "d", cfg.replace(stochastic=True)), xs)
+    with pytest.raises(ValueError, match="hierarchical=True applies to all-reduces only"):
+        _run(lambda v: jax_cgx.compressed_all_gather(v, "d", cfg.replace(hierarchical=True)), xs)
+    with pytest.raises(NotImplementedError, match="backend='tcp' runs all-reduces only"):
+        _run(lambda v: jax_cgx.compressed_all_gather(v, "d", cfg.replace(backend="tcp")), xs)
+    with pytest.raises(ValueError, match="axis=3 is out of range"):
+        _run(lambda v: jax_cgx.compressed_all_gather(v, "d", cfg, axis=3), xs)
+    with pytest.raises(NameError, match="axis name 'x' is not bound"):
+        jax_cgx.compressed_psum_scatter(jnp.ones((W, 4)), "x", cfg)
