@@ -2,6 +2,8 @@
 bits=32 is lax to the bit, the error stays within the analytic bound from the data's own buckets,
 all_gather's replicas are identical, gradients are lax's, vmap and jit/scan, bytes_on_wire."""
 
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -10,8 +12,11 @@ from bitwise import assert_same_bits
 from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
+from processes import SUPPORT, run_all
+from sharded_worker import inputs, programs
 
 import jax_cgx
+from jax_cgx.launch import free_port
 
 W = 8
 BUCKET = 64
@@ -208,3 +213,34 @@ def test_errors():
         _run(lambda v: jax_cgx.compressed_all_gather(v, "d", cfg, axis=3), xs)
     with pytest.raises(NameError, match="axis name 'x' is not bound"):
         jax_cgx.compressed_psum_scatter(jnp.ones((W, 4)), "x", cfg)
+
+
+def test_pmap():
+    xs = _data((W, 100))
+    cfg = jax_cgx.CompressionConfig(bits=4, bucket_size=BUCKET)
+    ours = jax.pmap(lambda v: jax_cgx.compressed_psum_scatter(v, "d", cfg), axis_name="d")(xs)
+    in_shard_map = _run(lambda v: jax_cgx.compressed_psum_scatter(v, "d", cfg), xs)
+    assert_same_bits(np.asarray(ours), in_shard_map, "pmap = shard_map")
+    gathered = jax.pmap(lambda v: jax_cgx.compressed_all_gather(v, "d", cfg), axis_name="d")(xs[:, 0])
+    assert_same_bits(np.asarray(gathered), _run(lambda v: jax_cgx.compressed_all_gather(v, "d", cfg), xs[:, 0]),
+                     "all_gather: pmap = shard_map")
+
+
+@pytest.mark.multiprocess
+def test_two_processes_two_devices_each(tmp_path):
+    # The same programs over 2 processes x 2 devices (gloo) and over 4 devices of this process:
+    # the same bytes, stochastic rounding included.
+    nproc, port = 2, free_port()
+    worker = SUPPORT / "sharded_worker.py"
+    commands = [[sys.executable, str(worker), str(i), str(nproc), str(port), str(tmp_path)] for i in range(nproc)]
+    for returncode, log in run_all(commands, timeout=300):
+        assert returncode == 0, log[-4000:]
+    results = {}
+    for i in range(nproc):
+        results.update(np.load(tmp_path / f"process{i}.npz"))
+    mesh = Mesh(np.array(jax.devices()[:4]), ("d",))
+    xs = inputs(4)
+    for name, fn in programs(mesh).items():
+        local = np.asarray(fn(xs))
+        for d in range(4):
+            assert_same_bits(results[f"{name}/device{d}"], local[d], f"{name}: device {d}")
