@@ -1,4 +1,6 @@
-"""compressed_psum against lax.psum over all devices, measured side by side, nccl-tests style.
+"""compressed_psum against lax.psum over all devices, measured side by side, nccl-tests style;
+with ``--ops`` also compressed_psum_scatter against lax.psum_scatter and compressed_all_gather
+against lax.all_gather.
 
 Sizes sweep like nccl-tests' all_reduce_perf: ``-b`` smallest and ``-e`` largest buffer in
 bytes (per device; suffixes K, M, G), ``-f`` the factor between them (or ``--sizes-mib``
@@ -16,6 +18,11 @@ bandwidth-optimal all-reduce moves ``2(W-1)/W`` of the buffer; SRA moves ``W-1``
 chunks out and ``W-1`` back (jax_cgx.collectives.bytes_on_wire). On simulated CPU
 devices there is no wire, so the time shows the cost of the codec, not the benefit of
 moving fewer bytes; docs/results.md says which is which.
+
+``--ops psum psum_scatter all_gather``: the size is the larger side per device, as in
+nccl-tests (a reduce-scatter's input, an all-gather's output; both ``tiled``), and busbw is
+``algbw * (W-1)/W`` for these two. They run on the xla backend only (rows for other backends
+are left out).
 
 ``--backends`` compares jax_cgx's backends (``xla``: XLA collectives; ``nccl``: one
 custom call on jax_cgx's NCCL communicators, GPU only; ``tcp``: one CPU custom call on
@@ -143,7 +150,6 @@ def run(args: argparse.Namespace) -> list[dict]:
     if "tcp" in backends:
         jax_cgx.tcp.setup(mesh)
     dtype = jnp.dtype(args.dtype)
-    bus = 2 * (world - 1) / world if world > 1 else 1.0
 
     def reducer(reduce):
         body = lambda v: reduce(v[0])[None]  # noqa: E731
@@ -152,49 +158,68 @@ def run(args: argparse.Namespace) -> list[dict]:
     def local(out) -> np.ndarray:
         return np.asarray(out.addressable_shards[0].data, np.float32)[0]
 
-    psum = reducer(lambda v: jax.lax.psum(v, "d"))
     sizes = sizes_in_bytes(args)
-    combos = list(itertools.product(args.bits, args.bucket_sizes, backends))
+    combos = [(op, *c) for op in args.ops for c in itertools.product(args.bits, args.bucket_sizes, backends)
+              if op == "psum" or c[2] == "xla"]
     records = []
-    with _progress(len(sizes) * (1 + len(combos)), jax.process_index() == 0 and args.progress) as bar:
+    with _progress(len(sizes) * (len(args.ops) + len(combos)), jax.process_index() == 0 and args.progress) as bar:
         for size in sizes:
-            n = max(size // dtype.itemsize, 1)
-            x = jax.make_array_from_callback(
-                (world, n), sharding,
-                lambda idx: np.random.default_rng(idx[0].start or 0).standard_normal((1, n)).astype(dtype),
-            )
-            t_psum = median_time(psum, x, args.repeats, args.warmup)
-            exact = local(psum(x))
-            bar.advance(f"{size / 2**20:g} MiB psum")
-            like = jax.ShapeDtypeStruct((n,), dtype)
-            wire_psum = bytes_on_wire(like, world, jax_cgx.CompressionConfig(bits=32))
-            for bits, bucket, backend in combos:
-                config = jax_cgx.CompressionConfig(
-                    bits=bits, bucket_size=bucket, fusion_buffer_mb=max(1024, 2 * size / 2**20), backend=backend,
-                    algorithm=args.algorithm, min_size=0,
+            # The larger side per device: all of it for psum, W blocks (psum_scatter), W shards (all_gather).
+            n = max(size // dtype.itemsize, 1) if args.ops == ["psum"] else max(size // dtype.itemsize // world, 1) * world
+            nbytes = n * dtype.itemsize
+            for op in args.ops:
+                lax_op, cgx_op, bus = _OPS[op]
+                m = n if op != "all_gather" else n // world  # values per device in
+                x = jax.make_array_from_callback(
+                    (world, m), sharding,
+                    lambda idx, m=m: np.random.default_rng(idx[0].start or 0).standard_normal((1, m)).astype(dtype),
                 )
-                compressed = reducer(lambda v, c=config: jax_cgx.compressed_psum(v, "d", c, impl=args.impl))
-                t = median_time(compressed, x, args.repeats, args.warmup)
-                err = float(np.max(np.abs(local(compressed(x)) - exact)))
-                nbytes = n * dtype.itemsize
-                records.append(
-                    dict(
-                        devices=world, platform=devices[0].platform, backend=backend, algorithm=args.algorithm,
-                        dtype=dtype.name, size_bytes=nbytes, size_mib=nbytes / 2**20, count=n, bits=bits,
-                        bucket_size=bucket, psum_ms=t_psum * 1e3, compressed_ms=t * 1e3,
-                        psum_algbw_gbs=nbytes / t_psum / 1e9, psum_busbw_gbs=nbytes / t_psum / 1e9 * bus,
-                        algbw_gbs=nbytes / t / 1e9, busbw_gbs=nbytes / t / 1e9 * bus, speedup=t_psum / t,
-                        psum_wire_mib=wire_psum / 2**20,
-                        compressed_wire_mib=bytes_on_wire(like, world, config) / 2**20,
-                        max_abs_error=err, max_abs_sum=float(np.max(np.abs(exact))),
+                plain = reducer(lambda v, f=lax_op: f(v, "d"))
+                t_plain = median_time(plain, x, args.repeats, args.warmup)
+                exact = local(plain(x))
+                bar.advance(f"{size / 2**20:g} MiB {op}")
+                like = jax.ShapeDtypeStruct((m,), dtype)
+                wire_plain = bytes_on_wire(like, world, jax_cgx.CompressionConfig(bits=32), op=op)
+                factor = bus(world) if world > 1 else 1.0
+                for _, bits, bucket, backend in [c for c in combos if c[0] == op]:
+                    config = jax_cgx.CompressionConfig(
+                        bits=bits, bucket_size=bucket, fusion_buffer_mb=max(1024, 2 * size / 2**20), backend=backend,
+                        algorithm=args.algorithm, min_size=0,
                     )
-                )
-                bar.advance(f"{size / 2**20:g} MiB {bits} bits {backend}")
+                    compressed = reducer(lambda v, c=config, f=cgx_op: f(v, "d", c, impl=args.impl))
+                    t = median_time(compressed, x, args.repeats, args.warmup)
+                    err = float(np.max(np.abs(local(compressed(x)) - exact)))
+                    records.append(
+                        dict(
+                            op=op, devices=world, platform=devices[0].platform, backend=backend,
+                            algorithm=args.algorithm, dtype=dtype.name, size_bytes=nbytes, size_mib=nbytes / 2**20,
+                            count=n, bits=bits, bucket_size=bucket, psum_ms=t_plain * 1e3, compressed_ms=t * 1e3,
+                            psum_algbw_gbs=nbytes / t_plain / 1e9, psum_busbw_gbs=nbytes / t_plain / 1e9 * factor,
+                            algbw_gbs=nbytes / t / 1e9, busbw_gbs=nbytes / t / 1e9 * factor, speedup=t_plain / t,
+                            psum_wire_mib=wire_plain / 2**20,
+                            compressed_wire_mib=bytes_on_wire(like, world, config, op=op) / 2**20,
+                            max_abs_error=err, max_abs_sum=float(np.max(np.abs(exact))),
+                        )
+                    )
+                    bar.advance(f"{size / 2**20:g} MiB {op} {bits} bits {backend}")
     if "nccl" in backends:
         jax_cgx.nccl.teardown()
     if "tcp" in backends:
         jax_cgx.tcp.teardown()
     return records
+
+
+# op -> (lax's collective, jax_cgx's, nccl-tests' bus factor); psum_scatter and all_gather tiled.
+_OPS = {
+    "psum": (jax.lax.psum, lambda v, axis, c, impl: jax_cgx.compressed_psum(v, axis, c, impl=impl),
+             lambda w: 2 * (w - 1) / w),
+    "psum_scatter": (lambda v, axis: jax.lax.psum_scatter(v, axis, tiled=True),
+                     lambda v, axis, c, impl: jax_cgx.compressed_psum_scatter(v, axis, c, tiled=True, impl=impl),
+                     lambda w: (w - 1) / w),
+    "all_gather": (lambda v, axis: jax.lax.all_gather(v, axis, tiled=True),
+                   lambda v, axis, c, impl: jax_cgx.compressed_all_gather(v, axis, c, tiled=True, impl=impl),
+                   lambda w: (w - 1) / w),
+}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -210,6 +235,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backends", nargs="+", choices=["xla", "nccl", "tcp"],
                    help="jax_cgx backends to time (default: xla, plus nccl on GPUs); nccl and tcp are set up "
                         "with jax_cgx.nccl.setup / jax_cgx.tcp.setup")
+    p.add_argument("--ops", nargs="+", choices=list(_OPS), default=["psum"],
+                   help="collectives to time against lax's (default: psum)")
     p.add_argument("--algorithm", default="sra", choices=["sra", "ring"])
     p.add_argument("--impl", default="auto", choices=["kernel", "reference", "auto"])
     p.add_argument("-n", "--repeats", type=int, default=10, help="timed calls per point (median)")
@@ -222,32 +249,32 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def plot(records: list[dict], path: str) -> None:
-    """busbw (GB/s) and speedup over psum against buffer size, one line per bits/bucket/backend."""
+    """busbw (GB/s) and speedup over lax against buffer size, one line per op/bits/bucket/backend."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, (ax_bw, ax_sp) = plt.subplots(1, 2, figsize=(11, 4))
-    sizes = sorted({r["size_bytes"] for r in records})
-    psum = {r["size_bytes"]: r["psum_busbw_gbs"] for r in records}
-    ax_bw.plot(sizes, [psum[s] for s in sizes], "k--", label="psum")
-    for key in sorted({(r["bits"], r["bucket_size"], r["backend"]) for r in records}):
-        rows = sorted((r for r in records if (r["bits"], r["bucket_size"], r["backend"]) == key),
+    for op in sorted({r.get("op", "psum") for r in records}):
+        lax_bw = {r["size_bytes"]: r["psum_busbw_gbs"] for r in records if r.get("op", "psum") == op}
+        ax_bw.plot(sorted(lax_bw), [lax_bw[s] for s in sorted(lax_bw)], "--", label=f"lax.{op}")
+    for key in sorted({(r.get("op", "psum"), r["bits"], r["bucket_size"], r["backend"]) for r in records}):
+        rows = sorted((r for r in records if (r.get("op", "psum"), r["bits"], r["bucket_size"], r["backend"]) == key),
                       key=lambda r: r["size_bytes"])
-        label = f"{key[0]} bits, bucket {key[1]}, {key[2]}"
+        label = f"{key[0]}, {key[1]} bits, bucket {key[2]}, {key[3]}"
         ax_bw.plot([r["size_bytes"] for r in rows], [r["busbw_gbs"] for r in rows], marker="o", label=label)
         ax_sp.plot([r["size_bytes"] for r in rows], [r["speedup"] for r in rows], marker="o", label=label)
     ax_sp.axhline(1.0, color="k", linestyle="--", linewidth=0.8)
     r0 = records[0]
-    for ax, ylabel in ((ax_bw, "busbw (GB/s, uncompressed bytes)"), (ax_sp, "speedup over psum")):
+    for ax, ylabel in ((ax_bw, "busbw (GB/s, uncompressed bytes)"), (ax_sp, "speedup over lax")):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("buffer per device (bytes)")
         ax.set_ylabel(ylabel)
         ax.grid(True, alpha=0.3)
     ax_bw.legend(fontsize=7)
     ax_sp.legend(fontsize=7)
-    fig.suptitle(f"compressed_psum vs psum: {r0['devices']} x {r0['platform']}, {r0['dtype']}, {r0['algorithm']}")
+    fig.suptitle(f"jax_cgx vs lax: {r0['devices']} x {r0['platform']}, {r0['dtype']}, {r0['algorithm']}")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -258,6 +285,7 @@ def main(args: argparse.Namespace) -> None:
         return
     rows = [
         [
+            r.get("op", "psum"),
             f"{r['size_bytes']:,}",
             f"{r['count']:,}",
             r["dtype"],
@@ -276,9 +304,9 @@ def main(args: argparse.Namespace) -> None:
         for r in records
     ]
     r0 = records[0]
-    title = (f"compressed_psum vs psum: {r0['devices']} x {r0['platform']} devices, {r0['algorithm']} "
+    title = (f"jax_cgx vs lax: {r0['devices']} x {r0['platform']} devices, {r0['algorithm']} "
              "(algbw/busbw from the uncompressed size, nccl-tests convention)")
-    columns = ["size (B)", "count", "type", "bits", "bucket", "backend", "psum us", "psum busbw",
+    columns = ["op", "size (B)", "count", "type", "bits", "bucket", "backend", "lax us", "lax busbw",
                "cgx us", "algbw GB/s", "busbw GB/s", "speedup", "fewer bytes", "max |err|"]
     print_table(title, columns, rows)
     if args.output:

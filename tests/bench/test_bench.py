@@ -39,6 +39,20 @@ def test_small_sweep_writes_consistent_records(tmp_path, capsys):
     assert "busbw GB/s" in capsys.readouterr().out
 
 
+def test_reduce_scatter_and_all_gather_rows(tmp_path):
+    out = tmp_path / "r.json"
+    main(["allreduce", "--sizes-mib", "0.25", "--bits", "4", "-n", "2", "--ops", "psum_scatter", "all_gather",
+          "--backends", "xla", "tcp", "--output", str(out), "--no-progress"])
+    records = json.loads(out.read_text())
+    assert [(r["op"], r["backend"]) for r in records] == [("psum_scatter", "xla"), ("all_gather", "xla")]  # xla only
+    world = records[0]["devices"]
+    for r in records:
+        assert r["size_bytes"] == 2**18  # the larger side: the scatter's input, the gather's output
+        assert r["busbw_gbs"] == pytest.approx(r["algbw_gbs"] * (world - 1) / world)  # nccl-tests' factor
+        assert r["compressed_wire_mib"] < r["psum_wire_mib"] / 3
+        assert 0 < r["max_abs_error"] < r["max_abs_sum"]
+
+
 @pytest.mark.multiprocess
 def test_allreduce_phases_on_two_processes(tmp_path):
     """benchmarks/allreduce_phases.py: every phase timed, on 2 CPU processes under jax_cgx.launch."""
