@@ -58,14 +58,14 @@ def check_axis_names(axes, api_name: str) -> None:
             )
 
 
-def all_gather_invariant(x, axis_name):
-    """A tiled all-gather typed varying -> invariant (jax 0.10 keeps it in jax._src)."""
+def all_gather_invariant(x, axis_name, *, axis: int = 0, tiled: bool = True):
+    """An all-gather typed varying -> invariant (jax 0.10 keeps it in jax._src)."""
     from jax import lax
 
     gather = getattr(lax, "all_gather_invariant", None)
     if gather is None:
         from jax._src.lax.parallel import all_gather_invariant as gather
-    return gather(x, axis_name, axis=0, tiled=True)
+    return gather(x, axis_name, axis=axis, tiled=tiled)
 
 
 def vmapped_axes(axes) -> tuple:

@@ -56,27 +56,37 @@ def gather_rows(x, seeds, *, axes, world, bits, bucket_size, stochastic, impl, s
 compressed_all_gather_p = Primitive("jax_cgx_compressed_all_gather")
 
 
-def _abstract_eval(x, seeds, *, axes, world, **params):
+def _abstract_eval(x, seeds, *, axes, world, invariant, **params):
     del seeds, params
     _compat.check_axis_names(axes, API)
-    # Typed as lax.all_gather's result is: varying over the axes (lax.all_gather_invariant is another op).
-    return x.update(shape=(x.shape[0], world, x.shape[1])), {_compat.NamedAxisEffect(a) for a in axes}
+    # Typed as lax.all_gather's result: varying over the axes, or invariant with to="invarying".
+    out = x.update(shape=(x.shape[0], world, x.shape[1]))
+    if invariant and _compat.check_vma_enabled():
+        out = _compat.remove_varying(out, axes)
+    return out, {_compat.NamedAxisEffect(a) for a in axes}
 
 
-def _lower(ctx, x, seeds, **params):
+def _lower(ctx, x, seeds, *, invariant, **params):
+    del invariant  # typing only: the program is the same
     cap = _wire.message_cap(ctx.module_context.platforms)
     return mlir.lower_fun(functools.partial(gather_rows, message_cap=cap, **params), multiple_results=False)(
         ctx, x, seeds)
 
 
-def _jvp(primals, tangents, *, axes, **params):
+def _jvp(primals, tangents, *, axes, invariant, **params):
     x, seeds = primals
-    out = compressed_all_gather_p.bind(x, seeds, axes=axes, **params)
+    out = compressed_all_gather_p.bind(x, seeds, axes=axes, invariant=invariant, **params)
     tx = tangents[0]
     if type(tx) is ad.Zero:
         return out, ad.Zero.from_primal_value(out)
     # Quantization is the identity to differentiation: lax's exact, linear all_gather.
-    return out, lax.all_gather(tx, axes, axis=1, tiled=False)
+    return out, _lax_all_gather(tx, axes, 1, False, invariant)
+
+
+def _lax_all_gather(x, axes, axis: int, tiled: bool, invariant: bool):
+    if invariant and _compat.check_vma_enabled():
+        return _compat.all_gather_invariant(x, axes, axis=axis, tiled=tiled)
+    return lax.all_gather(x, axes, axis=axis, tiled=tiled)
 
 
 def _batch(axis_data, args, dims, *, axes, **params):
@@ -105,7 +115,7 @@ def _gathered(rows, shape: tuple, axis: int, tiled: bool):
 
 
 def compressed_all_gather(x, axis_name, config: ConfigSpec = None, *, axis: int = 0, tiled: bool = False,
-                          key: jax.Array | None = None, impl: Impl = "auto"):
+                          to: str = "varying", key: jax.Array | None = None, impl: Impl = "auto"):
     """``jax.lax.all_gather`` of a pytree, compressed: each shard quantized once, by its owner.
 
     The semantics of ``lax.all_gather``: ``tiled=False`` stacks the ranks' leaves along a new
@@ -121,11 +131,17 @@ def compressed_all_gather(x, axis_name, config: ConfigSpec = None, *, axis: int 
       config: as for :func:`~jax_cgx.compressed_psum`.
       axis: where the ranks' dimension goes (``tiled=False``) or which dimension grows (``tiled=True``).
       tiled: as for ``lax.all_gather``.
+      to: as for ``lax.all_gather`` under ``shard_map(check_vma=True)``: ``"varying"`` (lax's
+        default type) or ``"invarying"``: the result typed the same on every rank, so it can
+        leave ``shard_map`` with ``out_specs=P()`` (every replica does hold the same bits).
       key: a PRNG key for stochastic rounding, the same on every rank (each folds in its index).
       impl: the codec implementation: "auto", "kernel" or "reference" (bitwise the same).
     """
     check_impl(impl)
     _compat.check_prng_key(key, API)
+    if to not in ("varying", "invarying"):
+        raise ValueError(f"{API}: to must be 'varying' or 'invarying' (as for lax.all_gather), got {to!r}")
+    invariant = to == "invarying"
     axes = _compat.axes_tuple(axis_name)
     _compat.check_axis_names(axes, API)
     world = int(np.prod([lax.axis_size(a) for a in axes]))
@@ -143,10 +159,10 @@ def compressed_all_gather(x, axis_name, config: ConfigSpec = None, *, axis: int 
     out: list = [None] * len(leaves.leaves)
     for i, (kind, leaf) in enumerate(zip(leaves.lanes, leaves.leaves)):
         if kind == "exact":
-            out[i] = lax.all_gather(leaf, axes, axis=axes_of[i], tiled=tiled)
+            out[i] = _lax_all_gather(_compat.ensure_varying(leaf, axes), axes, axes_of[i], tiled, invariant)
         elif kind == "half":
-            half = leaf.astype(jnp.dtype(leaves.configs[i].half_dtype))
-            out[i] = lax.all_gather(half, axes, axis=axes_of[i], tiled=tiled).astype(leaf.dtype)
+            half = _compat.ensure_varying(leaf.astype(jnp.dtype(leaves.configs[i].half_dtype)), axes)
+            out[i] = _lax_all_gather(half, axes, axes_of[i], tiled, invariant).astype(leaf.dtype)
     if leaves.groups:
         if vmapped := _compat.vmapped_axes(axes):
             raise NotImplementedError(f"{API} over the vmapped axis {vmapped[0]!r} is not supported: vmap has no "
@@ -161,7 +177,7 @@ def compressed_all_gather(x, axis_name, config: ConfigSpec = None, *, axis: int 
                      else jax.random.bits(buf_key, (1, 2), jnp.uint32))
             rows = compressed_all_gather_p.bind(
                 joined[None], seeds, axes=axes, world=world, bits=cfg.bits, bucket_size=cfg.bucket_size,
-                stochastic=cfg.stochastic, impl=impl, segments=cfg.pipeline_segments)[0]
+                stochastic=cfg.stochastic, impl=impl, segments=cfg.pipeline_segments, invariant=invariant)[0]
             start = 0
             for i, piece in zip(members, flat):
                 shard = rows[:, start:start + piece.size]

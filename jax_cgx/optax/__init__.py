@@ -11,6 +11,10 @@ of ``jax.lax.pmean(grads, axis_name)``, typically first in an ``optax.chain``::
 ``cast_mean``          a mean in bfloat16/float16 (PyTorch's fp16/bf16 compress hooks)
 ``powersgd_mean``      PowerSGD (PyTorch's powerSGD_hook semantics)
 ``topk_mean``          Deep Gradient Compression's top-k sparsification
+``sharded``            an optimizer with its state sharded over the devices (ZeRO-1/2): the
+                       gradients reduce-scattered, the parameters all-gathered, both
+                       optionally compressed (not a GradientTransformation: it returns
+                       the parameters)
 =====================  ============================================================
 
 Every factory returns an ``optax.GradientTransformation`` with a NamedTuple state whose
@@ -39,6 +43,7 @@ from jax_cgx.optax._mean import (
     layer_filter,
 )
 from jax_cgx.optax._powersgd import PowerSGDState, powersgd_bytes, powersgd_mean
+from jax_cgx.optax._sharded import ShardedOptimizer, ShardedState, sharded
 from jax_cgx.optax._topk import TopKState, topk_bytes, topk_mean, topk_state_specs
 
 __all__ = [
@@ -55,4 +60,7 @@ __all__ = [
     "TopKState",
     "topk_bytes",
     "topk_state_specs",
+    "sharded",
+    "ShardedOptimizer",
+    "ShardedState",
 ]

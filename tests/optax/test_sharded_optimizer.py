@@ -1,0 +1,132 @@
+"""jax_cgx.optax.sharded: an optimizer with its state sharded over the devices (ZeRO-1/2), the
+gradients reduce-scattered and the parameters all-gathered (jax_cgx/optax/_sharded.py)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from bitwise import assert_same_bits
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jax_cgx
+import jax_cgx.optax as cgx_optax
+
+W = 8
+
+
+def _mesh():
+    return jax.make_mesh((W,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,), devices=jax.devices()[:W])
+
+
+def _loss(params, x, y):
+    h = jnp.tanh(x @ params["w1"] + params["b1"])
+    return jnp.mean((h @ params["w2"] - y) ** 2)
+
+
+def _problem():
+    rng = np.random.default_rng(0)
+    params = {"w1": rng.standard_normal((16, 50)).astype(np.float32) * 0.3,  # 800 values: padded to 8 x 100
+              "b1": np.zeros((50,), np.float32),  # 50: padded to 8 x 7
+              "w2": rng.standard_normal((50, 3)).astype(np.float32) * 0.3}
+    x = rng.standard_normal((4 * W, 16)).astype(np.float32)
+    y = rng.standard_normal((4 * W, 3)).astype(np.float32)
+    return params, x, y
+
+
+def _sharded_trainer(opt, mesh, params):
+    specs = opt.state_specs(params, mesh)
+    state = jax.jit(jax.shard_map(opt.init, mesh=mesh, in_specs=P(), out_specs=specs))(params)
+
+    def local(params, state, x, y):
+        loss, grads = jax.value_and_grad(_loss)(jax.lax.pcast(params, "data", to="varying"), x, y)
+        params, state = opt.update(grads, state)
+        return params, state, jax.lax.pmean(loss, "data")
+
+    step = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(), specs, P("data"), P("data")),
+                                 out_specs=(P(), specs, P())))
+    return specs, state, step
+
+
+def _replicated_trainer(tx, mesh, params):
+    state = tx.init(params)
+
+    def local(params, state, x, y):
+        loss, grads = jax.value_and_grad(_loss)(jax.lax.pcast(params, "data", to="varying"), x, y)
+        grads = jax.lax.pmean(grads, "data")
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state, jax.lax.pmean(loss, "data")
+
+    return state, jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), P("data"), P("data")),
+                                        out_specs=(P(), P(), P())))
+
+
+def test_exact_is_data_parallel_adam_with_the_state_sharded():
+    mesh = _mesh()
+    params, x, y = _problem()
+    params = jax.device_put(params, NamedSharding(mesh, P()))
+    x, y = jax.device_put((x, y), NamedSharding(mesh, P("data")))
+    opt = cgx_optax.sharded(optax.adam(1e-2), "data")
+    specs, state, step = _sharded_trainer(opt, mesh, params)
+    # The master copy and Adam's moments are sharded; the step count is not.
+    assert all(s == P("data") for s in jax.tree.leaves(specs.master))
+    assert specs.inner[0].mu == jax.tree.map(lambda _: P("data"), params) and specs.inner[0].count == P()
+    assert state.master["w1"].shape == (800,) and state.master["b1"].shape == (56,)  # padded to 8 blocks
+    ref_state, ref_step = _replicated_trainer(optax.adam(1e-2), mesh, params)
+    p, ref = params, params
+    for _ in range(5):
+        p, state, loss = step(p, state, x, y)
+        ref, ref_state, ref_loss = ref_step(ref, ref_state, x, y)
+    for k in params:
+        np.testing.assert_allclose(p[k], ref[k], rtol=1e-4, atol=1e-6, err_msg=k)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+    assert int(state.skipped) == 0
+
+
+def test_compressed_trains_and_replicas_agree():
+    mesh = _mesh()
+    params, x, y = _problem()
+    params = jax.device_put(params, NamedSharding(mesh, P()))
+    x, y = jax.device_put((x, y), NamedSharding(mesh, P("data")))
+    four = jax_cgx.CompressionConfig(bits=4, bucket_size=64, min_size=0)
+    opt = cgx_optax.sharded(optax.adam(1e-2), "data", grad_config=four, param_config=four.replace(bits=8))
+    _, state, step = _sharded_trainer(opt, mesh, params)
+    p, losses = params, []
+    for _ in range(30):
+        p, state, loss = step(p, state, x, y)
+        losses.append(float(loss))
+    assert losses[-1] < 0.6 * losses[0]
+    for k in p:  # out_specs=P() held under check_vma; the bits say the same
+        shards = [np.asarray(s.data) for s in p[k].addressable_shards]
+        for s in shards[1:]:
+            assert_same_bits(s, shards[0], k)
+    # The master copy is exact: the forward pass's 8-bit weights are within a bucket's half scale of it.
+    master = np.asarray(state.master["w1"])[:800].reshape(16, 50)
+    assert 0 < np.max(np.abs(np.asarray(p["w1"]) - master)) < 0.01 * np.max(np.abs(master))
+
+
+def test_a_non_finite_step_is_skipped_everywhere():
+    mesh = _mesh()
+    params, x, y = _problem()
+    params = jax.device_put(params, NamedSharding(mesh, P()))
+    x, y = jax.device_put((x, y), NamedSharding(mesh, P("data")))
+    opt = cgx_optax.sharded(optax.adam(1e-2), "data")
+    _, state, step = _sharded_trainer(opt, mesh, params)
+    p, state, _ = step(params, state, x, y)
+    bad = np.asarray(x).copy()
+    bad[0, 0] = np.inf  # one sample on device 0
+    p2, state2, _ = step(p, state, jax.device_put(bad, NamedSharding(mesh, P("data"))), y)
+    assert int(state2.skipped) == 1
+    for a, b in zip(jax.tree.leaves((state2.master, state2.inner)), jax.tree.leaves((state.master, state.inner))):
+        assert_same_bits(np.asarray(a), np.asarray(b), "state unchanged")
+    for k in p:
+        assert_same_bits(np.asarray(p2[k]), np.asarray(p[k]), k)
+    p3, state3, _ = step(p2, state2, x, y)  # and training goes on
+    assert int(state3.skipped) == 1 and np.all(np.isfinite(np.asarray(p3["w1"])))
+
+
+def test_specs_need_a_mesh_axis():
+    with pytest.raises(NameError):
+        params, _, _ = _problem()
+        cgx_optax.sharded(optax.adam(1e-2), "model").state_specs(params, _mesh())
