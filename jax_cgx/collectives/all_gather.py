@@ -16,21 +16,19 @@ The module reads top to bottom: the per-device program on rows, the primitive, i
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.extend.core import Primitive
-from jax.interpreters import ad, batching, mlir
+from jax.interpreters import ad
 
 from jax_cgx import _compat, codec
-from jax_cgx.codec import Impl, batch_rows, check_impl
+from jax_cgx.codec import Impl, check_impl
 from jax_cgx.collectives import wire as _wire
 from jax_cgx.collectives.chunks import chunk_length, gather_decode_chunks, row_plan
 from jax_cgx.collectives.plan import ConfigSpec
-from jax_cgx.collectives.sharded import Leaves, buffer_keys, buffers, check_key
+from jax_cgx.collectives.sharded import Leaves, buffer_keys, buffers, check_key, register
 
 __all__ = ["compressed_all_gather", "compressed_all_gather_p", "gather_rows"]
 
@@ -66,13 +64,6 @@ def _abstract_eval(x, seeds, *, axes, world, invariant, **params):
     return out, {_compat.NamedAxisEffect(a) for a in axes}
 
 
-def _lower(ctx, x, seeds, *, invariant, **params):
-    del invariant  # typing only: the program is the same
-    cap = _wire.message_cap(ctx.module_context.platforms)
-    return mlir.lower_fun(functools.partial(gather_rows, message_cap=cap, **params), multiple_results=False)(
-        ctx, x, seeds)
-
-
 def _jvp(primals, tangents, *, axes, invariant, **params):
     x, seeds = primals
     out = compressed_all_gather_p.bind(x, seeds, axes=axes, invariant=invariant, **params)
@@ -89,18 +80,8 @@ def _lax_all_gather(x, axes, axis: int, tiled: bool, invariant: bool):
     return lax.all_gather(x, axes, axis=axis, tiled=tiled)
 
 
-def _batch(axis_data, args, dims, *, axes, **params):
-    if axis_data.name is not None and axis_data.name in axes:
-        raise NotImplementedError(f"{API} over the vmapped axis {axis_data.name!r} is not supported: vmap has no "
-                                  "wire to compress; use jax.lax.all_gather, or map the axis with shard_map/pmap")
-    return batch_rows(compressed_all_gather_p, args, dims, axes=axes, **params)
-
-
-compressed_all_gather_p.def_effectful_abstract_eval(_abstract_eval)
-compressed_all_gather_p.def_impl(functools.partial(_compat.apply_primitive, compressed_all_gather_p))
-mlir.register_lowering(compressed_all_gather_p, _lower)
-ad.primitive_jvps[compressed_all_gather_p] = _jvp
-batching.fancy_primitive_batchers[compressed_all_gather_p] = _batch
+register(compressed_all_gather_p, abstract_eval=_abstract_eval, program=gather_rows, jvp=_jvp, api=API,
+         lax_name="all_gather", typing_only=("invariant",))
 
 
 # ------------------------------------------------------------------ the API

@@ -23,21 +23,19 @@ lowering (every platform, the xla backend), and the pytree API.
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.extend.core import Primitive
-from jax.interpreters import ad, batching, mlir
+from jax.interpreters import ad
 
 from jax_cgx import _compat, codec
-from jax_cgx.codec import Impl, batch_rows, check_impl
+from jax_cgx.codec import Impl, check_impl
 from jax_cgx.collectives import wire as _wire
 from jax_cgx.collectives.chunks import chunk_length, row_plan
 from jax_cgx.collectives.plan import ConfigSpec
-from jax_cgx.collectives.sharded import Leaves, buffer_keys, buffers, check_key
+from jax_cgx.collectives.sharded import Leaves, buffer_keys, buffers, check_key, register
 
 __all__ = ["compressed_psum_scatter", "compressed_reduce_scatter_p", "scatter_rows", "scatter_blocks",
            "unscatter_block"]
@@ -78,12 +76,6 @@ def _abstract_eval(x, seeds, *, axes, **params):
     return x.update(shape=(x.shape[0], x.shape[2])), {_compat.NamedAxisEffect(a) for a in axes}
 
 
-def _lower(ctx, x, seeds, **params):
-    cap = _wire.message_cap(ctx.module_context.platforms)
-    return mlir.lower_fun(functools.partial(scatter_rows, message_cap=cap, **params), multiple_results=False)(
-        ctx, x, seeds)
-
-
 def _jvp(primals, tangents, *, axes, **params):
     x, seeds = primals
     out = compressed_reduce_scatter_p.bind(x, seeds, axes=axes, **params)
@@ -94,18 +86,8 @@ def _jvp(primals, tangents, *, axes, **params):
     return out, lax.psum_scatter(tx, axes, scatter_dimension=1, tiled=False)
 
 
-def _batch(axis_data, args, dims, *, axes, **params):
-    if axis_data.name is not None and axis_data.name in axes:
-        raise NotImplementedError(f"{API} over the vmapped axis {axis_data.name!r} is not supported: vmap has no "
-                                  "wire to compress; use jax.lax.psum_scatter, or map the axis with shard_map/pmap")
-    return batch_rows(compressed_reduce_scatter_p, args, dims, axes=axes, **params)
-
-
-compressed_reduce_scatter_p.def_effectful_abstract_eval(_abstract_eval)
-compressed_reduce_scatter_p.def_impl(functools.partial(_compat.apply_primitive, compressed_reduce_scatter_p))
-mlir.register_lowering(compressed_reduce_scatter_p, _lower)
-ad.primitive_jvps[compressed_reduce_scatter_p] = _jvp
-batching.fancy_primitive_batchers[compressed_reduce_scatter_p] = _batch
+register(compressed_reduce_scatter_p, abstract_eval=_abstract_eval, program=scatter_rows, jvp=_jvp, api=API,
+         lax_name="psum_scatter")
 
 
 # ------------------------------------------------------------------ leaves as blocks and back

@@ -10,19 +10,25 @@ its leaves share buckets only where one leaf ends and the next begins.
 
 from __future__ import annotations
 
+import functools
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import numpy as np
 from jax import lax
+from jax.extend.core import Primitive
+from jax.interpreters import ad, batching, mlir
 
+from jax_cgx import _compat
+from jax_cgx.codec import batch_rows
 from jax_cgx.codec.quantized import META_BYTES, num_buckets, payload_bytes
+from jax_cgx.collectives import wire as _wire
 from jax_cgx.collectives.chunks import chunk_length
 from jax_cgx.collectives.plan import ConfigSpec, Group, lane, leaf_configs
 from jax_cgx.config import CompressionConfig
 
-__all__ = ["Leaves", "fuse", "buffer_keys", "check_config", "check_key", "wire_bytes"]
+__all__ = ["Leaves", "fuse", "buffer_keys", "check_config", "check_key", "wire_bytes", "register"]
 
 log = logging.getLogger("jax_cgx")
 _logged: set = set()
@@ -126,3 +132,30 @@ def wire_bytes(x, world: int, config: ConfigSpec, op: str) -> int:
         packed = payload_bytes(c, group.config.bucket_size, group.config.bits)
         total += (world - 1) * (packed + num_buckets(c, group.config.bucket_size) * META_BYTES)
     return int(round(total))
+
+
+def register(prim: Primitive, *, abstract_eval: Callable, program: Callable, jvp: Callable, api: str,
+             lax_name: str, typing_only: tuple[str, ...] = ()) -> None:
+    """Register a row-shaped collective's rules: ``abstract_eval``, the lowering of ``program``
+    (the per-device rows program, given the platform's message cap; ``typing_only`` params
+    are dropped from it), ``jvp``, the impl, and vmap folding into rows."""
+
+    def lower(ctx, *args, **params):
+        for name in typing_only:
+            params.pop(name)
+        cap = _wire.message_cap(ctx.module_context.platforms)
+        return mlir.lower_fun(functools.partial(program, message_cap=cap, **params), multiple_results=False)(
+            ctx, *args)
+
+    def batch(axis_data, args, dims, *, axes, **params):
+        if axis_data.name is not None and axis_data.name in axes:
+            raise NotImplementedError(
+                f"{api} over the vmapped axis {axis_data.name!r} is not supported: vmap has no wire to compress; "
+                f"use jax.lax.{lax_name}, or map the axis with shard_map/pmap")
+        return batch_rows(prim, args, dims, axes=axes, **params)
+
+    prim.def_effectful_abstract_eval(abstract_eval)
+    prim.def_impl(functools.partial(_compat.apply_primitive, prim))
+    mlir.register_lowering(prim, lower)
+    ad.primitive_jvps[prim] = jvp
+    batching.fancy_primitive_batchers[prim] = batch
