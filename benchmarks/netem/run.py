@@ -447,10 +447,10 @@ def summary(records: list[dict]) -> str:
             speedup = "-" if r.get("speedup") is None else f"{r['speedup']:.2f}"
             lines.append(f"{r['compressor']:>12} {r['step_ms']:>9.1f} {speedup:>7}")
         return "\n".join(lines)
-    lines = [f"{'MiB':>8} {'bits':>4} {'psum ms':>9} {'cgx ms':>9} {'speedup':>7}"]
+    lines = [f"{'op':>12} {'MiB':>8} {'bits':>4} {'lax ms':>9} {'cgx ms':>9} {'speedup':>7}"]
     for r in records:
-        lines.append(f"{r['size_mib']:>8g} {r['bits']:>4} {r['psum_ms']:>9.1f} {r['compressed_ms']:>9.1f} "
-                     f"{r['speedup']:>7.2f}")
+        lines.append(f"{r.get('op', 'psum'):>12} {r['size_mib']:>8g} {r['bits']:>4} {r['psum_ms']:>9.1f} "
+                     f"{r['compressed_ms']:>9.1f} {r['speedup']:>7.2f}")
     return "\n".join(lines)
 
 
