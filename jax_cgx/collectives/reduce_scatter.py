@@ -23,6 +23,8 @@ lowering (every platform, the xla backend), and the pytree API.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -37,17 +39,22 @@ from jax_cgx.collectives.chunks import chunk_length, row_plan
 from jax_cgx.collectives.plan import ConfigSpec
 from jax_cgx.collectives.sharded import Leaves, buffer_keys, buffers, check_key, register
 
-__all__ = ["compressed_psum_scatter", "compressed_reduce_scatter_p", "scatter_rows", "scatter_blocks",
-           "unscatter_block"]
+__all__ = ["compressed_psum_scatter", "compressed_reduce_scatter_p", "compressed_reduce_scatter_residual_p",
+           "scatter_rows", "scatter_blocks", "unscatter_block", "unscatter_blocks"]
 
 API = "compressed_psum_scatter"
 
 
 # ------------------------------------------------------------------ the per-device program
 
-def scatter_rows(x, seeds, *, axes, world, bits, bucket_size, stochastic, impl, segments, message_cap=None):
+def scatter_rows(x, seeds, *, axes, world, bits, bucket_size, stochastic, impl, segments, message_cap=None,
+                 residual=False):
     """``x[R, W, m]`` (block ``j`` of each row goes to rank ``j``), ``seeds[R, W, 2]`` ->
-    ``[R, m]``: this rank's block summed over the ranks, in ``x.dtype``."""
+    ``[R, m]``: this rank's block summed over the ranks, in ``x.dtype``.
+
+    ``residual=True``: ``(out, residual[R, W, m])``, what quantizing each block sent to a peer
+    lost (``x - decode(encode(x))``; zero for the rank's own block, which enters exactly). Summed
+    over the ranks, the residuals of block ``o`` are ``sum_r x_r[o] - out_o`` (error feedback)."""
     r, w, m = x.shape
     c = chunk_length(w * m, w, bucket_size, False)  # m, aligned for the kernels' vector loads
     padded = x if c == m else lax.dynamic_update_slice(jnp.zeros((r, w, c), x.dtype), x, (0, 0, 0))
@@ -60,8 +67,13 @@ def scatter_rows(x, seeds, *, axes, world, bits, bucket_size, stochastic, impl, 
     # Our own block enters in full precision; its received encoding must add exactly +0.
     recv_meta = lax.dynamic_update_index_in_dim(recv_meta, jnp.zeros((r, 1, nb, 2), jnp.float32), me, axis=1)
     own = lax.dynamic_index_in_dim(padded, me, axis=1, keepdims=False)
-    out = codec.dequantize_sum_rows(recv_payload, recv_meta, own, dtype=x.dtype, **codec_args)
-    return out[:, :m]
+    out = codec.dequantize_sum_rows(recv_payload, recv_meta, own, dtype=x.dtype, **codec_args)[:, :m]
+    if not residual:
+        return out
+    sent = codec.dequantize_rows(payload, meta, dtype=jnp.float32, **codec_args).reshape(r, w, c)
+    lost = padded.astype(jnp.float32) - sent
+    lost = lax.dynamic_update_index_in_dim(lost, jnp.zeros((r, 1, c), jnp.float32), me, axis=1)
+    return out, lost[:, :, :m].astype(x.dtype)
 
 
 # ------------------------------------------------------------------ the primitive and its rules
@@ -89,6 +101,25 @@ def _jvp(primals, tangents, *, axes, **params):
 register(compressed_reduce_scatter_p, abstract_eval=_abstract_eval, program=scatter_rows, jvp=_jvp, api=API,
          lax_name="psum_scatter")
 
+# (x[R, W, m], seeds) -> (out[R, m], residual[R, W, m]): the same program, with error feedback's residual.
+compressed_reduce_scatter_residual_p = Primitive("jax_cgx_compressed_reduce_scatter_residual")
+compressed_reduce_scatter_residual_p.multiple_results = True
+
+
+def _residual_abstract_eval(x, seeds, **params):
+    out, effects = _abstract_eval(x, seeds, **params)
+    return (out, x), effects  # the residual differs per rank: x's (varying) type
+
+
+def _residual_jvp(primals, tangents, **params):
+    del primals, tangents, params
+    raise TypeError(f"{API}(return_residual=True) cannot be differentiated: the residual is meant for gradient "
+                    "values (error feedback); differentiate without return_residual, or use jax.lax.stop_gradient")
+
+
+register(compressed_reduce_scatter_residual_p, abstract_eval=_residual_abstract_eval,
+         program=functools.partial(scatter_rows, residual=True), jvp=_residual_jvp, api=API, lax_name="psum_scatter")
+
 
 # ------------------------------------------------------------------ leaves as blocks and back
 
@@ -111,6 +142,12 @@ def scatter_blocks(leaf, dim: int, world: int):
     return jnp.moveaxis(leaf, dim, 0).reshape(world, -1)
 
 
+def unscatter_blocks(blocks, shape: tuple, dim: int):
+    """The inverse of :func:`scatter_blocks`: ``[W, m]`` back in the leaf's (input) shape."""
+    moved = (shape[dim],) + shape[:dim] + shape[dim + 1:]
+    return jnp.moveaxis(blocks.reshape(moved), 0, dim)
+
+
 def unscatter_block(block, shape: tuple, dim: int, tiled: bool, world: int):
     """A received block ``[m]`` in the leaf's output shape: ``dim`` dropped, or divided by ``world`` (tiled)."""
     moved = (shape[dim] // world,) if tiled else ()
@@ -122,7 +159,8 @@ def unscatter_block(block, shape: tuple, dim: int, tiled: bool, world: int):
 # ------------------------------------------------------------------ the API
 
 def compressed_psum_scatter(x, axis_name, config: ConfigSpec = None, *, scatter_dimension: int = 0,
-                            tiled: bool = False, key: jax.Array | None = None, impl: Impl = "auto"):
+                            tiled: bool = False, key: jax.Array | None = None, impl: Impl = "auto",
+                            return_residual: bool = False):
     """``jax.lax.psum_scatter`` of a pytree, compressed: each contribution quantized at most once.
 
     The semantics, shapes and conventions of ``lax.psum_scatter``: with ``tiled=False`` every
@@ -142,10 +180,16 @@ def compressed_psum_scatter(x, axis_name, config: ConfigSpec = None, *, scatter_
       tiled: as for ``lax.psum_scatter``.
       key: a PRNG key for stochastic rounding, the same on every rank (each folds in its index).
       impl: the codec implementation: "auto", "kernel" or "reference" (bitwise the same).
+      return_residual: also return this rank's share of the compression error, shaped like
+        ``x``: what quantizing its blocks lost (zero for its own block and the exact lanes; the
+        cast error in the 16-bit lane). Summed over the ranks, the residuals of block ``o`` are
+        ``sum_r x_r[o] - out_o`` up to float32 rounding: what error feedback adds to the next
+        step's input.
 
     Returns:
-      The pytree of this rank's blocks, summed over ``axis_name``; the error of a compressed
-      value is bounded by the scales of its peers' buckets (module docstring).
+      The pytree of this rank's blocks, summed over ``axis_name`` (with ``return_residual``,
+      ``(sums, residuals)``); the error of a compressed value is bounded by the scales of its
+      peers' buckets (module docstring).
     """
     check_impl(impl)
     _compat.check_prng_key(key, API)
@@ -157,12 +201,15 @@ def compressed_psum_scatter(x, axis_name, config: ConfigSpec = None, *, scatter_
             for i, leaf in enumerate(leaves.leaves)]
     check_key(leaves, key, API)
     out: list = [None] * len(leaves.leaves)
+    res: list = [None] * len(leaves.leaves)
     for i, (kind, leaf) in enumerate(zip(leaves.lanes, leaves.leaves)):
         if kind == "exact":
             out[i] = lax.psum_scatter(leaf, axes, scatter_dimension=dims[i], tiled=tiled)
+            res[i] = jnp.zeros_like(leaf)
         elif kind == "half":
             half = leaf.astype(jnp.dtype(leaves.configs[i].half_dtype))
             out[i] = lax.psum_scatter(half, axes, scatter_dimension=dims[i], tiled=tiled).astype(leaf.dtype)
+            res[i] = (leaf.astype(jnp.float32) - half.astype(jnp.float32)).astype(leaf.dtype)
     if leaves.groups:
         if vmapped := _compat.vmapped_axes(axes):
             raise NotImplementedError(f"{API} over the vmapped axis {vmapped[0]!r} is not supported: vmap has no "
@@ -175,12 +222,20 @@ def compressed_psum_scatter(x, axis_name, config: ConfigSpec = None, *, scatter_
             joined = _compat.ensure_varying(joined, axes)  # like lax: an invariant value is summed W times
             seeds = (jnp.zeros((1, world, 2), jnp.uint32) if buf_key is None
                      else jax.random.bits(buf_key, (1, world, 2), jnp.uint32))
-            summed = compressed_reduce_scatter_p.bind(
-                joined[None], seeds, axes=axes, world=world, bits=cfg.bits, bucket_size=cfg.bucket_size,
-                stochastic=cfg.stochastic, impl=impl, segments=cfg.pipeline_segments)[0]
+            params = dict(axes=axes, world=world, bits=cfg.bits, bucket_size=cfg.bucket_size,
+                          stochastic=cfg.stochastic, impl=impl, segments=cfg.pipeline_segments)
+            if return_residual:
+                summed, lost = compressed_reduce_scatter_residual_p.bind(joined[None], seeds, **params)
+                summed, lost = summed[0], lost[0]
+            else:
+                summed = compressed_reduce_scatter_p.bind(joined[None], seeds, **params)[0]
             start = 0
             for i, block in zip(members, blocks):
-                m = block.shape[1]
-                out[i] = unscatter_block(summed[start:start + m], leaves.leaves[i].shape, dims[i], tiled, world)
+                m, shape = block.shape[1], leaves.leaves[i].shape
+                out[i] = unscatter_block(summed[start:start + m], shape, dims[i], tiled, world)
+                if return_residual:
+                    res[i] = unscatter_blocks(lost[:, start:start + m], shape, dims[i])
                 start += m
+    if return_residual:
+        return leaves.treedef.unflatten(out), leaves.treedef.unflatten(res)
     return leaves.treedef.unflatten(out)

@@ -144,8 +144,8 @@ def register(prim: Primitive, *, abstract_eval: Callable, program: Callable, jvp
         for name in typing_only:
             params.pop(name)
         cap = _wire.message_cap(ctx.module_context.platforms)
-        return mlir.lower_fun(functools.partial(program, message_cap=cap, **params), multiple_results=False)(
-            ctx, *args)
+        return mlir.lower_fun(functools.partial(program, message_cap=cap, **params),
+                              multiple_results=prim.multiple_results)(ctx, *args)
 
     def batch(axis_data, args, dims, *, axes, **params):
         if axis_data.name is not None and axis_data.name in axes:

@@ -15,9 +15,15 @@ the optimizer's state for it. A step, inside ``shard_map``:
    pass only (DeepSpeed ZeRO++'s qwZ): the master shards stay exact, so the error does not
    accumulate from step to step.
 
+With ``error_feedback=True`` each device also keeps what quantizing its gradient blocks
+lost (the reduce-scatter's residual, ``return_residual=True``) and adds it to its next
+gradient: the applied means then add up to the true ones minus the last residual. It costs
+a gradient-sized buffer per device. As for ``compressed_mean``, it pays with SGD, whose
+update is linear in the gradient, and much less with Adam (docs/training.md).
+
 A step whose mean gradient is not finite on any device is skipped on every device (the
 state is left bitwise unchanged, ``skipped`` counts it), so one bad batch cannot poison
-the master parameters or the optimizer's moments.
+the master parameters, the optimizer's moments or the residuals.
 """
 
 from __future__ import annotations
@@ -47,6 +53,7 @@ class ShardedState(NamedTuple):
     master: Any  # this device's block of every parameter, flat, in full precision
     inner: Any  # the wrapped optimizer's state for ``master``
     skipped: jax.Array  # int32: steps skipped because the mean gradient was not finite
+    residual: Any = ()  # error feedback: what quantizing this device's gradient lost, flat and padded
 
 
 class ShardedOptimizer(NamedTuple):
@@ -62,7 +69,7 @@ _EXACT = CompressionConfig(bits=32)
 
 
 def sharded(optimizer: optax.GradientTransformation, axis_name, *, grad_config: ConfigSpec = _EXACT,
-            param_config: ConfigSpec = _EXACT) -> ShardedOptimizer:
+            param_config: ConfigSpec = _EXACT, error_feedback: bool = False) -> ShardedOptimizer:
     """``optimizer`` with its state sharded over ``axis_name`` (ZeRO-1/2), for use in ``shard_map``.
 
     Args:
@@ -73,6 +80,7 @@ def sharded(optimizer: optax.GradientTransformation, axis_name, *, grad_config: 
         environment's).
       param_config: the parameters' all-gather (:func:`~jax_cgx.compressed_all_gather`),
         default exact; compressing it quantizes the forward pass's weights only.
+      error_feedback: carry each device's reduce-scatter residual into its next gradient.
 
     Returns:
       A :class:`ShardedOptimizer`. Use it as::
@@ -107,14 +115,21 @@ def sharded(optimizer: optax.GradientTransformation, axis_name, *, grad_config: 
             return lax.dynamic_slice_in_dim(flat, me * k, k)
 
         master = jax.tree.map(shard, params)
-        return ShardedState(master, optimizer.init(master), jnp.zeros((), jnp.int32))
+        residual = (jax.tree.map(lambda p: _compat.ensure_varying(jnp.zeros_like(flat_padded(p, w)), axes), params)
+                    if error_feedback else ())
+        return ShardedState(master, optimizer.init(master), jnp.zeros((), jnp.int32), residual)
 
     def update(grads, state: ShardedState, key: jax.Array | None = None):
         w = world()
         leaves, treedef = jax.tree.flatten(grads)
         keys = (None, None) if key is None else tuple(jax.random.split(key))
         flat = treedef.unflatten([flat_padded(g, w) for g in leaves])
-        summed = compressed_psum_scatter(flat, axes, grad_config, tiled=True, key=keys[0])
+        if error_feedback:
+            flat = jax.tree.map(jnp.add, flat, state.residual)
+            summed, residual = compressed_psum_scatter(flat, axes, grad_config, tiled=True, key=keys[0],
+                                                       return_residual=True)
+        else:
+            summed, residual = compressed_psum_scatter(flat, axes, grad_config, tiled=True, key=keys[0]), ()
         mean = jax.tree.map(lambda s: s / w, summed)
         finite = jnp.all(jnp.array([jnp.isfinite(jnp.sum(m * 0)) for m in jax.tree.leaves(mean)] or [True]))
         finite = lax.psum(finite.astype(jnp.int32), axes) == w  # every device skips, or none
@@ -122,7 +137,8 @@ def sharded(optimizer: optax.GradientTransformation, axis_name, *, grad_config: 
         master = optax.apply_updates(state.master, updates)
         keep = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
         state = ShardedState(jax.tree.map(keep, master, state.master), jax.tree.map(keep, inner, state.inner),
-                             state.skipped + (1 - finite.astype(jnp.int32)))
+                             state.skipped + (1 - finite.astype(jnp.int32)),
+                             jax.tree.map(keep, residual, state.residual))
         # Typed invariant: the same bits on every device, so the parameters leave shard_map as P().
         gathered = compressed_all_gather(state.master, axes, param_config, tiled=True, to="invarying", key=keys[1])
         params = treedef.unflatten([g[:x.size].reshape(x.shape) for g, x in zip(treedef.flatten_up_to(gathered), leaves)])

@@ -244,3 +244,22 @@ def test_two_processes_two_devices_each(tmp_path):
         local = np.asarray(fn(xs))
         for d in range(4):
             assert_same_bits(results[f"{name}/device{d}"], local[d], f"{name}: device {d}")
+
+
+@pytest.mark.parametrize("stochastic", [False, True], ids=["nearest", "stochastic"])
+def test_residuals_add_up_to_the_error(stochastic):
+    xs = _data((W, 1000), seed=9)
+    cfg = jax_cgx.CompressionConfig(bits=3, bucket_size=BUCKET, stochastic=stochastic)
+    key = jax.random.key(4) if stochastic else None
+    out, res = _run(lambda v: jax_cgx.compressed_psum_scatter(v, "d", cfg, key=key, return_residual=True), xs)
+    plain = _run(lambda v: jax_cgx.compressed_psum_scatter(v, "d", cfg, key=key), xs)
+    assert_same_bits(out, plain, "the sums do not depend on return_residual")
+    assert res.shape == xs.shape  # [rank, block, m]: like each rank's input
+    x64, r64 = xs.astype(np.float64), res.astype(np.float64)
+    for o in range(W):
+        assert not np.any(res[o, o])  # the owner's own block enters exactly
+        lost = x64[:, o].sum(0) - out[o]
+        np.testing.assert_allclose(r64[:, o].sum(0), lost, rtol=0, atol=2.0**-20 * np.abs(x64[:, o]).sum(0).max() * W)
+    with pytest.raises(TypeError, match="return_residual=True\\) cannot be differentiated"):
+        jax.grad(lambda x: jnp.sum(_run(lambda v: jax_cgx.compressed_psum_scatter(
+            v, "d", cfg.replace(stochastic=False), return_residual=True)[0], x)))(jnp.asarray(xs))

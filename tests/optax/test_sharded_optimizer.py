@@ -148,3 +148,40 @@ def test_the_sharded_example_trains():
         assert result["losses"][-1] < 0.85 * result["losses"][0] and np.isfinite(result["final_val_loss"])
     assert sharded["bytes_per_step"] < replicated["bytes_per_step"] / 1.5  # small leaves (< 1024 values) exact
     assert abs(sharded["final_val_loss"] - replicated["final_val_loss"]) < 0.1
+
+
+def test_error_feedback_applies_the_true_gradients_up_to_one_residual():
+    # A loss linear in the parameters: each step's true mean gradient is known. With SGD the
+    # parameters move by lr times the applied means; with error feedback those add up to the true
+    # means minus the last residual (summed over the devices, divided by W).
+    mesh = _mesh()
+    n, steps, lr = 300, 12, 0.1
+    rng = np.random.default_rng(3)
+    batches = rng.standard_normal((steps, 4 * W, n)).astype(np.float32)
+    two_bits = jax_cgx.CompressionConfig(bits=2, bucket_size=64)
+
+    def loss(params, c):
+        return jnp.mean(c @ params["w"])
+
+    def train(error_feedback):
+        opt = cgx_optax.sharded(optax.sgd(lr), "data", grad_config=two_bits, error_feedback=error_feedback)
+        params = jax.device_put({"w": np.zeros(n, np.float32)}, NamedSharding(mesh, P()))
+        specs = opt.state_specs(params, mesh)
+        state = jax.jit(jax.shard_map(opt.init, mesh=mesh, in_specs=P(), out_specs=specs))(params)
+
+        def local(params, state, c):
+            grads = jax.grad(loss)(jax.lax.pcast(params, "data", to="varying"), c)
+            return opt.update(grads, state)
+
+        step = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(), specs, P("data")), out_specs=(P(), specs)))
+        for c in batches:
+            params, state = step(params, state, jax.device_put(c, NamedSharding(mesh, P("data"))))
+        return np.asarray(state.master["w"])[:n].astype(np.float64), state
+
+    true_sum = batches.astype(np.float64).mean(1).sum(0)  # sum over steps of the mean gradient
+    with_ef, state = train(True)
+    residual = np.asarray(state.residual["w"]).reshape(W, -1)[:, :n].astype(np.float64).sum(0)
+    applied = -with_ef / lr
+    np.testing.assert_allclose(applied + residual / W, true_sum, atol=1e-4)
+    without, _ = train(False)
+    assert np.max(np.abs(-without / lr - true_sum)) > 3 * np.max(np.abs(applied - true_sum))
