@@ -139,12 +139,12 @@ def compressed_all_gather(x, axis_name, config: ConfigSpec = None, *, axis: int 
     check_key(leaves, key, API)
     out: list = [None] * len(leaves.leaves)
     for i, (kind, leaf) in enumerate(zip(leaves.lanes, leaves.leaves)):
-        if kind == "exact":
+        if kind == "exact" or (kind == "quantized" and world == 1):  # one rank: nothing moves, exact
             out[i] = _lax_all_gather(_compat.ensure_varying(leaf, axes), axes, axes_of[i], tiled, invariant)
         elif kind == "half":
             half = _compat.ensure_varying(leaf.astype(jnp.dtype(leaves.configs[i].half_dtype)), axes)
             out[i] = _lax_all_gather(half, axes, axes_of[i], tiled, invariant).astype(leaf.dtype)
-    if leaves.groups:
+    if leaves.groups and world > 1:
         if vmapped := _compat.vmapped_axes(axes):
             raise NotImplementedError(f"{API} over the vmapped axis {vmapped[0]!r} is not supported: vmap has no "
                                       "wire to compress; use jax.lax.all_gather for that axis")

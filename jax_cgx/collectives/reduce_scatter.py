@@ -203,14 +203,14 @@ def compressed_psum_scatter(x, axis_name, config: ConfigSpec = None, *, scatter_
     out: list = [None] * len(leaves.leaves)
     res: list = [None] * len(leaves.leaves)
     for i, (kind, leaf) in enumerate(zip(leaves.lanes, leaves.leaves)):
-        if kind == "exact":
+        if kind == "exact" or (kind == "quantized" and world == 1):  # one rank: nothing moves, exact
             out[i] = lax.psum_scatter(leaf, axes, scatter_dimension=dims[i], tiled=tiled)
             res[i] = jnp.zeros_like(leaf)
         elif kind == "half":
             half = leaf.astype(jnp.dtype(leaves.configs[i].half_dtype))
             out[i] = lax.psum_scatter(half, axes, scatter_dimension=dims[i], tiled=tiled).astype(leaf.dtype)
             res[i] = (leaf.astype(jnp.float32) - half.astype(jnp.float32)).astype(leaf.dtype)
-    if leaves.groups:
+    if leaves.groups and world > 1:
         if vmapped := _compat.vmapped_axes(axes):
             raise NotImplementedError(f"{API} over the vmapped axis {vmapped[0]!r} is not supported: vmap has no "
                                       "wire to compress; use jax.lax.psum_scatter for that axis")

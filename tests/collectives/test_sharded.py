@@ -263,3 +263,15 @@ def test_residuals_add_up_to_the_error(stochastic):
     with pytest.raises(TypeError, match="return_residual=True\\) cannot be differentiated"):
         jax.grad(lambda x: jnp.sum(_run(lambda v: jax_cgx.compressed_psum_scatter(
             v, "d", cfg.replace(stochastic=False), return_residual=True)[0], x)))(jnp.asarray(xs))
+
+
+def test_one_rank_is_exact():
+    # Nothing moves over one rank, so nothing is quantized (as compressed_psum).
+    mesh = Mesh(np.array(jax.devices()[:1]), ("d",))
+    x = np.random.default_rng(0).standard_normal((1, 300)).astype(np.float32)
+    cfg = jax_cgx.CompressionConfig(bits=2, bucket_size=BUCKET)
+    for fn in (lambda v: jax_cgx.compressed_psum_scatter(v, "d", cfg, tiled=True),
+               lambda v: jax_cgx.compressed_all_gather(v, "d", cfg, tiled=True),
+               lambda v: jax_cgx.compressed_psum_scatter(v, "d", cfg, tiled=True, return_residual=True)[0]):
+        out = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=P("d"), out_specs=P("d")))(x)
+        assert_same_bits(np.asarray(out), x, "one rank")
