@@ -54,7 +54,8 @@ def data_parallel_value_and_grad(fun: Callable[..., Any], *, mesh, axis_name: st
       fun: ``fun(params, *batch) -> loss`` (a scalar; with ``has_aux``, ``(loss, aux)``), the
         loss of one device's shard of the batch.
       mesh: the ``jax.sharding.Mesh`` (or ``AbstractMesh``) the batch is sharded over; its axes
-        may be ``Auto`` or ``Explicit``.
+        may be ``Auto`` or ``Explicit``. Only ``axis_name``'s axes are mapped by hand; others
+        (a ``"model"`` axis) stay with XLA's partitioner.
       axis_name: the mesh axis (or axes) the batch's leading dimension is split over.
       config: as for :func:`~jax_cgx.compressed_pmean`: a ``CompressionConfig``, a pytree of
         them matching ``params``, a function of a leaf's path, or None (the environment's).
@@ -90,8 +91,9 @@ def data_parallel_value_and_grad(fun: Callable[..., Any], *, mesh, axis_name: st
             raise TypeError("data_parallel_value_and_grad: grad_fn(params, *batch) needs at least one batch "
                             "argument to split over the devices")
         _check_batch(batch, axes, world)
+        # Manual over the data axes only: other mesh axes (e.g. "model") stay with the partitioner.
         mapped = jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), *(batch_spec,) * len(batch)),
-                               out_specs=P())
+                               out_specs=P(), axis_names=frozenset(axes))
         return mapped(params, key, *batch)
 
     return grad_fn

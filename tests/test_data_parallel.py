@@ -195,3 +195,16 @@ def test_flax_linen_and_equinox_parameters():
     assert jax.tree.structure(grads) == jax.tree.structure(ref)  # the Nones where the static parts were
     # The weight matrices went through the 4-bit exchange (their bound: the tests above).
     assert any(np.any(np.asarray(g) != r) for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref)) if r.size >= 512)
+
+
+def test_other_mesh_axes_stay_with_the_partitioner():
+    # A ("data", "model") mesh: only "data" is mapped by hand; the result is still the full-batch gradient.
+    mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Auto, AxisType.Auto),
+                         devices=jax.devices()[:W])
+    params, x, y = _problem()
+    grad_fn = jax_cgx.data_parallel_value_and_grad(_loss, mesh=mesh, config=jax_cgx.CompressionConfig(bits=32))
+    loss, grads = jax.jit(grad_fn)(params, x, y)
+    ref_loss, ref = jax.value_and_grad(_loss)(params, x, y)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
+    for k in ref:
+        np.testing.assert_allclose(grads[k], ref[k], rtol=2e-5, atol=1e-7, err_msg=k)

@@ -124,7 +124,7 @@ def explain(x, axis_name=None, config: ConfigSpec = None, *, world: int | None =
         raise ValueError(f"explain: world must be a positive int, got {world!r}")
     flat = jax.tree_util.tree_flatten_with_path(x)[0]
     paths, leaves = [p for p, _ in flat], [v for _, v in flat]
-    plan = make_plan(paths, leaves, config, x, world, inner_world, axes)
+    plan = make_plan(paths, leaves, config, x, world, inner_world, axes, measure=False)
 
     buffers: list[BufferReport] = []
     leaf_buffers: dict[int, list[int]] = {}
@@ -136,7 +136,8 @@ def explain(x, axis_name=None, config: ConfigSpec = None, *, world: int | None =
             d = decisions[k] if decisions else None
             if d is None and world > 1:  # "always": what "auto" would have predicted
                 d = policy.decide(stop - start, group.dtype, world, group.config, inner_world=inner_world,
-                                  backend=policy.running_backend(group.config, axes, world), log=False)
+                                  backend=policy.running_backend(group.config, axes, world), log=False,
+                                  measure=False)
             figures = figures or (policy.figures(group.config) if world > 1 else None)
             index = len(buffers)
             buffers.append(BufferReport(

@@ -41,7 +41,8 @@ ConfigSpec = Union[
 ]
 
 
-def leaf_configs(spec: ConfigSpec, tree, paths: Sequence[tuple]) -> list[CompressionConfig | None]:
+def leaf_configs(spec: ConfigSpec, tree, paths: Sequence[tuple], api: str = "compressed_psum"
+                 ) -> list[CompressionConfig | None]:
     if spec is None:
         return [CompressionConfig.from_env()] * len(paths)
     if isinstance(spec, CompressionConfig):
@@ -59,13 +60,13 @@ def leaf_configs(spec: ConfigSpec, tree, paths: Sequence[tuple]) -> list[Compres
             configs = [c for group in configs for c in group]
         except ValueError as err:
             raise ValueError(
-                "compressed_psum: the config pytree must match the structure of the values "
+                f"{api}: the config pytree must match the structure of the values "
                 f"(or be a prefix of it): {err}"
             ) from None
     for path, c in zip(paths, configs):
         if c is not None and not isinstance(c, CompressionConfig):
             raise TypeError(
-                f"compressed_psum: config for leaf {jax.tree_util.keystr(path)} must be a "
+                f"{api}: config for leaf {jax.tree_util.keystr(path)} must be a "
                 f"CompressionConfig or None, got {type(c).__name__}"
             )
     return configs
@@ -139,12 +140,14 @@ class Plan:
 
 
 def make_plan(paths, leaves, spec: ConfigSpec, tree, world: int | None = None,
-              inner_world: int | None = None, axes: tuple | None = None) -> Plan:
+              inner_world: int | None = None, axes: tuple | None = None, measure: bool = True) -> Plan:
     """The plan for ``leaves`` (with their ``paths``) of ``tree`` reduced over ``world`` ranks.
 
     ``world`` None or 1: no decisions are taken (nothing moves). ``inner_world``: the inner
     axis's size, for hierarchical configs' cost. ``axes``: the reduction's axis names while
     tracing inside a mesh (None: outside), which tell the backend that will run it.
+    ``measure=False``: ``policy="auto"`` times no near-tie (timing is collective), using only
+    earlier timings; for :func:`jax_cgx.explain` and ``bytes_on_wire``, which one process may call.
     """
     configs = leaf_configs(spec, tree, paths)
     lanes, groups = [], {}
@@ -156,16 +159,16 @@ def make_plan(paths, leaves, spec: ConfigSpec, tree, world: int | None = None,
     plan = Plan(lanes, configs, groups, [int(np.prod(np.shape(leaf))) for leaf in leaves])
     if world is not None and world > 1:
         for group in [g for g in groups if g.config.policy == "auto"]:
-            _decide(plan, group, world, inner_world, policy.running_backend(group.config, axes, world))
+            _decide(plan, group, world, inner_world, policy.running_backend(group.config, axes, world), measure)
     return plan
 
 
-def _decide(plan: Plan, group: Group, world: int, inner_world: int | None, backend: str) -> None:
+def _decide(plan: Plan, group: Group, world: int, inner_world: int | None, backend: str, measure: bool) -> None:
     """Price the group's buffers; move leaves only in losing buffers to the auto-psum lane."""
 
     def price() -> list[policy.Decision]:
         return [policy.decide(stop - start, group.dtype, world, group.config, inner_world=inner_world,
-                              backend=backend)
+                              backend=backend, measure=measure)
                 for start, stop in plan.buffers(group)]
 
     decisions = price()
@@ -194,7 +197,7 @@ def _decide(plan: Plan, group: Group, world: int, inner_world: int | None, backe
         del plan.groups[group]
 
 
-def lane(path, leaf, config: CompressionConfig | None) -> str:
+def lane(path, leaf, config: CompressionConfig | None, api: str = "compressed_psum") -> str:
     """"exact" (psum), "half" (psum in 16 bits) or "quantized" (compressed, fused by dtype and config;
     :func:`make_plan` may move it to "auto-psum")."""
     if config is None or not config.enabled:
@@ -206,7 +209,7 @@ def lane(path, leaf, config: CompressionConfig | None) -> str:
         return "exact"
     if dtype not in SUPPORTED_DTYPES:
         raise TypeError(
-            f"compressed_psum: leaf {jax.tree_util.keystr(path)} has dtype {dtype}, which cannot "
+            f"{api}: leaf {jax.tree_util.keystr(path)} has dtype {dtype}, which cannot "
             "be compressed (float32, bfloat16 and float16 can). Give it config=None to reduce "
             "it exactly, or cast it."
         )

@@ -80,6 +80,9 @@ TIE_BAND = 2.0
 _SETTLE_MAX_S = 1.0
 # Runs of each when timing a buffer: a near-tie needs more than the probe's five.
 _SETTLE_REPEATS = 9
+# Distinct buffers timed per process at most (each costs two compiles in the first trace); past
+# it the model decides. A count, not a time budget: every process must take the same decisions.
+_SETTLE_MAX_BUFFERS = 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -378,14 +381,24 @@ def _time_exchange(devices, values: int, dtype, config: CompressionConfig, backe
 
 
 def _settle(values: int, dtype, world: int, config: CompressionConfig, backend: str,
-            fig: Figures) -> tuple[float, float] | None:
+            fig: Figures, measure: bool = True) -> tuple[float, float] | None:
     """The measured ``(psum, exchange)`` seconds of this buffer, or None where it cannot be
-    timed alone: the reduction does not span every device, or is hierarchical."""
+    timed alone: the reduction does not span every device, or is hierarchical, or
+    ``_SETTLE_MAX_BUFFERS`` were timed already. ``measure=False``: only what was timed before
+    (timing is collective; :func:`jax_cgx.explain` may run on one process)."""
     devices = jax.devices(fig.platform)
     if len(devices) != world or config.hierarchical:
         return None
     key = (fig.platform, values, np.dtype(dtype).name, config, backend)
     with _lock:
+        if key not in _settled and not measure:
+            return None
+        if key not in _settled and len(_settled) >= _SETTLE_MAX_BUFFERS:
+            if "settle-cap" not in _logged:
+                _logged.add("settle-cap")
+                logger.info("jax_cgx: policy='auto': %d buffer sizes timed already; the cost model decides "
+                            "the rest", _SETTLE_MAX_BUFFERS)
+            return None
         if key not in _settled:
             t0 = time.perf_counter()
             _settled[key] = _outside_trace(lambda: _time_exchange(devices, values, dtype, config, backend))
@@ -397,13 +410,13 @@ def _settle(values: int, dtype, world: int, config: CompressionConfig, backend: 
 
 
 def decide(values: int, dtype, world: int, config: CompressionConfig, *, inner_world: int | None = None,
-           platform: str | None = None, backend: str = "xla", log: bool = True) -> Decision:
+           platform: str | None = None, backend: str = "xla", log: bool = True, measure: bool = True) -> Decision:
     """Whether ``policy="auto"`` compresses a buffer of ``values`` values of ``dtype`` summed over ``world`` ranks.
 
     ``inner_world``: the inner axis's size for a hierarchical config (its reduce-scatter and
     all-gather run within a node, priced at memory speed). ``backend``: the one that will
-    run the exchange (:func:`running_backend`); near-ties are timed on it. The decision is
-    logged once.
+    run the exchange (:func:`running_backend`); near-ties are timed on it, collectively, unless
+    ``measure=False`` (then only earlier timings are used). The decision is logged once.
     """
     fig = figures(config, platform)
     itemsize = np.dtype(dtype).itemsize
@@ -429,7 +442,7 @@ def decide(values: int, dtype, world: int, config: CompressionConfig, *, inner_w
     measured = None
     if (fig.link_measured and psum / TIE_BAND < compressed < psum * TIE_BAND
             and psum + compressed < _SETTLE_MAX_S):
-        measured = _settle(values, dtype, world, config, backend, fig)
+        measured = _settle(values, dtype, world, config, backend, fig, measure)
     if measured is not None:
         # What the step adds to a compressed buffer: its leaves copied in, its result sliced out.
         psum, compressed = measured[0], measured[1] + fig.share * 2 * size / fig.rates.add

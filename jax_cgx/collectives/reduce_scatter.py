@@ -183,8 +183,8 @@ def compressed_psum_scatter(x, axis_name, config: ConfigSpec = None, *, scatter_
       return_residual: also return this rank's share of the compression error, shaped like
         ``x``: what quantizing its blocks lost (zero for its own block and the exact lanes; the
         cast error in the 16-bit lane). Summed over the ranks, the residuals of block ``o`` are
-        ``sum_r x_r[o] - out_o`` up to float32 rounding: what error feedback adds to the next
-        step's input.
+        ``sum_r x_r[o] - out_o`` up to the rounding of the leaf's dtype (float32 for float32
+        leaves): what error feedback adds to the next step's input.
 
     Returns:
       The pytree of this rank's blocks, summed over ``axis_name`` (with ``return_residual``,

@@ -41,8 +41,8 @@ class Leaves:
         flat, self.treedef = jax.tree_util.tree_flatten_with_path(x)
         self.paths = [p for p, _ in flat]
         self.leaves = [v if isinstance(v, jax.ShapeDtypeStruct) else jax.numpy.asarray(v) for _, v in flat]
-        self.configs = leaf_configs(spec, x, self.paths)
-        self.lanes = [lane(p, v, c) for p, v, c in zip(self.paths, self.leaves, self.configs)]
+        self.configs = leaf_configs(spec, x, self.paths, api)
+        self.lanes = [lane(p, v, c, api) for p, v, c in zip(self.paths, self.leaves, self.configs)]
         self.groups: dict[Group, list[int]] = {}
         for i, (kind, leaf, c) in enumerate(zip(self.lanes, self.leaves, self.configs)):
             if kind == "quantized":
@@ -119,6 +119,11 @@ def wire_bytes(x, world: int, config: ConfigSpec, op: str) -> int:
     if world <= 1:
         return 0
     leaves = Leaves(x, config, "bytes_on_wire")
+    if op == "psum_scatter":
+        for i, leaf in enumerate(leaves.leaves):
+            if leaf.size % world:
+                raise ValueError(f"bytes_on_wire: leaf {leaves.name(i)} has {leaf.size} values, which "
+                                 f"compressed_psum_scatter cannot split over {world} ranks")
     share = (world - 1) / world if op == "psum_scatter" else world - 1
     total = 0.0
     for leaf, kind in zip(leaves.leaves, leaves.lanes):

@@ -21,6 +21,13 @@ gradient: the applied means then add up to the true ones minus the last residual
 a gradient-sized buffer per device. As for ``compressed_mean``, it pays with SGD, whose
 update is linear in the gradient, and much less with Adam (docs/training.md).
 
+The wrapped optimizer sees this device's flat, padded 1-D shards, so it must be elementwise
+(SGD, momentum, Adam, AdamW without a shape-based mask, schedules): a transformation that
+looks at a whole leaf or the whole tree (``clip_by_global_norm``, adafactor's factored
+moments, LAMB/LARS trust ratios, masks on ``ndim``) would see only its shard, differently on
+every device. Floating parameters are kept in float32 in the master shard whatever their
+dtype (the all-gather casts back), so bfloat16 models keep small updates.
+
 A step whose mean gradient is not finite on any device is skipped on every device (the
 state is left bitwise unchanged, ``skipped`` counts it), so one bad batch cannot poison
 the master parameters, the optimizer's moments or the residuals.
@@ -73,7 +80,8 @@ def sharded(optimizer: optax.GradientTransformation, axis_name, *, grad_config: 
     """``optimizer`` with its state sharded over ``axis_name`` (ZeRO-1/2), for use in ``shard_map``.
 
     Args:
-      optimizer: any optax transformation (it sees this device's flat shards).
+      optimizer: an elementwise optax transformation (it sees this device's flat shards; see
+        the module docstring).
       axis_name: the data-parallel mesh axis (or axes).
       grad_config: the gradients' reduce-scatter (:func:`~jax_cgx.compressed_psum_scatter`);
         default exact. A config, a pytree of them, a function of the leaf's path, or None (the
@@ -105,12 +113,25 @@ def sharded(optimizer: optax.GradientTransformation, axis_name, *, grad_config: 
         k = -(-n // w)
         return jnp.pad(x.reshape(-1), (0, w * k - n))
 
+    def master_dtype(p):
+        return p.astype(jnp.float32) if jnp.issubdtype(p.dtype, jnp.floating) else p
+
+    def check_gradients(leaves) -> None:
+        if not _compat.check_vma_enabled():
+            return
+        for g in leaves:
+            if not set(axes) <= _compat.varying_axes(jax.typeof(g)):
+                raise ValueError(
+                    "jax_cgx.optax.sharded: update() needs each device's own gradient, but got one that is the "
+                    f"same on every device over {axes} (already summed by JAX): differentiate a varying copy of "
+                    f"the parameters, jax.lax.pcast(params, {axes if len(axes) > 1 else axes[0]!r}, to='varying')")
+
     def init(params) -> ShardedState:
         w = world()
         me = lax.axis_index(axes)
 
         def shard(p):
-            flat = flat_padded(p, w)
+            flat = flat_padded(master_dtype(p), w)
             k = flat.size // w
             return lax.dynamic_slice_in_dim(flat, me * k, k)
 
@@ -122,6 +143,7 @@ def sharded(optimizer: optax.GradientTransformation, axis_name, *, grad_config: 
     def update(grads, state: ShardedState, key: jax.Array | None = None):
         w = world()
         leaves, treedef = jax.tree.flatten(grads)
+        check_gradients(leaves)
         keys = (None, None) if key is None else tuple(jax.random.split(key))
         flat = treedef.unflatten([flat_padded(g, w) for g in leaves])
         if error_feedback:
@@ -130,7 +152,7 @@ def sharded(optimizer: optax.GradientTransformation, axis_name, *, grad_config: 
                                                        return_residual=True)
         else:
             summed, residual = compressed_psum_scatter(flat, axes, grad_config, tiled=True, key=keys[0]), ()
-        mean = jax.tree.map(lambda s: s / w, summed)
+        mean = jax.tree.map(lambda s, m: (s / w).astype(m.dtype), summed, state.master)
         finite = jnp.all(jnp.array([jnp.isfinite(jnp.sum(m * 0)) for m in jax.tree.leaves(mean)] or [True]))
         finite = lax.psum(finite.astype(jnp.int32), axes) == w  # every device skips, or none
         updates, inner = optimizer.update(mean, state.inner, state.master)
@@ -139,8 +161,9 @@ def sharded(optimizer: optax.GradientTransformation, axis_name, *, grad_config: 
         state = ShardedState(jax.tree.map(keep, master, state.master), jax.tree.map(keep, inner, state.inner),
                              state.skipped + (1 - finite.astype(jnp.int32)),
                              jax.tree.map(keep, residual, state.residual))
-        # Typed invariant: the same bits on every device, so the parameters leave shard_map as P().
-        gathered = compressed_all_gather(state.master, axes, param_config, tiled=True, to="invarying", key=keys[1])
+        # In the parameters' dtype; typed invariant: the same bits on every device, so they leave shard_map as P().
+        working = treedef.unflatten([m.astype(g.dtype) for m, g in zip(treedef.flatten_up_to(state.master), leaves)])
+        gathered = compressed_all_gather(working, axes, param_config, tiled=True, to="invarying", key=keys[1])
         params = treedef.unflatten([g[:x.size].reshape(x.shape) for g, x in zip(treedef.flatten_up_to(gathered), leaves)])
         return params, state
 

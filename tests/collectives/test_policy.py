@@ -204,6 +204,19 @@ def test_given_link_rates_are_never_timed(monkeypatch):
     assert not _uses_compression(fn, _tree()) and timed == []
 
 
+def test_explain_and_bytes_on_wire_never_time(monkeypatch, caplog):
+    # Timing is collective, and one process alone may call these: they use earlier timings only.
+    timed = _tie_on_measured_link(monkeypatch, psum_s=1.0, exchange_s=0.01)
+    config = jax_cgx.CompressionConfig(bits=4, policy="auto")
+    report = jax_cgx.explain(jax.tree.map(lambda v: v[0], _tree()), world=W, config=config, file=None)
+    bytes_on_wire(jax.tree.map(lambda v: v[0], _tree()), W, config)
+    assert timed == [] and all(b.priced == "model" for b in report.buffers)
+    monkeypatch.setattr(policy, "_SETTLE_MAX_BUFFERS", 0)  # and past the cap, the model decides
+    with caplog.at_level(logging.INFO, logger="jax_cgx"):
+        assert not _uses_compression(_psum_fn(config), _tree())
+    assert timed == [] and "buffer sizes timed already; the cost model decides" in caplog.text
+
+
 def test_timing_a_buffer_over_tcp_leaves_no_communicators():
     devices = jax.devices()[:W]
     psum_s, exchange_s = policy._time_exchange(devices, 4096, np.float32, jax_cgx.CompressionConfig(bits=4), "tcp")

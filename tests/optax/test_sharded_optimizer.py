@@ -185,3 +185,37 @@ def test_error_feedback_applies_the_true_gradients_up_to_one_residual():
     np.testing.assert_allclose(applied + residual / W, true_sum, atol=1e-4)
     without, _ = train(False)
     assert np.max(np.abs(-without / lr - true_sum)) > 3 * np.max(np.abs(applied - true_sum))
+
+
+def test_gradients_must_be_each_devices_own():
+    # Without pcast, JAX hands every device the already summed gradient: W times the mean.
+    mesh = _mesh()
+    params, x, y = _problem()
+    params = jax.device_put(params, NamedSharding(mesh, P()))
+    x, y = jax.device_put((x, y), NamedSharding(mesh, P("data")))
+    opt = cgx_optax.sharded(optax.sgd(0.1), "data")
+    specs = opt.state_specs(params, mesh)
+    state = jax.jit(jax.shard_map(opt.init, mesh=mesh, in_specs=P(), out_specs=specs))(params)
+
+    def local(params, state, x, y):
+        return opt.update(jax.grad(_loss)(params, x, y), state)  # no pcast
+
+    with pytest.raises(ValueError, match=r"needs each device's own gradient.*jax.lax.pcast\(params, 'data'"):
+        jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(), specs, P("data"), P("data")),
+                              out_specs=(P(), specs)))(params, state, x, y)
+
+
+def test_bfloat16_parameters_keep_a_float32_master():
+    mesh = _mesh()
+    params, x, y = _problem()
+    params = jax.device_put(jax.tree.map(lambda p: p.astype(jnp.bfloat16), params), NamedSharding(mesh, P()))
+    x, y = jax.device_put((x.astype(jnp.bfloat16), y.astype(jnp.bfloat16)), NamedSharding(mesh, P("data")))
+    opt = cgx_optax.sharded(optax.sgd(1e-4), "data")  # updates far below bfloat16's resolution of w1
+    specs, state, step = _sharded_trainer(opt, mesh, params)
+    assert state.master["w1"].dtype == jnp.float32
+    start = np.asarray(state.master["w1"])
+    p = params
+    for _ in range(3):
+        p, state, _ = step(p, state, x, y)
+    assert p["w1"].dtype == jnp.bfloat16
+    assert np.any(np.asarray(state.master["w1"]) != start)  # the master moved by what bfloat16 would round away
