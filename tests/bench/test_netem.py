@@ -173,8 +173,10 @@ def test_without_root_or_tools_it_says_so(monkeypatch, capsys):
 
 
 def test_summary_table():
-    rows = [dict(size_mib=64.0, bits=4, psum_ms=566.5, compressed_ms=178.4, speedup=3.176)]
-    assert netem.summary(rows).splitlines()[1].split() == ["64", "4", "566.5", "178.4", "3.18"]
+    rows = [dict(size_mib=64.0, bits=4, psum_ms=566.5, compressed_ms=178.4, speedup=3.176),  # before --ops: psum
+            dict(op="psum_scatter", size_mib=64.0, bits=4, psum_ms=304.8, compressed_ms=59.1, speedup=5.157)]
+    assert [line.split() for line in netem.summary(rows).splitlines()[1:]] == [
+        ["psum", "64", "4", "566.5", "178.4", "3.18"], ["psum_scatter", "64", "4", "304.8", "59.1", "5.16"]]
     assert netem.summary([dict(phase="psum", ms=562.04)]).split() == ["psum", "562.0", "ms"]
     steps = [dict(compressor="none", step_ms=139.1, speedup=1.0), dict(compressor="maxmin:4", step_ms=84.5, speedup=1.646)]
     assert [line.split() for line in netem.summary(steps).splitlines()[1:]] == [
