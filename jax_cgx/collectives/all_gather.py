@@ -28,7 +28,7 @@ from jax_cgx.codec import Impl, check_impl
 from jax_cgx.collectives import wire as _wire
 from jax_cgx.collectives.chunks import chunk_length, gather_decode_chunks, row_plan
 from jax_cgx.collectives.plan import ConfigSpec
-from jax_cgx.collectives.sharded import Leaves, buffer_keys, buffers, check_key, register
+from jax_cgx.collectives.sharded import Leaves, check_key, compressed_buffers, register
 
 __all__ = ["compressed_all_gather", "compressed_all_gather_p", "gather_rows"]
 
@@ -145,19 +145,13 @@ def compressed_all_gather(x, axis_name, config: ConfigSpec = None, *, axis: int 
             half = _compat.ensure_varying(leaf.astype(jnp.dtype(leaves.configs[i].half_dtype)), axes)
             out[i] = _lax_all_gather(half, axes, axes_of[i], tiled, invariant).astype(leaf.dtype)
     if leaves.groups and world > 1:
-        if vmapped := _compat.vmapped_axes(axes):
-            raise NotImplementedError(f"{API} over the vmapped axis {vmapped[0]!r} is not supported: vmap has no "
-                                      "wire to compress; use jax.lax.all_gather for that axis")
-        planned = buffers(leaves, world, "all_gather")
-        for (group, members), buf_key in zip(planned, buffer_keys(key, axes, len(planned))):
+        for group, members, seeds in compressed_buffers(leaves, axes, world, "all_gather", key, 1, API, "all_gather"):
             cfg = group.config
             flat = [leaves.leaves[i].reshape(-1) for i in members]
             joined = flat[0] if len(flat) == 1 else lax.optimization_barrier(jnp.concatenate(flat))
             joined = _compat.ensure_varying(joined, axes)
-            seeds = (jnp.zeros((1, 2), jnp.uint32) if buf_key is None
-                     else jax.random.bits(buf_key, (1, 2), jnp.uint32))
             rows = compressed_all_gather_p.bind(
-                joined[None], seeds, axes=axes, world=world, bits=cfg.bits, bucket_size=cfg.bucket_size,
+                joined[None], seeds[:, 0], axes=axes, world=world, bits=cfg.bits, bucket_size=cfg.bucket_size,
                 stochastic=cfg.stochastic, impl=impl, segments=cfg.pipeline_segments, invariant=invariant)[0]
             start = 0
             for i, piece in zip(members, flat):

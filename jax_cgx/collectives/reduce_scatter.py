@@ -37,7 +37,7 @@ from jax_cgx.codec import Impl, check_impl
 from jax_cgx.collectives import wire as _wire
 from jax_cgx.collectives.chunks import chunk_length, row_plan
 from jax_cgx.collectives.plan import ConfigSpec
-from jax_cgx.collectives.sharded import Leaves, buffer_keys, buffers, check_key, register
+from jax_cgx.collectives.sharded import Leaves, check_key, compressed_buffers, register
 
 __all__ = ["compressed_psum_scatter", "compressed_reduce_scatter_p", "compressed_reduce_scatter_residual_p",
            "scatter_rows", "scatter_blocks", "unscatter_block", "unscatter_blocks"]
@@ -211,17 +211,12 @@ def compressed_psum_scatter(x, axis_name, config: ConfigSpec = None, *, scatter_
             out[i] = lax.psum_scatter(half, axes, scatter_dimension=dims[i], tiled=tiled).astype(leaf.dtype)
             res[i] = (leaf.astype(jnp.float32) - half.astype(jnp.float32)).astype(leaf.dtype)
     if leaves.groups and world > 1:
-        if vmapped := _compat.vmapped_axes(axes):
-            raise NotImplementedError(f"{API} over the vmapped axis {vmapped[0]!r} is not supported: vmap has no "
-                                      "wire to compress; use jax.lax.psum_scatter for that axis")
-        planned = buffers(leaves, world, "psum_scatter")
-        for (group, members), buf_key in zip(planned, buffer_keys(key, axes, len(planned))):
+        for group, members, seeds in compressed_buffers(leaves, axes, world, "psum_scatter", key, world, API,
+                                                        "psum_scatter"):
             cfg = group.config
             blocks = [scatter_blocks(leaves.leaves[i], dims[i], world) for i in members]
             joined = blocks[0] if len(blocks) == 1 else lax.optimization_barrier(jnp.concatenate(blocks, axis=1))
             joined = _compat.ensure_varying(joined, axes)  # like lax: an invariant value is summed W times
-            seeds = (jnp.zeros((1, world, 2), jnp.uint32) if buf_key is None
-                     else jax.random.bits(buf_key, (1, world, 2), jnp.uint32))
             params = dict(axes=axes, world=world, bits=cfg.bits, bucket_size=cfg.bucket_size,
                           stochastic=cfg.stochastic, impl=impl, segments=cfg.pipeline_segments)
             if return_residual:

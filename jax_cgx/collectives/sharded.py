@@ -15,6 +15,7 @@ import logging
 from collections.abc import Callable, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.extend.core import Primitive
@@ -28,7 +29,7 @@ from jax_cgx.collectives.chunks import chunk_length
 from jax_cgx.collectives.plan import ConfigSpec, Group, lane, leaf_configs
 from jax_cgx.config import CompressionConfig
 
-__all__ = ["Leaves", "fuse", "buffer_keys", "check_config", "check_key", "wire_bytes", "register"]
+__all__ = ["Leaves", "fuse", "buffer_keys", "compressed_buffers", "check_config", "check_key", "wire_bytes", "register"]
 
 log = logging.getLogger("jax_cgx")
 _logged: set = set()
@@ -66,6 +67,19 @@ def fuse(sizes: Sequence[int], capacity: int) -> list[list[int]]:
             runs.append([k])
             total = n
     return runs
+
+
+def compressed_buffers(leaves: Leaves, axes, world: int, op: str, key, seeds_per_buffer: int, api: str,
+                       lax_name: str) -> list[tuple[Group, list[int], jax.Array]]:
+    """The quantized leaves' fusion buffers, each with its seeds ``uint32[1, seeds_per_buffer, 2]``
+    (zeros without a key); refuses a vmapped axis, which has no wire to compress."""
+    if vmapped := _compat.vmapped_axes(axes):
+        raise NotImplementedError(f"{api} over the vmapped axis {vmapped[0]!r} is not supported: vmap has no "
+                                  f"wire to compress; use jax.lax.{lax_name} for that axis")
+    planned = buffers(leaves, world, op)
+    shape = (1, seeds_per_buffer, 2)
+    return [(group, members, jnp.zeros(shape, jnp.uint32) if k is None else jax.random.bits(k, shape, jnp.uint32))
+            for (group, members), k in zip(planned, buffer_keys(key, axes, len(planned)))]
 
 
 def buffer_keys(key, axes, count: int) -> list:
