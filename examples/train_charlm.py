@@ -47,6 +47,12 @@ def load_corpus(val_fraction: float = 0.1):
     return ids[:split], ids[split:], vocab
 
 
+def validation_windows(val_ids, context: int) -> np.ndarray:
+    """Every non-overlapping window of ``context + 1`` characters of the held-out tail."""
+    n = (len(val_ids) - 1) // context
+    return np.stack([val_ids[i * context: i * context + context + 1] for i in range(n)])
+
+
 def init_params(key, vocab: int, d: int, layers: int, context: int):
     keys = iter(jax.random.split(key, 3 + 4 * layers))
 
@@ -128,10 +134,7 @@ def run(args) -> dict:
         return (train_ids[starts[:, None] + offsets],)
 
     params, state, losses, times = _common.train(args, dp, params, state, next_batch, wire=wire)
-    # Validation: every non-overlapping window of the held-out tail.
-    n = (len(val_ids) - 1) // T
-    windows = np.stack([val_ids[i * T: i * T + T + 1] for i in range(n)])
-    val_loss = dp.evaluate(sequence_loss, params, windows)
+    val_loss = dp.evaluate(sequence_loss, params, validation_windows(val_ids, T))
     step_time = _common.median_step_time(times)
     print(f"final: validation loss {val_loss:.4f} nats/char ({val_loss / np.log(2):.3f} bits), training loss "
           f"{np.mean(losses[-20:]):.4f} (last 20 steps), step {step_time * 1e3:.1f} ms (median; first step with "

@@ -24,7 +24,7 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from train_charlm import init_params, load_corpus, logits_fn
+from train_charlm import init_params, load_corpus, logits_fn, validation_windows
 
 import jax_cgx
 import jax_cgx.optax as cgx_optax
@@ -128,8 +128,7 @@ def run(args) -> dict:
             print(f"step {i + 1:5d}  loss {losses[-1]:.4f}  {np.median(times[-args.log_every:]) * 1e3:.1f} ms",
                   flush=True)
 
-    n = (len(val_ids) - 1) // T
-    windows = np.stack([val_ids[i * T: i * T + T + 1] for i in range(n)])
+    windows = validation_windows(val_ids, T)
     val_loss = float(jax.jit(lambda p, t: sequence_loss(p, t).mean())(jax.device_get(params), windows))
     step_time = _common.median_step_time(times)
     print(f"final: validation loss {val_loss:.4f} nats/char, training loss {np.mean(losses[-20:]):.4f} "
