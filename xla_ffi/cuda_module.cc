@@ -20,12 +20,13 @@
 #include "xla_ffi/nccl_allreduce.h"
 #include "xla_ffi/nccl_api.h"
 #include "xla_ffi/nccl_comms.h"
+#include "xla_ffi/nccl_sharded.h"
 #endif
 
 namespace nb = nanobind;
 
-// Defined by XLA_FFI_DEFINE_HANDLER_SYMBOL in xla_ffi/cuda_handlers.cc and
-// xla_ffi/nccl_allreduce.cc.
+// Defined by XLA_FFI_DEFINE_HANDLER_SYMBOL in xla_ffi/cuda_handlers.cc,
+// xla_ffi/nccl_allreduce.cc and xla_ffi/nccl_sharded.cc.
 extern "C" {
 XLA_FFI_Error* CudaQuantize(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* CudaDequantize(XLA_FFI_CallFrame* call_frame);
@@ -33,6 +34,8 @@ XLA_FFI_Error* CudaDequantizeSum(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* CudaDequantizeSumRequantize(XLA_FFI_CallFrame* call_frame);
 #if JAX_CGX_HAVE_NCCL
 XLA_FFI_Error* CudaNcclAllreduce(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* CudaNcclReduceScatter(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* CudaNcclAllGather(XLA_FFI_CallFrame* call_frame);
 #endif
 }
 
@@ -113,6 +116,17 @@ void DefineNccl(nb::module_& m) {
       nb::arg("n"), nb::arg("world"), nb::arg("chunk"), nb::arg("bits"), nb::arg("bucket_size"),
       nb::arg("elem_bytes"), nb::arg("algorithm"), nb::arg("segments"),
       "(workspace bytes, segments) of one jax_cgx_nccl_allreduce call");
+  m.def(
+      "nccl_sharded_workspace_bytes",
+      [](int op, int64_t m, int64_t world, int bits, int64_t bucket_size, int64_t elem_bytes, int64_t segments) {
+        auto plan = std::make_unique<cgx::ShardedPlan>();
+        Check(cgx::MakeShardedPlan(static_cast<cgx::ShardedOp>(op), m, world, bits, bucket_size, elem_bytes,
+                                   segments, plan.get()));
+        return std::make_tuple(plan->workspace_bytes, plan->segments);
+      },
+      nb::arg("op"), nb::arg("m"), nb::arg("world"), nb::arg("bits"), nb::arg("bucket_size"), nb::arg("elem_bytes"),
+      nb::arg("segments"),
+      "(workspace bytes, segments) of one jax_cgx_nccl_reduce_scatter (op 0) or jax_cgx_nccl_all_gather (op 1) call");
 }
 #else
 void DefineNccl(nb::module_& m) { m.def("nccl_compiled", []() { return false; }); }
@@ -130,6 +144,8 @@ NB_MODULE(_cuda, m) {
     targets["jax_cgx_dequantize_sum_requantize"] = Capsule(CudaDequantizeSumRequantize);
 #if JAX_CGX_HAVE_NCCL
     targets["jax_cgx_nccl_allreduce"] = Capsule(CudaNcclAllreduce);
+    targets["jax_cgx_nccl_reduce_scatter"] = Capsule(CudaNcclReduceScatter);
+    targets["jax_cgx_nccl_all_gather"] = Capsule(CudaNcclAllGather);
 #endif
     return targets;
   });

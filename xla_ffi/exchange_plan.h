@@ -1,7 +1,8 @@
 // What the plans of the whole-exchange custom calls share (the nccl backend's
 // xla_ffi/nccl_allreduce.cc, the tcp backend's xla_ffi/tcp_allreduce.cc): the
-// checks of their arguments, and how a chunk is cut into segments of whole
-// buckets, so that a segment's encoding is a slice of its chunk's.
+// checks of their arguments, how a chunk is cut into segments of whole
+// buckets, so that a segment's encoding is a slice of its chunk's, and how the
+// workspace is laid out.
 // Plain C++: nvcc includes it too.
 #ifndef JAX_CGX_XLA_FFI_EXCHANGE_PLAN_H_
 #define JAX_CGX_XLA_FFI_EXCHANGE_PLAN_H_
@@ -52,6 +53,25 @@ inline ChunkCut CutChunk(int64_t chunk, int64_t bucket_size, int64_t elem_bytes,
   const int64_t per_segment = CeilDiv(buckets, wanted);  // buckets
   return ChunkCut{CeilDiv(buckets, per_segment), per_segment * bucket};
 }
+
+// Lays a call's workspace out region by region, each starting `align`-aligned
+// from the workspace's start (which XLA aligns).
+class WorkspaceLayout {
+ public:
+  explicit WorkspaceLayout(int64_t align) : align_(align) {}
+  // Offset of a new region of `bytes` bytes.
+  int64_t Take(int64_t bytes) {
+    const int64_t at = end_;
+    end_ += CeilDiv(bytes, align_) * align_;
+    return at;
+  }
+  // The workspace's size (at least one byte: XLA has no empty results).
+  int64_t Bytes() const { return std::max<int64_t>(end_, 1); }
+
+ private:
+  int64_t align_;
+  int64_t end_ = 0;
+};
 
 }  // namespace jax_cgx::exchange
 

@@ -31,19 +31,12 @@
 #include "xla_ffi/exchange_plan.h"
 #include "xla_ffi/ffi_support.h"
 #include "xla_ffi/nccl_api.h"
+#include "xla_ffi/nccl_call.h"
 #include "xla_ffi/nccl_comms.h"
 
 namespace ffi = xla::ffi;
 
 namespace jax_cgx::nccl {
-
-namespace {
-
-constexpr int64_t kAlign = 256;
-
-int64_t AlignUp(int64_t v) { return (v + kAlign - 1) / kAlign * kAlign; }
-
-}  // namespace
 
 std::string MakePlan(int64_t n, int64_t world, int64_t chunk, int bits, int64_t bucket_size,
                      int64_t elem_bytes, Algorithm algorithm, int64_t segments, Plan* plan) {
@@ -70,12 +63,8 @@ std::string MakePlan(int64_t n, int64_t world, int64_t chunk, int bits, int64_t 
                                                     kAutoMaxSegments);
   p.segments = static_cast<int>(cut.count);
 
-  int64_t cursor = 0;
-  auto take = [&cursor](int64_t bytes) {
-    const int64_t at = cursor;
-    cursor += AlignUp(bytes);
-    return at;
-  };
+  exchange::WorkspaceLayout workspace(256);
+  auto take = [&workspace](int64_t bytes) { return workspace.Take(bytes); };
   p.x_tail = take(p.tail_chunks * chunk * elem_bytes);
   p.out_tail = take(p.tail_chunks * chunk * elem_bytes);
   const int64_t send_slots = algorithm == Algorithm::kSra ? world : 2;
@@ -98,61 +87,18 @@ std::string MakePlan(int64_t n, int64_t world, int64_t chunk, int bits, int64_t 
     seg.recv = region(recv_slots);
     seg.gathered = region(world);
   }
-  p.workspace_bytes = std::max<int64_t>(cursor, 1);
+  p.workspace_bytes = workspace.Bytes();
   return "";
 }
 
 namespace {
-
-// ------------------------------------------------------------------ errors
 
 constexpr std::string_view kTarget = "jax_cgx_nccl_allreduce";
 
 using ffi_support::CheckDType;
 using ffi_support::CheckFloatType;
 using ffi_support::CheckShape;
-using ffi_support::Internal;
 using ffi_support::InvalidArgument;
-
-#define CGX_CUDA(expr)                                                                           \
-  do {                                                                                           \
-    const cudaError_t _cgx_err = (expr);                                                         \
-    if (_cgx_err != cudaSuccess) {                                                               \
-      return Internal(kTarget, std::string(#expr) + " failed: " + cudaGetErrorString(_cgx_err)); \
-    }                                                                                            \
-  } while (0)
-
-#define CGX_NCCL(expr, comm)                                                                       \
-  do {                                                                                             \
-    const ncclResult_t _cgx_rc = (expr);                                                           \
-    if (_cgx_rc != ncclSuccess) {                                                                  \
-      return Internal(kTarget, std::string(#expr) + " failed: " + NcclErrorText(_cgx_rc, (comm))); \
-    }                                                                                              \
-  } while (0)
-
-// An open ncclGroupStart that is always closed: NCCL's group depth is per
-// thread and shared with XLA's own collectives, so an error return inside a
-// group must still end it.
-class NcclGroup {
- public:
-  explicit NcclGroup(const NcclApi& api) : api_(api) {}
-  ~NcclGroup() {
-    if (open_) api_.GroupEnd();
-  }
-  ncclResult_t Start() {
-    const ncclResult_t rc = api_.GroupStart();
-    open_ = rc == ncclSuccess;
-    return rc;
-  }
-  ncclResult_t End() {
-    open_ = false;
-    return api_.GroupEnd();
-  }
-
- private:
-  const NcclApi& api_;
-  bool open_ = false;
-};
 
 // ---------------------------------------------------------------- schedule
 
@@ -203,10 +149,7 @@ struct Call {
   }
 };
 
-ffi::Error Launched(cudaError_t err, const char* what) {
-  if (err != cudaSuccess) return Internal(kTarget, std::string(what) + " launch failed: " + cudaGetErrorString(err));
-  return ffi::Error::Success();
-}
+ffi::Error Launched(cudaError_t err, const char* what) { return nccl::Launched(kTarget, err, what); }
 
 // Zero padding: chunks past x's end are read from a staged copy of x's tail.
 // (Padding never enters a bucket's range: the launches' ValidCounts.)
@@ -430,47 +373,18 @@ ffi::Error NcclAllreduceImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffe
     return InvalidArgument(kTarget, "workspace has " + std::to_string(workspace->dimensions()[0]) + " bytes, needs " +
                                     std::to_string(plan.workspace_bytes));
   }
-  const NcclApi* api = Nccl();
-  if (api == nullptr) {
-    return Internal(kTarget, "NCCL is not loaded in this process; call jax_cgx.nccl.setup(mesh) first");
-  }
-  const std::shared_ptr<Communicator> comm = FindCommunicator(comm_key, ordinal);
-  if (comm == nullptr) {
-    return Internal(kTarget, "device " + std::to_string(ordinal) + " has no jax_cgx NCCL communicator for this " +
-                             "reduction (key " + std::to_string(comm_key) + "): call jax_cgx.nccl.setup(mesh) on " +
-                             "every process with the mesh this program runs on, before running it");
-  }
-  if (comm->world != world) {
-    return Internal(kTarget, "communicator '" + comm->description + "' has " + std::to_string(comm->world) +
-                             " ranks but the reduction has " + std::to_string(world));
-  }
+  const NcclApi* api = nullptr;
+  std::shared_ptr<Communicator> comm;
+  CGX_RETURN_IF_ERROR(FindCall(kTarget, comm_key, ordinal, world, &api, &comm));
   std::lock_guard<std::mutex> lock(comm->mu);
-  if (comm->broken) {
-    return Internal(kTarget, "communicator '" + comm->description + "' is unusable: an earlier call failed " +
-                             "midway (its ranks may be out of step) or it was torn down; call " +
-                             "jax_cgx.nccl.teardown(abort=True) and jax_cgx.nccl.setup(mesh) again on every process");
-  }
-  ncclResult_t async_error = ncclSuccess;
-  CGX_NCCL(api->CommGetAsyncError(comm->comm, &async_error), comm->comm);
-  if (async_error != ncclSuccess) {
-    return Internal(kTarget, "communicator '" + comm->description + "' failed earlier: " +
-                             NcclErrorText(async_error, comm->comm));
-  }
+  CGX_RETURN_IF_ERROR(CheckUsable(kTarget, *api, *comm));
   const Call call{plan, *comm, *api, stream, type, static_cast<const char*>(x.untyped_data()),
                   static_cast<char*>(out->untyped_data()), static_cast<char*>(workspace->untyped_data()),
                   static_cast<const uint32_t*>(seeds.untyped_data()), stochastic,
                   static_cast<const int32_t*>(valid.untyped_data())};
   CGX_RETURN_IF_ERROR(StageTail(call));
   ffi::Error result = plan.algorithm == Algorithm::kSra ? RunSra(call) : RunRing(call);
-  if (result.failure()) {
-    // Work may be queued on the side stream: XLA must not reuse x, out or the
-    // workspace before it is done, and the ranks are now out of step.
-    comm->broken = true;
-    if (cudaEventRecord(comm->joined, comm->stream) == cudaSuccess) {
-      cudaStreamWaitEvent(stream, comm->joined, 0);
-    }
-    return result;
-  }
+  if (result.failure()) return Failed(*comm, stream, std::move(result));
   return UnstageTail(call);
 }
 

@@ -40,14 +40,6 @@ namespace ffi = xla::ffi;
 
 namespace jax_cgx::tcp {
 
-namespace {
-
-constexpr int64_t kAlign = 64;
-
-int64_t AlignUp(int64_t v) { return (v + kAlign - 1) / kAlign * kAlign; }
-
-}  // namespace
-
 std::string MakePlan(int64_t n, int64_t world, int64_t chunk, int bits, int64_t bucket_size,
                      int64_t elem_bytes, int64_t segments, Plan* plan) {
   const std::string bad = exchange::CheckArguments(n, world, chunk, bits, bucket_size, elem_bytes, segments,
@@ -69,12 +61,8 @@ std::string MakePlan(int64_t n, int64_t world, int64_t chunk, int bits, int64_t 
                                                     kMaxSegments);
   p.segments = static_cast<int>(cut.count);
 
-  int64_t cursor = 0;
-  auto take = [&cursor](int64_t bytes) {
-    const int64_t at = cursor;
-    cursor += AlignUp(bytes);
-    return at;
-  };
+  exchange::WorkspaceLayout workspace(64);
+  auto take = [&workspace](int64_t bytes) { return workspace.Take(bytes); };
   p.x_tail = take(p.tail_chunks * chunk * elem_bytes);
   p.out_tail = take(p.tail_chunks * chunk * elem_bytes);
   p.headers = take(world * static_cast<int64_t>(sizeof(Header)));
@@ -94,7 +82,7 @@ std::string MakePlan(int64_t n, int64_t world, int64_t chunk, int bits, int64_t 
     seg.recv = region();
     seg.gathered = region();
   }
-  p.workspace_bytes = std::max<int64_t>(cursor, 1);
+  p.workspace_bytes = workspace.Bytes();
   return "";
 }
 

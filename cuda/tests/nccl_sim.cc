@@ -1,10 +1,11 @@
-// Host simulation of the nccl backend's handler (xla_ffi/nccl_allreduce.cc), no GPU:
+// Host simulation of the nccl backend's handlers (xla_ffi/nccl_allreduce.cc, nccl_sharded.cc), no GPU:
 // W ranks, each with an XLA stream and a side stream modelled as op queues run in
 // random interleavings with CUDA event semantics; NCCL group/send/recv/all-gather
 // through FIFO mailboxes (receive buffers hold garbage while in flight, send buffers
 // must not change); scalar codec stubs that honour RowLayout (index_base included);
 // every access bounds-checked against exact-size allocations. The output of every
-// rank is compared bitwise with a whole-chunk transcription of sra_rows / ring_rows.
+// rank is compared bitwise with a whole-chunk transcription of sra_rows / ring_rows
+// (all-reduce) or scatter_rows / gather_rows (reduce-scatter, all-gather).
 // Built and run by tests/nccl/test_nccl_simulated.py (with ASan/UBSan).
 #include <cuda_runtime_api.h>
 #include <nccl.h>
@@ -21,7 +22,8 @@
 #include <vector>
 
 #include "xla_ffi/codec_math.h"
-#include "xla_ffi/nccl_allreduce.cc"  // the handler, in this TU
+#include "xla_ffi/nccl_allreduce.cc"  // the handlers, in this TU
+#include "xla_ffi/nccl_sharded.cc"
 
 using namespace jax_cgx;
 using cuda::FloatType;
@@ -192,8 +194,30 @@ cudaError_t LaunchDequantize(cudaStream_t s, const RowLayout& l, const uint8_t* 
   S(s)->push(op);
   return cudaSuccess;
 }
-cudaError_t LaunchDequantizeSum(cudaStream_t, const RowLayout&, int64_t, const uint8_t*, const float*, FloatType,
-                                const void*, FloatType, void*) { abort(); }
+cudaError_t LaunchDequantizeSum(cudaStream_t s, const RowLayout& l, int64_t W, const uint8_t* payload,
+                                const float* meta, FloatType at, const void* addend, FloatType ot, void* out) {
+  check_range(payload, l.rows * W * l.row_bytes, "ds payload");
+  check_range(meta, l.rows * W * l.buckets * 8, "ds meta");
+  if (addend) check_range(addend, l.rows * l.elems * FloatTypeBytes(at), "ds addend");
+  check_range(out, l.rows * l.elems * FloatTypeBytes(ot), "ds out");
+  Op op;
+  op.run = [=] {
+    for (int64_t r = 0; r < l.rows; ++r)
+      for (int64_t i = 0; i < l.elems; ++i) {
+        float a = 0;
+        bool first = true;
+        if (addend) { a = flush(to_f32(at, addend, r * l.elems + i)); first = false; }
+        for (int64_t w = 0; w < W; ++w) {
+          const float d = decoded(l, payload + (r * W + w) * l.row_bytes, meta + (r * W + w) * l.buckets * 2, i);
+          a = first ? d : accumulate(a, d);
+          first = false;
+        }
+        from_f32(ot, out, r * l.elems + i, a);
+      }
+  };
+  S(s)->push(op);
+  return cudaSuccess;
+}
 cudaError_t LaunchDequantizeSumRequantize(cudaStream_t s, const RowLayout& l, int64_t W, const uint8_t* payload,
                                           const float* meta, FloatType at, const void* addend,
                                           const uint32_t* seeds, bool st, uint8_t* op_, float* om,
@@ -460,18 +484,12 @@ static uint8_t* dev_alloc(size_t n, const char* name) {
   return p;
 }
 
-static void run_case(const Case& c, int calls) {
-  const int W = int(c.W);
-  const int64_t eb = cuda::FloatTypeBytes(c.t);
-  nccl::Plan plan;
-  std::string bad = nccl::MakePlan(c.n, c.W, c.chunk, c.bits, c.B, eb, nccl::Algorithm(c.alg), c.segs, &plan);
-  if (!bad.empty()) { EXPECT(false, "plan: %s", bad.c_str()); return; }
-  const int64_t wsb = plan.workspace_bytes;
-  // per-rank communicators + streams
-  static std::vector<std::unique_ptr<nccl::Communicator>> comms;
-  static std::vector<std::unique_ptr<Stream>> streams;
-  static std::vector<std::unique_ptr<Event>> events;
-  comms.clear(); streams.clear(); events.clear(); g_streams.clear(); g_sc.assign(W, SimComm{});
+// W ranks: a communicator, an XLA stream and a side stream each; returns the XLA streams.
+static std::vector<std::unique_ptr<nccl::Communicator>> g_comms;
+static std::vector<std::unique_ptr<Stream>> g_stream_store;
+static std::vector<std::unique_ptr<Event>> g_events;
+static std::vector<cudaStream_t> setup_ranks(int W) {
+  g_comms.clear(); g_stream_store.clear(); g_events.clear(); g_streams.clear(); g_sc.assign(W, SimComm{});
   nccl::g_comm_by_ordinal.assign(W, nullptr);
   std::vector<cudaStream_t> mains(W);
   for (int r = 0; r < W; ++r) {
@@ -488,13 +506,37 @@ static void run_case(const Case& c, int calls) {
     g_streams[mains[r]] = main.get();
     for (int s = 0; s < nccl::kMaxSegments; ++s)
       for (cudaEvent_t* e : {&cm->quantized[s], &cm->exchanged[s], &cm->reduced[s], &cm->gathered[s]}) {
-        events.push_back(std::make_unique<Event>());
-        *e = reinterpret_cast<cudaEvent_t>(events.back().get());
+        g_events.push_back(std::make_unique<Event>());
+        *e = reinterpret_cast<cudaEvent_t>(g_events.back().get());
       }
     nccl::g_comm_by_ordinal[r] = cm.get();
-    streams.push_back(std::move(side)); streams.push_back(std::move(main));
-    comms.push_back(std::move(cm));
+    g_stream_store.push_back(std::move(side)); g_stream_store.push_back(std::move(main));
+    g_comms.push_back(std::move(cm));
   }
+  return mains;
+}
+
+// After rank r's call k returns, XLA's stream may reuse the workspace: nothing may
+// be pending on the side stream by the time XLA's stream gets there.
+static void push_reuse_check(int r, int k, cudaStream_t main, uint8_t* ws_r, int64_t wsb) {
+  Stream* side = S(g_comms[r]->stream);
+  const int64_t upto = side->pushed;
+  Op chk;
+  chk.check = [side, r, k, ws_r, wsb, upto] {
+    EXPECT(side->popped >= upto, "rank %d call %d: side stream busy after XLA stream passed the call", r, k);
+    for (int64_t i = 0; i < wsb; ++i) ws_r[i] = uint8_t(i * 131 + 7);  // XLA reuses the workspace
+  };
+  S(main)->push(chk);
+}
+
+static void run_case(const Case& c, int calls) {
+  const int W = int(c.W);
+  const int64_t eb = cuda::FloatTypeBytes(c.t);
+  nccl::Plan plan;
+  std::string bad = nccl::MakePlan(c.n, c.W, c.chunk, c.bits, c.B, eb, nccl::Algorithm(c.alg), c.segs, &plan);
+  if (!bad.empty()) { EXPECT(false, "plan: %s", bad.c_str()); return; }
+  const int64_t wsb = plan.workspace_bytes;
+  std::vector<cudaStream_t> mains = setup_ranks(W);
   g_allocs.clear();
   std::vector<uint8_t*> ws(W);
   for (int r = 0; r < W; ++r) ws[r] = dev_alloc(wsb, "workspace");
@@ -534,15 +576,7 @@ static void run_case(const Case& c, int calls) {
                                              c.bits, c.B, c.st, c.alg, c.segs);
       EXPECT(e.success(), "handler failed: %s", e.message().c_str());
       EXPECT(t_depth == 0, "group left open");
-      // XLA: after the call's stream work, the workspace is free: nothing may be pending on the side stream.
-      Stream* side = S(comms[r]->stream);
-      const int64_t upto = side->pushed;
-      Op chk;
-      chk.check = [side, r, k, ws_r = ws[r], wsb, upto] {
-        EXPECT(side->popped >= upto, "rank %d call %d: side stream busy after XLA stream passed the call", r, k);
-        for (int64_t i = 0; i < wsb; ++i) ws_r[i] = uint8_t(i * 131 + 7);  // XLA reuses the workspace
-      };
-      S(mains[r])->push(chk);
+      push_reuse_check(r, k, mains[r], ws[r], wsb);
     }
   }
   run_all();
@@ -572,6 +606,122 @@ static int64_t chunk_length(int64_t n, int64_t w, int64_t B, bool whole) {
   return (per + align - 1) / align * align;
 }
 
+// ------------------------------------------------------- reduce-scatter, all-gather
+struct ShardedCase { nccl::ShardedOp op; int64_t m, W, B; int bits; bool st; int64_t segs; FloatType t; };
+
+// What the xla backend computes (scatter_rows / gather_rows): blocks padded to
+// an aligned length c whose padding never enters a bucket, for every rank.
+static std::vector<std::vector<float>> sharded_reference(const ShardedCase& c,
+                                                         const std::vector<std::vector<uint8_t>>& xs,
+                                                         const std::vector<std::vector<uint32_t>>& seeds) {
+  const bool scatter = c.op == nccl::ShardedOp::kReduceScatter;
+  const int64_t W = c.W, m = c.m;
+  const int64_t C = scatter ? chunk_length(W * m, W, c.B, false) : chunk_length(m, 1, c.B, false);
+  const RowLayout l = cuda::MakeRowLayout(1, C, c.B, c.bits);
+  cuda::ValidCounts real;
+  real.total = m;
+  // Block j of rank r (its shard for all-gather), padded to C, encoded with seed row j.
+  auto encode = [&](int r, int64_t j, std::vector<uint8_t>* P, std::vector<float>* M) {
+    P->assign(l.row_bytes, 0);
+    M->assign(2 * l.buckets, 0.f);
+    const int64_t base = scatter ? j * m : 0;
+    quantize_f32(l, [&](int64_t, int64_t i) { return i < m ? to_f32(c.t, xs[r].data(), base + i) : 0.f; },
+                 seeds[r].data() + 2 * (scatter ? j : 0), c.st, P->data(), M->data(), real);
+  };
+  auto rounded = [&](float v) {
+    std::vector<uint8_t> tmp(cuda::FloatTypeBytes(c.t));
+    from_f32(c.t, tmp.data(), 0, v);
+    return to_f32(c.t, tmp.data(), 0);
+  };
+  std::vector<std::vector<float>> out(W);
+  std::vector<uint8_t> P;
+  std::vector<float> M;
+  if (scatter) {
+    for (int o = 0; o < W; ++o) {
+      std::vector<float> acc(m);
+      for (int64_t i = 0; i < m; ++i) acc[i] = flush(to_f32(c.t, xs[o].data(), o * m + i));
+      for (int r = 0; r < W; ++r) {
+        if (r != o) encode(r, o, &P, &M);
+        // The owner's own slot has zeroed metadata: it adds +0.
+        for (int64_t i = 0; i < m; ++i) acc[i] = accumulate(acc[i], r == o ? 0.f : decoded(l, P.data(), M.data(), i));
+      }
+      for (int64_t i = 0; i < m; ++i) out[o].push_back(rounded(acc[i]));
+    }
+    return out;
+  }
+  std::vector<float> all;
+  for (int r = 0; r < W; ++r) {
+    encode(r, 0, &P, &M);
+    for (int64_t i = 0; i < m; ++i) all.push_back(rounded(decoded(l, P.data(), M.data(), i)));
+  }
+  return std::vector<std::vector<float>>(W, all);
+}
+
+static void run_sharded_case(const ShardedCase& c, int calls) {
+  const bool scatter = c.op == nccl::ShardedOp::kReduceScatter;
+  const int W = int(c.W);
+  const int64_t eb = cuda::FloatTypeBytes(c.t);
+  nccl::ShardedPlan plan;
+  const std::string bad = nccl::MakeShardedPlan(c.op, c.m, c.W, c.bits, c.B, eb, c.segs, &plan);
+  if (!bad.empty()) { EXPECT(false, "plan: %s", bad.c_str()); return; }
+  const int64_t wsb = plan.workspace_bytes;
+  const int64_t x_len = scatter ? W * c.m : c.m, out_len = scatter ? c.m : W * c.m, seed_rows = scatter ? W : 1;
+  std::vector<cudaStream_t> mains = setup_ranks(W);
+  g_allocs.clear();
+  std::vector<uint8_t*> ws(W);
+  for (int r = 0; r < W; ++r) ws[r] = dev_alloc(wsb, "workspace");
+  struct Bufs { std::vector<uint8_t*> x, out, sd; std::vector<std::vector<uint8_t>> xh; std::vector<std::vector<uint32_t>> sh; };
+  std::vector<Bufs> per(calls);
+  std::normal_distribution<float> nd(0.f, 1.f);
+  for (auto& b : per) {
+    for (int r = 0; r < W; ++r) {
+      b.xh.emplace_back(x_len * eb);
+      for (int64_t i = 0; i < x_len; ++i) from_f32(c.t, b.xh[r].data(), i, (g_rng() % 7 == 0) ? 0.f : nd(g_rng) * (1 + r));
+      b.sh.emplace_back(2 * seed_rows);
+      for (auto& v : b.sh[r]) v = g_rng();
+      b.x.push_back(dev_alloc(x_len * eb, "x"));
+      std::memcpy(b.x[r], b.xh[r].data(), x_len * eb);
+      b.out.push_back(dev_alloc(out_len * eb, "out"));
+      b.sd.push_back(dev_alloc(8 * seed_rows, "seeds"));
+      std::memcpy(b.sd[r], b.sh[r].data(), 8 * seed_rows);
+    }
+  }
+  const XLA_FFI_DataType dt = c.t == FloatType::kF32 ? XLA_FFI_DataType_F32
+                              : (c.t == FloatType::kBF16 ? XLA_FFI_DataType_BF16 : XLA_FFI_DataType_F16);
+  for (int k = 0; k < calls; ++k) {
+    for (int r = 0; r < W; ++r) {
+      int64_t blocks[2] = {c.W, c.m}, row[1] = {c.m}, sdd[2] = {seed_rows, 2}, wd[1] = {wsb};
+      XLA_FFI_Buffer xb{XLA_FFI_Buffer_STRUCT_SIZE, nullptr, dt, per[k].x[r], scatter ? 2 : 1, scatter ? blocks : row};
+      XLA_FFI_Buffer ob{XLA_FFI_Buffer_STRUCT_SIZE, nullptr, dt, per[k].out[r], scatter ? 1 : 2, scatter ? row : blocks};
+      XLA_FFI_Buffer sb{XLA_FFI_Buffer_STRUCT_SIZE, nullptr, XLA_FFI_DataType_U32, per[k].sd[r], 2, sdd};
+      XLA_FFI_Buffer wb{XLA_FFI_Buffer_STRUCT_SIZE, nullptr, XLA_FFI_DataType_U8, ws[r], 1, wd};
+      auto impl = scatter ? nccl::sharded::ReduceScatterImpl : nccl::sharded::AllGatherImpl;
+      ffi::Error e = impl(mains[r], r, ffi::AnyBuffer(&xb), ffi::AnyBuffer(&sb),
+                          ffi::Result<ffi::AnyBuffer>(ffi::AnyBuffer(&ob)), ffi::Result<ffi::AnyBuffer>(ffi::AnyBuffer(&wb)),
+                          7, c.W, c.bits, c.B, c.st, c.segs);
+      EXPECT(e.success(), "handler failed: %s", e.message().c_str());
+      EXPECT(t_depth == 0, "group left open");
+      push_reuse_check(r, k, mains[r], ws[r], wsb);
+    }
+  }
+  run_all();
+  for (int k = 0; k < calls; ++k) {
+    auto want = sharded_reference(c, per[k].xh, per[k].sh);
+    for (int r = 0; r < W; ++r) {
+      int64_t bad_i = -1, nbad = 0;
+      for (int64_t i = 0; i < out_len; ++i) {
+        if (float_bits(to_f32(c.t, per[k].out[r], i)) != float_bits(want[r][i])) { if (bad_i < 0) bad_i = i; ++nbad; }
+      }
+      EXPECT(nbad == 0, "%s m=%ld W=%ld B=%ld bits=%d st=%d segs=%ld(%d) type=%d call %d rank %d: %ld mismatches, first at %ld",
+             scatter ? "reduce-scatter" : "all-gather", long(c.m), long(c.W), long(c.B), c.bits, c.st, long(c.segs),
+             plan.segments, int(c.t), k, r, long(nbad), long(bad_i));
+    }
+  }
+  for (auto& b : per)
+    for (int r = 0; r < W; ++r) { delete[] b.x[r]; delete[] b.out[r]; delete[] b.sd[r]; }
+  for (int r = 0; r < W; ++r) delete[] ws[r];
+}
+
 int main(int argc, char** argv) {
   g_api.GetErrorString = sErr; g_api.GetLastError = sLast; g_api.CommGetAsyncError = sAsync;
   g_api.GroupStart = sGroupStart; g_api.GroupEnd = sGroupEnd; g_api.Send = sSend; g_api.Recv = sRecv;
@@ -591,6 +741,16 @@ int main(int argc, char** argv) {
     c.chunk = chunk_length(c.n, c.W, c.B, g_rng() % 2);
     if (g_rng() % 5 == 0) c.chunk += g_rng() % 50;  // arbitrary larger chunk
     run_case(c, 1 + g_rng() % 2);
+    ShardedCase sc;
+    sc.op = i % 2 ? nccl::ShardedOp::kReduceScatter : nccl::ShardedOp::kAllGather;
+    sc.W = 2 + g_rng() % 5;
+    sc.m = 1 + g_rng() % (i % 3 == 0 ? 40 : 1500);
+    sc.B = std::vector<int64_t>{1, 3, 8, 16, 24, 64, 100, 512, 5000}[g_rng() % 9];
+    sc.bits = 1 + g_rng() % 8;
+    sc.st = g_rng() % 2;
+    sc.segs = std::vector<int64_t>{0, 1, 2, 3, 5, 64}[g_rng() % 6];
+    sc.t = types[g_rng() % 3];
+    run_sharded_case(sc, 1 + g_rng() % 2);
   }
   printf("%s: %ld failures\n", g_fail ? "FAILED" : "ok", g_fail);
   return g_fail != 0;
