@@ -11,7 +11,8 @@ rounding). Moves ``(W - 1)/W`` of the gathered compressed bytes per rank.
 The module reads top to bottom: the per-device program on rows, the primitive, its rules
 (differentiation as ``lax.all_gather``: the tangent goes through lax's exact collective, so
 ``jax.grad`` gives lax's gradient, a ``psum_scatter``; vmap folds into rows), the lowering
-(every platform, the xla backend), and the pytree API.
+(every platform, the xla backend; on CUDA :mod:`jax_cgx.nccl.sharded` may run the nccl
+backend's custom call instead, bitwise the same), and the pytree API.
 """
 
 from __future__ import annotations
@@ -80,8 +81,8 @@ def _lax_all_gather(x, axes, axis: int, tiled: bool, invariant: bool):
     return lax.all_gather(x, axes, axis=axis, tiled=tiled)
 
 
-register(compressed_all_gather_p, abstract_eval=_abstract_eval, program=gather_rows, jvp=_jvp, api=API,
-         lax_name="all_gather", typing_only=("invariant",))
+lower_xla = register(compressed_all_gather_p, abstract_eval=_abstract_eval, program=gather_rows, jvp=_jvp, api=API,
+                     lax_name="all_gather", typing_only=("invariant",))
 
 
 # ------------------------------------------------------------------ the API
@@ -152,7 +153,8 @@ def compressed_all_gather(x, axis_name, config: ConfigSpec = None, *, axis: int 
             joined = _compat.ensure_varying(joined, axes)
             rows = compressed_all_gather_p.bind(
                 joined[None], seeds[:, 0], axes=axes, world=world, bits=cfg.bits, bucket_size=cfg.bucket_size,
-                stochastic=cfg.stochastic, impl=impl, segments=cfg.pipeline_segments, invariant=invariant)[0]
+                stochastic=cfg.stochastic, impl=impl, segments=cfg.pipeline_segments, invariant=invariant,
+                backend=cfg.backend)[0]
             start = 0
             for i, piece in zip(members, flat):
                 shard = rows[:, start:start + piece.size]

@@ -18,7 +18,8 @@ bucket holding it; twice that with stochastic rounding), plus float32 rounding. 
 The module reads top to bottom: the per-device program on rows, the primitive, its rules
 (differentiation as ``lax.psum_scatter``: the tangent goes through lax's exact collective,
 so ``jax.grad`` gives lax's gradient, an ``all_gather``; vmap folds into rows), the
-lowering (every platform, the xla backend), and the pytree API.
+lowering (every platform, the xla backend; on CUDA :mod:`jax_cgx.nccl.sharded` may run the
+nccl backend's custom call instead, bitwise the same), and the pytree API.
 """
 
 from __future__ import annotations
@@ -98,8 +99,8 @@ def _jvp(primals, tangents, *, axes, **params):
     return out, lax.psum_scatter(tx, axes, scatter_dimension=1, tiled=False)
 
 
-register(compressed_reduce_scatter_p, abstract_eval=_abstract_eval, program=scatter_rows, jvp=_jvp, api=API,
-         lax_name="psum_scatter")
+lower_xla = register(compressed_reduce_scatter_p, abstract_eval=_abstract_eval, program=scatter_rows, jvp=_jvp,
+                     api=API, lax_name="psum_scatter")
 
 # (x[R, W, m], seeds) -> (out[R, m], residual[R, W, m]): the same program, with error feedback's residual.
 compressed_reduce_scatter_residual_p = Primitive("jax_cgx_compressed_reduce_scatter_residual")
@@ -117,8 +118,9 @@ def _residual_jvp(primals, tangents, **params):
                     "values (error feedback); differentiate without return_residual, or use jax.lax.stop_gradient")
 
 
-register(compressed_reduce_scatter_residual_p, abstract_eval=_residual_abstract_eval,
-         program=functools.partial(scatter_rows, residual=True), jvp=_residual_jvp, api=API, lax_name="psum_scatter")
+lower_residual_xla = register(compressed_reduce_scatter_residual_p, abstract_eval=_residual_abstract_eval,
+                              program=functools.partial(scatter_rows, residual=True), jvp=_residual_jvp, api=API,
+                              lax_name="psum_scatter")
 
 
 # ------------------------------------------------------------------ leaves as blocks and back
@@ -218,7 +220,7 @@ def compressed_psum_scatter(x, axis_name, config: ConfigSpec = None, *, scatter_
             joined = blocks[0] if len(blocks) == 1 else lax.optimization_barrier(jnp.concatenate(blocks, axis=1))
             joined = _compat.ensure_varying(joined, axes)  # like lax: an invariant value is summed W times
             params = dict(axes=axes, world=world, bits=cfg.bits, bucket_size=cfg.bucket_size,
-                          stochastic=cfg.stochastic, impl=impl, segments=cfg.pipeline_segments)
+                          stochastic=cfg.stochastic, impl=impl, segments=cfg.pipeline_segments, backend=cfg.backend)
             if return_residual:
                 summed, lost = compressed_reduce_scatter_residual_p.bind(joined[None], seeds, **params)
                 summed, lost = summed[0], lost[0]

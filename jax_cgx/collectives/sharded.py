@@ -94,10 +94,10 @@ def check_config(config: CompressionConfig, api: str) -> None:
     """Refuse what these collectives cannot do; say once what they do differently."""
     if config.hierarchical:
         raise ValueError(f"{api}: hierarchical=True applies to all-reduces only; use hierarchical=False here")
-    if config.backend in ("nccl", "tcp"):
+    if config.backend == "tcp":
         raise NotImplementedError(
-            f"{api}: backend={config.backend!r} runs all-reduces only so far; use backend='auto' or 'xla' "
-            "(XLA collectives around the codec's kernels, on every platform)")
+            f"{api}: backend='tcp' runs all-reduces only so far; use backend='auto' or 'xla' (XLA collectives "
+            "around the codec's kernels, on every platform), or 'nccl' on CUDA GPUs")
     notes = []
     if config.policy == "auto":
         notes.append("policy='auto' prices all-reduces only: this exchange is always compressed")
@@ -154,12 +154,19 @@ def wire_bytes(x, world: int, config: ConfigSpec, op: str) -> int:
 
 
 def register(prim: Primitive, *, abstract_eval: Callable, program: Callable, jvp: Callable, api: str,
-             lax_name: str, typing_only: tuple[str, ...] = ()) -> None:
-    """Register a row-shaped collective's rules: ``abstract_eval``, the lowering of ``program``
-    (the per-device rows program, given the platform's message cap; ``typing_only`` params
-    are dropped from it), ``jvp``, the impl, and vmap folding into rows."""
+             lax_name: str, typing_only: tuple[str, ...] = ()) -> Callable:
+    """Register a row-shaped collective's rules: ``abstract_eval``, the xla backend's lowering
+    of ``program`` (the per-device rows program, given the platform's message cap;
+    ``typing_only`` params and ``backend`` are dropped from it), ``jvp``, the impl, and vmap
+    folding into rows. Returns the lowering, which :mod:`jax_cgx.nccl.sharded`'s CUDA rule
+    falls back to when the nccl backend does not run."""
 
-    def lower(ctx, *args, **params):
+    def lower(ctx, *args, backend: str, **params):
+        if backend == "nccl":
+            platforms = ", ".join(ctx.module_context.platforms)
+            raise NotImplementedError(
+                f"{api}: backend='nccl' runs on CUDA GPUs only, but this computation is lowered for {platforms}. "
+                "Use backend='auto' (nccl where set up, else xla) or backend='xla'.")
         for name in typing_only:
             params.pop(name)
         cap = _wire.message_cap(ctx.module_context.platforms)
@@ -178,3 +185,4 @@ def register(prim: Primitive, *, abstract_eval: Callable, program: Callable, jvp
     mlir.register_lowering(prim, lower)
     ad.primitive_jvps[prim] = jvp
     batching.fancy_primitive_batchers[prim] = batch
+    return lower

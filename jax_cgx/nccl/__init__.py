@@ -1,8 +1,9 @@
 """NCCL communicators owned by jax_cgx: the Python half of the ``nccl`` backend.
 
-The ``nccl`` backend of :func:`jax_cgx.compressed_psum` runs its exchange as a custom
-call over NCCL communicators that jax_cgx creates itself, one per (reduction group,
-local device). A *reduction group* of a reduction over mesh axes ``axes`` is the set of
+The ``nccl`` backend of :func:`jax_cgx.compressed_psum` (and of
+:func:`~jax_cgx.compressed_psum_scatter` and :func:`~jax_cgx.compressed_all_gather`)
+runs its exchange as a custom call over NCCL communicators that jax_cgx creates itself,
+one per (reduction group, local device). A *reduction group* of a reduction over mesh axes ``axes`` is the set of
 devices that share all other mesh coordinates; a *family* is all groups of one
 ``(mesh, axes)``. Each family has one key (:func:`family_key`); since a device is in
 exactly one group of a family, the C++ registry of the CUDA extension finds a
@@ -49,6 +50,7 @@ The package, one module per job (each imports only those above it):
 ``unique_ids``     handing NCCL unique ids to the processes of each group (kv or MPI)
 ``lifecycle``      :func:`setup`, :func:`teardown`, the exit hook
 ``lowering``       the CUDA lowering rule of the compressed all-reduce (imports the rest)
+``sharded``        the CUDA lowering rules of the compressed reduce-scatter and all-gather
 =================  ==================================================================
 
 The compiled functions are reached only through ``library.binding()``; tests replace

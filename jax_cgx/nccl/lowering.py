@@ -28,7 +28,7 @@ from jax_cgx.collectives import primitive
 from jax_cgx.config import ALGORITHMS
 from jax_cgx.nccl import registry
 
-__all__ = ["nccl_allreduce_p", "workspace_bytes"]
+__all__ = ["nccl_allreduce_p", "workspace_bytes", "context_mesh"]
 
 log = logging.getLogger("jax_cgx")
 
@@ -79,19 +79,19 @@ nccl_allreduce_p.def_abstract_eval(_abstract)
 mlir.register_lowering(nccl_allreduce_p, _lower_row, platform="cuda")
 
 
-def _context_mesh(ctx):
+def context_mesh(ctx):
     """The mesh of the shard_map/pmap being lowered (None outside one)."""
     return getattr(ctx.module_context.axis_context, "mesh", None)
 
 
 def _lower_cuda(ctx, x, seeds, valid, *, backend, axes, world, chunk, bits, bucket_size, stochastic, impl,
                 algorithm, segments):
-    choice, _ = registry.select_backend(backend, "cuda", _context_mesh(ctx), axes)
+    choice, _ = registry.select_backend(backend, "cuda", context_mesh(ctx), axes)
     params = dict(axes=axes, world=world, chunk=chunk, bits=bits, bucket_size=bucket_size,
                   stochastic=stochastic, impl=impl, algorithm=algorithm, segments=segments)
     if choice != "nccl":
         return primitive.lower_xla(ctx, x, seeds, valid, backend="xla", **params)
-    key = registry.lookup(_context_mesh(ctx), axes)
+    key = registry.lookup(context_mesh(ctx), axes)
 
     def rows(x, seeds, valid):
         row = functools.partial(

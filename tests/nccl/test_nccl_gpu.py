@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from allreduce_cases import oracle, seed_rows
 from bitwise import assert_same_bits
-from nccl_gpu_worker import CASES, DTYPES, inputs  # noqa: E402
+from nccl_gpu_worker import CASES, DTYPES, SHARDED_CASES, SHARDED_TARGETS, inputs  # noqa: E402
 from processes import SUPPORT, run_all
 
 import jax_cgx
@@ -116,6 +116,16 @@ def _check(results: dict, nproc: int, backends) -> None:
             for other in backends[1:]:
                 assert_same_bits(nccl[d], results[f"{name}/f32/{other}/rank{d}"], f"{name}: {first} vs {other}, rank {d}")
             assert_same_bits(nccl[d], nccl[0], f"{name}: rank {d} vs rank 0")
+    for op in SHARDED_TARGETS:
+        for name in SHARDED_CASES:
+            for dtype_name in DTYPES:
+                case = f"{op}/{name}/{dtype_name}"
+                ours = [results[f"{case}/{first}/rank{d}"] for d in range(nproc)]
+                for d in range(nproc):
+                    for other in backends[1:]:
+                        assert_same_bits(ours[d], results[f"{case}/{other}/rank{d}"], f"{case}: {first} vs {other}, rank {d}")
+                    if op == "all_gather":  # every replica holds the same bits
+                        assert_same_bits(ours[d], ours[0], f"{case}: rank {d} vs rank 0")
 
 
 @pytest.mark.gpu

@@ -15,6 +15,7 @@ from jax_cgx import CompressionConfig, nccl
 from jax_cgx.codec import kernels as _ffi
 from jax_cgx.nccl import lowering as _nccl_lowering
 from jax_cgx.nccl import registry
+from jax_cgx.nccl import sharded as _nccl_sharded
 
 pytestmark = pytest.mark.skipif(
     not (_ffi.cuda_extension_available() and _ffi._cuda.nccl_compiled()),
@@ -104,3 +105,82 @@ def test_nccl_library_loads_where_installed():
     except nccl.NcclNotFoundError as err:
         pytest.skip(f"NCCL not installed here: {err}")
     assert version >= 21300
+
+
+# ------------------------------------------------------------ reduce-scatter and all-gather
+
+def _lower_sharded(op, config, m=2_500, rows=None, key=None, return_residual=False):
+    """compressed_psum_scatter (tiled, each rank's [4 * m] -> [m]) or compressed_all_gather
+    ([m] -> [4, m]) over 4 devices, cross-lowered for CUDA."""
+    mesh = jax.make_mesh((4,), ("d",), devices=jax.devices()[:4])
+
+    def one(v):
+        if op == "psum_scatter":
+            out = jax_cgx.compressed_psum_scatter(v, "d", config, tiled=True, key=key, return_residual=return_residual)
+            return out[0] if return_residual else out
+        return jax_cgx.compressed_all_gather(v, "d", config, key=key)
+
+    def body(v):
+        return (one(v[0]) if rows is None else jax.vmap(one)(v[0]))[None]
+
+    n = 4 * m if op == "psum_scatter" else m
+    shape = (4, n) if rows is None else (4, rows, n)
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("d"), out_specs=P("d")))
+    x = jax.ShapeDtypeStruct(shape, jnp.float32, sharding=NamedSharding(mesh, P("d")))
+    return f.trace(x).lower(lowering_platforms=("cuda",)).as_text()
+
+
+_TARGETS = {"psum_scatter": "jax_cgx_nccl_reduce_scatter", "all_gather": "jax_cgx_nccl_all_gather"}
+
+
+@pytest.mark.parametrize("op", ["psum_scatter", "all_gather"])
+def test_sharded_collectives_lower_to_one_custom_call_per_buffer(communicators, op):
+    hlo = _lower_sharded(op, CompressionConfig(bits=4, bucket_size=64, pipeline_segments=3, backend="nccl"))
+    assert len(re.findall(rf"custom_call @{_TARGETS[op]}\(", hlo)) == 1, hlo
+    assert "comm_key = 1234" in hlo and "segments = 3" in hlo and "world = 4" in hlo
+    assert "has_side_effect = true" in hlo
+    assert "all_to_all" not in hlo and "all_gather\"" not in hlo and "stablehlo.all_gather" not in hlo
+    # vmapped rows: one call each; backend="xla": XLA's collectives, no custom call
+    assert len(re.findall(rf"custom_call @{_TARGETS[op]}\(", _lower_sharded(op, CompressionConfig(bits=8), rows=3))) == 3
+    assert _TARGETS[op] not in _lower_sharded(op, CompressionConfig(bits=4, backend="xla"))
+
+
+@pytest.mark.parametrize("op", ["psum_scatter", "all_gather"])
+def test_sharded_collectives_without_communicators(op):
+    assert _TARGETS[op] not in _lower_sharded(op, CompressionConfig(bits=4, backend="auto"))
+    with pytest.raises(nccl.NcclError, match=r"jax_cgx\.nccl\.setup"):
+        _lower_sharded(op, CompressionConfig(bits=4, backend="nccl"))
+
+
+def test_reduce_scatter_residual_is_xla_only(communicators):
+    hlo = _lower_sharded("psum_scatter", CompressionConfig(bits=4), return_residual=True)
+    assert "jax_cgx_nccl_reduce_scatter" not in hlo and "all_to_all" in hlo
+    with pytest.raises(NotImplementedError, match="xla backend only"):
+        _lower_sharded("psum_scatter", CompressionConfig(bits=4, backend="nccl"), return_residual=True)
+
+
+@pytest.mark.parametrize("op", ["psum_scatter", "all_gather"])
+def test_sharded_nccl_backend_on_cpu_raises(op):
+    mesh = jax.make_mesh((4,), ("d",), devices=jax.devices()[:4])
+    cfg = CompressionConfig(bits=4, backend="nccl")
+    if op == "psum_scatter":
+        fn = lambda v: jax_cgx.compressed_psum_scatter(v[0], "d", cfg, tiled=True)[None]  # noqa: E731
+    else:
+        fn = lambda v: jax_cgx.compressed_all_gather(v[0], "d", cfg)[None]  # noqa: E731
+    f = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=P("d"), out_specs=P("d")))
+    with pytest.raises(Exception, match="CUDA GPUs only"):
+        f.lower(jax.ShapeDtypeStruct((4, 4000), jnp.float32, sharding=NamedSharding(mesh, P("d"))))
+
+
+def test_sharded_workspace_plan():
+    # 64 MiB f32 reduce-scattered over 4 ranks at 4 bits: W sent and W received slots of a 4 MiB-value block
+    m = (16 << 20) // 4
+    encoded = m // 2 + (m // 512) * 8
+    ws, segments = _nccl_sharded.workspace_bytes("psum_scatter", m, 4, 4, 512, jnp.float32, 0)
+    assert segments == 1 and 8 * encoded <= ws <= 8 * encoded + 64 * 1024
+    ws, segments = _nccl_sharded.workspace_bytes("all_gather", m, 4, 4, 512, jnp.float32, 5)
+    assert segments == 5 and 4 * encoded <= ws <= 4 * encoded + 64 * 1024
+    with pytest.raises(RuntimeError, match="bits must be in 1..8"):
+        _nccl_sharded.workspace_bytes("all_gather", m, 4, 0, 512, jnp.float32, 0)
+    with pytest.raises(RuntimeError, match="world must be >= 2"):
+        _nccl_sharded.workspace_bytes("psum_scatter", m, 1, 4, 512, jnp.float32, 0)

@@ -35,6 +35,14 @@ CASES = {
                                                       pipeline_segments=2),
 }
 DTYPES = {"f32": np.float32, "bf16": jax.numpy.bfloat16}
+# compressed_psum_scatter (tiled: each rank's [W * M] -> its [M]) and compressed_all_gather ([M] -> [W, M]).
+M = 25_001  # odd: blocks not a multiple of the kernels' alignment
+SHARDED_CASES = {
+    "b4": CompressionConfig(bits=4, bucket_size=512),
+    "b8_stochastic_segments3": CompressionConfig(bits=8, bucket_size=128, stochastic=True, pipeline_segments=3),
+    "b2_segments5": CompressionConfig(bits=2, bucket_size=100, pipeline_segments=5),
+}
+SHARDED_TARGETS = {"psum_scatter": "jax_cgx_nccl_reduce_scatter", "all_gather": "jax_cgx_nccl_all_gather"}
 
 
 def inputs(world: int, n: int = N, dtype=np.float32) -> np.ndarray:
@@ -48,6 +56,16 @@ def _run(mesh, axes, spec, config, x):
     f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec))
     hlo = f.lower(x).compile().as_text()
     return f(x), "jax_cgx_nccl_allreduce" in hlo
+
+
+def _run_sharded(mesh, axis, op, config, x):
+    def body(v):
+        if op == "psum_scatter":
+            return jax_cgx.compressed_psum_scatter(v[0], axis, config, tiled=True, key=jax.random.key(4))[None]
+        return jax_cgx.compressed_all_gather(v[0], axis, config, key=jax.random.key(4))[None]
+
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(axis), out_specs=P(axis)))
+    return f(x), SHARDED_TARGETS[op] in f.lower(x).compile().as_text()
 
 
 def _local(out) -> dict:
@@ -110,6 +128,18 @@ def main() -> None:
         assert ("jax_cgx_nccl_allreduce" in f.lower(x).compile().as_text()) == (backend == "nccl")
         for rank, value in _local(f(x)).items():
             results[f"tree/f32/{backend}/rank{rank}"] = value
+
+    # Reduce-scatter and all-gather: the nccl backend's custom calls against the xla backend.
+    for dtype_name, dtype in DTYPES.items():
+        for op in SHARDED_TARGETS:
+            xs = inputs(nproc, nproc * M if op == "psum_scatter" else M, dtype=dtype)
+            x = jax.make_array_from_callback(xs.shape, NamedSharding(mesh, spec), lambda idx, xs=xs: xs[idx])
+            for name, config in SHARDED_CASES.items():
+                for backend in backends:
+                    out, used_nccl = _run_sharded(mesh, axes, op, config.replace(backend=backend), x)
+                    assert used_nccl == (backend == "nccl"), (op, name, backend, used_nccl)
+                    for rank, value in _local(out).items():
+                        results[f"{op}/{name}/{dtype_name}/{backend}/rank{rank}"] = value.astype(np.float32)
 
     np.savez(os.path.join(out_dir, f"process{pid}.npz"), **results)
     if not cpu:
