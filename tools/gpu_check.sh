@@ -4,7 +4,7 @@
 # (CUDA kernels and the nccl backend), run every test (GPU tests included, and
 # the one-GPU multi-rank NCCL test), run the codec benchmark on the GPU and the
 # CPU and the all-reduce benchmark with 2 and 4 ranks sharing the GPU (psum vs
-# the xla and nccl backends), and write logs, JSON and a results table into a
+# the xla and nccl backends; reduce-scatter and all-gather with 2), and write logs, JSON and a results table into a
 # directory.
 #
 #   tools/gpu_check.sh [OUTDIR]        (default: $OUT if set, else ./gpu-check)
@@ -46,6 +46,10 @@ for n in 2 4; do
   step "bench_allreduce_gpu_w$n" python -m jax_cgx.launch -n "$n" benchmarks/allreduce.py --share-gpu \
     --sizes-mib 16 64 256 --bits 4 8 --backends xla nccl --repeats 10 --output "$out/bench_allreduce_gpu_w$n.json"
 done
+# Reduce-scatter and all-gather of sharded training: lax vs the xla and nccl backends.
+step bench_sharded_gpu_w2 python -m jax_cgx.launch -n 2 benchmarks/allreduce.py --share-gpu \
+  --sizes-mib 16 64 --bits 4 8 --ops psum_scatter all_gather --backends xla nccl --repeats 10 \
+  --output "$out/bench_sharded_gpu_w2.json"
 # The training step on the GPU (2 ranks sharing it): policy="auto" calibrating on a GPU, and
 # reduce_in_backward where XLA's latency-hiding scheduler may overlap it (the profile shows whether).
 step train_step_gpu_w2 python -m jax_cgx.launch -n 2 benchmarks/train_step.py --share-gpu --steps 20 \

@@ -21,8 +21,8 @@ moving fewer bytes; docs/results.md says which is which.
 
 ``--ops psum psum_scatter all_gather``: the size is the larger side per device, as in
 nccl-tests (a reduce-scatter's input, an all-gather's output; both ``tiled``), and busbw is
-``algbw * (W-1)/W`` for these two. They run on the xla backend only (rows for other backends
-are left out).
+``algbw * (W-1)/W`` for these two. They run on the xla and nccl backends (tcp rows are
+left out: the tcp backend runs all-reduces only).
 
 ``--backends`` compares jax_cgx's backends (``xla``: XLA collectives; ``nccl``: one
 custom call on jax_cgx's NCCL communicators, GPU only; ``tcp``: one CPU custom call on
@@ -160,7 +160,7 @@ def run(args: argparse.Namespace) -> list[dict]:
 
     sizes = sizes_in_bytes(args)
     combos = [(op, *c) for op in args.ops for c in itertools.product(args.bits, args.bucket_sizes, backends)
-              if op == "psum" or c[2] == "xla"]
+              if op == "psum" or c[2] != "tcp"]
     records = []
     with _progress(len(sizes) * (len(args.ops) + len(combos)), jax.process_index() == 0 and args.progress) as bar:
         for size in sizes:
