@@ -428,6 +428,14 @@ void quantize(const void* x, FloatType x_type, int64_t rows, int64_t n, int64_t 
   const int64_t p = payload_bytes(m, bucket_size, bits);
   const int64_t nb = bucket_count(m, bucket_size);
   for (int64_t r = 0; r < rows; ++r) {
+    if (valid != nullptr && valid[r] <= 0) {
+      // Nothing real: every bucket gets (0, 0), and inverse_scale(0) = 0 puts every
+      // element, finite or not, at level 0 (codec_math.h). Those bytes, without
+      // reading x: SRA and the reduce-scatter mark the chunk a rank keeps this way.
+      std::memset(payload + r * p, 0, static_cast<size_t>(p));
+      std::memset(meta + r * nb * 2, 0, static_cast<size_t>(nb) * 2 * sizeof(float));
+      continue;
+    }
     QuantizeRow row{element_ptr(x, x_type, r * n),
                     x_type,
                     m,

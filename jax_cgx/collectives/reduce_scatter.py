@@ -4,11 +4,11 @@ The reduce-scatter of sharded training (FSDP, ZeRO): rank ``j`` ends with the su
 ranks of block ``j`` of their inputs. Compressed, it is SRA's first half (docs/algorithm.md):
 
 1. every rank quantizes its ``W`` blocks (each with its own seed; the kernels' ``valid``
-   counts keep the alignment padding out of every bucket) and ``all_to_all``\\ s the bytes,
-   so rank ``j`` receives the ``W`` encodings of block ``j``;
+   counts keep the alignment padding out of every bucket, and mark its own block as
+   holding nothing real: the kernel writes zeros, metadata (0, 0), without reading it) and
+   ``all_to_all``\\ s the bytes, so rank ``j`` receives the ``W`` encodings of block ``j``;
 2. the owner decodes the ``W - 1`` blocks from its peers and adds them to its own block in
-   full precision (its own encoding is ignored: its metadata is zeroed, so it decodes to
-   +0), accumulating in float32, in one kernel.
+   full precision (its own encoding decodes to +0), accumulating in float32, in one kernel.
 
 Each contribution is quantized once, and the owner's own not at all: the error of a value
 of block ``o`` is at most ``sum over r != o of s_r / 2`` (``s_r`` the scale of rank ``r``'s
@@ -60,13 +60,13 @@ def scatter_rows(x, seeds, *, axes, world, bits, bucket_size, stochastic, impl, 
     c = chunk_length(w * m, w, bucket_size, False)  # m, aligned for the kernels' vector loads
     padded = x if c == m else lax.dynamic_update_slice(jnp.zeros((r, w, c), x.dtype), x, (0, 0, 0))
     p, nb, codec_args, k = row_plan(c, bits, bucket_size, impl, segments, message_cap)
+    me = lax.axis_index(axes)
+    # Our own block enters in full precision: encoded with nothing real, it adds exactly +0.
+    real = jnp.tile(jnp.where(jnp.arange(w) == me, 0, m).astype(jnp.int32), r)
     payload, meta = codec.quantize_rows(padded.reshape(r * w, c), seeds.reshape(r * w, 2), stochastic=stochastic,
-                                        valid=jnp.full((r * w,), m, jnp.int32), **codec_args)
+                                        valid=real, **codec_args)
     received = _wire.all_to_all(_wire.to_wire(payload.reshape(r, w, p), meta.reshape(r, w, nb, 2)), axes, k)
     recv_payload, recv_meta = _wire.from_wire(received, p, nb)
-    me = lax.axis_index(axes)
-    # Our own block enters in full precision; its received encoding must add exactly +0.
-    recv_meta = lax.dynamic_update_index_in_dim(recv_meta, jnp.zeros((r, 1, nb, 2), jnp.float32), me, axis=1)
     own = lax.dynamic_index_in_dim(padded, me, axis=1, keepdims=False)
     out = codec.dequantize_sum_rows(recv_payload, recv_meta, own, dtype=x.dtype, **codec_args)[:, :m]
     if not residual:

@@ -8,10 +8,12 @@ world size W (docs/algorithm.md):
    real (the codec's ``valid`` counts), so a bucket holding the buffer's last values
    and some padding is encoded exactly as an incomplete bucket of those values would be;
 2. quantize every chunk (each with its own seed) and ``all_to_all`` the packed
-   bytes, so rank j receives the W encodings of chunk j;
+   bytes, so rank j receives the W encodings of chunk j. A rank's own chunk is
+   quantized as holding no real value: the kernel writes zeros without reading it
+   (metadata (0, 0), which decodes to +0), since the owner uses the chunk itself;
 3. the owner decodes the W-1 chunks from its peers, adds its own chunk in full
-   precision (its own encoding is ignored: its metadata is zeroed so it decodes
-   to +0), accumulates in float32 and re-quantizes the sum, in one fused kernel;
+   precision (its own encoding adds +0), accumulates in float32 and re-quantizes
+   the sum, in one fused kernel;
 4. ``all_gather`` the packed sums and decode them: every replica decodes the
    same bytes with the same kernel, so all replicas hold bitwise equal results.
 
@@ -55,15 +57,15 @@ def sra_rows(x, seeds, valid, *, axes, world, chunk, bits, bucket_size, stochast
     padded = x if w * c == n else lax.dynamic_update_slice(jnp.zeros((r, w * c), x.dtype), x, (0, 0))
     chunks = padded.reshape(r, w, c)
     real = chunk_valid(valid, w, c)
+    # Our own chunk enters the sum in full precision: encoded with nothing real, it adds exactly +0.
+    sent_real = jnp.where(jnp.arange(w) == me, 0, real)
     payload, meta = codec.quantize_rows(
         chunks.reshape(r * w, c), seeds[:, :w].reshape(r * w, 2), stochastic=stochastic,
-        valid=real.reshape(r * w), **codec_args
+        valid=sent_real.reshape(r * w), **codec_args
     )
     wire = _wire.to_wire(payload.reshape(r, w, p), meta.reshape(r, w, nb, 2))
     received = _wire.all_to_all(wire, axes, k)
     recv_payload, recv_meta = _wire.from_wire(received, p, nb)
-    # Our own chunk enters in full precision; its received encoding must add exactly +0.
-    recv_meta = lax.dynamic_update_index_in_dim(recv_meta, jnp.zeros((r, 1, nb, 2), jnp.float32), me, axis=1)
     own = lax.dynamic_index_in_dim(chunks, me, axis=1, keepdims=False)
     sum_payload, sum_meta, own_out = codec.dequantize_sum_requantize_rows(
         recv_payload, recv_meta, own, seeds[:, w], stochastic=stochastic, dtype=x.dtype,

@@ -73,6 +73,26 @@ def test_valid_count_encodes_like_an_incomplete_bucket(bits, stochastic):
             assert np.all(inside >= lo) and np.all(inside <= lo + scale * ((1 << bits) - 1))
 
 
+@pytest.mark.parametrize("stochastic", [False, True])
+@pytest.mark.parametrize("bits", [1, 3, 8])
+def test_a_row_with_nothing_real_encodes_as_zeros(bits, stochastic):
+    """valid=0: every byte of payload and metadata is zero, whatever the row holds (NaN,
+    infinities, huge values): the kernel's shortcut for the chunk SRA and the reduce-scatter
+    keep, and the reference's arithmetic, agree."""
+    m, bucket = 300, 64
+    x = np.random.default_rng(bits).standard_normal((3, m)).astype(np.float32) * 1e30
+    x[:, :5] = [np.nan, np.inf, -np.inf, 3e38, -0.0]
+    seeds = jnp.asarray(np.random.default_rng(0).integers(0, 2**32, (3, 2)), jnp.uint32)
+    valid = jnp.asarray([0, m, 0], jnp.int32)
+    args = dict(bits=bits, bucket_size=bucket, stochastic=stochastic, m=m)
+    kernel = codec.quantize_rows(jnp.asarray(x), seeds, impl="kernel", valid=valid, **args)
+    reference = codec.quantize_rows(jnp.asarray(x), seeds, impl="reference", valid=valid, **args)
+    for got, want in zip(kernel, reference):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    for part in kernel:
+        assert not np.asarray(part)[[0, 2]].view(np.uint8).any()
+
+
 def test_valid_count_requantize_kernel_matches_reference():
     """dequantize_sum_requantize with valid counts: kernel and reference, the same bytes."""
     rng = np.random.default_rng(7)
