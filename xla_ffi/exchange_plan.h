@@ -54,6 +54,24 @@ inline ChunkCut CutChunk(int64_t chunk, int64_t bucket_size, int64_t elem_bytes,
   return ChunkCut{CeilDiv(buckets, per_segment), per_segment * bucket};
 }
 
+// Where `slots` encodings of one segment lie in a call's workspace: `slots` rows
+// of payload, then `slots` rows of metadata (a (min, scale) pair per bucket).
+struct Region {
+  int64_t payload = 0;
+  int64_t meta = 0;
+};
+
+inline int64_t MetaBytes(int64_t buckets) { return buckets * 2 * static_cast<int64_t>(sizeof(float)); }
+
+// Slot `slot` of region r of the workspace at `ws`, for encodings of `row_bytes`
+// payload bytes and `buckets` buckets.
+inline uint8_t* SlotPayload(char* ws, const Region& r, int64_t row_bytes, int64_t slot) {
+  return reinterpret_cast<uint8_t*>(ws + r.payload + slot * row_bytes);
+}
+inline float* SlotMeta(char* ws, const Region& r, int64_t buckets, int64_t slot) {
+  return reinterpret_cast<float*>(ws + r.meta + slot * MetaBytes(buckets));
+}
+
 // Lays a call's workspace out region by region, each starting `align`-aligned
 // from the workspace's start (which XLA aligns).
 class WorkspaceLayout {
@@ -64,6 +82,13 @@ class WorkspaceLayout {
     const int64_t at = end_;
     end_ += CeilDiv(bytes, align_) * align_;
     return at;
+  }
+  // A new region of `slots` encodings.
+  Region TakeRegion(int64_t slots, int64_t row_bytes, int64_t buckets) {
+    Region r;
+    r.payload = Take(slots * row_bytes);
+    r.meta = Take(slots * MetaBytes(buckets));
+    return r;
   }
   // The workspace's size (at least one byte: XLA has no empty results).
   int64_t Bytes() const { return std::max<int64_t>(end_, 1); }

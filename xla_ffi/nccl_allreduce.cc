@@ -64,9 +64,8 @@ std::string MakePlan(int64_t n, int64_t world, int64_t chunk, int bits, int64_t 
   p.segments = static_cast<int>(cut.count);
 
   exchange::WorkspaceLayout workspace(256);
-  auto take = [&workspace](int64_t bytes) { return workspace.Take(bytes); };
-  p.x_tail = take(p.tail_chunks * chunk * elem_bytes);
-  p.out_tail = take(p.tail_chunks * chunk * elem_bytes);
+  p.x_tail = workspace.Take(p.tail_chunks * chunk * elem_bytes);
+  p.out_tail = workspace.Take(p.tail_chunks * chunk * elem_bytes);
   const int64_t send_slots = algorithm == Algorithm::kSra ? world : 2;
   const int64_t recv_slots = algorithm == Algorithm::kSra ? world : 1;
   for (int s = 0; s < p.segments; ++s) {
@@ -75,14 +74,7 @@ std::string MakePlan(int64_t n, int64_t world, int64_t chunk, int bits, int64_t 
     seg.length = std::min(chunk, seg.offset + cut.values) - seg.offset;
     seg.layout = cuda::MakeRowLayout(1, seg.length, bucket_size, bits);
     seg.layout.index_base = seg.offset;
-    const int64_t row_bytes = seg.layout.row_bytes;
-    const int64_t meta_bytes = seg.layout.buckets * 2 * static_cast<int64_t>(sizeof(float));
-    auto region = [&](int64_t slots) {
-      Region r;
-      r.payload = take(slots * row_bytes);
-      r.meta = take(slots * meta_bytes);
-      return r;
-    };
+    auto region = [&](int64_t slots) { return workspace.TakeRegion(slots, seg.layout.row_bytes, seg.layout.buckets); };
     seg.send = region(send_slots);
     seg.recv = region(recv_slots);
     seg.gathered = region(world);
@@ -136,14 +128,12 @@ struct Call {
                                 : ws + plan.out_tail + Bytes((j - plan.full_chunks) * plan.chunk);
   }
   uint8_t* Payload(const Region& r, const Segment& s, int64_t slot) const {
-    return reinterpret_cast<uint8_t*>(ws + r.payload + slot * s.layout.row_bytes);
+    return exchange::SlotPayload(ws, r, s.layout.row_bytes, slot);
   }
   float* Meta(const Region& r, const Segment& s, int64_t slot) const {
-    return reinterpret_cast<float*>(ws + r.meta) + slot * 2 * s.layout.buckets;
+    return exchange::SlotMeta(ws, r, s.layout.buckets, slot);
   }
-  int64_t MetaBytes(const Segment& s) const {
-    return s.layout.buckets * 2 * static_cast<int64_t>(sizeof(float));
-  }
+  int64_t MetaBytes(const Segment& s) const { return exchange::MetaBytes(s.layout.buckets); }
   int Peer(int64_t offset) const {
     return static_cast<int>(((comm.rank + offset) % plan.world + plan.world) % plan.world);
   }
@@ -205,17 +195,9 @@ ffi::Error ReduceInto(const Call& c, const Segment& s, const Region& in, int64_t
 // Side stream: after `ready` (XLA stream), all-gather every rank's reduced chunk.
 ffi::Error AllGather(const Call& c, const Segment& s, cudaEvent_t ready, cudaEvent_t done) {
   const Region& g = s.gathered;
-  const int me = c.comm.rank;
   CGX_CUDA(cudaStreamWaitEvent(c.comm.stream, ready, 0));
-  NcclGroup group(c.api);
-  CGX_NCCL(group.Start(), c.comm.comm);
-  CGX_NCCL(c.api.AllGather(c.Payload(g, s, me), c.Payload(g, s, 0), s.layout.row_bytes, ncclUint8,
-                           c.comm.comm, c.comm.stream),
-           c.comm.comm);
-  CGX_NCCL(c.api.AllGather(c.Meta(g, s, me), c.Meta(g, s, 0), c.MetaBytes(s), ncclUint8, c.comm.comm,
-                           c.comm.stream),
-           c.comm.comm);
-  CGX_NCCL(group.End(), c.comm.comm);
+  CGX_RETURN_IF_ERROR(AllGatherEncodings(kTarget, c.api, c.comm, c.Payload(g, s, 0), c.Meta(g, s, 0),
+                                         s.layout.row_bytes, c.MetaBytes(s)));
   CGX_CUDA(cudaEventRecord(done, c.comm.stream));
   return ffi::Error::Success();
 }
@@ -244,14 +226,9 @@ ffi::Error Decode(const Call& c, const Segment& s, cudaEvent_t gathered) {
 // `send_slot` of s.send to rank `to` and receive one into slot `recv_slot` of
 // s.recv from rank `from` (payload and metadata, as bytes).
 ffi::Error SendRecv(const Call& c, const Segment& s, int64_t send_slot, int to, int64_t recv_slot, int from) {
-  ncclComm_t comm = c.comm.comm;
-  cudaStream_t stream = c.comm.stream;
-  const size_t row_bytes = s.layout.row_bytes, meta_bytes = c.MetaBytes(s);
-  CGX_NCCL(c.api.Send(c.Payload(s.send, s, send_slot), row_bytes, ncclUint8, to, comm, stream), comm);
-  CGX_NCCL(c.api.Send(c.Meta(s.send, s, send_slot), meta_bytes, ncclUint8, to, comm, stream), comm);
-  CGX_NCCL(c.api.Recv(c.Payload(s.recv, s, recv_slot), row_bytes, ncclUint8, from, comm, stream), comm);
-  CGX_NCCL(c.api.Recv(c.Meta(s.recv, s, recv_slot), meta_bytes, ncclUint8, from, comm, stream), comm);
-  return ffi::Error::Success();
+  return SendRecvEncoding(kTarget, c.api, c.comm, c.Payload(s.send, s, send_slot), c.Meta(s.send, s, send_slot),
+                          c.Payload(s.recv, s, recv_slot), c.Meta(s.recv, s, recv_slot), s.layout.row_bytes,
+                          c.MetaBytes(s), to, from);
 }
 
 // SRA (jax_cgx/collectives/sra.py): every rank quantizes its W chunks, chunk j goes to
@@ -367,12 +344,7 @@ ffi::Error NcclAllreduceImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffe
   CGX_RETURN_IF_ERROR(CheckDType(kTarget, "valid", valid.element_type(), ffi::DataType::S32));
   CGX_RETURN_IF_ERROR(CheckShape(kTarget, "valid", valid.dimensions(), {1},
                                  "[1] (how many of x's values are real, the rest padding)"));
-  CGX_RETURN_IF_ERROR(CheckDType(kTarget, "workspace", workspace->element_type(), ffi::DataType::U8));
-  CGX_RETURN_IF_ERROR(CheckShape(kTarget, "workspace", workspace->dimensions(), {-1}, "rank 1 [bytes]"));
-  if (workspace->dimensions()[0] < plan.workspace_bytes) {
-    return InvalidArgument(kTarget, "workspace has " + std::to_string(workspace->dimensions()[0]) + " bytes, needs " +
-                                    std::to_string(plan.workspace_bytes));
-  }
+  CGX_RETURN_IF_ERROR(CheckWorkspace(kTarget, *workspace, plan.workspace_bytes));
   const NcclApi* api = nullptr;
   std::shared_ptr<Communicator> comm;
   CGX_RETURN_IF_ERROR(FindCall(kTarget, comm_key, ordinal, world, &api, &comm));

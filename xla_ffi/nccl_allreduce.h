@@ -13,6 +13,7 @@
 #include <string>
 
 #include "cuda/codec_kernels.h"
+#include "xla_ffi/exchange_plan.h"
 #include "xla_ffi/nccl_comms.h"
 
 namespace jax_cgx::nccl {
@@ -23,12 +24,7 @@ enum class Algorithm : int32_t { kSra = 0, kRing = 1 };
 inline constexpr int64_t kAutoSegmentBytes = int64_t{16} << 20;
 inline constexpr int kAutoMaxSegments = 8;
 
-// Workspace offsets of `slots` encodings of one segment: payload rows
-// (stride layout.row_bytes) and metadata rows (stride 2 * layout.buckets floats).
-struct Region {
-  int64_t payload = 0;
-  int64_t meta = 0;
-};
+using exchange::Region;  // slots of encodings in the workspace
 
 // One segment: values [offset, offset + length) of every chunk (whole buckets
 // of it, so its encoding is a slice of the chunk's), and its encodings.

@@ -74,6 +74,47 @@ inline xla::ffi::Error Launched(std::string_view target, cudaError_t err, const 
   return xla::ffi::Error::Success();
 }
 
+// Inside an open NCCL group on comm's side stream: send one encoding (payload
+// and metadata, as bytes) to rank `to`, receive one from rank `from`.
+inline xla::ffi::Error SendRecvEncoding(std::string_view target, const NcclApi& api, const Communicator& comm,
+                                        const uint8_t* send_payload, const float* send_meta, uint8_t* recv_payload,
+                                        float* recv_meta, size_t row_bytes, size_t meta_bytes, int to, int from) {
+  const std::string_view kTarget = target;
+  CGX_NCCL(api.Send(send_payload, row_bytes, ncclUint8, to, comm.comm, comm.stream), comm.comm);
+  CGX_NCCL(api.Send(send_meta, meta_bytes, ncclUint8, to, comm.comm, comm.stream), comm.comm);
+  CGX_NCCL(api.Recv(recv_payload, row_bytes, ncclUint8, from, comm.comm, comm.stream), comm.comm);
+  CGX_NCCL(api.Recv(recv_meta, meta_bytes, ncclUint8, from, comm.comm, comm.stream), comm.comm);
+  return xla::ffi::Error::Success();
+}
+
+// On comm's side stream, as one NCCL group: the in-place all-gather of W
+// encodings, slot j from rank j (payload rows at `payload`, metadata rows at `meta`).
+inline xla::ffi::Error AllGatherEncodings(std::string_view target, const NcclApi& api, const Communicator& comm,
+                                          uint8_t* payload, float* meta, size_t row_bytes, size_t meta_bytes) {
+  const std::string_view kTarget = target;
+  uint8_t* meta_bytes_base = reinterpret_cast<uint8_t*>(meta);
+  NcclGroup group(api);
+  CGX_NCCL(group.Start(), comm.comm);
+  CGX_NCCL(api.AllGather(payload + comm.rank * row_bytes, payload, row_bytes, ncclUint8, comm.comm, comm.stream),
+           comm.comm);
+  CGX_NCCL(api.AllGather(meta_bytes_base + comm.rank * meta_bytes, meta_bytes_base, meta_bytes, ncclUint8, comm.comm,
+                         comm.stream),
+           comm.comm);
+  CGX_NCCL(group.End(), comm.comm);
+  return xla::ffi::Error::Success();
+}
+
+// The workspace result: u8, rank 1, at least `bytes` (its plan's size) long.
+inline xla::ffi::Error CheckWorkspace(std::string_view target, const xla::ffi::AnyBuffer& workspace, int64_t bytes) {
+  CGX_RETURN_IF_ERROR(ffi_support::CheckDType(target, "workspace", workspace.element_type(), xla::ffi::DataType::U8));
+  CGX_RETURN_IF_ERROR(ffi_support::CheckShape(target, "workspace", workspace.dimensions(), {-1}, "rank 1 [bytes]"));
+  if (workspace.dimensions()[0] < bytes) {
+    return ffi_support::InvalidArgument(target, "workspace has " + std::to_string(workspace.dimensions()[0]) +
+                                                    " bytes, needs " + std::to_string(bytes));
+  }
+  return xla::ffi::Error::Success();
+}
+
 // NCCL loaded and the communicator of (comm_key, ordinal) registered with
 // `world` ranks: *api and *comm, or why not (what the user does about it).
 inline xla::ffi::Error FindCall(std::string_view target, int64_t comm_key, int32_t ordinal, int64_t world,

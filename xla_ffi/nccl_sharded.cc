@@ -69,15 +69,8 @@ std::string MakeShardedPlan(ShardedOp op, int64_t m, int64_t world, int bits, in
     seg.length = std::min(m, seg.offset + cut.values) - seg.offset;
     seg.layout = cuda::MakeRowLayout(1, seg.length, bucket_size, bits);
     seg.layout.index_base = seg.offset;
-    const int64_t meta_bytes = seg.layout.buckets * 2 * static_cast<int64_t>(sizeof(float));
-    auto region = [&] {
-      ShardedRegion r;
-      r.payload = workspace.Take(world * seg.layout.row_bytes);
-      r.meta = workspace.Take(world * meta_bytes);
-      return r;
-    };
-    seg.slots = region();
-    if (op == ShardedOp::kReduceScatter) seg.recv = region();
+    seg.slots = workspace.TakeRegion(world, seg.layout.row_bytes, seg.layout.buckets);
+    if (op == ShardedOp::kReduceScatter) seg.recv = workspace.TakeRegion(world, seg.layout.row_bytes, seg.layout.buckets);
   }
   p.workspace_bytes = workspace.Bytes();
   return "";
@@ -111,15 +104,13 @@ struct Call {
   bool stochastic;
 
   int64_t Bytes(int64_t values) const { return values * plan.elem_bytes; }
-  uint8_t* Payload(const ShardedRegion& r, const ShardedSegment& s, int64_t slot) const {
-    return reinterpret_cast<uint8_t*>(ws + r.payload + slot * s.layout.row_bytes);
+  uint8_t* Payload(const exchange::Region& r, const ShardedSegment& s, int64_t slot) const {
+    return exchange::SlotPayload(ws, r, s.layout.row_bytes, slot);
   }
-  float* Meta(const ShardedRegion& r, const ShardedSegment& s, int64_t slot) const {
-    return reinterpret_cast<float*>(ws + r.meta) + slot * 2 * s.layout.buckets;
+  float* Meta(const exchange::Region& r, const ShardedSegment& s, int64_t slot) const {
+    return exchange::SlotMeta(ws, r, s.layout.buckets, slot);
   }
-  int64_t MetaBytes(const ShardedSegment& s) const {
-    return s.layout.buckets * 2 * static_cast<int64_t>(sizeof(float));
-  }
+  int64_t MetaBytes(const ShardedSegment& s) const { return exchange::MetaBytes(s.layout.buckets); }
 };
 
 // Segment s of blocks [a, b) of x (rows at stride m) into slots a..b-1, seed row j each.
@@ -151,13 +142,11 @@ ffi::Error RunReduceScatter(const Call& c) {
     CGX_CUDA(cudaStreamWaitEvent(comm.stream, comm.quantized[i], 0));
     NcclGroup group(c.api);
     CGX_NCCL(group.Start(), comm.comm);
-    const size_t row_bytes = s.layout.row_bytes, meta_bytes = c.MetaBytes(s);
     for (int j = 0; j < p.world; ++j) {
       if (j == me) continue;
-      CGX_NCCL(c.api.Send(c.Payload(s.slots, s, j), row_bytes, ncclUint8, j, comm.comm, comm.stream), comm.comm);
-      CGX_NCCL(c.api.Send(c.Meta(s.slots, s, j), meta_bytes, ncclUint8, j, comm.comm, comm.stream), comm.comm);
-      CGX_NCCL(c.api.Recv(c.Payload(s.recv, s, j), row_bytes, ncclUint8, j, comm.comm, comm.stream), comm.comm);
-      CGX_NCCL(c.api.Recv(c.Meta(s.recv, s, j), meta_bytes, ncclUint8, j, comm.comm, comm.stream), comm.comm);
+      CGX_RETURN_IF_ERROR(SendRecvEncoding(c.target, c.api, comm, c.Payload(s.slots, s, j), c.Meta(s.slots, s, j),
+                                           c.Payload(s.recv, s, j), c.Meta(s.recv, s, j), s.layout.row_bytes,
+                                           c.MetaBytes(s), j, j));
     }
     CGX_NCCL(group.End(), comm.comm);
     CGX_CUDA(cudaEventRecord(comm.exchanged[i], comm.stream));
@@ -191,15 +180,8 @@ ffi::Error RunAllGather(const Call& c) {
         "quantize"));
     CGX_CUDA(cudaEventRecord(comm.quantized[i], c.main));
     CGX_CUDA(cudaStreamWaitEvent(comm.stream, comm.quantized[i], 0));
-    NcclGroup group(c.api);
-    CGX_NCCL(group.Start(), comm.comm);
-    CGX_NCCL(c.api.AllGather(c.Payload(s.slots, s, me), c.Payload(s.slots, s, 0), s.layout.row_bytes, ncclUint8,
-                             comm.comm, comm.stream),
-             comm.comm);
-    CGX_NCCL(c.api.AllGather(c.Meta(s.slots, s, me), c.Meta(s.slots, s, 0), c.MetaBytes(s), ncclUint8, comm.comm,
-                             comm.stream),
-             comm.comm);
-    CGX_NCCL(group.End(), comm.comm);
+    CGX_RETURN_IF_ERROR(AllGatherEncodings(c.target, c.api, comm, c.Payload(s.slots, s, 0), c.Meta(s.slots, s, 0),
+                                           s.layout.row_bytes, c.MetaBytes(s)));
     CGX_CUDA(cudaEventRecord(comm.gathered[i], comm.stream));
   }
   for (int i = 0; i < p.segments; ++i) {
@@ -248,12 +230,7 @@ ffi::Error Run(ShardedOp op, cudaStream_t stream, int32_t ordinal, ffi::AnyBuffe
   const int64_t seed_rows = scatter ? world : 1;
   CGX_RETURN_IF_ERROR(CheckShape(target, "seeds", seeds.dimensions(), {seed_rows, 2},
                                  scatter ? "[world, 2] (one row per block)" : "[1, 2]"));
-  CGX_RETURN_IF_ERROR(CheckDType(target, "workspace", workspace->element_type(), ffi::DataType::U8));
-  CGX_RETURN_IF_ERROR(CheckShape(target, "workspace", workspace->dimensions(), {-1}, "rank 1 [bytes]"));
-  if (workspace->dimensions()[0] < plan.workspace_bytes) {
-    return InvalidArgument(target, "workspace has " + std::to_string(workspace->dimensions()[0]) +
-                                       " bytes, needs " + std::to_string(plan.workspace_bytes));
-  }
+  CGX_RETURN_IF_ERROR(CheckWorkspace(target, *workspace, plan.workspace_bytes));
   const NcclApi* api = nullptr;
   std::shared_ptr<Communicator> comm;
   CGX_RETURN_IF_ERROR(FindCall(target, comm_key, ordinal, world, &api, &comm));

@@ -23,18 +23,12 @@
 #include <string>
 
 #include "cuda/codec_kernels.h"
+#include "xla_ffi/exchange_plan.h"
 #include "xla_ffi/nccl_comms.h"
 
 namespace jax_cgx::nccl {
 
 enum class ShardedOp : int32_t { kReduceScatter = 0, kAllGather = 1 };
-
-// Workspace offsets of `slots` encodings of one segment: payload rows
-// (stride layout.row_bytes) and metadata rows (stride 2 * layout.buckets floats).
-struct ShardedRegion {
-  int64_t payload = 0;
-  int64_t meta = 0;
-};
 
 // One segment: values [offset, offset + length) of every block (whole buckets
 // of it), with W encoding slots; reduce-scatter uses a second set to receive.
@@ -42,8 +36,8 @@ struct ShardedSegment {
   int64_t offset = 0;
   int64_t length = 0;
   cuda::RowLayout layout;  // one row of `length` values; index_base = offset
-  ShardedRegion slots;     // reduce-scatter: sent (slot j for rank j); all-gather: gathered (slot j from rank j)
-  ShardedRegion recv;      // reduce-scatter: received (slot j from rank j)
+  exchange::Region slots;  // reduce-scatter: sent (slot j for rank j); all-gather: gathered (slot j from rank j)
+  exchange::Region recv;   // reduce-scatter: received (slot j from rank j)
 };
 
 // The schedule of one call, from its shapes and attributes only (the same on

@@ -62,25 +62,18 @@ std::string MakePlan(int64_t n, int64_t world, int64_t chunk, int bits, int64_t 
   p.segments = static_cast<int>(cut.count);
 
   exchange::WorkspaceLayout workspace(64);
-  auto take = [&workspace](int64_t bytes) { return workspace.Take(bytes); };
-  p.x_tail = take(p.tail_chunks * chunk * elem_bytes);
-  p.out_tail = take(p.tail_chunks * chunk * elem_bytes);
-  p.headers = take(world * static_cast<int64_t>(sizeof(Header)));
+  p.x_tail = workspace.Take(p.tail_chunks * chunk * elem_bytes);
+  p.out_tail = workspace.Take(p.tail_chunks * chunk * elem_bytes);
+  p.headers = workspace.Take(world * static_cast<int64_t>(sizeof(Header)));
   for (int s = 0; s < p.segments; ++s) {
     Segment& seg = p.segment[s];
     seg.offset = s * cut.values;
     seg.length = std::min(chunk, seg.offset + cut.values) - seg.offset;
     seg.buckets = cpu::bucket_count(seg.length, bucket_size);
     seg.payload_bytes = cpu::payload_bytes(seg.length, bucket_size, bits);
-    auto region = [&]() {
-      Region r;
-      r.payload = take(world * seg.payload_bytes);
-      r.meta = take(world * seg.meta_bytes());
-      return r;
-    };
-    seg.send = region();
-    seg.recv = region();
-    seg.gathered = region();
+    seg.send = workspace.TakeRegion(world, seg.payload_bytes, seg.buckets);
+    seg.recv = workspace.TakeRegion(world, seg.payload_bytes, seg.buckets);
+    seg.gathered = workspace.TakeRegion(world, seg.payload_bytes, seg.buckets);
   }
   p.workspace_bytes = workspace.Bytes();
   return "";
@@ -121,10 +114,10 @@ struct Call {
                                 : ws + plan.out_tail + Bytes((j - plan.full_chunks) * plan.chunk);
   }
   uint8_t* Payload(const Region& r, const Segment& s, int64_t slot) const {
-    return reinterpret_cast<uint8_t*>(ws + r.payload + slot * s.payload_bytes);
+    return exchange::SlotPayload(ws, r, s.payload_bytes, slot);
   }
   float* Meta(const Region& r, const Segment& s, int64_t slot) const {
-    return reinterpret_cast<float*>(ws + r.meta + slot * s.meta_bytes());
+    return exchange::SlotMeta(ws, r, s.buckets, slot);
   }
   // How many values of segment s of chunk j set their buckets' ranges.
   int32_t Valid(int64_t j, const Segment& s) const {

@@ -12,6 +12,8 @@
 #include <cstdint>
 #include <string>
 
+#include "xla_ffi/exchange_plan.h"
+
 namespace jax_cgx::tcp {
 
 // The most segments a chunk is cut into (jax_cgx.config.MAX_SEGMENTS).
@@ -19,11 +21,7 @@ inline constexpr int kMaxSegments = 64;
 // Auto segmentation (segments = 0) aims at this many bytes of input per chunk segment.
 inline constexpr int64_t kAutoSegmentBytes = int64_t{1} << 20;
 
-// Workspace offsets of W encodings of one segment: payload rows, then metadata rows.
-struct Region {
-  int64_t payload = 0;
-  int64_t meta = 0;
-};
+using exchange::Region;  // W encodings of one segment in the workspace
 
 // One segment: values [offset, offset + length) of every chunk (whole buckets
 // of it, so its encoding is a slice of the chunk's), and its encodings.
@@ -35,7 +33,7 @@ struct Segment {
   Region send;      // slot j: chunk j, for rank j
   Region recv;      // slot j: our chunk, from rank j (our own slot decodes to +0)
   Region gathered;  // slot j: the re-quantized sum of chunk j, from rank j
-  int64_t meta_bytes() const { return buckets * 2 * static_cast<int64_t>(sizeof(float)); }
+  int64_t meta_bytes() const { return exchange::MetaBytes(buckets); }
 };
 
 // What every call sends each peer first: the peer checks that both run the
