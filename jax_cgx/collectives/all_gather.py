@@ -96,6 +96,11 @@ def _gathered(rows, shape: tuple, axis: int, tiled: bool):
     return stacked.reshape(shape[:axis] + (world * shape[axis],) + shape[axis + 1:])
 
 
+# What policy="auto" times a near-tie with (jax_cgx.collectives.policy.Timed).
+_TIMED = (lambda v, axis: lax.all_gather(v, axis, tiled=True),
+          lambda v, axis, config: compressed_all_gather(v, axis, config, tiled=True))
+
+
 def compressed_all_gather(x, axis_name, config: ConfigSpec = None, *, axis: int = 0, tiled: bool = False,
                           to: str = "varying", key: jax.Array | None = None, impl: Impl = "auto"):
     """``jax.lax.all_gather`` of a pytree, compressed: each shard quantized once, by its owner.
@@ -105,7 +110,9 @@ def compressed_all_gather(x, axis_name, config: ConfigSpec = None, *, axis: int 
     of :func:`~jax_cgx.compressed_psum`: ``bits=32`` (or a ``None`` config, integer and small
     leaves) is exactly ``lax.all_gather``, ``bits=16`` the same in ``half_dtype``, and the
     quantized leaves of one dtype and config are fused into buffers of whole leaves of at
-    most ``fusion_buffer_mb``. Every replica gets bitwise the same result.
+    most ``fusion_buffer_mb``. Every replica gets bitwise the same result. With
+    ``policy="auto"`` a buffer the cost model finds faster uncompressed goes to
+    ``lax.all_gather`` instead (logged once).
 
     Args:
       x: a pytree of arrays, this rank's shards (inside ``shard_map`` or ``pmap``).
@@ -138,15 +145,20 @@ def compressed_all_gather(x, axis_name, config: ConfigSpec = None, *, axis: int 
                              f"(tiled={tiled})")
         axes_of.append(axis % ndim)
     check_key(leaves, key, API)
+    compressed, uncompressed = [], set()
+    if leaves.groups and world > 1:
+        compressed, uncompressed = compressed_buffers(leaves, axes, world, "all_gather", key, 1, API, "all_gather",
+                                                      _TIMED)
     out: list = [None] * len(leaves.leaves)
     for i, (kind, leaf) in enumerate(zip(leaves.lanes, leaves.leaves)):
-        if kind == "exact" or (kind == "quantized" and world == 1):  # one rank: nothing moves, exact
+        # One rank: nothing moves, exact. policy="auto" may leave a buffer's leaves to lax.
+        if kind == "exact" or (kind == "quantized" and (world == 1 or i in uncompressed)):
             out[i] = _lax_all_gather(_compat.ensure_varying(leaf, axes), axes, axes_of[i], tiled, invariant)
         elif kind == "half":
             half = _compat.ensure_varying(leaf.astype(jnp.dtype(leaves.configs[i].half_dtype)), axes)
             out[i] = _lax_all_gather(half, axes, axes_of[i], tiled, invariant).astype(leaf.dtype)
-    if leaves.groups and world > 1:
-        for group, members, seeds in compressed_buffers(leaves, axes, world, "all_gather", key, 1, API, "all_gather"):
+    if compressed:
+        for group, members, seeds in compressed:
             cfg = group.config
             flat = [leaves.leaves[i].reshape(-1) for i in members]
             joined = flat[0] if len(flat) == 1 else lax.optimization_barrier(jnp.concatenate(flat))

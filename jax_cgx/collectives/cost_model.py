@@ -46,7 +46,7 @@ import json
 
 from jax_cgx.collectives import wire as _wire
 
-__all__ = ["CodecRates", "LinkModel", "encoded_chunk_bytes", "predict", "WIRE_COPIES"]
+__all__ = ["CodecRates", "LinkModel", "encoded_chunk_bytes", "predict", "OPS", "WIRE_COPIES"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,16 +87,27 @@ def encoded_chunk_bytes(size_bytes: float, world: int, bits: int, bucket_size: i
 
 
 # Passes over the W encoded chunks that the xla backend's program makes besides the
-# kernels and the transport (counted in its optimized HLO on XLA:CPU).
+# kernels and the transport (counted in its optimized HLO on XLA:CPU); the sharded
+# collectives, one collective each, are priced at half.
 WIRE_COPIES = 9
+
+# What predict() prices: the all-reduce, and the two collectives of sharded training (one
+# collective each: the reduce-scatter is SRA's first half, quantizing the W - 1 blocks it
+# sends and decoding W encodings onto its own block; the all-gather quantizes the rank's
+# shard once and decodes all W, ``E`` then being one shard's encoding).
+OPS = ("psum", "psum_scatter", "all_gather")
 
 
 def predict(size_bytes: float, world: int, bits: int, bucket_size: int, link: LinkModel,
             rates: CodecRates, host_cores: int | None = None, segments: int = 0, *,
             itemsize: int = 4, message_cap: int | None = _wire.CPU_MESSAGE_BYTES,
-            share: float | None = None) -> dict[str, float]:
-    """Predicted seconds: ``psum``, ``compressed`` and the compressed time's parts.
+            share: float | None = None, op: str = "psum") -> dict[str, float]:
+    """Predicted seconds: ``psum`` (the uncompressed collective), ``compressed`` and the
+    compressed time's parts.
 
+    ``op``: "psum" (the all-reduce above; ``size_bytes`` is the buffer per rank),
+    "psum_scatter" (``size_bytes`` is each rank's input, ``W`` blocks) or "all_gather"
+    (``size_bytes`` is each rank's shard); see :data:`OPS` for what the two sharded ones do.
     ``size_bytes``: the buffer's bytes per rank, of ``itemsize``-byte values.
     ``host_cores``: all ``world`` ranks share one machine with this many cores (compute
     slows by ``max(1, world / host_cores)``); None: every rank has a core of its own.
@@ -104,19 +115,35 @@ def predict(size_bytes: float, world: int, bits: int, bucket_size: int, link: Li
     (0: by size, each message at most ``message_cap`` bytes; None: one message).
     ``share``: how many ranks share each core, given directly (overrides ``host_cores``).
     """
+    if op not in OPS:
+        raise ValueError(f"op must be one of {tuple(OPS)}, got {op!r}")
     if world < 2:
         return dict(psum=0.0, compressed=0.0, wire=0.0, codec=0.0, copies=0.0, messages=0, speedup=1.0)
     s, w, b = float(size_bytes), world, link.bandwidth
     f = s / itemsize * 4  # the codec's work, in float32 bytes
     if share is None:
         share = 1.0 if host_cores is None else max(1.0, w / host_cores)
-    psum = 2 * (w - 1) / w * s / b + share * (w - 1) / w * s / rates.add + 2 * (w - 1) * link.latency
-    enc = encoded_chunk_bytes(f, w, bits, bucket_size)
-    messages = _wire.count(segments, int(enc), message_cap)
-    wire = 2 * (w - 1) * enc / b + messages * w * link.latency
     reduce = rates.reduce or 1 / (1 / rates.dequantize + 1 / (w * rates.quantize))
-    codec = share * (f / rates.quantize + f / reduce + f / rates.dequantize)
-    copies = share * (WIRE_COPIES * w * enc + s / w) / rates.add
+    if op == "psum":
+        collectives, lax_bytes, added = 2, 2 * (w - 1) / w * s, (w - 1) / w * s
+        enc = encoded_chunk_bytes(f, w, bits, bucket_size)
+        codec = f / rates.quantize + f / reduce + f / rates.dequantize
+        copied = WIRE_COPIES * w * enc + s / w
+    elif op == "psum_scatter":
+        collectives, lax_bytes, added = 1, (w - 1) / w * s, (w - 1) / w * s
+        enc = encoded_chunk_bytes(f, w, bits, bucket_size)
+        codec = (w - 1) / w * f / rates.quantize + f / rates.dequantize  # the peers' blocks; W decoded onto ours
+        copied = WIRE_COPIES / 2 * w * enc + s / w
+    else:
+        collectives, lax_bytes, added = 1, (w - 1) * s, (w - 1) * s  # lax copies the W - 1 received shards
+        enc = encoded_chunk_bytes(f, 1, bits, bucket_size)
+        codec = f / rates.quantize + w * f / rates.dequantize  # our shard; all W decoded
+        copied = WIRE_COPIES / 2 * w * enc
+    psum = lax_bytes / b + share * added / rates.add + collectives * (w - 1) * link.latency
+    messages = _wire.count(segments, int(enc), message_cap)
+    wire = collectives * (w - 1) * enc / b + messages * w * link.latency * collectives / 2
+    codec = share * codec
+    copies = share * copied / rates.add
     compressed = wire + codec + copies
     return dict(psum=psum, compressed=compressed, wire=wire, codec=codec, copies=copies, messages=messages,
                 speedup=psum / compressed if compressed > 0 else float("inf"))

@@ -58,8 +58,8 @@ from jax_cgx.collectives.cost_model import CodecRates, LinkModel, predict
 from jax_cgx.collectives.primitive import compressed_sum  # the primitive: the pytree API would decide again
 from jax_cgx.config import CompressionConfig, link_gbps_from_env
 
-__all__ = ["Figures", "Decision", "ExchangeFit", "calibrate", "figures", "decide", "running_backend", "MIN_SPEEDUP",
-           "TIE_BAND"]
+__all__ = ["Figures", "Decision", "ExchangeFit", "Timed", "calibrate", "figures", "decide", "running_backend",
+           "MIN_SPEEDUP", "TIE_BAND"]
 
 logger = logging.getLogger("jax_cgx")
 
@@ -359,19 +359,32 @@ def running_backend(config: CompressionConfig, axes, world: int, platform: str |
     return "tcp" if choice == "tcp" else "xla"
 
 
-def _time_exchange(devices, values: int, dtype, config: CompressionConfig, backend: str) -> tuple[float, float]:
-    """Median seconds of a psum and of the compressed exchange of ``values`` values per device
-    over ``devices``, on ``backend``; the slowest process's, agreed. Runs on a fresh thread."""
+# What a near-tie of one collective times: ``(lax_fn(x, axis), compressed_fn(x, axis, config))``
+# per device on ``values`` values (tiled, for the sharded collectives). The all-reduce's is built
+# in; the modules of the other collectives pass theirs (they import this one).
+Timed = tuple[Callable, Callable]
+
+
+def _psum_bodies(world: int) -> Timed:
+    return (jax.lax.psum, lambda v, axis, config: compressed_sum(v, (axis,), world, config, None, "auto"))
+
+
+def _time_exchange(devices, values: int, dtype, config: CompressionConfig, backend: str,
+                   bodies: Timed | None = None) -> tuple[float, float]:
+    """Median seconds of the uncompressed collective (a psum unless ``bodies`` says otherwise)
+    and of the compressed exchange of ``values`` values per device over ``devices``, on
+    ``backend``; the slowest process's, agreed. Runs on a fresh thread."""
     from jax_cgx import tcp
 
     mesh = _probe_mesh(devices)
     config = config.replace(policy="always", backend=backend)
+    lax_fn, compressed_fn = bodies or _psum_bodies(len(devices))
     if backend == "tcp":
         tcp.setup(mesh)
     try:
         psum, exchange = _median_times(
-            _over(mesh, lambda v: jax.lax.psum(v, _PROBE_AXIS), values, dtype),
-            _over(mesh, lambda v: compressed_sum(v, (_PROBE_AXIS,), len(devices), config, None, "auto"), values, dtype),
+            _over(mesh, lambda v: lax_fn(v, _PROBE_AXIS), values, dtype),
+            _over(mesh, lambda v: compressed_fn(v, _PROBE_AXIS, config), values, dtype),
             repeats=_SETTLE_REPEATS)
     finally:
         if backend == "tcp":
@@ -381,7 +394,8 @@ def _time_exchange(devices, values: int, dtype, config: CompressionConfig, backe
 
 
 def _settle(values: int, dtype, world: int, config: CompressionConfig, backend: str,
-            fig: Figures, measure: bool = True) -> tuple[float, float] | None:
+            fig: Figures, measure: bool = True, op: str = "psum",
+            bodies: Timed | None = None) -> tuple[float, float] | None:
     """The measured ``(psum, exchange)`` seconds of this buffer, or None where it cannot be
     timed alone: the reduction does not span every device, or is hierarchical, or
     ``_SETTLE_MAX_BUFFERS`` were timed already. ``measure=False``: only what was timed before
@@ -389,7 +403,7 @@ def _settle(values: int, dtype, world: int, config: CompressionConfig, backend: 
     devices = jax.devices(fig.platform)
     if len(devices) != world or config.hierarchical:
         return None
-    key = (fig.platform, values, np.dtype(dtype).name, config, backend)
+    key = (fig.platform, values, np.dtype(dtype).name, config, backend, op)
     with _lock:
         if key not in _settled and not measure:
             return None
@@ -401,37 +415,49 @@ def _settle(values: int, dtype, world: int, config: CompressionConfig, backend: 
             return None
         if key not in _settled:
             t0 = time.perf_counter()
-            _settled[key] = _outside_trace(lambda: _time_exchange(devices, values, dtype, config, backend))
-            logger.info("jax_cgx: policy='auto': timed a %.4g MiB %s buffer over %d ranks in %.2f s "
-                        "(psum %.3g ms, compressed exchange on %s %.3g ms)", values * np.dtype(dtype).itemsize / 2**20,
-                        np.dtype(dtype).name, world, time.perf_counter() - t0, _settled[key][0] * 1e3, backend,
-                        _settled[key][1] * 1e3)
+            _settled[key] = _outside_trace(lambda: _time_exchange(devices, values, dtype, config, backend, bodies))
+            logger.info("jax_cgx: policy='auto': %stimed a %.4g MiB %s buffer over %d ranks in %.2f s "
+                        "(%s %.3g ms, compressed exchange on %s %.3g ms)", "" if op == "psum" else f"{op}: ",
+                        values * np.dtype(dtype).itemsize / 2**20, np.dtype(dtype).name, world,
+                        time.perf_counter() - t0, "psum" if op == "psum" else f"lax.{op}", _settled[key][0] * 1e3,
+                        backend, _settled[key][1] * 1e3)
         return _settled[key]
 
 
 def decide(values: int, dtype, world: int, config: CompressionConfig, *, inner_world: int | None = None,
-           platform: str | None = None, backend: str = "xla", log: bool = True, measure: bool = True) -> Decision:
+           platform: str | None = None, backend: str = "xla", log: bool = True, measure: bool = True,
+           op: str = "psum", bodies: Timed | None = None) -> Decision:
     """Whether ``policy="auto"`` compresses a buffer of ``values`` values of ``dtype`` summed over ``world`` ranks.
 
     ``inner_world``: the inner axis's size for a hierarchical config (its reduce-scatter and
     all-gather run within a node, priced at memory speed). ``backend``: the one that will
     run the exchange (:func:`running_backend`); near-ties are timed on it, collectively, unless
     ``measure=False`` (then only earlier timings are used). The decision is logged once.
+
+    ``op``: the collective, as :func:`~jax_cgx.collectives.cost_model.predict` takes it
+    ("psum", or "psum_scatter" / "all_gather" with ``values`` each rank's input); the
+    sharded ones pass ``bodies`` (:data:`Timed`) to time their near-ties with, and the
+    all-reduce's measured exchange cost (:class:`ExchangeFit`) is scaled to their share of
+    its codec work. ``Decision.psum_s`` is then that collective's uncompressed time.
     """
     fig = figures(config, platform)
     itemsize = np.dtype(dtype).itemsize
     size = values * itemsize
 
-    def model(nbytes: float, ranks: int) -> dict[str, float]:
+    def model(nbytes: float, ranks: int, of: str = op) -> dict[str, float]:
         return predict(nbytes, ranks, config.bits, config.bucket_size, fig.link, fig.rates,
                        segments=config.pipeline_segments, itemsize=itemsize,
-                       message_cap=_wire.message_cap([fig.platform]), share=fig.share)
+                       message_cap=_wire.message_cap([fig.platform]), share=fig.share, op=of)
 
     def exchange(nbytes: float, ranks: int) -> float:
         if ranks < 2:
             return 0.0
         p = model(nbytes, ranks)
-        return p["wire"] + max(p["codec"] + p["copies"], fig.exchange.seconds(nbytes / itemsize * 4))
+        fit = fig.exchange.seconds(nbytes / itemsize * 4)
+        if op != "psum":  # the fit was measured on all-reduces: this collective's share of their compute
+            whole = model(nbytes, ranks, "psum")
+            fit *= (p["codec"] + p["copies"]) / (whole["codec"] + whole["copies"])
+        return p["wire"] + max(p["codec"] + p["copies"], fit)
 
     psum = model(size, world)["psum"]
     if config.hierarchical and inner_world and inner_world > 1:
@@ -442,18 +468,21 @@ def decide(values: int, dtype, world: int, config: CompressionConfig, *, inner_w
     measured = None
     if (fig.link_measured and psum / TIE_BAND < compressed < psum * TIE_BAND
             and psum + compressed < _SETTLE_MAX_S):
-        measured = _settle(values, dtype, world, config, backend, fig, measure)
+        measured = _settle(values, dtype, world, config, backend, fig, measure, op, bodies)
     if measured is not None:
         # What the step adds to a compressed buffer: its leaves copied in, its result sliced out.
         psum, compressed = measured[0], measured[1] + fig.share * 2 * size / fig.rates.add
     decision = Decision(compressed * MIN_SPEEDUP < psum, psum, compressed, measured is not None, backend)
-    key = (values, np.dtype(dtype).name, world, inner_world, config, fig, backend)
+    key = (values, np.dtype(dtype).name, world, inner_world, config, fig, backend, op)
     if log and key not in _logged:
         _logged.add(key)
+        # psum: "compress ..." / "psum (uncompressed) ..."; the others: "psum_scatter: lax (uncompressed) ...".
+        lax_name = "psum" if op == "psum" else f"lax.{op}"
         logger.info(
-            "jax_cgx: policy='auto': %s a %.4g MiB %s buffer over %d ranks at %d bits "
-            "(%s %.3g ms compressed on %s, %.3g ms psum)",
-            "compress" if decision.compress else "psum (uncompressed)", size / 2**20, np.dtype(dtype).name,
-            world, config.bits, "measured" if decision.measured else "predicted", compressed * 1e3, backend,
-            psum * 1e3)
+            "jax_cgx: policy='auto': %s%s a %.4g MiB %s buffer over %d ranks at %d bits "
+            "(%s %.3g ms compressed on %s, %.3g ms %s)",
+            "" if op == "psum" else f"{op}: ",
+            "compress" if decision.compress else ("psum" if op == "psum" else "lax") + " (uncompressed)",
+            size / 2**20, np.dtype(dtype).name, world, config.bits, "measured" if decision.measured else "predicted",
+            compressed * 1e3, backend, psum * 1e3, lax_name)
     return decision

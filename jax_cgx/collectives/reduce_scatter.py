@@ -160,6 +160,11 @@ def unscatter_block(block, shape: tuple, dim: int, tiled: bool, world: int):
 
 # ------------------------------------------------------------------ the API
 
+# What policy="auto" times a near-tie with (jax_cgx.collectives.policy.Timed).
+_TIMED = (functools.partial(lax.psum_scatter, tiled=True),
+          lambda v, axis, config: compressed_psum_scatter(v, axis, config, tiled=True))
+
+
 def compressed_psum_scatter(x, axis_name, config: ConfigSpec = None, *, scatter_dimension: int = 0,
                             tiled: bool = False, key: jax.Array | None = None, impl: Impl = "auto",
                             return_residual: bool = False):
@@ -171,7 +176,8 @@ def compressed_psum_scatter(x, axis_name, config: ConfigSpec = None, *, scatter_
     the lanes of :func:`~jax_cgx.compressed_psum`: ``bits=32`` (or a ``None`` config, integer
     and small leaves) is exactly ``lax.psum_scatter``, ``bits=16`` the same in ``half_dtype``,
     and the quantized leaves of one dtype and config are fused into buffers of whole leaves
-    of at most ``fusion_buffer_mb``.
+    of at most ``fusion_buffer_mb``. With ``policy="auto"`` a buffer the cost model finds
+    faster uncompressed goes to ``lax.psum_scatter`` instead (logged once).
 
     Args:
       x: a pytree of arrays (inside ``shard_map`` or ``pmap``).
@@ -202,19 +208,23 @@ def compressed_psum_scatter(x, axis_name, config: ConfigSpec = None, *, scatter_
     dims = [_check_shape(leaves.name(i), leaf.shape, scatter_dimension, tiled, world)
             for i, leaf in enumerate(leaves.leaves)]
     check_key(leaves, key, API)
+    compressed, uncompressed = [], set()
+    if leaves.groups and world > 1:
+        compressed, uncompressed = compressed_buffers(leaves, axes, world, "psum_scatter", key, world, API,
+                                                      "psum_scatter", _TIMED)
     out: list = [None] * len(leaves.leaves)
     res: list = [None] * len(leaves.leaves)
     for i, (kind, leaf) in enumerate(zip(leaves.lanes, leaves.leaves)):
-        if kind == "exact" or (kind == "quantized" and world == 1):  # one rank: nothing moves, exact
+        # One rank: nothing moves, exact. policy="auto" may leave a buffer's leaves to lax.
+        if kind == "exact" or (kind == "quantized" and (world == 1 or i in uncompressed)):
             out[i] = lax.psum_scatter(leaf, axes, scatter_dimension=dims[i], tiled=tiled)
             res[i] = jnp.zeros_like(leaf)
         elif kind == "half":
             half = leaf.astype(jnp.dtype(leaves.configs[i].half_dtype))
             out[i] = lax.psum_scatter(half, axes, scatter_dimension=dims[i], tiled=tiled).astype(leaf.dtype)
             res[i] = (leaf.astype(jnp.float32) - half.astype(jnp.float32)).astype(leaf.dtype)
-    if leaves.groups and world > 1:
-        for group, members, seeds in compressed_buffers(leaves, axes, world, "psum_scatter", key, world, API,
-                                                        "psum_scatter"):
+    if compressed:
+        for group, members, seeds in compressed:
             cfg = group.config
             blocks = [scatter_blocks(leaves.leaves[i], dims[i], world) for i in members]
             joined = blocks[0] if len(blocks) == 1 else lax.optimization_barrier(jnp.concatenate(blocks, axis=1))

@@ -1,5 +1,6 @@
 """What ``compressed_psum_scatter`` and ``compressed_all_gather`` share: the pytree's lanes,
-quantized leaves fused into buffers, one key per buffer, and the checks of a config.
+quantized leaves fused into buffers, ``policy="auto"``'s decision per buffer, one key per
+buffer, and the checks of a config.
 
 Each leaf takes a lane, as in ``compressed_psum`` (:func:`jax_cgx.collectives.plan.lane`):
 "exact" (``lax`` itself), "half" (``lax`` in 16 bits) or "quantized". Quantized leaves of
@@ -24,12 +25,14 @@ from jax.interpreters import ad, batching, mlir
 from jax_cgx import _compat
 from jax_cgx.codec import batch_rows
 from jax_cgx.codec.quantized import META_BYTES, num_buckets, payload_bytes
+from jax_cgx.collectives import policy
 from jax_cgx.collectives import wire as _wire
 from jax_cgx.collectives.chunks import chunk_length
 from jax_cgx.collectives.plan import ConfigSpec, Group, lane, leaf_configs
 from jax_cgx.config import CompressionConfig
 
-__all__ = ["Leaves", "fuse", "buffer_keys", "compressed_buffers", "check_config", "check_key", "wire_bytes", "register"]
+__all__ = ["Leaves", "fuse", "buffer_keys", "compressed_buffers", "decide", "check_config", "check_key", "wire_bytes",
+           "register"]
 
 log = logging.getLogger("jax_cgx")
 _logged: set = set()
@@ -70,16 +73,37 @@ def fuse(sizes: Sequence[int], capacity: int) -> list[list[int]]:
 
 
 def compressed_buffers(leaves: Leaves, axes, world: int, op: str, key, seeds_per_buffer: int, api: str,
-                       lax_name: str) -> list[tuple[Group, list[int], jax.Array]]:
-    """The quantized leaves' fusion buffers, each with its seeds ``uint32[1, seeds_per_buffer, 2]``
-    (zeros without a key); refuses a vmapped axis, which has no wire to compress."""
+                       lax_name: str, bodies: policy.Timed) -> tuple[list[tuple[Group, list[int], jax.Array]], set[int]]:
+    """The fusion buffers to compress, each with its seeds ``uint32[1, seeds_per_buffer, 2]``
+    (zeros without a key), and the leaves that ``policy="auto"`` leaves to lax: those of the
+    buffers it prices faster uncompressed (:func:`decide`; ``bodies`` time its near-ties).
+    A buffer's seeds do not depend on the other buffers' decisions. Refuses a vmapped axis,
+    which has no wire to compress."""
     if vmapped := _compat.vmapped_axes(axes):
         raise NotImplementedError(f"{api} over the vmapped axis {vmapped[0]!r} is not supported: vmap has no "
                                   f"wire to compress; use jax.lax.{lax_name} for that axis")
     planned = buffers(leaves, world, op)
     shape = (1, seeds_per_buffer, 2)
-    return [(group, members, jnp.zeros(shape, jnp.uint32) if k is None else jax.random.bits(k, shape, jnp.uint32))
-            for (group, members), k in zip(planned, buffer_keys(key, axes, len(planned)))]
+    compressed, uncompressed = [], set()
+    for (group, members), k in zip(planned, buffer_keys(key, axes, len(planned))):
+        if not decide(leaves, group, members, world, op, bodies=bodies).compress:
+            uncompressed.update(members)
+            continue
+        seeds = jnp.zeros(shape, jnp.uint32) if k is None else jax.random.bits(k, shape, jnp.uint32)
+        compressed.append((group, members, seeds))
+    return compressed, uncompressed
+
+
+def decide(leaves: Leaves, group: Group, members: list[int], world: int, op: str, *,
+           bodies: policy.Timed | None = None, measure: bool = True) -> policy.Decision:
+    """Whether one buffer is compressed: always, unless its config says ``policy="auto"`` and the
+    cost model (or, near a tie, a timing) finds ``op`` faster uncompressed. Collective when it
+    measures (every process traces the same buffers); ``measure=False`` uses earlier figures only."""
+    if group.config.policy != "auto":
+        return policy.Decision(True, 0.0, 0.0)
+    values = sum(leaves.leaves[i].size for i in members)  # each rank's input: W blocks, or its shard
+    return policy.decide(values, group.dtype, world, group.config, op=op, bodies=bodies, measure=measure,
+                         log=measure)
 
 
 def buffer_keys(key, axes, count: int) -> list:
@@ -99,8 +123,6 @@ def check_config(config: CompressionConfig, api: str) -> None:
             f"{api}: backend='tcp' runs all-reduces only so far; use backend='auto' or 'xla' (XLA collectives "
             "around the codec's kernels, on every platform), or 'nccl' on CUDA GPUs")
     notes = []
-    if config.policy == "auto":
-        notes.append("policy='auto' prices all-reduces only: this exchange is always compressed")
     if config.algorithm != "sra":
         notes.append(f"algorithm={config.algorithm!r} does not apply: the exchange is one all_to_all or all_gather")
     for note in notes:
@@ -146,6 +168,9 @@ def wire_bytes(x, world: int, config: ConfigSpec, op: str) -> int:
         elif kind == "half":
             total += share * leaf.size * 2
     for group, members in buffers(leaves, world, op):
+        if not decide(leaves, group, members, world, op, measure=False).compress:  # lax, uncompressed
+            total += share * sum(leaves.leaves[i].size * group.dtype.itemsize for i in members)
+            continue
         m = sum(leaves.leaves[i].size for i in members) // (world if op == "psum_scatter" else 1)
         c = chunk_length(m * world, world, group.config.bucket_size, False)
         packed = payload_bytes(c, group.config.bucket_size, group.config.bits)

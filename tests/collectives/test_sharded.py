@@ -277,3 +277,74 @@ def test_one_rank_is_exact():
                lambda v: jax_cgx.compressed_psum_scatter(v, "d", cfg, tiled=True, return_residual=True)[0]):
         out = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=P("d"), out_specs=P("d")))(x)
         assert_same_bits(np.asarray(out), x, "one rank")
+
+
+# ----------------------------------------------------------------- policy="auto"
+
+_SHARDED_OPS = {
+    "psum_scatter": (lambda v, c: jax_cgx.compressed_psum_scatter(v, "d", c, tiled=True),
+                     lambda v: lax.psum_scatter(v, "d", tiled=True), (W * 4096,), "compressed_reduce_scatter"),
+    "all_gather": (lambda v, c: jax_cgx.compressed_all_gather(v, "d", c, tiled=True),
+                   lambda v: lax.all_gather(v, "d", tiled=True), (4096,), "compressed_all_gather"),
+}
+
+
+@pytest.fixture
+def fresh_policy():
+    from jax_cgx.collectives import policy
+
+    policy.reset()
+    yield policy
+    policy.reset()
+
+
+def _traced(fn, xs) -> str:
+    body = lambda v: fn(v[0])[None]  # noqa: E731
+    return str(jax.jit(jax.shard_map(body, mesh=_mesh(), in_specs=P("d"), out_specs=P("d"))).trace(xs).jaxpr)
+
+
+@pytest.mark.parametrize("op", list(_SHARDED_OPS))
+def test_policy_auto_prices_the_sharded_collectives(op, fresh_policy, caplog):
+    """An unlimited link: lax itself, to the bit, logged once; a slow one: compressed, bitwise
+    what policy="always" gives; bytes_on_wire follows the decisions."""
+    ours, theirs, shape, primitive = _SHARDED_OPS[op]
+    xs = _data(shape)
+    fast = jax_cgx.CompressionConfig(bits=4, bucket_size=BUCKET, policy="auto", link_gbps=float("inf"))
+    with caplog.at_level("INFO", logger="jax_cgx"):
+        got = _run(lambda v: ours(v, fast), xs)
+        _run(lambda v: ours(v, fast), xs)  # traced again: logged once
+    assert primitive not in _traced(lambda v: ours(v, fast), xs)
+    assert_same_bits(got, _run(theirs, xs), f"{op}: uncompressed")
+    size = "0.125" if op == "psum_scatter" else "0.01562"  # each rank's input
+    assert caplog.text.count(f"{op}: lax (uncompressed) a {size} MiB float32 buffer over 8 ranks") == 1, caplog.text
+    assert f"ms lax.{op})" in caplog.text
+    slow = fast.replace(link_gbps=0.1)
+    assert primitive in _traced(lambda v: ours(v, slow), xs)
+    assert_same_bits(_run(lambda v: ours(v, slow), xs), _run(lambda v: ours(v, slow.replace(policy="always")), xs),
+                     f"{op}: compressed as always")
+    one = jax.ShapeDtypeStruct(shape, jnp.float32)
+    exact = jax_cgx.bytes_on_wire(one, W, jax_cgx.CompressionConfig(bits=32), op=op)
+    assert jax_cgx.bytes_on_wire(one, W, fast, op=op) == exact
+    assert jax_cgx.bytes_on_wire(one, W, slow, op=op) < exact / 4
+
+
+@pytest.mark.parametrize("op", list(_SHARDED_OPS))
+def test_policy_auto_times_a_sharded_near_tie_with_its_own_collectives(op, fresh_policy, monkeypatch):
+    """On a measured link a near-tie is timed, with the collective's own lax and compressed
+    programs (they run here for real), and the timing decides."""
+    ours, _, shape, primitive = _SHARDED_OPS[op]
+    policy = fresh_policy
+    monkeypatch.setattr(policy, "TIE_BAND", float("inf"))
+    monkeypatch.setattr(policy, "_SETTLE_MAX_S", float("inf"))
+    real, timed = policy._time_exchange, []
+
+    def timing(devices, values, dtype, config, backend, bodies=None):
+        timed.append((values, backend))
+        lax_s, compressed_s = real(devices, values, dtype, config, backend, bodies)
+        assert lax_s > 0 and compressed_s > 0
+        return 1.0, 0.01  # compressing wins by far
+
+    monkeypatch.setattr(policy, "_time_exchange", timing)
+    config = jax_cgx.CompressionConfig(bits=4, bucket_size=BUCKET, policy="auto")
+    assert primitive in _traced(lambda v: ours(v, config), _data(shape))
+    assert timed == [(shape[0], "xla")]
