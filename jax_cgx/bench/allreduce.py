@@ -184,14 +184,14 @@ def run(args: argparse.Namespace) -> list[dict]:
                 for _, bits, bucket, backend in [c for c in combos if c[0] == op]:
                     config = jax_cgx.CompressionConfig(
                         bits=bits, bucket_size=bucket, fusion_buffer_mb=max(1024, 2 * size / 2**20), backend=backend,
-                        algorithm=args.algorithm, min_size=0,
+                        algorithm=args.algorithm, min_size=0, policy=args.policy,
                     )
                     compressed = reducer(lambda v, c=config, f=cgx_op: f(v, "d", c, impl=args.impl))
                     t = median_time(compressed, x, args.repeats, args.warmup)
                     err = float(np.max(np.abs(local(compressed(x)) - exact)))
                     records.append(
                         dict(
-                            op=op, devices=world, platform=devices[0].platform, backend=backend,
+                            op=op, devices=world, platform=devices[0].platform, backend=backend, policy=args.policy,
                             algorithm=args.algorithm, dtype=dtype.name, size_bytes=nbytes, size_mib=nbytes / 2**20,
                             count=n, bits=bits, bucket_size=bucket, psum_ms=t_plain * 1e3, compressed_ms=t * 1e3,
                             psum_algbw_gbs=nbytes / t_plain / 1e9, psum_busbw_gbs=nbytes / t_plain / 1e9 * factor,
@@ -238,6 +238,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ops", nargs="+", choices=list(_OPS), default=["psum"],
                    help="collectives to time against lax's (default: psum)")
     p.add_argument("--algorithm", default="sra", choices=["sra", "ring"])
+    p.add_argument("--policy", default="always", choices=["always", "auto"],
+                   help="CompressionConfig.policy of the compressed rows (auto: lax where the cost model, "
+                        "measured in the first trace, finds it faster; default %(default)s)")
     p.add_argument("--impl", default="auto", choices=["kernel", "reference", "auto"])
     p.add_argument("-n", "--repeats", type=int, default=10, help="timed calls per point (median)")
     p.add_argument("-w", "--warmup", type=int, default=1, help="untimed calls first")
@@ -304,7 +307,8 @@ def main(args: argparse.Namespace) -> None:
         for r in records
     ]
     r0 = records[0]
-    title = (f"jax_cgx vs lax: {r0['devices']} x {r0['platform']} devices, {r0['algorithm']} "
+    policy = "" if r0.get("policy", "always") == "always" else f", policy={r0['policy']}"
+    title = (f"jax_cgx vs lax: {r0['devices']} x {r0['platform']} devices, {r0['algorithm']}{policy} "
              "(algbw/busbw from the uncompressed size, nccl-tests convention)")
     columns = ["op", "size (B)", "count", "type", "bits", "bucket", "backend", "lax us", "lax busbw",
                "cgx us", "algbw GB/s", "busbw GB/s", "speedup", "fewer bytes", "max |err|"]

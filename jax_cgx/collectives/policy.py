@@ -426,7 +426,7 @@ def _settle(values: int, dtype, world: int, config: CompressionConfig, backend: 
 
 def decide(values: int, dtype, world: int, config: CompressionConfig, *, inner_world: int | None = None,
            platform: str | None = None, backend: str = "xla", log: bool = True, measure: bool = True,
-           op: str = "psum", bodies: Timed | None = None) -> Decision:
+           op: str = "psum", bodies: Timed | None = None, copied: float = 2.0) -> Decision:
     """Whether ``policy="auto"`` compresses a buffer of ``values`` values of ``dtype`` summed over ``world`` ranks.
 
     ``inner_world``: the inner axis's size for a hierarchical config (its reduce-scatter and
@@ -439,6 +439,9 @@ def decide(values: int, dtype, world: int, config: CompressionConfig, *, inner_w
     sharded ones pass ``bodies`` (:data:`Timed`) to time their near-ties with, and the
     all-reduce's measured exchange cost (:class:`ExchangeFit`) is scaled to their share of
     its codec work. ``Decision.psum_s`` is then that collective's uncompressed time.
+    ``copied``: the buffer's sizes that compressing copies besides the timed exchange (its
+    leaves into the fusion buffer and its result out: 2 for the all-reduce), charged on top of
+    a timing.
     """
     fig = figures(config, platform)
     itemsize = np.dtype(dtype).itemsize
@@ -471,7 +474,7 @@ def decide(values: int, dtype, world: int, config: CompressionConfig, *, inner_w
         measured = _settle(values, dtype, world, config, backend, fig, measure, op, bodies)
     if measured is not None:
         # What the step adds to a compressed buffer: its leaves copied in, its result sliced out.
-        psum, compressed = measured[0], measured[1] + fig.share * 2 * size / fig.rates.add
+        psum, compressed = measured[0], measured[1] + fig.share * copied * size / fig.rates.add
     decision = Decision(compressed * MIN_SPEEDUP < psum, psum, compressed, measured is not None, backend)
     key = (values, np.dtype(dtype).name, world, inner_world, config, fig, backend, op)
     if log and key not in _logged:

@@ -102,8 +102,10 @@ def decide(leaves: Leaves, group: Group, members: list[int], world: int, op: str
     if group.config.policy != "auto":
         return policy.Decision(True, 0.0, 0.0)
     values = sum(leaves.leaves[i].size for i in members)  # each rank's input: W blocks, or its shard
+    # Fused leaves are copied in (the input's size) and sliced out (1/W of it, or W times); one leaf is not.
+    copied = 0.0 if len(members) == 1 else 1 + (1 / world if op == "psum_scatter" else world)
     return policy.decide(values, group.dtype, world, group.config, op=op, bodies=bodies, measure=measure,
-                         log=measure)
+                         log=measure, copied=copied)
 
 
 def buffer_keys(key, axes, count: int) -> list:
