@@ -29,7 +29,7 @@ from jax_cgx.codec import Impl, check_impl
 from jax_cgx.collectives import wire as _wire
 from jax_cgx.collectives.chunks import chunk_length, gather_decode_chunks, row_plan
 from jax_cgx.collectives.plan import ConfigSpec
-from jax_cgx.collectives.sharded import Leaves, check_key, compressed_buffers, register
+from jax_cgx.collectives.sharded import Leaves, check_key, compressed_buffers, register, timing_key
 
 __all__ = ["compressed_all_gather", "compressed_all_gather_p", "gather_rows"]
 
@@ -96,9 +96,9 @@ def _gathered(rows, shape: tuple, axis: int, tiled: bool):
     return stacked.reshape(shape[:axis] + (world * shape[axis],) + shape[axis + 1:])
 
 
-# What policy="auto" times a near-tie with (jax_cgx.collectives.policy.Timed).
+# What policy="auto" times a near-tie with (jax_cgx.collectives.policy.Timed); any key will do.
 _TIMED = (lambda v, axis: lax.all_gather(v, axis, tiled=True),
-          lambda v, axis, config: compressed_all_gather(v, axis, config, tiled=True))
+          lambda v, axis, config: compressed_all_gather(v, axis, config, tiled=True, key=timing_key(config)))
 
 
 def compressed_all_gather(x, axis_name, config: ConfigSpec = None, *, axis: int = 0, tiled: bool = False,

@@ -38,7 +38,7 @@ from jax_cgx.codec import Impl, check_impl
 from jax_cgx.collectives import wire as _wire
 from jax_cgx.collectives.chunks import chunk_length, row_plan
 from jax_cgx.collectives.plan import ConfigSpec
-from jax_cgx.collectives.sharded import Leaves, check_key, compressed_buffers, register
+from jax_cgx.collectives.sharded import Leaves, check_key, compressed_buffers, register, timing_key
 
 __all__ = ["compressed_psum_scatter", "compressed_reduce_scatter_p", "compressed_reduce_scatter_residual_p",
            "scatter_rows", "scatter_blocks", "unscatter_block", "unscatter_blocks"]
@@ -160,9 +160,9 @@ def unscatter_block(block, shape: tuple, dim: int, tiled: bool, world: int):
 
 # ------------------------------------------------------------------ the API
 
-# What policy="auto" times a near-tie with (jax_cgx.collectives.policy.Timed).
+# What policy="auto" times a near-tie with (jax_cgx.collectives.policy.Timed); any key will do.
 _TIMED = (functools.partial(lax.psum_scatter, tiled=True),
-          lambda v, axis, config: compressed_psum_scatter(v, axis, config, tiled=True))
+          lambda v, axis, config: compressed_psum_scatter(v, axis, config, tiled=True, key=timing_key(config)))
 
 
 def compressed_psum_scatter(x, axis_name, config: ConfigSpec = None, *, scatter_dimension: int = 0,

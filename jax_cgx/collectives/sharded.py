@@ -32,7 +32,7 @@ from jax_cgx.collectives.plan import ConfigSpec, Group, lane, leaf_configs
 from jax_cgx.config import CompressionConfig
 
 __all__ = ["Leaves", "fuse", "buffer_keys", "compressed_buffers", "decide", "check_config", "check_key", "wire_bytes",
-           "register"]
+           "register", "timing_key"]
 
 log = logging.getLogger("jax_cgx")
 _logged: set = set()
@@ -114,6 +114,11 @@ def buffer_keys(key, axes, count: int) -> list:
         return [None] * count
     rank_key = jax.random.fold_in(key, lax.axis_index(axes))
     return [jax.random.fold_in(rank_key, b) for b in range(count)]
+
+
+def timing_key(config: CompressionConfig):
+    """The key a timing of ``config``'s exchange runs with: any, when it rounds stochastically."""
+    return jax.random.key(0) if config.stochastic else None
 
 
 def check_config(config: CompressionConfig, api: str) -> None:

@@ -42,6 +42,22 @@ def programs(mesh) -> dict:
             for name, fn in (("psum_scatter", scatter), ("all_gather", gather))}
 
 
+def auto_programs(mesh) -> dict:
+    """The programs with policy="auto" on the measured link: every process must take the same
+    decisions (or the collectives would not pair); each result is lax's or CONFIG's bits."""
+    key = jax.random.key(11)
+    auto = CONFIG.replace(policy="auto")
+
+    def scatter(v):
+        return jax_cgx.compressed_psum_scatter(v[0], "d", auto, key=key)[None]
+
+    def gather(v):
+        return jax_cgx.compressed_all_gather(v[0, 0], "d", auto, key=key)[None]
+
+    return {name: jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=P("d"), out_specs=P("d")))
+            for name, fn in (("psum_scatter_auto", scatter), ("all_gather_auto", gather))}
+
+
 def main() -> None:
     pid, nproc, port, out_dir = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
@@ -51,7 +67,7 @@ def main() -> None:
     xs = inputs(len(devices))
     x = jax.make_array_from_callback(xs.shape, NamedSharding(mesh, P("d")), lambda idx: xs[idx])
     results = {}
-    for name, fn in programs(mesh).items():
+    for name, fn in {**programs(mesh), **auto_programs(mesh)}.items():
         for shard in fn(x).addressable_shards:
             results[f"{name}/device{shard.index[0].start}"] = np.asarray(shard.data)[0]
     np.savez(os.path.join(out_dir, f"process{pid}.npz"), **results)
