@@ -19,7 +19,7 @@ import jax
 import numpy as np
 
 from jax_cgx import _compat
-from jax_cgx.collectives import policy
+from jax_cgx.collectives import policy, sharded
 from jax_cgx.collectives.plan import ConfigSpec, make_plan
 
 __all__ = ["explain", "Explanation", "LeafReport", "BufferReport"]
@@ -68,9 +68,10 @@ class Explanation:
     leaves: list[LeafReport]
     buffers: list[BufferReport]
     figures: policy.Figures | None
+    op: str = "psum"  # or "psum_scatter", "all_gather": then a buffer's psum_ms is that lax collective's
 
     def __str__(self) -> str:
-        lines = [f"compressed_psum over {self.world} ranks"]
+        lines = [f"{_API[self.op]} over {self.world} ranks"]
         if self.figures is not None:
             lines.append(f"  figures: {self.figures.describe()}")
         lines.append(_table(
@@ -79,7 +80,8 @@ class Explanation:
               ",".join(map(str, r.buffers)) or "-"] for r in self.leaves]))
         if self.buffers:
             lines.append(_table(
-                ["buffer", "dtype", "bits", "MiB", "policy", "compressed", "psum ms", "compressed ms", "speedup", "priced"],
+                ["buffer", "dtype", "bits", "MiB", "policy", "compressed", "psum ms" if self.op == "psum" else "lax ms",
+                 "compressed ms", "speedup", "priced"],
                 [[str(b.index), b.dtype, str(b.bits), f"{b.mib:.4g}", b.policy, "yes" if b.compressed else "no",
                   f"{b.psum_ms:.3g}", f"{b.compressed_ms:.3g}", f"{b.psum_ms / b.compressed_ms:.2f}x", b.priced]
                  for b in self.buffers]))
@@ -97,9 +99,14 @@ def _priced(d: policy.Decision | None) -> str:
     return "-" if d is None else f"timed on {d.backend}" if d.measured else "model"
 
 
+_API = {"psum": "compressed_psum", "psum_scatter": "compressed_psum_scatter", "all_gather": "compressed_all_gather"}
+
+
 def explain(x, axis_name=None, config: ConfigSpec = None, *, world: int | None = None,
-            inner_world: int | None = None, file: TextIO | None = sys.stdout) -> Explanation:
-    """Print, and return, how ``compressed_psum(x, axis_name, config)`` reduces each leaf.
+            inner_world: int | None = None, op: str = "psum", file: TextIO | None = sys.stdout) -> Explanation:
+    """Print, and return, how ``compressed_psum(x, axis_name, config)`` reduces each leaf
+    (``op="psum_scatter"`` / ``"all_gather"``: how ``compressed_psum_scatter`` /
+    ``compressed_all_gather`` would, ``x`` being each rank's input).
 
     Args:
       x: a pytree of arrays or ``jax.ShapeDtypeStruct``s.
@@ -108,8 +115,11 @@ def explain(x, axis_name=None, config: ConfigSpec = None, *, world: int | None =
       config: as for :func:`~jax_cgx.compressed_psum`.
       world: the number of ranks the sum runs over (instead of ``axis_name``).
       inner_world: the inner axis's size, for hierarchical configs given ``world``.
+      op: the collective: "psum", "psum_scatter" or "all_gather".
       file: where to print (``None``: only return the :class:`Explanation`).
     """
+    if op not in _API:
+        raise ValueError(f"explain: op must be one of {tuple(_API)}, got {op!r}")
     if (axis_name is None) == (world is None):
         raise ValueError("explain: give axis_name (inside shard_map or pmap) or world= (the number of ranks), "
                          "not both")
@@ -122,6 +132,11 @@ def explain(x, axis_name=None, config: ConfigSpec = None, *, world: int | None =
         axes = None
     if not isinstance(world, int) or world < 1:
         raise ValueError(f"explain: world must be a positive int, got {world!r}")
+    if op != "psum":
+        result = _explain_sharded(x, config, world, op)
+        if file is not None:
+            print(result, file=file)
+        return result
     flat = jax.tree_util.tree_flatten_with_path(x)[0]
     paths, leaves = [p for p, _ in flat], [v for _, v in flat]
     plan = make_plan(paths, leaves, config, x, world, inner_world, axes, measure=False)
@@ -171,3 +186,32 @@ def explain(x, axis_name=None, config: ConfigSpec = None, *, world: int | None =
     if file is not None:
         print(result, file=file)
     return result
+
+
+def _explain_sharded(x, config: ConfigSpec, world: int, op: str) -> Explanation:
+    """:func:`explain` for the reduce-scatter or the all-gather: their lanes and fusion buffers
+    (:mod:`jax_cgx.collectives.sharded`), each buffer priced as that collective."""
+    leaves = sharded.Leaves(x, config, _API[op])
+    buffers: list[BufferReport] = []
+    leaf_buffers: dict[int, int] = {}
+    figures = None
+    for group, members in (sharded.buffers(leaves, world, op) if world > 1 else []):
+        values = sum(leaves.leaves[i].size for i in members)
+        # Under "always", what "auto" would have predicted; timings only where taken before (collective).
+        d = policy.decide(values, group.dtype, world, group.config, op=op, log=False, measure=False,
+                          copied=sharded.copied(members, world, op))
+        figures = figures or policy.figures(group.config)
+        compress = group.config.policy != "auto" or d.compress
+        for i in members:
+            leaf_buffers[i] = len(buffers)
+        buffers.append(BufferReport(len(buffers), group.dtype.name, group.config.bits, values, group.config.policy,
+                                    compress, d.psum_s * 1e3, d.compressed_s * 1e3, _priced(d)))
+    reports = []
+    for i, (kind, leaf) in enumerate(zip(leaves.lanes, leaves.leaves)):
+        mine = leaf_buffers.get(i)
+        how = kind if kind != "quantized" else (
+            "exact" if mine is None else "compressed" if buffers[mine].compressed else "lax (auto)")
+        dtype = np.dtype(leaf.dtype)
+        reports.append(LeafReport(leaves.name(i), tuple(np.shape(leaf)), dtype.name, leaf.size * dtype.itemsize, how,
+                                  () if mine is None else (mine,)))
+    return Explanation(world, reports, buffers, figures, op)

@@ -31,8 +31,8 @@ from jax_cgx.collectives.chunks import chunk_length
 from jax_cgx.collectives.plan import ConfigSpec, Group, lane, leaf_configs
 from jax_cgx.config import CompressionConfig
 
-__all__ = ["Leaves", "fuse", "buffer_keys", "compressed_buffers", "decide", "check_config", "check_key", "wire_bytes",
-           "register", "timing_key"]
+__all__ = ["Leaves", "fuse", "buffer_keys", "buffers", "compressed_buffers", "copied", "decide", "check_config",
+           "check_key", "wire_bytes", "register", "timing_key"]
 
 log = logging.getLogger("jax_cgx")
 _logged: set = set()
@@ -102,10 +102,14 @@ def decide(leaves: Leaves, group: Group, members: list[int], world: int, op: str
     if group.config.policy != "auto":
         return policy.Decision(True, 0.0, 0.0)
     values = sum(leaves.leaves[i].size for i in members)  # each rank's input: W blocks, or its shard
-    # Fused leaves are copied in (the input's size) and sliced out (1/W of it, or W times); one leaf is not.
-    copied = 0.0 if len(members) == 1 else 1 + (1 / world if op == "psum_scatter" else world)
     return policy.decide(values, group.dtype, world, group.config, op=op, bodies=bodies, measure=measure,
-                         log=measure, copied=copied)
+                         log=measure, copied=copied(members, world, op))
+
+
+def copied(members: list[int], world: int, op: str) -> float:
+    """The input sizes a buffer's fusion copies move (policy.decide's ``copied``): several leaves
+    are copied in (the input's size) and sliced out (1/W of it, or W times it); one leaf is not."""
+    return 0.0 if len(members) == 1 else 1 + (1 / world if op == "psum_scatter" else world)
 
 
 def buffer_keys(key, axes, count: int) -> list:
