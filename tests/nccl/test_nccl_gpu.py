@@ -104,10 +104,13 @@ def _check(results: dict, nproc: int, backends) -> None:
                     assert_same_bits(nccl[d], xla, f"{name}/{dtype_name}: {first} vs {other} backend, rank {d}")
                 assert_same_bits(nccl[d], nccl[0], f"{name}/{dtype_name}: rank {d} vs rank 0")
             k = key if config.stochastic else None
-            if config.algorithm == "ring":
-                expected = _ring_oracle(xs, config, k)
-            else:
-                expected = oracle(xs, config, k)[0]
+            # The oracle runs the pure-JAX reference codec on the CPU: XLA:GPU compiles its float
+            # arithmetic differently (measured on an H100: one level off in 2 of 12 cases).
+            with jax.default_device(jax.devices("cpu")[0]):
+                if config.algorithm == "ring":
+                    expected = _ring_oracle(xs, config, k)
+                else:
+                    expected = oracle(xs, config, k)[0]
             assert_same_bits(nccl[0], np.asarray(expected, np.float32), f"{name}/{dtype_name}: vs the oracle")
     names = ["tree"] + (["2d_sra_b4", "2d_hier_b4", "2d_hier_ring_b4"] if nproc == 4 else [])
     for name in names:
