@@ -9,16 +9,20 @@
 #                    other stage builds first if jax_cgx._cuda does not import)
 #   kernels          cuda/tests/device_test.cu: the CUDA launchers against the scalar
 #                    reference, byte for byte, and its bandwidth table
-#   tests_gpu        pytest -m gpu: codec kernels vs CPU kernels bitwise, the nccl backend with
-#                    2 and 4 ranks sharing the GPU (all-reduce, reduce-scatter, all-gather)
+#   tests_codec_gpu  the CUDA kernels against the CPU kernels through JAX, bitwise (about 7
+#                    minutes on an H100: each case compiles)
+#   tests_nccl_gpu   the nccl backend against the xla backend with 2 and 4 ranks sharing the GPU
+#                    (all-reduce, reduce-scatter, all-gather), and setup/teardown
 #   bench_codec      the codec on the GPU and the CPU
 #   bench_allreduce  psum vs the xla and nccl backends, 2 and 4 ranks sharing the GPU
 #   bench_sharded    reduce-scatter and all-gather: lax vs the xla and nccl backends, 2 ranks
 #   train_step       the training step on 2 ranks sharing the GPU, with its profile
 #   tests_cpu        the rest of the test suite (long: a call of its own)
 #
-# A device call runs at most 10 minutes: `build kernels tests_gpu` fit one call,
-# `bench_codec bench_allreduce bench_sharded train_step` another. Logs, JSON and the
+# A device call runs at most 10 minutes, the build takes about 3 of them (on an H100, 16 cores;
+# seconds when the machine is still warm from an earlier call): `build kernels bench_codec
+# bench_allreduce` fit one call, `tests_codec_gpu` one, `tests_nccl_gpu` one, `bench_sharded
+# train_step` another. Logs, JSON and the
 # results table go to OUTDIR (default: a temporary folder when $OUT is set, else
 # ./gpu-check); with $OUT set they are also packed into $OUT/gpu-check-<stages>.tar.gz,
 # with summary.txt beside it (the device tool brings back few files, so one archive).
@@ -29,7 +33,7 @@ out=""
 if [[ "${1:-}" == "-o" ]]; then out=$2; shift 2; fi
 out="${out:-${OUT:+${TMPDIR:-/tmp}/gpu-check}}"
 out="${out:-gpu-check}"
-all=(build kernels tests_gpu bench_codec bench_allreduce bench_sharded train_step tests_cpu)
+all=(build kernels tests_codec_gpu tests_nccl_gpu bench_codec bench_allreduce bench_sharded train_step tests_cpu)
 stages=("$@")
 [[ ${#stages[@]} -eq 0 ]] && stages=("${all[@]}")
 for s in "${stages[@]}"; do
@@ -73,7 +77,8 @@ stage_kernels() {
   step device_bench "$out/device_test" bench
 }
 
-stage_tests_gpu() { step tests_gpu pytest tests -m gpu -v; }
+stage_tests_codec_gpu() { step tests_codec_gpu pytest tests/codec -m gpu -q; }
+stage_tests_nccl_gpu() { step tests_nccl_gpu pytest tests/nccl -m gpu -v; }
 
 stage_bench_codec() {
   step bench_codec_gpu python -m jax_cgx.bench codec --platform gpu --sizes-mib 16 64 256 --bits 2 4 8 \
