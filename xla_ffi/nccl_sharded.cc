@@ -154,6 +154,9 @@ ffi::Error RunReduceScatter(const Call& c) {
   for (int i = 0; i < p.segments; ++i) {
     const ShardedSegment& s = p.segment[i];
     CGX_CUDA(cudaStreamWaitEvent(c.main, comm.exchanged[i], 0));
+    // Our own slot receives nothing: zero it, metadata (0, 0) decoding to +0 (the payload too, so
+    // that nothing reads uninitialized memory).
+    CGX_CUDA(cudaMemsetAsync(c.Payload(s.recv, s, me), 0, s.layout.row_bytes, c.main));
     CGX_CUDA(cudaMemsetAsync(c.Meta(s.recv, s, me), 0, c.MetaBytes(s), c.main));
     CGX_RETURN_IF_ERROR(Launched(
         c.target,

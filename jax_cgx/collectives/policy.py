@@ -414,6 +414,8 @@ def _settle(values: int, dtype, world: int, config: CompressionConfig, backend: 
                             "the rest", _SETTLE_MAX_BUFFERS)
             return None
         if key not in _settled:
+            if op != "psum" and bodies is None:
+                raise ValueError(f"policy: timing a {op} buffer needs its programs (decide(..., bodies=...))")
             t0 = time.perf_counter()
             _settled[key] = _outside_trace(lambda: _time_exchange(devices, values, dtype, config, backend, bodies))
             logger.info("jax_cgx: policy='auto': %stimed a %.4g MiB %s buffer over %d ranks in %.2f s "

@@ -5,7 +5,8 @@ ranks of block ``j`` of their inputs. Compressed, it is SRA's first half (docs/a
 
 1. every rank quantizes its ``W`` blocks (each with its own seed; the kernels' ``valid``
    counts keep the alignment padding out of every bucket, and mark its own block as
-   holding nothing real: the kernel writes zeros, metadata (0, 0), without reading it) and
+   holding nothing real: its encoding is zeros, metadata (0, 0), which the CPU kernel writes
+   without reading the block) and
    ``all_to_all``\\ s the bytes, so rank ``j`` receives the ``W`` encodings of block ``j``;
 2. the owner decodes the ``W - 1`` blocks from its peers and adds them to its own block in
    full precision (its own encoding decodes to +0), accumulating in float32, in one kernel.

@@ -98,7 +98,9 @@ def decide(leaves: Leaves, group: Group, members: list[int], world: int, op: str
            bodies: policy.Timed | None = None, measure: bool = True) -> policy.Decision:
     """Whether one buffer is compressed: always, unless its config says ``policy="auto"`` and the
     cost model (or, near a tie, a timing) finds ``op`` faster uncompressed. Collective when it
-    measures (every process traces the same buffers); ``measure=False`` uses earlier figures only."""
+    measures (every process traces the same buffers); ``measure=False`` uses earlier figures only.
+    Priced (and timed) on the xla backend, as the all-reduce prices GPU backends: on CUDA with
+    communicators the nccl backend's custom call runs instead."""
     if group.config.policy != "auto":
         return policy.Decision(True, 0.0, 0.0)
     values = sum(leaves.leaves[i].size for i in members)  # each rank's input: W blocks, or its shard

@@ -9,7 +9,7 @@ world size W (docs/algorithm.md):
    and some padding is encoded exactly as an incomplete bucket of those values would be;
 2. quantize every chunk (each with its own seed) and ``all_to_all`` the packed
    bytes, so rank j receives the W encodings of chunk j. A rank's own chunk is
-   quantized as holding no real value: the kernel writes zeros without reading it
+   quantized as holding no real value: its encoding is zeros (the CPU kernel writes them without reading it)
    (metadata (0, 0), which decodes to +0), since the owner uses the chunk itself;
 3. the owner decodes the W-1 chunks from its peers, adds its own chunk in full
    precision (its own encoding adds +0), accumulates in float32 and re-quantizes
