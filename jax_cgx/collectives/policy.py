@@ -1,12 +1,11 @@
 """``policy="auto"``: compress a fusion buffer only where the cost model predicts a gain.
 
-Compression pays on slow links and costs on fast ones (docs/performance.md: at 4 bits a
-comm-bound step runs 3x faster than pmean at 1 Gbit/s and 0.94x on an unlimited link). With
+Compression pays on slow links and costs on fast ones (docs/performance.md). With
 ``CompressionConfig(policy="auto")`` every fusion buffer is priced twice by
-:mod:`jax_cgx.collectives.cost_model`, as a plain ``psum`` and as the compressed exchange,
-and is compressed only when that is predicted :data:`MIN_SPEEDUP` (1.1) times faster;
-leaves that lie only in losing buffers are reduced leaf by leaf with ``psum``, exactly as
-without jax_cgx (no fusion-buffer copies; :mod:`jax_cgx.collectives.plan`).
+:mod:`jax_cgx.collectives.cost_model`, as a plain ``psum`` (or the sharded collectives' lax
+op) and as the compressed exchange, and is compressed only when that is predicted
+:data:`MIN_SPEEDUP` (1.1) times faster; leaves only in losing buffers are reduced by lax,
+exactly as without jax_cgx (:mod:`jax_cgx.collectives.plan`, ``sharded``).
 
 The figures the model needs are measured once per process, the first time they are needed
 (or by :func:`calibrate`):
@@ -17,15 +16,11 @@ The figures the model needs are measured once per process, the first time they a
   latency term: nothing is measured over the network);
 - **the codec**: quantize, dequantize and copy throughput of this machine's first device.
 
-The model prices clear cases well and near-ties poorly: on a fast CPU link it once predicted a
-64 MiB psum at 66 ms and the compressed exchange at 79 ms, where the step measured about 89 and
-56 ms (docs/performance.md). So when the link is measured (not given) and the two predictions
-lie within :data:`TIE_BAND` of each other, the buffer is settled by timing it: a psum and the
-compressed exchange of exactly its size, over all devices, with the backend that will run it
-(``tcp`` when :func:`jax_cgx.tcp.setup` connected the reduction's mesh; the probe connects a
-mesh of its own for that). Each size is timed once per process.
-
-Every process must take the same decisions, or their programs would not match. So the
+The model prices clear cases well and near-ties poorly (docs/performance.md). So when the link
+is measured (not given) and the two predictions lie within :data:`TIE_BAND` of each other, the
+buffer is settled by timing a psum and the compressed exchange of exactly its size, over all
+devices, on the backend that will run it (for ``tcp`` the probe connects a mesh of its own).
+Each size is timed once per process. Every process must take the same decisions, or their programs would not match. So the
 figures are agreed before anyone uses them: every process measures, the measurements are
 gathered, and all take the slowest (the collective runs at the pace of its slowest rank).
 Measuring is therefore collective: every process has to reach it, as every process reaches
@@ -359,26 +354,21 @@ def running_backend(config: CompressionConfig, axes, world: int, platform: str |
     return "tcp" if choice == "tcp" else "xla"
 
 
-# What a near-tie of one collective times: ``(lax_fn(x, axis), compressed_fn(x, axis, config))``
-# per device on ``values`` values (tiled, for the sharded collectives). The all-reduce's is built
-# in; the modules of the other collectives pass theirs (they import this one).
+# What a near-tie times per device: ``(lax_fn(x, axis), compressed_fn(x, axis, config))``; the
+# all-reduce's is built in, the sharded collectives' modules pass theirs (they import this one).
 Timed = tuple[Callable, Callable]
-
-
-def _psum_bodies(world: int) -> Timed:
-    return (jax.lax.psum, lambda v, axis, config: compressed_sum(v, (axis,), world, config, None, "auto"))
 
 
 def _time_exchange(devices, values: int, dtype, config: CompressionConfig, backend: str,
                    bodies: Timed | None = None) -> tuple[float, float]:
-    """Median seconds of the uncompressed collective (a psum unless ``bodies`` says otherwise)
-    and of the compressed exchange of ``values`` values per device over ``devices``, on
-    ``backend``; the slowest process's, agreed. Runs on a fresh thread."""
+    """Median seconds of the uncompressed collective (``bodies``; default psum) and the compressed
+    one on ``values`` values per device over ``devices``, on ``backend``; the slowest process's."""
     from jax_cgx import tcp
 
     mesh = _probe_mesh(devices)
     config = config.replace(policy="always", backend=backend)
-    lax_fn, compressed_fn = bodies or _psum_bodies(len(devices))
+    lax_fn, compressed_fn = bodies or (
+        jax.lax.psum, lambda v, axis, c: compressed_sum(v, (axis,), len(devices), c, None, "auto"))
     if backend == "tcp":
         tcp.setup(mesh)
     try:
@@ -389,13 +379,16 @@ def _time_exchange(devices, values: int, dtype, config: CompressionConfig, backe
     finally:
         if backend == "tcp":
             tcp.teardown(mesh)
-    psum, exchange = _agree([psum, exchange], np.max)
-    return psum, exchange
+    return tuple(_agree([psum, exchange], np.max))
 
 
-def _settle(values: int, dtype, world: int, config: CompressionConfig, backend: str,
-            fig: Figures, measure: bool = True, op: str = "psum",
-            bodies: Timed | None = None) -> tuple[float, float] | None:
+def _names(op: str) -> tuple[str, str]:
+    """Log lines' prefix and uncompressed collective: ("", "psum") or ("psum_scatter: ", "lax.psum_scatter")."""
+    return ("", "psum") if op == "psum" else (f"{op}: ", f"lax.{op}")
+
+
+def _settle(values: int, dtype, world: int, config: CompressionConfig, backend: str, fig: Figures,
+            measure: bool = True, op: str = "psum", bodies: Timed | None = None) -> tuple[float, float] | None:
     """The measured ``(psum, exchange)`` seconds of this buffer, or None where it cannot be
     timed alone: the reduction does not span every device, or is hierarchical, or
     ``_SETTLE_MAX_BUFFERS`` were timed already. ``measure=False``: only what was timed before
@@ -418,10 +411,10 @@ def _settle(values: int, dtype, world: int, config: CompressionConfig, backend: 
                 raise ValueError(f"policy: timing a {op} buffer needs its programs (decide(..., bodies=...))")
             t0 = time.perf_counter()
             _settled[key] = _outside_trace(lambda: _time_exchange(devices, values, dtype, config, backend, bodies))
-            logger.info("jax_cgx: policy='auto': %stimed a %.4g MiB %s buffer over %d ranks in %.2f s "
-                        "(%s %.3g ms, compressed exchange on %s %.3g ms)", "" if op == "psum" else f"{op}: ",
-                        values * np.dtype(dtype).itemsize / 2**20, np.dtype(dtype).name, world,
-                        time.perf_counter() - t0, "psum" if op == "psum" else f"lax.{op}", _settled[key][0] * 1e3,
+            prefix, lax_name = _names(op)
+            logger.info("jax_cgx: policy='auto': %stimed a %.4g MiB %s buffer over %d ranks in %.2f s (%s %.3g ms, "
+                        "compressed exchange on %s %.3g ms)", prefix, values * np.dtype(dtype).itemsize / 2**20,
+                        np.dtype(dtype).name, world, time.perf_counter() - t0, lax_name, _settled[key][0] * 1e3,
                         backend, _settled[key][1] * 1e3)
         return _settled[key]
 
@@ -436,14 +429,10 @@ def decide(values: int, dtype, world: int, config: CompressionConfig, *, inner_w
     run the exchange (:func:`running_backend`); near-ties are timed on it, collectively, unless
     ``measure=False`` (then only earlier timings are used). The decision is logged once.
 
-    ``op``: the collective, as :func:`~jax_cgx.collectives.cost_model.predict` takes it
-    ("psum", or "psum_scatter" / "all_gather" with ``values`` each rank's input); the
-    sharded ones pass ``bodies`` (:data:`Timed`) to time their near-ties with, and the
-    all-reduce's measured exchange cost (:class:`ExchangeFit`) is scaled to their share of
-    its codec work. ``Decision.psum_s`` is then that collective's uncompressed time.
-    ``copied``: the buffer's sizes that compressing copies besides the timed exchange (its
-    leaves into the fusion buffer and its result out: 2 for the all-reduce), charged on top of
-    a timing.
+    ``op``: as :func:`~jax_cgx.collectives.cost_model.predict` takes it; the sharded ones pass
+    ``bodies`` (:data:`Timed`) to time near-ties with, their :class:`ExchangeFit` is the
+    all-reduce's scaled to their share of its codec work, and ``Decision.psum_s`` is their lax
+    time. ``copied``: buffer sizes of fusion copies charged on top of a timing (2: in and out).
     """
     fig = figures(config, platform)
     itemsize = np.dtype(dtype).itemsize
@@ -481,13 +470,10 @@ def decide(values: int, dtype, world: int, config: CompressionConfig, *, inner_w
     key = (values, np.dtype(dtype).name, world, inner_world, config, fig, backend, op)
     if log and key not in _logged:
         _logged.add(key)
-        # psum: "compress ..." / "psum (uncompressed) ..."; the others: "psum_scatter: lax (uncompressed) ...".
-        lax_name = "psum" if op == "psum" else f"lax.{op}"
-        logger.info(
-            "jax_cgx: policy='auto': %s%s a %.4g MiB %s buffer over %d ranks at %d bits "
-            "(%s %.3g ms compressed on %s, %.3g ms %s)",
-            "" if op == "psum" else f"{op}: ",
-            "compress" if decision.compress else ("psum" if op == "psum" else "lax") + " (uncompressed)",
-            size / 2**20, np.dtype(dtype).name, world, config.bits, "measured" if decision.measured else "predicted",
-            compressed * 1e3, backend, psum * 1e3, lax_name)
+        prefix, lax_name = _names(op)  # "compress" or "psum (uncompressed)"; "psum_scatter: lax (...)"
+        logger.info("jax_cgx: policy='auto': %s%s a %.4g MiB %s buffer over %d ranks at %d bits "
+                    "(%s %.3g ms compressed on %s, %.3g ms %s)", prefix,
+                    "compress" if decision.compress else lax_name.split(".")[0] + " (uncompressed)", size / 2**20,
+                    np.dtype(dtype).name, world, config.bits, "measured" if decision.measured else "predicted",
+                    compressed * 1e3, backend, psum * 1e3, lax_name)
     return decision
