@@ -49,7 +49,30 @@ def make_meta(mn, mx, has_nan, bits: int):
 
 
 def inverse_scale(scale):
-    return jnp.where(scale > 0, _F32(1) / scale, _F32(0))
+    """``1 / scale`` correctly rounded (as C++ and nvcc divide), or 0 where ``scale <= 0``.
+
+    Not written as a float division: XLA:GPU lowers f32 ``divide`` to PTX ``div.full``
+    (``-nvptx-prec-divf32=1``), which may be off by an ulp, and an ulp here moves values
+    across level boundaries. Scales are normal, in ``[MIN_SCALE, 2**126]`` (a range spans
+    at most ``2**126``), so the reciprocal's significand is ``2**47 / M`` for the scale's
+    24-bit significand ``M``: three exact steps of 32-bit long division, each bringing down
+    8 more bits, rounded to nearest even from the remainder. NaN scales are never read.
+    """
+    u = lax.bitcast_convert_type(scale, _U32)
+    exponent = (u >> 23) & _U32(0xFF)
+    sig = (u & _U32(0x7FFFFF)) | _U32(0x800000)  # M in [2**23, 2**24)
+    q = _U32(1 << 31) // sig  # 2**31 / M: in (2**7, 2**8]
+    r = _U32(1 << 31) % sig
+    for _ in range(2):  # remainders stay below 2**24, so r << 8 fits in 32 bits
+        r = r << 8
+        q = (q << 8) | (r // sig)
+        r = r % sig
+    # q = floor(2**47 / M): exactly 2**24 when M = 2**23 (a power-of-two scale), else 24 bits.
+    up = (r << 1 > sig) | ((r << 1 == sig) & ((q & _U32(1)) == 1))
+    q = q + up.astype(_U32)  # M > 2**23 keeps q below 2**24 - 1 before rounding: no carry out
+    power = q >= _U32(1 << 24)
+    bits = jnp.where(power, (_U32(254) - exponent) << 23, ((_U32(253) - exponent) << 23) | (q - _U32(1 << 23)))
+    return jnp.where(scale > 0, lax.bitcast_convert_type(bits, _F32), _F32(0))
 
 
 def mix32(h):

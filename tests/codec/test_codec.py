@@ -181,6 +181,25 @@ def test_large_range_buckets():
         assert np.all(np.isfinite(np.asarray(y)))
 
 
+def test_reference_reciprocal_is_correctly_rounded():
+    """The reference's 1/scale is IEEE division's bits, by integer arithmetic (XLA:GPU's f32
+    divide is PTX div.full, off by an ulp at times): every exponent of a scale, random and
+    extreme significands."""
+    from jax_cgx.codec import reference
+
+    rng = np.random.default_rng(5)
+    exponent = rng.integers(-100, 126, 200_000)  # scales lie in [2**-100, 2**126]
+    significand = rng.integers(0, 1 << 23, exponent.size, dtype=np.uint32)
+    significand[::7] = 0  # powers of two
+    significand[1::7] = (1 << 23) - 1
+    scale = ((((exponent + 127).astype(np.uint32)) << 23) | significand).view(np.float32)
+    scale = np.concatenate([scale, np.float32([2.0**-100, 2.0**126, 1.0, 3.0, 0.0, np.nan])])
+    got = np.asarray(jax.jit(reference.inverse_scale)(scale))
+    with np.errstate(divide="ignore", invalid="ignore"):
+        want = np.where(scale > 0, np.float32(1) / scale, np.float32(0)).astype(np.float32)
+    assert_same_bits(got, want, "1/scale")
+
+
 # ------------------------------------------------------ stochastic rounding
 
 

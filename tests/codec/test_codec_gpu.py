@@ -95,3 +95,20 @@ def test_cuda_large_buffer(devices):
     q_c, y_c = roundtrip(_on(cpu, x), _on(cpu, KEY), config, "kernel")
     assert_same_bits(q_g.payload, q_c.payload, "payload 256 MiB")
     assert_same_bits(y_g, y_c, "decoded 256 MiB")
+
+
+@pytest.mark.parametrize("stochastic", [False, True], ids=["nearest", "stochastic"])
+def test_reference_compiled_for_gpu_matches_kernels(devices, stochastic):
+    """The pure-JAX reference is exact under XLA:GPU too (no float divide: see
+    reference.inverse_scale), so it is an oracle on either platform."""
+    gpu, cpu = devices
+    x = sample(100_003, jnp.float32, seed=11)
+    for bits in BITS:
+        for bucket in (7, 512):
+            config = CompressionConfig(bits=bits, bucket_size=bucket, stochastic=stochastic)
+            q_r, y_r = roundtrip(_on(gpu, x), _on(gpu, KEY), config, "reference")
+            q_c, y_c = roundtrip(_on(cpu, x), _on(cpu, KEY), config, "kernel")
+            what = f"bits={bits} B={bucket}"
+            assert_same_bits(q_r.payload, q_c.payload, "payload " + what)
+            assert_same_bits(q_r.meta, q_c.meta, "meta " + what)
+            assert_same_bits(y_r, y_c, "decoded " + what)
