@@ -507,6 +507,7 @@ CGX_HD void store_round(uint8_t* dst, int64_t valid, uint64_t packed, const Word
 // quantize: the rows of x.
 template <class E, bool kVec>
 struct ArrayInput {
+  static constexpr bool kPrefetch = true;  // plain loads: worth issuing a bucket ahead
   const typename E::Storage* x;
   int64_t row_stride;  // n (x may be longer than the m elements encoded)
 
@@ -532,6 +533,7 @@ struct ArrayInput {
 // accumulate(+0, decode(input 0)) gives the same bits: decode's result is
 // flushed, so +0 + d == d (+0 stays +0, NaN stays NaN).
 struct SumInput {
+  static constexpr bool kPrefetch = false;  // its loads decode and add: nothing to hide
   const uint8_t* payload;  // [R, W, P]
   const float* meta;       // [R, W, nb, 2]
   int64_t inputs;          // W

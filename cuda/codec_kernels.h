@@ -14,6 +14,15 @@
 
 #include "xla_ffi/float_type.h"
 
+// Build-time variants of the quantizing kernels (cuda/quantize_kernels.cuh
+// says what each does; cuda/tests/device_test.cu times them side by side).
+#ifndef JAX_CGX_QUANTIZE_PIPELINE
+#define JAX_CGX_QUANTIZE_PIPELINE 0
+#endif
+#ifndef JAX_CGX_QUANTIZE_MIN_BLOCKS
+#define JAX_CGX_QUANTIZE_MIN_BLOCKS 1
+#endif
+
 namespace jax_cgx::cuda {
 
 // Element type of a float buffer (x, addend, out): xla_ffi/float_type.h.

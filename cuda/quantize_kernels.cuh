@@ -73,10 +73,32 @@ CGX_HD void encode_round(const Sink& sink, const RowLayout& l, const WordPlan& p
   }
 }
 
+// One bucket's values as a lane of its segment holds them: groups sl, sl + lanes,
+// ... (cnt[i] elements each). Lanes past the last bucket hold nothing (len 0).
+template <int G>
+struct BucketValues {
+  int64_t len;
+  int cnt[G];
+  float v[G][kGroup];
+};
+
+template <class Src, int G>
+CGX_HD void load_bucket(const Src& src, const RowLayout& l, const BucketCursor& cur, int sl,
+                        int lanes, BucketValues<G>& b) {
+  b.len = cur.r < l.rows ? bucket_len(l, cur.k) : 0;
+  CGX_UNROLL
+  for (int i = 0; i < G; ++i) b.cnt[i] = group_count(b.len, sl + static_cast<int64_t>(i) * lanes);
+  src.template load<G>(l, cur.r, cur.k, sl, lanes, b.cnt, b.v);
+}
+
 // Buckets of at most lanes*G*8 elements: each aligned segment of `lanes`
 // lanes of a warp quantizes one bucket per iteration with the bucket in
 // registers (lane j holds groups j, j + lanes, ...; G > 1 only when lanes = 32).
-template <class Src, class Sink, int G>
+// kPrefetch: the loads of the segment's next bucket are issued before the
+// current one is reduced and encoded, so a warp has two buckets' reads in
+// flight and the memory latency hides behind its own arithmetic (worth it
+// when warps loop, i.e. on a grid of resident blocks: see launch_quantize).
+template <class Src, class Sink, int G, bool kPrefetch>
 CGX_HD void quantize_segments(const Src& src, const Sink& sink, const RowLayout& l,
                               const QuantOut& q, int lanes) {
   const ThreadPos tp = thread_pos();
@@ -90,35 +112,41 @@ CGX_HD void quantize_segments(const Src& src, const Sink& sink, const RowLayout&
   const int64_t step = warps * per_warp;
   const WordPlan plan = make_word_plan(sl, lanes, l.bits);
   BucketCursor cur = BucketCursor::start(warp * per_warp + seg, step, l.buckets);
+  BucketValues<G> ahead;
+  if constexpr (kPrefetch) load_bucket<Src, G>(src, l, cur, sl, lanes, ahead);
   // `first` is uniform over the warp, so all lanes run every iteration (the
   // shuffles need them); lanes past the last bucket idle through it.
-  for (int64_t first = warp * per_warp; first < total; first += step, cur.advance(l.buckets)) {
+  for (int64_t first = warp * per_warp; first < total; first += step) {
+    BucketCursor next = cur;
+    next.advance(l.buckets);
+    BucketValues<G> b;
+    if constexpr (kPrefetch) {
+      b = ahead;
+      load_bucket<Src, G>(src, l, next, sl, lanes, ahead);  // past the end: loads nothing
+    } else {
+      load_bucket<Src, G>(src, l, cur, sl, lanes, b);
+    }
     const bool active = cur.r < l.rows;
-    const int64_t len = active ? bucket_len(l, cur.k) : 0;
-    int cnt[G];
-    CGX_UNROLL
-    for (int i = 0; i < G; ++i) cnt[i] = group_count(len, sl + static_cast<int64_t>(i) * lanes);
-    float v[G][kGroup];
-    src.template load<G>(l, cur.r, cur.k, sl, lanes, cnt, v);
     const int64_t limit = active ? q.range_limit(l, cur.r, cur.k) : 0;
     MinMax mm = minmax_empty();
     CGX_UNROLL
     for (int i = 0; i < G; ++i) {
-      const int64_t first = (sl + static_cast<int64_t>(i) * lanes) * kGroup;
+      const int64_t first_elem = (sl + static_cast<int64_t>(i) * lanes) * kGroup;
       CGX_UNROLL
       for (int e = 0; e < kGroup; ++e) {
-        if (e < cnt[i] && first + e < limit) minmax_add(mm, v[i][e]);
+        if (e < b.cnt[i] && first_elem + e < limit) minmax_add(mm, b.v[i][e]);
       }
     }
     segment_minmax(mm, lanes);
-    const BucketTarget t = begin_bucket(l, q, active, cur.r, cur.k, len, mm, sl == 0);
+    const BucketTarget t = begin_bucket(l, q, active, cur.r, cur.k, b.len, mm, sl == 0);
     CGX_UNROLL
     for (int i = 0; i < G; ++i) {
       // Round i: groups i*lanes .. i*lanes + lanes-1, lane sl holding i*lanes + sl.
       const int64_t round_first = static_cast<int64_t>(i) * lanes;
-      encode_round(sink, l, plan, t, cur.r, cur.k, round_first + sl, round_first * l.bits, cnt[i],
-                   v[i]);
+      encode_round(sink, l, plan, t, cur.r, cur.k, round_first + sl, round_first * l.bits, b.cnt[i],
+                   b.v[i]);
     }
+    cur = next;
   }
 }
 
@@ -172,11 +200,23 @@ CGX_HD void quantize_blocks(const Src& src, const Sink& sink, const RowLayout& l
 }
 
 // ------------------------------------------------------------------ kernels
+//
+// Variants of the segment kernel, chosen at build time so that
+// cuda/tests/device_test.cu can time them side by side (tools/gpu_check.sh,
+// stage kernels); docs/gpu-results.md has each one's prediction and outcome.
+//   JAX_CGX_QUANTIZE_PIPELINE=1    quantize from an array (not the summing
+//                                  kernels, whose loads decode): a grid of
+//                                  resident blocks whose warps loop over
+//                                  buckets, prefetching the next one
+//   JAX_CGX_QUANTIZE_MIN_BLOCKS=N  ask ptxas for registers that let N blocks
+//                                  of kThreads reside on a multiprocessor
+// (Their defaults are set in cuda/codec_kernels.h.)
+constexpr bool kQuantizePipeline = JAX_CGX_QUANTIZE_PIPELINE != 0;
 
 template <class Src, class Sink, int G>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kThreads, JAX_CGX_QUANTIZE_MIN_BLOCKS)
     quantize_segments_kernel(Src src, Sink sink, RowLayout l, QuantOut q, int lanes) {
-  quantize_segments<Src, Sink, G>(src, sink, l, q, lanes);
+  quantize_segments<Src, Sink, G, kQuantizePipeline && Src::kPrefetch>(src, sink, l, q, lanes);
 }
 
 template <class Src, class Sink>
@@ -210,24 +250,54 @@ inline QuantizePlan plan_quantize(const RowLayout& l) {
   return QuantizePlan{kWarpSize, 0, 1};
 }
 
+// Blocks of kKernel that the current device holds at once, asked once per
+// kernel and process (an occupancy query, no synchronization); kMaxBlocks if
+// the runtime cannot say. Only the grid's size depends on it, never a result.
+template <auto kKernel>
+int64_t resident_blocks() {
+  static const int64_t blocks = [] {
+    int device = 0, sms = 0, per_sm = 0;
+    if (cudaGetDevice(&device) != cudaSuccess ||
+        cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess ||
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kKernel, kThreads, 0) != cudaSuccess ||
+        sms * per_sm <= 0) {
+      (void)cudaGetLastError();  // not the launch's error to report
+      return kMaxBlocks;
+    }
+    return int64_t{sms} * per_sm;
+  }();
+  return blocks;
+}
+
+template <class Src, class Sink, int G>
+void launch_segments(cudaStream_t stream, const RowLayout& l, const Src& src, const Sink& sink,
+                     const QuantOut& q, const QuantizePlan& p) {
+  constexpr auto kernel = &quantize_segments_kernel<Src, Sink, G>;
+  int64_t grid = grid_for(l.rows * l.buckets, p.buckets_per_block);
+  if constexpr (kQuantizePipeline && Src::kPrefetch) {
+    const int64_t resident = resident_blocks<kernel>();
+    grid = grid < resident ? grid : resident;
+  }
+  kernel<<<static_cast<unsigned>(grid), kThreads, 0, stream>>>(src, sink, l, q, p.lanes);
+}
+
 template <class Src, class Sink>
 cudaError_t launch_quantize(cudaStream_t stream, const RowLayout& l, const Src& src,
                             const Sink& sink, const QuantOut& q) {
   const QuantizePlan p = plan_quantize(l);
-  const unsigned grid = grid_for(l.rows * l.buckets, p.buckets_per_block);
   switch (p.groups) {
     case 1:
-      quantize_segments_kernel<Src, Sink, 1><<<grid, kThreads, 0, stream>>>(src, sink, l, q, p.lanes);
+      launch_segments<Src, Sink, 1>(stream, l, src, sink, q, p);
       break;
     case 2:
-      quantize_segments_kernel<Src, Sink, 2><<<grid, kThreads, 0, stream>>>(src, sink, l, q, p.lanes);
+      launch_segments<Src, Sink, 2>(stream, l, src, sink, q, p);
       break;
     case kMaxRegisterGroups:
-      quantize_segments_kernel<Src, Sink, kMaxRegisterGroups>
-          <<<grid, kThreads, 0, stream>>>(src, sink, l, q, p.lanes);
+      launch_segments<Src, Sink, kMaxRegisterGroups>(stream, l, src, sink, q, p);
       break;
     default:
-      quantize_blocks_kernel<Src, Sink><<<grid, kThreads, 0, stream>>>(src, sink, l, q);
+      quantize_blocks_kernel<Src, Sink><<<grid_for(l.rows * l.buckets, 1), kThreads, 0, stream>>>(
+          src, sink, l, q);
       break;
   }
   return cudaGetLastError();

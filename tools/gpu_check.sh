@@ -8,7 +8,10 @@
 #   build            pip install -e . with the CUDA kernels and the nccl backend (every
 #                    other stage builds first if jax_cgx._cuda does not import)
 #   kernels          cuda/tests/device_test.cu: the CUDA launchers against the scalar
-#                    reference, byte for byte, and its bandwidth table
+#                    reference, byte for byte, and the bandwidth table against a copy,
+#                    for each build-time variant of the quantizing kernels (VARIANTS)
+#   profile_codec    Nsight Compute on the quantize (bucket 512) and dequantize kernels,
+#                    default and pipelined variants
 #   tests_codec_gpu  the CUDA kernels against the CPU kernels through JAX, bitwise (about 7
 #                    minutes on an H100: each case compiles)
 #   tests_nccl_gpu   the nccl backend against the xla backend with 2 and 4 ranks sharing the GPU
@@ -16,6 +19,9 @@
 #   bench_codec      the codec on the GPU and the CPU
 #   bench_allreduce  psum vs the xla and nccl backends, 2 and 4 ranks sharing the GPU
 #   bench_sharded    reduce-scatter and all-gather: lax vs the xla and nccl backends, 2 ranks
+#   nccl_transport   why the nccl backend trails the xla backend on one shared GPU: the same
+#                    all-reduce with 1 segment and the automatic count, NCCL_DEBUG=INFO, and
+#                    again under MPS if the machine allows it
 #   train_step       the training step on 2 ranks sharing the GPU, with its profile
 #   tests_cpu        the rest of the test suite (long: a call of its own)
 #
@@ -33,7 +39,8 @@ out=""
 if [[ "${1:-}" == "-o" ]]; then out=$2; shift 2; fi
 out="${out:-${OUT:+${TMPDIR:-/tmp}/gpu-check}}"
 out="${out:-gpu-check}"
-all=(build kernels tests_codec_gpu tests_nccl_gpu bench_codec bench_allreduce bench_sharded train_step tests_cpu)
+all=(build kernels profile_codec tests_codec_gpu tests_nccl_gpu bench_codec bench_allreduce bench_sharded
+     nccl_transport train_step tests_cpu)
 stages=("$@")
 [[ ${#stages[@]} -eq 0 ]] && stages=("${all[@]}")
 for s in "${stages[@]}"; do
@@ -69,12 +76,48 @@ stage_build() {
 from jax_cgx import _cuda; assert _cuda.nccl_compiled(); print('cuda extension ok, NCCL', jax_cgx.nccl.load())"
 }
 
+# Build-time variants of the quantizing kernels (cuda/quantize_kernels.cuh):
+# "PIPELINE MIN_BLOCKS", the first being the default build.
+VARIANTS=("0 1" "0 3" "1 1" "1 3")
+device_test_build() {  # device_test_build PIPELINE MIN_BLOCKS: builds $out/device_test_pP_mM
+  nvcc -std=c++17 -O3 --fmad=false --expt-relaxed-constexpr -arch="sm_${JAX_CGX_CUDA_ARCHITECTURES%%-*}" \
+    -DJAX_CGX_QUANTIZE_PIPELINE="$1" -DJAX_CGX_QUANTIZE_MIN_BLOCKS="$2" --resource-usage \
+    -I. -Icuda/tests cuda/tests/device_test.cu cuda/codec_kernels.cu -o "$out/device_test_p$1_m$2"
+}
+
 stage_kernels() {
-  step device_test_build nvcc -std=c++17 -O3 --fmad=false --expt-relaxed-constexpr \
-    -arch="sm_${JAX_CGX_CUDA_ARCHITECTURES%%-*}" -I. -Icuda/tests cuda/tests/device_test.cu cuda/codec_kernels.cu \
-    -o "$out/device_test"
-  step device_test "$out/device_test"
-  step device_bench "$out/device_test" bench
+  local v pids=()
+  for v in "${VARIANTS[@]}"; do
+    # shellcheck disable=SC2086
+    device_test_build $v >"$out/device_test_build_p${v// /_m}.log" 2>&1 &
+    pids+=($!)
+  done
+  for v in "${pids[@]}"; do wait "$v"; done
+  for v in "${VARIANTS[@]}"; do
+    local exe="$out/device_test_p${v// /_m}"
+    step "device_test_p${v// /_m}" "$exe"
+    step "device_bench_p${v// /_m}" "$exe" bench
+    tail -n +2 "$out/device_bench_p${v// /_m}.log" >>"$out/summary.txt"
+  done
+}
+
+# ncu on the first quantize launch with bucket 512 (two register groups per lane) and the
+# first dequantize of the bench, for the default and the pipelined builds.
+stage_profile_codec() {
+  command -v ncu >/dev/null || { echo "   no ncu" | tee -a "$out/summary.txt"; return; }
+  local v exe
+  for v in "0 1" "1 1"; do
+    exe="$out/device_test_p${v// /_m}"
+    # shellcheck disable=SC2086
+    [[ -x $exe ]] || device_test_build $v >/dev/null 2>&1
+    step "ncu_quantize_p${v// /_m}" ncu --kernel-name-base mangled \
+      --kernel-name "regex:quantize_segments_kernel.*ArrayInput.*Li2E" --launch-count 1 \
+      --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats \
+      --section WarpStateStats --section SchedulerStats "$exe" bench
+    step "ncu_dequantize_p${v// /_m}" ncu --kernel-name-base mangled --kernel-name "regex:dequantize_sum_kernel" \
+      --launch-count 1 --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy \
+      --section WarpStateStats "$exe" bench
+  done
 }
 
 stage_tests_codec_gpu() { step tests_codec_gpu pytest tests/codec -m gpu -q; }
@@ -102,6 +145,44 @@ stage_bench_sharded() {
     --output "$out/bench_sharded_gpu_w2.json"
 }
 
+# The nccl backend's all-reduce against psum and the xla backend, 2 ranks on the shared GPU:
+# with one segment (two NCCL calls per all-reduce, as the xla backend makes) and with the
+# automatic count (16 MiB of input per segment), NCCL's own log of the first, and the
+# same under MPS (the ranks' kernels then share the GPU instead of taking turns).
+stage_nccl_transport() {
+  local seg
+  for seg in 1 0; do
+    step "transport_seg$seg" env JAX_CGX_PIPELINE_SEGMENTS=$seg python -m jax_cgx.launch -n 2 \
+      benchmarks/allreduce.py --share-gpu --sizes-mib 64 256 --bits 4 --backends xla nccl --repeats 5 \
+      --no-progress --output "$out/transport_seg$seg.json"
+  done
+  step transport_nccl_debug env NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,NET,TUNING JAX_CGX_PIPELINE_SEGMENTS=1 \
+    python -m jax_cgx.launch -n 2 benchmarks/allreduce.py --share-gpu --sizes-mib 64 --bits 4 \
+    --backends nccl --repeats 2 --no-progress
+  if command -v nvidia-cuda-mps-control >/dev/null; then
+    export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
+    mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+    if nvidia-cuda-mps-control -d; then
+      for seg in 1 0; do
+        step "transport_mps_seg$seg" env JAX_CGX_PIPELINE_SEGMENTS=$seg python -m jax_cgx.launch -n 2 \
+          benchmarks/allreduce.py --share-gpu --sizes-mib 64 256 --bits 4 --backends xla nccl --repeats 5 \
+          --no-progress --output "$out/transport_mps_seg$seg.json"
+      done
+      echo quit | nvidia-cuda-mps-control
+    else
+      echo "   MPS daemon did not start" | tee -a "$out/summary.txt"
+    fi
+    unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+  fi
+  local f
+  for f in "$out"/transport_*.json; do
+    [[ -f $f ]] || continue
+    echo "### $(basename "$f" .json)"
+    python tools/results_table.py "$f"
+  done >"$out/transport_table.md" 2>>"$out/summary.txt"
+  cat "$out/transport_table.md" >>"$out/summary.txt"
+}
+
 # policy="auto" calibrating on a GPU, and reduce_in_backward where XLA's latency-hiding
 # scheduler may overlap it (the profile shows whether).
 stage_train_step() {
@@ -121,7 +202,7 @@ if [[ -n "${OUT:-}" && "$out" != "$OUT" ]]; then
   name="gpu-check-$(IFS=-; echo "${stages[*]}")"
   name=${name:0:100}
   # The profile apart: the device tool brings back files of at most 16 MiB.
-  tar czf "$OUT/$name.tar.gz" --exclude=train_step_profile --exclude=device_test -C "$(dirname "$out")" "$(basename "$out")"
+  tar czf "$OUT/$name.tar.gz" --exclude=train_step_profile --exclude='device_test_p?_m?' -C "$(dirname "$out")" "$(basename "$out")"
   [[ -d "$out/train_step_profile" ]] && tar czf "$OUT/$name-profile.tar.gz" -C "$out" train_step_profile
   cp "$out/summary.txt" "$OUT/summary.txt"
 fi

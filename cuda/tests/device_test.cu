@@ -6,6 +6,7 @@
 //   ./device_test bench      # bandwidth of the four operations
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <chrono>
 
 #include "cuda/codec_kernels.h"
@@ -169,48 +170,86 @@ void sum_case(std::mt19937& rng, int64_t R, int64_t W, int64_t m, int64_t B, int
         ok_m ? "ok" : "DIFF", ok_o ? "ok" : "DIFF", (long)first);
 }
 
+// Median over 7 batches of 20 launches, timed with events, in ms per launch.
+template <class Fn>
+static float time_ms(Fn fn) {
+  cudaEvent_t e0, e1;
+  CUDA_OK(cudaEventCreate(&e0));
+  CUDA_OK(cudaEventCreate(&e1));
+  fn();  // warm-up
+  CUDA_OK(cudaDeviceSynchronize());
+  std::vector<float> ms(7);
+  for (float& t : ms) {
+    CUDA_OK(cudaEventRecord(e0));
+    for (int i = 0; i < 20; ++i) fn();
+    CUDA_OK(cudaEventRecord(e1));
+    CUDA_OK(cudaEventSynchronize(e1));
+    CUDA_OK(cudaEventElapsedTime(&t, e0, e1));
+    t /= 20;
+  }
+  CUDA_OK(cudaEventDestroy(e0));
+  CUDA_OK(cudaEventDestroy(e1));
+  std::sort(ms.begin(), ms.end());
+  return ms[ms.size() / 2];
+}
+
+// The codec against a device-to-device copy of the same buffer, in one run
+// (issue 13: each operation at >= 85% of the copy's bandwidth, bytes read
+// plus written). 256 MiB of float32; dsr(W=4) is the owner's fused step of
+// a 4-rank all-reduce of that buffer: 4 encodings of a quarter of it plus
+// its own quarter in, the re-quantized encoding and the decoded sum out.
 static void bench() {
-  const int64_t n = int64_t{1} << 28;  // 256M values
+  const int64_t n = int64_t{1} << 26;  // 64M values: 256 MiB of float32
+  DevBuf x(n * 4, 0), o(n * 4, 0), seeds(64, 0);
+  {
+    std::vector<float> h(1 << 20);
+    std::mt19937 rng(1);
+    std::normal_distribution<float> nd;
+    for (auto& v : h) v = nd(rng);
+    for (int64_t i = 0; i < n; i += h.size()) {
+      CUDA_OK(cudaMemcpy(x.ptr + 4 * i, h.data(), 4 * h.size(), cudaMemcpyHostToDevice));
+    }
+  }
+  const float t_copy = time_ms([&] { CUDA_OK(cudaMemcpyAsync(o.ptr, x.ptr, n * 4, cudaMemcpyDeviceToDevice)); });
+  const double copy_gbs = 2.0 * n * 4 / t_copy / 1e6;
+  std::printf("variant: JAX_CGX_QUANTIZE_PIPELINE=%d JAX_CGX_QUANTIZE_MIN_BLOCKS=%d\n", JAX_CGX_QUANTIZE_PIPELINE,
+              JAX_CGX_QUANTIZE_MIN_BLOCKS);
+  std::printf("copy 256 MiB: %.3f ms, %.0f GB/s read + written\n", t_copy, copy_gbs);
+  std::printf("%-10s %5s %4s %9s %8s %8s\n", "op", "B", "bits", "ms", "GB/s", "of copy");
+  auto row = [&](const char* op, int64_t B, int bits, float ms, double bytes) {
+    const double gbs = bytes / ms / 1e6;
+    std::printf("%-10s %5ld %4d %9.3f %8.0f %7.0f%%\n", op, (long)B, bits, ms, gbs, 100.0 * gbs / copy_gbs);
+  };
   for (int64_t B : {int64_t{128}, int64_t{512}, int64_t{1024}, int64_t{4096}}) {
-    for (int bits : {2, 4, 8}) {
+    for (int bits : {4, 8}) {
       const RowLayout l = MakeRowLayout(1, n, B, bits);
-      DevBuf x(n * 4, 0), p(l.row_bytes, 0), m(l.buckets * 8, 0), o(n * 4, 0), seeds(8, 0);
-      DevBuf p2(l.row_bytes, 0), m2(l.buckets * 8, 0);
-      std::vector<float> h(1 << 20);
-      std::mt19937 rng(1);
-      std::normal_distribution<float> nd;
-      for (auto& v : h) v = nd(rng);
-      for (int64_t i = 0; i < n; i += h.size()) CUDA_OK(cudaMemcpy(x.ptr + 4 * i, h.data(), 4 * h.size(), cudaMemcpyHostToDevice));
-      cudaEvent_t e0, e1;
-      CUDA_OK(cudaEventCreate(&e0));
-      CUDA_OK(cudaEventCreate(&e1));
-      auto time = [&](auto fn) {
-        fn();
-        CUDA_OK(cudaDeviceSynchronize());
-        CUDA_OK(cudaEventRecord(e0));
-        for (int i = 0; i < 10; ++i) fn();
-        CUDA_OK(cudaEventRecord(e1));
-        CUDA_OK(cudaEventSynchronize(e1));
-        float ms;
-        CUDA_OK(cudaEventElapsedTime(&ms, e0, e1));
-        return ms / 10;
-      };
-      const double bytes_q = n * 4.0 + l.row_bytes + l.buckets * 8.0;
-      const float tq = time([&] {
-        CUDA_OK(jax_cgx::cuda::LaunchQuantize(nullptr, l, FloatType::kF32, x.ptr, n, (const uint32_t*)seeds.ptr, false,
-                                              p.ptr, (float*)m.ptr));
+      const double enc = l.row_bytes + l.buckets * 8.0;
+      DevBuf p(l.row_bytes, 0), m(l.buckets * 8, 0);
+      const float tq = time_ms([&] {
+        CUDA_OK(jax_cgx::cuda::LaunchQuantize(nullptr, l, FloatType::kF32, x.ptr, n, (const uint32_t*)seeds.ptr,
+                                              false, p.ptr, (float*)m.ptr));
       });
-      const float td = time([&] {
+      row("quantize", B, bits, tq, n * 4.0 + enc);
+      const float td = time_ms([&] {
         CUDA_OK(jax_cgx::cuda::LaunchDequantize(nullptr, l, p.ptr, (const float*)m.ptr, FloatType::kF32, o.ptr));
       });
-      const float tr = time([&] {
-        CUDA_OK(jax_cgx::cuda::LaunchDequantizeSumRequantize(nullptr, l, 1, p.ptr, (const float*)m.ptr, FloatType::kF32,
-                                                             x.ptr, (const uint32_t*)seeds.ptr, true, p2.ptr,
-                                                             (float*)m2.ptr, FloatType::kF32, o.ptr));
+      row("dequantize", B, bits, td, enc + n * 4.0);
+      // dsr(W=4): rows of a quarter of the buffer; 4 inputs (copies of one encoding, laid out [1, 4, P]).
+      const int64_t W = 4, c = n / W;
+      const RowLayout lc = MakeRowLayout(1, c, B, bits);
+      const double enc_c = lc.row_bytes + lc.buckets * 8.0;
+      DevBuf pin(W * lc.row_bytes, 0), min_(W * lc.buckets * 8, 0), pout(lc.row_bytes, 0), mout(lc.buckets * 8, 0);
+      for (int64_t w = 0; w < W; ++w) {
+        CUDA_OK(jax_cgx::cuda::LaunchQuantize(nullptr, lc, FloatType::kF32, x.ptr + 4 * w * c, c,
+                                              (const uint32_t*)seeds.ptr, false, pin.ptr + w * lc.row_bytes,
+                                              (float*)min_.ptr + 2 * w * lc.buckets));
+      }
+      const float tr = time_ms([&] {
+        CUDA_OK(jax_cgx::cuda::LaunchDequantizeSumRequantize(
+            nullptr, lc, W, pin.ptr, (const float*)min_.ptr, FloatType::kF32, x.ptr, (const uint32_t*)seeds.ptr,
+            false, pout.ptr, (float*)mout.ptr, FloatType::kF32, o.ptr));
       });
-      std::printf("B=%5ld bits=%d  quantize %.3f ms (%.0f GB/s)  dequantize %.3f ms (%.0f GB/s)  dsr(W=1,+addend) %.3f ms (%.0f GB/s)\n",
-                  (long)B, bits, tq, bytes_q / tq / 1e6, td, bytes_q / td / 1e6, tr,
-                  (2 * bytes_q + n * 4.0) / tr / 1e6);
+      row("dsr(W=4)", B, bits, tr, W * enc_c + c * 4.0 + enc_c + c * 4.0);
     }
   }
 }

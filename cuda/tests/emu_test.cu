@@ -15,6 +15,19 @@ using namespace jax_cgx::cuda::detail;
 
 #include "ref.h"
 
+// Which variant of the segment body run_quantize runs (both are tested: main
+// alternates; the build-time JAX_CGX_QUANTIZE_PIPELINE picks one for the GPU).
+bool g_prefetch = false;
+
+template <class Src, class Sink, int G>
+void run_segments(const Src& src, const Sink& sink, const RowLayout& l, const QuantOut& q, int lanes) {
+  if (g_prefetch) {
+    quantize_segments<Src, Sink, G, true>(src, sink, l, q, lanes);
+  } else {
+    quantize_segments<Src, Sink, G, false>(src, sink, l, q, lanes);
+  }
+}
+
 // Runs a quantizing body under emulation with the launcher's plan.
 template <class Src, class Sink>
 void run_quantize(const Src& src, const Sink& sink, const RowLayout& l, const QuantOut& q,
@@ -24,9 +37,9 @@ void run_quantize(const Src& src, const Sink& sink, const RowLayout& l, const Qu
   static MinMax partial[kWarpsPerBlock];
   emu_rt::launch(grid, block_threads, [&]() {
     switch (p.groups) {
-      case 1: quantize_segments<Src, Sink, 1>(src, sink, l, q, p.lanes); break;
-      case 2: quantize_segments<Src, Sink, 2>(src, sink, l, q, p.lanes); break;
-      case 4: quantize_segments<Src, Sink, 4>(src, sink, l, q, p.lanes); break;
+      case 1: run_segments<Src, Sink, 1>(src, sink, l, q, p.lanes); break;
+      case 2: run_segments<Src, Sink, 2>(src, sink, l, q, p.lanes); break;
+      case 4: run_segments<Src, Sink, 4>(src, sink, l, q, p.lanes); break;
       default: quantize_blocks<Src, Sink>(src, sink, l, q, partial); break;
     }
   });
@@ -411,6 +424,7 @@ int main(int argc, char** argv) {
       const bool skip = (cfg % 5) == 0;
       const int grid_cap = 1 + cfg % 3;
       const int block = (cfg % 2) ? 64 : 256;
+      g_prefetch = (cfg / 2) % 2 == 1;  // independent of block
       test_quantize<F32Type>(rng, R, n, B, skip, bits, stoch, 0, 0, false, grid_cap, block);
       test_quantize<BF16Type>(rng, R, n, B, skip, bits, !stoch, 0, cfg % 4, false, grid_cap, block);
       test_quantize<F16Type>(rng, R, n, B, false, bits, stoch, 1, 1, false, grid_cap, block);
