@@ -16,8 +16,8 @@
 
 // Build-time variants of the quantizing kernels (cuda/quantize_kernels.cuh
 // says what each does; cuda/tests/device_test.cu times them side by side).
-#ifndef JAX_CGX_QUANTIZE_PIPELINE
-#define JAX_CGX_QUANTIZE_PIPELINE 0
+#ifndef JAX_CGX_CODEC_PIPELINE
+#define JAX_CGX_CODEC_PIPELINE 0
 #endif
 #ifndef JAX_CGX_QUANTIZE_MIN_BLOCKS
 #define JAX_CGX_QUANTIZE_MIN_BLOCKS 1

@@ -201,22 +201,23 @@ CGX_HD void quantize_blocks(const Src& src, const Sink& sink, const RowLayout& l
 
 // ------------------------------------------------------------------ kernels
 //
-// Variants of the segment kernel, chosen at build time so that
+// Variants of the kernels, chosen at build time so that
 // cuda/tests/device_test.cu can time them side by side (tools/gpu_check.sh,
 // stage kernels); docs/gpu-results.md has each one's prediction and outcome.
-//   JAX_CGX_QUANTIZE_PIPELINE=1    quantize from an array (not the summing
-//                                  kernels, whose loads decode): a grid of
-//                                  resident blocks whose warps loop over
-//                                  buckets, prefetching the next one
+//   JAX_CGX_CODEC_PIPELINE=1       grids of resident blocks whose threads loop
+//                                  (the cursors' divisions are paid once, not
+//                                  per bucket or group); quantizing from an
+//                                  array (not the summing kernels, whose loads
+//                                  decode) also prefetches the next bucket
 //   JAX_CGX_QUANTIZE_MIN_BLOCKS=N  ask ptxas for registers that let N blocks
 //                                  of kThreads reside on a multiprocessor
 // (Their defaults are set in cuda/codec_kernels.h.)
-constexpr bool kQuantizePipeline = JAX_CGX_QUANTIZE_PIPELINE != 0;
+constexpr bool kCodecPipeline = JAX_CGX_CODEC_PIPELINE != 0;
 
 template <class Src, class Sink, int G>
 __global__ void __launch_bounds__(kThreads, JAX_CGX_QUANTIZE_MIN_BLOCKS)
     quantize_segments_kernel(Src src, Sink sink, RowLayout l, QuantOut q, int lanes) {
-  quantize_segments<Src, Sink, G, kQuantizePipeline && Src::kPrefetch>(src, sink, l, q, lanes);
+  quantize_segments<Src, Sink, G, kCodecPipeline && Src::kPrefetch>(src, sink, l, q, lanes);
 }
 
 template <class Src, class Sink>
@@ -274,7 +275,7 @@ void launch_segments(cudaStream_t stream, const RowLayout& l, const Src& src, co
                      const QuantOut& q, const QuantizePlan& p) {
   constexpr auto kernel = &quantize_segments_kernel<Src, Sink, G>;
   int64_t grid = grid_for(l.rows * l.buckets, p.buckets_per_block);
-  if constexpr (kQuantizePipeline && Src::kPrefetch) {
+  if constexpr (kCodecPipeline) {
     const int64_t resident = resident_blocks<kernel>();
     grid = grid < resident ? grid : resident;
   }

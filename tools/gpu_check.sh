@@ -81,7 +81,7 @@ from jax_cgx import _cuda; assert _cuda.nccl_compiled(); print('cuda extension o
 VARIANTS=("0 1" "0 3" "1 1" "1 3")
 device_test_build() {  # device_test_build PIPELINE MIN_BLOCKS: builds $out/device_test_pP_mM
   nvcc -std=c++17 -O3 --fmad=false --expt-relaxed-constexpr -arch="sm_${JAX_CGX_CUDA_ARCHITECTURES%%-*}" \
-    -DJAX_CGX_QUANTIZE_PIPELINE="$1" -DJAX_CGX_QUANTIZE_MIN_BLOCKS="$2" --resource-usage \
+    -DJAX_CGX_CODEC_PIPELINE="$1" -DJAX_CGX_QUANTIZE_MIN_BLOCKS="$2" --resource-usage \
     -I. -Icuda/tests cuda/tests/device_test.cu cuda/codec_kernels.cu -o "$out/device_test_p$1_m$2"
 }
 

@@ -16,7 +16,7 @@ using namespace jax_cgx::cuda::detail;
 #include "ref.h"
 
 // Which variant of the segment body run_quantize runs (both are tested: main
-// alternates; the build-time JAX_CGX_QUANTIZE_PIPELINE picks one for the GPU).
+// alternates; the build-time JAX_CGX_CODEC_PIPELINE picks one for the GPU).
 bool g_prefetch = false;
 
 template <class Src, class Sink, int G>
