@@ -101,8 +101,8 @@ stage_kernels() {
   done
 }
 
-# ncu on the first quantize launch with bucket 512 (two register groups per lane) and the
-# first dequantize of the bench, for the default and the pipelined builds.
+# ncu on the quantize (bucket 512: two register groups per lane) and dequantize launches of
+# `device_test profile` (each operation once), for the default and the pipelined builds.
 stage_profile_codec() {
   command -v ncu >/dev/null || { echo "   no ncu" | tee -a "$out/summary.txt"; return; }
   local v exe
@@ -113,10 +113,10 @@ stage_profile_codec() {
     step "ncu_quantize_p${v// /_m}" ncu --kernel-name-base mangled \
       --kernel-name "regex:quantize_segments_kernel.*ArrayInput.*Li2E" --launch-count 1 \
       --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats \
-      --section WarpStateStats --section SchedulerStats "$exe" bench
+      --section WarpStateStats --section SchedulerStats "$exe" profile
     step "ncu_dequantize_p${v// /_m}" ncu --kernel-name-base mangled --kernel-name "regex:dequantize_sum_kernel" \
       --launch-count 1 --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy \
-      --section WarpStateStats "$exe" bench
+      --section WarpStateStats "$exe" profile
   done
 }
 

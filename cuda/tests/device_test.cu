@@ -3,7 +3,8 @@
 //   nvcc -std=c++17 -O3 --fmad=false --expt-relaxed-constexpr -arch=sm_90
 //     -I<repo> -I<repo>/cuda/tests device_test.cu <repo>/cuda/codec_kernels.cu -o device_test
 //   ./device_test            # correctness sweep
-//   ./device_test bench      # bandwidth of the four operations
+//   ./device_test bench      # bandwidth of the operations against a copy
+//   ./device_test profile    # each operation once, bucket 512, 4 bits (for ncu)
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -170,9 +171,17 @@ void sum_case(std::mt19937& rng, int64_t R, int64_t W, int64_t m, int64_t B, int
         ok_m ? "ok" : "DIFF", ok_o ? "ok" : "DIFF", (long)first);
 }
 
+// `profile`: launch each operation once, for a profiler, and time nothing.
+static bool g_profile = false;
+
 // Median over 7 batches of 20 launches, timed with events, in ms per launch.
 template <class Fn>
 static float time_ms(Fn fn) {
+  if (g_profile) {
+    fn();
+    CUDA_OK(cudaDeviceSynchronize());
+    return 1.0f;
+  }
   cudaEvent_t e0, e1;
   CUDA_OK(cudaEventCreate(&e0));
   CUDA_OK(cudaEventCreate(&e1));
@@ -222,6 +231,7 @@ static void bench() {
   };
   for (int64_t B : {int64_t{128}, int64_t{512}, int64_t{1024}, int64_t{4096}}) {
     for (int bits : {4, 8}) {
+      if (g_profile && (B != 512 || bits != 4)) continue;
       const RowLayout l = MakeRowLayout(1, n, B, bits);
       const double enc = l.row_bytes + l.buckets * 8.0;
       DevBuf p(l.row_bytes, 0), m(l.buckets * 8, 0);
@@ -255,7 +265,8 @@ static void bench() {
 }
 
 int main(int argc, char** argv) {
-  if (argc > 1 && std::string(argv[1]) == "bench") {
+  if (argc > 1 && (std::string(argv[1]) == "bench" || std::string(argv[1]) == "profile")) {
+    g_profile = std::string(argv[1]) == "profile";
     bench();
     return 0;
   }
