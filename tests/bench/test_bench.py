@@ -74,3 +74,27 @@ def test_allreduce_phases_on_two_processes(tmp_path):
                                              "decode", "sum of phases", "compressed_psum", "psum", "x * 2"]
     assert all(r["ms"] > 0 and r["devices"] == 2 and r["messages"] == 3 for r in records)
     assert records[5]["ms"] == pytest.approx(sum(r["ms"] for r in records[:5]))
+
+
+def test_codec_bench_times_gpu_calls_in_batches(monkeypatch):
+    """The GPU path of ``bench codec`` (run on CPU here): one warm-up, then ``repeats`` batches of
+    back-to-back calls, blocked once per batch, the median per-call time."""
+    import jax.numpy as jnp
+
+    from jax_cgx.bench import codec
+
+    calls = []
+    blocked = []
+    monkeypatch.setattr(codec.jax, "block_until_ready", lambda x: blocked.append(x) or x)
+
+    def fn():
+        calls.append(1)
+        return jnp.zeros(1)
+
+    t = codec._time(fn, "gpu", repeats=3)
+    assert t > 0
+    assert len(calls) == 1 + 3 * codec._CALLS and len(blocked) == 1 + 3  # blocked per batch, not per call
+    calls.clear()
+    blocked.clear()
+    codec._time(fn, "cpu", repeats=3)
+    assert len(calls) == 1 + 3 and len(blocked) == 1 + 3  # on CPU each call is timed alone
