@@ -97,7 +97,7 @@ CGX_HD void load_bucket(const Src& src, const RowLayout& l, const BucketCursor& 
 // kPrefetch: the loads of the segment's next bucket are issued before the
 // current one is reduced and encoded, so a warp has two buckets' reads in
 // flight and the memory latency hides behind its own arithmetic (worth it
-// when warps loop, i.e. on a grid of resident blocks: see launch_quantize).
+// when warps loop, i.e. on a grid of resident blocks: see launch_segments).
 template <class Src, class Sink, int G, bool kPrefetch>
 CGX_HD void quantize_segments(const Src& src, const Sink& sink, const RowLayout& l,
                               const QuantOut& q, int lanes) {

@@ -92,7 +92,12 @@ stage_kernels() {
     device_test_build $v >"$out/device_test_build_p${v// /_m}.log" 2>&1 &
     pids+=($!)
   done
-  for v in "${pids[@]}"; do wait "$v"; done
+  local i
+  for i in "${!pids[@]}"; do
+    v=${VARIANTS[$i]}
+    wait "${pids[$i]}" || { echo "   build p${v// /_m} FAILED, see device_test_build_p${v// /_m}.log" |
+      tee -a "$out/summary.txt"; status=1; }
+  done
   for v in "${VARIANTS[@]}"; do
     local exe="$out/device_test_p${v// /_m}"
     step "device_test_p${v// /_m}" "$exe"
@@ -152,23 +157,26 @@ stage_bench_sharded() {
 stage_nccl_transport() {
   local seg
   for seg in 1 0; do
-    step "transport_seg$seg" env JAX_CGX_PIPELINE_SEGMENTS=$seg python -m jax_cgx.launch -n 2 \
-      benchmarks/allreduce.py --share-gpu --sizes-mib 64 256 --bits 4 --backends xla nccl --repeats 5 \
-      --no-progress --output "$out/transport_seg$seg.json"
+    step "transport_seg$seg" python -m jax_cgx.launch -n 2 benchmarks/allreduce.py --share-gpu \
+      --sizes-mib 64 256 --bits 4 --backends xla nccl --segments $seg --repeats 5 --no-progress \
+      --output "$out/transport_seg$seg.json"
   done
-  step transport_nccl_debug env NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,NET,TUNING JAX_CGX_PIPELINE_SEGMENTS=1 \
+  step transport_nccl_debug env NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,NET,TUNING \
     python -m jax_cgx.launch -n 2 benchmarks/allreduce.py --share-gpu --sizes-mib 64 --bits 4 \
-    --backends nccl --repeats 2 --no-progress
+    --backends nccl --segments 1 --repeats 2 --no-progress
   if command -v nvidia-cuda-mps-control >/dev/null; then
     export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
     mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
     if nvidia-cuda-mps-control -d; then
+      # Stop the daemon however this ends (a killed call would leave it on a warm machine).
+      trap 'echo quit | nvidia-cuda-mps-control' EXIT
       for seg in 1 0; do
-        step "transport_mps_seg$seg" env JAX_CGX_PIPELINE_SEGMENTS=$seg python -m jax_cgx.launch -n 2 \
-          benchmarks/allreduce.py --share-gpu --sizes-mib 64 256 --bits 4 --backends xla nccl --repeats 5 \
-          --no-progress --output "$out/transport_mps_seg$seg.json"
+        step "transport_mps_seg$seg" python -m jax_cgx.launch -n 2 benchmarks/allreduce.py --share-gpu \
+          --sizes-mib 64 256 --bits 4 --backends xla nccl --segments $seg --repeats 5 --no-progress \
+          --output "$out/transport_mps_seg$seg.json"
       done
       echo quit | nvidia-cuda-mps-control
+      trap - EXIT
     else
       echo "   MPS daemon did not start" | tee -a "$out/summary.txt"
     fi

@@ -226,6 +226,7 @@ static void bench() {
   std::printf("copy 256 MiB: %.3f ms, %.0f GB/s read + written\n", t_copy, copy_gbs);
   std::printf("%-10s %5s %4s %9s %8s %8s\n", "op", "B", "bits", "ms", "GB/s", "of copy");
   auto row = [&](const char* op, int64_t B, int bits, float ms, double bytes) {
+    if (g_profile) return;  // nothing was timed
     const double gbs = bytes / ms / 1e6;
     std::printf("%-10s %5ld %4d %9.3f %8.0f %7.0f%%\n", op, (long)B, bits, ms, gbs, 100.0 * gbs / copy_gbs);
   };
@@ -244,7 +245,8 @@ static void bench() {
         CUDA_OK(jax_cgx::cuda::LaunchDequantize(nullptr, l, p.ptr, (const float*)m.ptr, FloatType::kF32, o.ptr));
       });
       row("dequantize", B, bits, td, enc + n * 4.0);
-      // dsr(W=4): rows of a quarter of the buffer; 4 inputs (copies of one encoding, laid out [1, 4, P]).
+      // dsr(W=4): rows of a quarter of the buffer; 4 inputs (the encodings of the buffer's 4
+      // quarters, laid out [1, 4, P] and [1, 4, nb, 2]) and the first quarter as the addend.
       const int64_t W = 4, c = n / W;
       const RowLayout lc = MakeRowLayout(1, c, B, bits);
       const double enc_c = lc.row_bytes + lc.buckets * 8.0;

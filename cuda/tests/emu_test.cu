@@ -382,10 +382,12 @@ int main(int argc, char** argv) {
   test_units(rng);
   std::fprintf(stderr, "units: %ld checks, %ld failures\n", g_checks, g_failures);
   for (int bits : {1, 4, 7, 8}) {
+    g_prefetch = bits % 2 == 0;
     test_segments<F32Type>(rng, 10 * 64 + 13, 64, bits, 3);
     test_segments<BF16Type>(rng, 7 * 100, 100, bits, 2);
     test_segments<F16Type>(rng, 3 * 5000 + 1, 5000, bits, 1);  // block kernel
   }
+  g_prefetch = false;
   std::fprintf(stderr, "segments: %ld checks, %ld failures\n", g_checks, g_failures);
 
   if (argc > 1 && std::string(argv[1]) == "big") {

@@ -184,7 +184,7 @@ def run(args: argparse.Namespace) -> list[dict]:
                 for _, bits, bucket, backend in [c for c in combos if c[0] == op]:
                     config = jax_cgx.CompressionConfig(
                         bits=bits, bucket_size=bucket, fusion_buffer_mb=max(1024, 2 * size / 2**20), backend=backend,
-                        algorithm=args.algorithm, min_size=0, policy=args.policy,
+                        algorithm=args.algorithm, min_size=0, policy=args.policy, pipeline_segments=args.segments,
                     )
                     compressed = reducer(lambda v, c=config, f=cgx_op: f(v, "d", c, impl=args.impl))
                     t = median_time(compressed, x, args.repeats, args.warmup)
@@ -238,6 +238,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ops", nargs="+", choices=list(_OPS), default=["psum"],
                    help="collectives to time against lax's (default: psum)")
     p.add_argument("--algorithm", default="sra", choices=["sra", "ring"])
+    p.add_argument("--segments", type=int, default=0,
+                   help="CompressionConfig.pipeline_segments: messages per exchange, 0 = by size (default)")
     p.add_argument("--policy", default="always", choices=["always", "auto"],
                    help="CompressionConfig.policy of the compressed rows (auto: lax where the cost model, "
                         "measured in the first trace, finds it faster; default %(default)s)")

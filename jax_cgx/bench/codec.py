@@ -5,7 +5,8 @@ on GPU it is a device-to-device copy (an XLA elementwise kernel reading and writ
 every byte once). On CPU a time is the best of ``--repeats`` runs after a warm-up. On
 GPU it is the median over ``--repeats`` batches of 20 calls dispatched back to back, per
 call: the device's time, as in a training step, not the host's dispatch and wait of a
-lone call (which at 256 MiB added about 0.1 ms to every figure).
+lone call (which at 256 MiB added about 0.1 ms to every figure). A call whose kernels take
+less than one dispatch (tens of microseconds: a few MiB) is still timed at the dispatch.
 
 ``reduce`` is the owner's fused step of the all-reduce for ``--world`` W ranks: decode
 W encodings of one chunk of ``size / W`` values, add the chunk in full precision and

@@ -72,7 +72,10 @@ def inverse_scale(scale):
     q = q + up.astype(_U32)  # M > 2**23 keeps q below 2**24 - 1 before rounding: no carry out
     power = q >= _U32(1 << 24)
     bits = jnp.where(power, (_U32(254) - exponent) << 23, ((_U32(253) - exponent) << 23) | (q - _U32(1 << 23)))
-    return jnp.where(scale > 0, lax.bitcast_convert_type(bits, _F32), _F32(0))
+    exact = lax.bitcast_convert_type(bits, _F32)
+    # Outside the domain (never a scale of make_meta's) plain division, so that the function is total.
+    inside = (scale >= MIN_NORMAL) & (scale <= _F32(2.0**126))
+    return jnp.where(scale > 0, jnp.where(inside, exact, _F32(1) / scale), _F32(0))
 
 
 def mix32(h):
