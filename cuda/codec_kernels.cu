@@ -134,12 +134,8 @@ cudaError_t LaunchDequantizeSum(cudaStream_t stream, const RowLayout& layout, in
   const SumInput src = MakeSumInput(layout, inputs, payload, meta, addend_type, addend);
   const ArrayOutput sink = MakeArrayOutput(layout, out_type, out);
   const int64_t groups = layout.rows * layout.buckets * groups_in(layout.bucket);
-  int64_t grid = grid_for(groups, kThreads);
-  if constexpr (kCodecPipeline) {
-    const int64_t resident = resident_blocks<&dequantize_sum_kernel>();
-    grid = grid < resident ? grid : resident;
-  }
-  dequantize_sum_kernel<<<static_cast<unsigned>(grid), kThreads, 0, stream>>>(src, sink, layout);
+  dequantize_sum_kernel<<<loop_grid<&dequantize_sum_kernel>(groups, kThreads), kThreads, 0, stream>>>(src, sink,
+                                                                                                      layout);
   return cudaGetLastError();
 }
 

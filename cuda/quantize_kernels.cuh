@@ -270,16 +270,24 @@ int64_t resident_blocks() {
   return blocks;
 }
 
+// The grid of a looping kernel over `items`: grid_for's, and under
+// JAX_CGX_CODEC_PIPELINE no more blocks than the device holds at once.
+template <auto kKernel>
+unsigned loop_grid(int64_t items, int64_t items_per_block) {
+  const unsigned grid = grid_for(items, items_per_block);
+  if constexpr (kCodecPipeline) {
+    const int64_t resident = resident_blocks<kKernel>();
+    if (resident < grid) return static_cast<unsigned>(resident);
+  }
+  return grid;
+}
+
 template <class Src, class Sink, int G>
 void launch_segments(cudaStream_t stream, const RowLayout& l, const Src& src, const Sink& sink,
                      const QuantOut& q, const QuantizePlan& p) {
   constexpr auto kernel = &quantize_segments_kernel<Src, Sink, G>;
-  int64_t grid = grid_for(l.rows * l.buckets, p.buckets_per_block);
-  if constexpr (kCodecPipeline) {
-    const int64_t resident = resident_blocks<kernel>();
-    grid = grid < resident ? grid : resident;
-  }
-  kernel<<<static_cast<unsigned>(grid), kThreads, 0, stream>>>(src, sink, l, q, p.lanes);
+  kernel<<<loop_grid<kernel>(l.rows * l.buckets, p.buckets_per_block), kThreads, 0, stream>>>(src, sink, l, q,
+                                                                                                p.lanes);
 }
 
 template <class Src, class Sink>
