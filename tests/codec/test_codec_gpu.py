@@ -21,6 +21,14 @@ def _on(device, tree):
     return jax.device_put(tree, device)
 
 
+def _assert_same_roundtrip(a, b, what: str) -> None:
+    """Two ``(quantized, decoded)`` results (``roundtrip``, ``sum_requantize``), bit for bit."""
+    (q_a, y_a), (q_b, y_b) = a, b
+    assert_same_bits(q_a.payload, q_b.payload, "payload " + what)
+    assert_same_bits(q_a.meta, q_b.meta, "meta " + what)
+    assert_same_bits(y_a, y_b, "decoded " + what)
+
+
 @pytest.fixture(scope="module")
 def devices():
     assert jax_cgx.cuda_extension_available(), "jax_cgx was built without its CUDA extension"
@@ -37,11 +45,8 @@ def test_cuda_matches_cpu_every_width(devices, bucket_size, dtype, stochastic):
         for bits in BITS:
             config = CompressionConfig(bits=bits, bucket_size=bucket_size, stochastic=stochastic)
             q_g, y_g = roundtrip(_on(gpu, x), _on(gpu, KEY), config, "kernel")
-            q_c, y_c = roundtrip(_on(cpu, x), _on(cpu, KEY), config, "kernel")
             what = f"n={n} bits={bits} B={bucket_size} {np.dtype(dtype).name}"
-            assert_same_bits(q_g.payload, q_c.payload, "payload " + what)
-            assert_same_bits(q_g.meta, q_c.meta, "meta " + what)
-            assert_same_bits(y_g, y_c, "decoded " + what)
+            _assert_same_roundtrip((q_g, y_g), roundtrip(_on(cpu, x), _on(cpu, KEY), config, "kernel"), what)
             err, bound = error_bound(x, np.asarray(y_g), q_g.meta, n, bucket_size, stochastic)
             assert np.all(err <= bound), what
 
@@ -56,11 +61,8 @@ def test_cuda_special_values(devices):
     for bits in BITS:
         for stochastic in (False, True):
             config = CompressionConfig(bits=bits, bucket_size=64, stochastic=stochastic)
-            q_g, y_g = roundtrip(_on(gpu, x), _on(gpu, KEY), config, "kernel")
-            q_c, y_c = roundtrip(_on(cpu, x), _on(cpu, KEY), config, "kernel")
-            assert_same_bits(q_g.payload, q_c.payload, f"payload bits={bits}")
-            assert_same_bits(q_g.meta, q_c.meta, f"meta bits={bits}")
-            assert_same_bits(y_g, y_c, f"decoded bits={bits}")
+            _assert_same_roundtrip(roundtrip(_on(gpu, x), _on(gpu, KEY), config, "kernel"),
+                                   roundtrip(_on(cpu, x), _on(cpu, KEY), config, "kernel"), f"bits={bits}")
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
@@ -78,11 +80,9 @@ def test_cuda_reduce_kernels_match_cpu(devices, dtype, stochastic, w):
             out_g = sum_plain(*_on(gpu, dev_args), "kernel")
             out_c = sum_plain(*_on(cpu, dev_args), "kernel")
             assert_same_bits(out_g, out_c, f"dequantize_sum bits={bits}")
-        s_g, o_g = sum_requantize(*_on(gpu, (q, addend, KEY)), stochastic, "kernel")
-        s_c, o_c = sum_requantize(*_on(cpu, (q, addend, KEY)), stochastic, "kernel")
-        assert_same_bits(s_g.payload, s_c.payload, f"requantized payload bits={bits}")
-        assert_same_bits(s_g.meta, s_c.meta, f"requantized meta bits={bits}")
-        assert_same_bits(o_g, o_c, f"requantized decoded bits={bits}")
+        _assert_same_roundtrip(sum_requantize(*_on(gpu, (q, addend, KEY)), stochastic, "kernel"),
+                               sum_requantize(*_on(cpu, (q, addend, KEY)), stochastic, "kernel"),
+                               f"requantized bits={bits}")
 
 
 def test_cuda_large_buffer(devices):
@@ -106,9 +106,5 @@ def test_reference_compiled_for_gpu_matches_kernels(devices, stochastic):
     for bits in BITS:
         for bucket in (7, 512):
             config = CompressionConfig(bits=bits, bucket_size=bucket, stochastic=stochastic)
-            q_r, y_r = roundtrip(_on(gpu, x), _on(gpu, KEY), config, "reference")
-            q_c, y_c = roundtrip(_on(cpu, x), _on(cpu, KEY), config, "kernel")
-            what = f"bits={bits} B={bucket}"
-            assert_same_bits(q_r.payload, q_c.payload, "payload " + what)
-            assert_same_bits(q_r.meta, q_c.meta, "meta " + what)
-            assert_same_bits(y_r, y_c, "decoded " + what)
+            _assert_same_roundtrip(roundtrip(_on(gpu, x), _on(gpu, KEY), config, "reference"),
+                                   roundtrip(_on(cpu, x), _on(cpu, KEY), config, "kernel"), f"bits={bits} B={bucket}")
