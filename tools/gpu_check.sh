@@ -26,10 +26,9 @@
 #   tests_cpu        the rest of the test suite (long: a call of its own)
 #
 # A device call runs at most 10 minutes, the build takes about 3 of them (on an H100, 16 cores;
-# seconds when the machine is still warm from an earlier call): `build kernels bench_codec
-# bench_allreduce` fit one call, `tests_codec_gpu` one, `tests_nccl_gpu` one, `bench_sharded
-# train_step` another. Logs, JSON and the
-# results table go to OUTDIR (default: a temporary folder when $OUT is set, else
+# seconds when the machine is still warm from an earlier call): docs/gpu-results.md plans which
+# stages go together in one call (`tests_codec_gpu` alone takes about 7 minutes). Logs, JSON and
+# the results table go to OUTDIR (default: a temporary folder when $OUT is set, else
 # ./gpu-check); with $OUT set they are also packed into $OUT/gpu-check-<stages>.tar.gz,
 # with summary.txt beside it (the device tool brings back few files, so one archive).
 set -uo pipefail
@@ -154,13 +153,14 @@ stage_bench_sharded() {
 # with one segment (two NCCL calls per all-reduce, as the xla backend makes) and with the
 # automatic count (16 MiB of input per segment), NCCL's own log of the first, and the
 # same under MPS (the ranks' kernels then share the GPU instead of taking turns).
+transport_bench() {  # transport_bench NAME SEGMENTS: the 2-rank all-reduce, psum vs xla and nccl
+  step "$1" python -m jax_cgx.launch -n 2 benchmarks/allreduce.py --share-gpu --sizes-mib 64 256 --bits 4 \
+    --backends xla nccl --segments "$2" --repeats 5 --no-progress --output "$out/$1.json"
+}
+
 stage_nccl_transport() {
-  local seg
-  for seg in 1 0; do
-    step "transport_seg$seg" python -m jax_cgx.launch -n 2 benchmarks/allreduce.py --share-gpu \
-      --sizes-mib 64 256 --bits 4 --backends xla nccl --segments $seg --repeats 5 --no-progress \
-      --output "$out/transport_seg$seg.json"
-  done
+  transport_bench transport_seg1 1
+  transport_bench transport_seg0 0
   step transport_nccl_debug env NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,NET,TUNING \
     python -m jax_cgx.launch -n 2 benchmarks/allreduce.py --share-gpu --sizes-mib 64 --bits 4 \
     --backends nccl --segments 1 --repeats 2 --no-progress
@@ -170,11 +170,8 @@ stage_nccl_transport() {
     if nvidia-cuda-mps-control -d; then
       # Stop the daemon however this ends (a killed call would leave it on a warm machine).
       trap 'echo quit | nvidia-cuda-mps-control' EXIT
-      for seg in 1 0; do
-        step "transport_mps_seg$seg" python -m jax_cgx.launch -n 2 benchmarks/allreduce.py --share-gpu \
-          --sizes-mib 64 256 --bits 4 --backends xla nccl --segments $seg --repeats 5 --no-progress \
-          --output "$out/transport_mps_seg$seg.json"
-      done
+      transport_bench transport_mps_seg1 1
+      transport_bench transport_mps_seg0 0
       echo quit | nvidia-cuda-mps-control
       trap - EXIT
     else

@@ -20,7 +20,9 @@ The model prices clear cases well and near-ties poorly (docs/performance.md). So
 is measured (not given) and the two predictions lie within :data:`TIE_BAND` of each other, the
 buffer is settled by timing a psum and the compressed exchange of exactly its size, over all
 devices, on the backend that will run it (for ``tcp`` the probe connects a mesh of its own).
-Each size is timed once per process. Every process must take the same decisions, or their programs would not match. So the
+Each size is timed once per process.
+
+Every process must take the same decisions, or their programs would not match. So the
 figures are agreed before anyone uses them: every process measures, the measurements are
 gathered, and all take the slowest (the collective runs at the pace of its slowest rank).
 Measuring is therefore collective: every process has to reach it, as every process reaches
