@@ -16,18 +16,17 @@ The figures the model needs are measured once per process, the first time they a
   latency term: nothing is measured over the network);
 - **the codec**: quantize, dequantize and copy throughput of this machine's first device.
 
-The model prices clear cases well and near-ties poorly (docs/performance.md). So when the link
-is measured (not given) and the two predictions lie within :data:`TIE_BAND` of each other, the
-buffer is settled by timing a psum and the compressed exchange of exactly its size, over all
-devices, on the backend that will run it (for ``tcp`` the probe connects a mesh of its own).
-Each size is timed once per process.
+The model prices clear cases well and near-ties poorly (docs/performance.md). So when the link is
+measured (not given) and the two predictions lie within :data:`TIE_BAND` of each other, the buffer
+is settled by timing a psum and the compressed exchange of exactly its size, over all devices, on
+the backend that will run it (for ``tcp`` the probe connects a mesh of its own), once per process.
 
-Every process must take the same decisions, or their programs would not match. So the
-figures are agreed before anyone uses them: every process measures, the measurements are
-gathered, and all take the slowest (the collective runs at the pace of its slowest rank).
-Measuring is therefore collective: every process has to reach it, as every process reaches
-the first trace of a step that uses ``compressed_psum`` (and ``JAX_CGX_LINK_GBPS``, which skips the
-link probe, must then be set on every process or on none). A decision is a Python bool computed
+Every process must take the same decisions, or their programs would not match. So the figures
+are agreed before anyone uses them: every process measures, the measurements are gathered, and
+all take the slowest (the collective runs at the pace of its slowest rank). Measuring is
+therefore collective: every process has to reach it, as every process reaches the first trace
+of a step that uses ``compressed_psum`` (and ``JAX_CGX_LINK_GBPS``, which skips the link probe,
+must be set on every process or on none). A decision is a Python bool computed
 while tracing, from shapes and those figures: static under ``jit``. Each figure set and each
 distinct decision is logged once at INFO on the ``jax_cgx`` logger;
 :func:`jax_cgx.explain` shows them for a pytree.
