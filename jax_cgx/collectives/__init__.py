@@ -8,7 +8,8 @@
   what they share (lanes, fusion of whole leaves, keys, bytes on the wire);
 - :mod:`~jax_cgx.collectives.plan`: how each leaf is reduced (its lane, its fusion buffers);
 - :mod:`~jax_cgx.collectives.policy`: ``policy="auto"``: the measured figures and each buffer's
-  decision, with :mod:`~jax_cgx.collectives.cost_model` (the predicted times) and
+  decision, with :mod:`~jax_cgx.collectives.cost_model` (the predicted times),
+  :mod:`~jax_cgx.collectives.probes` (timing this machine) and
   :mod:`~jax_cgx.collectives.explain` (``jax_cgx.explain``: the plan, printed);
 - :mod:`~jax_cgx.collectives.primitive`: the all-reduce of one buffer as a JAX primitive (its
   rules, the xla backend's lowering, and :func:`compressed_sum` that binds it);

@@ -26,10 +26,11 @@ are agreed before anyone uses them: every process measures, the measurements are
 all take the slowest (the collective runs at the pace of its slowest rank). Measuring is
 therefore collective: every process has to reach it, as every process reaches the first trace
 of a step that uses ``compressed_psum`` (and ``JAX_CGX_LINK_GBPS``, which skips the link probe,
-must be set on every process or on none). A decision is a Python bool computed
-while tracing, from shapes and those figures: static under ``jit``. Each figure set and each
-distinct decision is logged once at INFO on the ``jax_cgx`` logger;
-:func:`jax_cgx.explain` shows them for a pytree.
+must be set on every process or on none: the first calibration checks it, and raises). A
+decision is a Python bool computed while tracing, from shapes and those figures: static under
+``jit``. Each figure set and each distinct decision is logged once at INFO on the ``jax_cgx``
+logger; :func:`jax_cgx.explain` shows them for a pytree. The probes themselves are
+:mod:`jax_cgx.collectives.probes`.
 """
 
 from __future__ import annotations
@@ -37,21 +38,18 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import logging
-import math
 import os
-import statistics
 import threading
 import time
 from collections.abc import Callable
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-from jax_cgx import codec
+from jax_cgx.collectives import probes
 from jax_cgx.collectives import wire as _wire
 from jax_cgx.collectives.cost_model import CodecRates, LinkModel, predict
-from jax_cgx.collectives.primitive import compressed_sum  # the primitive: the pytree API would decide again
+from jax_cgx.collectives.probes import ExchangeFit, Timed
 from jax_cgx.config import CompressionConfig, link_gbps_from_env
 
 __all__ = ["Figures", "Decision", "ExchangeFit", "Timed", "calibrate", "figures", "decide", "running_backend",
@@ -59,43 +57,17 @@ __all__ = ["Figures", "Decision", "ExchangeFit", "Timed", "calibrate", "figures"
 
 logger = logging.getLogger("jax_cgx")
 
-# The probe's sizes per device: fixed costs dominate the first; the slope between the other two
-# gives the rates (measured: a 4 MiB probe put the loopback at 4.5 Gbit/s, where 64 MiB psums ran at 6.7).
-_PROBE_BYTES = (64 * 1024, 2**20, 16 * 2**20)
-# The codec probe's buffer: large enough to stream from memory, small enough to be quick.
-_CODEC_PROBE_VALUES = 2**20
-_REPEATS = 5
 # Compress only where the prediction is this much faster than a psum: a psum is exact, and
 # near a tie the model cannot tell (a small buffer's exchange and its psum both cost a few
 # collectives' fixed costs; at W=2 the model prices them the same).
 MIN_SPEEDUP = 1.1
-_PROBE_AXIS = "jax_cgx_link_probe"
 # Predictions closer than this factor are settled by timing the buffer itself (measured link only).
 TIE_BAND = 2.0
 # ...unless one timing (psum plus exchange, predicted) would take longer than this.
 _SETTLE_MAX_S = 1.0
-# Runs of each when timing a buffer: a near-tie needs more than the probe's five.
-_SETTLE_REPEATS = 9
 # Distinct buffers timed per process at most (each costs two compiles in the first trace); past
 # it the model decides. A count, not a time budget: every process must take the same decisions.
 _SETTLE_MAX_BUFFERS = 16
-
-
-@dataclasses.dataclass(frozen=True)
-class ExchangeFit:
-    """The compressed exchange's own cost besides the wire, measured in place over the real
-    devices: ``overhead + F / rate`` seconds for ``F`` bytes of float32 per rank.
-
-    It catches what the codec rates alone miss: XLA's per-collective cost, and on one
-    process's virtual CPU devices the threads' rendezvous (measured there: 14 ms for 4 MiB
-    per device where the codec rates predict 5 ms). Decisions take the larger of the two.
-    """
-
-    overhead: float = 0.0
-    rate: float = math.inf
-
-    def seconds(self, float32_bytes: float) -> float:
-        return self.overhead + float32_bytes / self.rate
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,91 +124,6 @@ def _outside_trace(fn: Callable):
         return pool.submit(fn).result()
 
 
-def _median_times(*fns: Callable[[], object], repeats: int = _REPEATS) -> list[float]:
-    """Each function's median seconds, their runs interleaved so that all see the same
-    machine (a neighbour's burst of work slows them alike)."""
-    for fn in fns:
-        jax.block_until_ready(fn())  # compile and warm up
-    times: list[list[float]] = [[] for _ in fns]
-    for _ in range(repeats):
-        for fn, t in zip(fns, times):
-            t0 = time.perf_counter()
-            jax.block_until_ready(fn())
-            t.append(time.perf_counter() - t0)
-    return [statistics.median(t) for t in times]
-
-
-def _median_time(fn: Callable[[], object]) -> float:
-    return _median_times(fn)[0]
-
-
-def _measure_rates(device) -> CodecRates:
-    config = CompressionConfig(bits=4)
-    x = jax.device_put(jax.random.normal(jax.random.key(0), (_CODEC_PROBE_VALUES,), jnp.float32), device)
-    quantize = jax.jit(lambda a: codec.quantize(a, config))
-    dequantize = jax.jit(codec.dequantize)
-    copy = jax.jit(lambda a: -a)  # one read and one write of every byte
-    q = quantize(x)
-    nbytes = x.size * 4
-    return CodecRates(quantize=nbytes / _median_time(lambda: quantize(x)),
-                      dequantize=nbytes / _median_time(lambda: dequantize(q)),
-                      add=nbytes / _median_time(lambda: copy(x)))
-
-
-def _probe_mesh(devices) -> jax.sharding.Mesh:
-    return jax.sharding.Mesh(np.array(devices), (_PROBE_AXIS,))
-
-
-def _over(mesh, body, values: int, dtype) -> Callable[[], jax.Array]:
-    """``body`` (a per-device function) compiled over ``mesh``, ready to run on ``values`` values per device."""
-    spec = jax.sharding.PartitionSpec(_PROBE_AXIS)
-    fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False))
-    make = jax.jit(lambda: jnp.ones((mesh.size * values,), dtype) * 0.5,
-                   out_shardings=jax.sharding.NamedSharding(mesh, spec))
-    x = make()
-    return lambda: fn(x)
-
-
-def _time_over(mesh, body, values: int, dtype) -> float:
-    """Median seconds of ``body`` (a per-device function) over ``values`` values per device."""
-    return _median_time(_over(mesh, body, values, dtype))
-
-
-def _measure_link(devices, rates: CodecRates, share: float) -> tuple[LinkModel, ExchangeFit]:
-    """The link's rate and latency, and the compressed exchange's compute, over ``devices``.
-
-    Times a ``psum`` and a 4-bit compressed sum at three sizes. The psums fit the cost model's
-    ``t(S) = 2(W-1)/W S/B + share (W-1)/W S/add + 2(W-1) latency``; what the compressed sums
-    take beyond their predicted wire time fits :class:`ExchangeFit`. Rates come from the
-    slope between the two larger sizes, fixed costs from the smallest.
-    """
-    w = len(devices)
-    if w < 2:
-        return LinkModel(float("inf"), 0.0), ExchangeFit()
-    mesh = _probe_mesh(devices)
-    config = CompressionConfig(bits=4)
-
-    def timed(body, nbytes: int) -> float:
-        return _time_over(mesh, body, nbytes // 4, np.float32)
-
-    sizes = _PROBE_BYTES
-    psum = [timed(lambda v: jax.lax.psum(v, _PROBE_AXIS), n) for n in sizes]
-    slope = (psum[2] - psum[1]) / (sizes[2] - sizes[1])
-    wire_slope = slope - share * (w - 1) / w / rates.add  # seconds per byte that the adds do not explain
-    bandwidth = 2 * (w - 1) / w / wire_slope if wire_slope > 0 else float("inf")
-    link = LinkModel(bandwidth, max(0.0, psum[0] - slope * sizes[0]) / (2 * (w - 1)))
-
-    compute = []
-    for n in sizes:
-        t = timed(lambda v: compressed_sum(v, (_PROBE_AXIS,), w, config, None, "auto"), n)
-        wire = predict(n, w, config.bits, config.bucket_size, link, rates,
-                       message_cap=_wire.message_cap([devices[0].platform]))["wire"]
-        compute.append(max(0.0, t - wire))
-    per_byte = (compute[2] - compute[1]) / (sizes[2] - sizes[1])
-    fit = ExchangeFit(max(0.0, compute[0] - per_byte * sizes[0]), 1 / per_byte if per_byte > 0 else math.inf)
-    return link, fit
-
-
 def _agree(values: list[float], slowest: Callable) -> list[float]:
     """Every process's ``values`` gathered, and reduced by ``slowest`` (min or max) per entry."""
     if jax.process_count() == 1:
@@ -270,16 +157,28 @@ def _share(platform: str) -> float:
     return max(1.0, jax.local_device_count("cpu") / cores)
 
 
+def _rate_setting(gbps: float) -> str:
+    return "not given (measured)" if gbps < 0 else f"{gbps:g} Gbit/s"
+
+
 def _calibrate_platform(platform: str, link_gbps: float | None, source: str | None) -> Figures:
     """Measure what is missing and agree on it with every process; runs on a fresh thread."""
     t0 = time.perf_counter()
     if platform not in _measured_rates:
-        r = _measure_rates(jax.local_devices(backend=platform)[0])
-        q, d, a = _agree([r.quantize, r.dequantize, r.add], np.min)
+        r = probes.measure_rates(jax.local_devices(backend=platform)[0])
+        # The link rate given travels with the rates: a process given one would skip the link
+        # probe that the others run collectively, and their programs would no longer match.
+        given = -1.0 if link_gbps is None else link_gbps
+        q, d, a, low, neg_high = _agree([r.quantize, r.dequantize, r.add, given, -given], np.min)
+        if low != -neg_high:
+            raise ValueError(
+                f"policy='auto': the processes disagree on the link rate ({_rate_setting(low)} on one, "
+                f"{_rate_setting(-neg_high)} on another; here {source or 'measured'}). Set JAX_CGX_LINK_GBPS "
+                "(or CompressionConfig.link_gbps) to the same value on every process, or on none.")
         _measured_rates[platform] = CodecRates(quantize=q, dequantize=d, add=a)
     if link_gbps is None and platform not in _measured_link:
         devices = jax.devices(platform)
-        link, fit = _measure_link(devices, _measured_rates[platform], _share(platform))
+        link, fit = probes.measure_link(devices, _measured_rates[platform], _share(platform))
         # The slowest link, the longest latency, the slowest exchange.
         bandwidth, neg_latency, neg_overhead, rate = _agree(
             [link.bandwidth, -link.latency, -fit.overhead, fit.rate], np.min)
@@ -355,32 +254,10 @@ def running_backend(config: CompressionConfig, axes, world: int, platform: str |
     return "tcp" if choice == "tcp" else "xla"
 
 
-# What a near-tie times per device: ``(lax_fn(x, axis), compressed_fn(x, axis, config))``; the
-# all-reduce's is built in, the sharded collectives' modules pass theirs (they import this one).
-Timed = tuple[Callable, Callable]
-
-
 def _time_exchange(devices, values: int, dtype, config: CompressionConfig, backend: str,
                    bodies: Timed | None = None) -> tuple[float, float]:
-    """Median seconds of the uncompressed collective (``bodies``; default psum) and the compressed
-    one on ``values`` values per device over ``devices``, on ``backend``; the slowest process's."""
-    from jax_cgx import tcp
-
-    mesh = _probe_mesh(devices)
-    config = config.replace(policy="always", backend=backend)
-    lax_fn, compressed_fn = bodies or (
-        jax.lax.psum, lambda v, axis, c: compressed_sum(v, (axis,), len(devices), c, None, "auto"))
-    if backend == "tcp":
-        tcp.setup(mesh)
-    try:
-        psum, exchange = _median_times(
-            _over(mesh, lambda v: lax_fn(v, _PROBE_AXIS), values, dtype),
-            _over(mesh, lambda v: compressed_fn(v, _PROBE_AXIS, config), values, dtype),
-            repeats=_SETTLE_REPEATS)
-    finally:
-        if backend == "tcp":
-            tcp.teardown(mesh)
-    return tuple(_agree([psum, exchange], np.max))
+    """:func:`~jax_cgx.collectives.probes.time_exchange`, the slowest process's."""
+    return tuple(_agree(list(probes.time_exchange(devices, values, dtype, config, backend, bodies)), np.max))
 
 
 def _names(op: str) -> tuple[str, str]:

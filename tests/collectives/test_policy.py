@@ -5,6 +5,7 @@ import io
 import json
 import logging
 import math
+import os
 import re
 import sys
 
@@ -335,3 +336,20 @@ def test_processes_agree_on_figures_and_decisions(tmp_path):
     assert records[0]["tcp_left"] == records[1]["tcp_left"] == 0  # the probe's communicators are gone
     assert_same_bits(np.asarray(records[0]["result"], np.float32), np.asarray(records[1]["result"], np.float32),
                      "process 1 vs process 0")
+
+
+@pytest.mark.multiprocess
+def test_processes_given_different_link_rates_fail_clearly(tmp_path):
+    """JAX_CGX_LINK_GBPS on one process only: that one would skip the link probe the other runs
+    collectively (a hang, or mismatched programs). Both raise at the first calibration instead."""
+    nproc, port = 2, free_port()
+    worker = SUPPORT / "policy_worker.py"
+    commands = [[sys.executable, str(worker), str(i), str(nproc), str(port), str(tmp_path), "--figures-only"]
+                for i in range(nproc)]
+    env = {k: v for k, v in os.environ.items() if k != "JAX_CGX_LINK_GBPS"}
+    for returncode, log in run_all(commands, timeout=300, envs=[env, {**env, "JAX_CGX_LINK_GBPS": "2.5"}]):
+        assert returncode == 0, log[-4000:]
+    for i in range(nproc):
+        error = json.loads((tmp_path / f"process{i}.json").read_text()).get("error", "")
+        assert "disagree on the link rate (not given (measured) on one, 2.5 Gbit/s on another" in error, error
+        assert "on every process, or on none" in error

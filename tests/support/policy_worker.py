@@ -1,13 +1,14 @@
 """One process of the multi-process policy="auto" test (tests/collectives/test_policy.py).
 
-    python tests/support/policy_worker.py PROCESS_ID NUM_PROCESSES PORT OUT_DIR
+    python tests/support/policy_worker.py PROCESS_ID NUM_PROCESSES PORT OUT_DIR [--figures-only]
 
 One CPU device per process. Every process measures different codec rates (process ``i``
 reports its quantize throughput divided by ``i + 1``), so agreement is what makes their
 figures, and so their decisions and programs, the same. Writes OUT_DIR/process<ID>.json:
 the agreed figures, the decision on a buffer the slow link makes worth compressing, the
 jaxpr's primitives, this device's result, and a near-tie's timing over the tcp backend
-(each process times its own; they agree on the slowest).
+(each process times its own; they agree on the slowest). ``--figures-only``: only the
+figures, or the error that computing them raised.
 """
 
 import dataclasses
@@ -24,20 +25,27 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jax_cgx  # noqa: E402
-from jax_cgx.collectives import policy  # noqa: E402
+from jax_cgx.collectives import policy, probes  # noqa: E402
 
 
 def main() -> None:
     pid, nproc, port, out_dir = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=nproc, process_id=pid)
-    measure = policy._measure_rates
+    measure = probes.measure_rates
 
     def skewed(device):  # a slower codec on every later process
         rates = measure(device)
         return dataclasses.replace(rates, quantize=rates.quantize / (pid + 1))
 
-    policy._measure_rates = skewed
+    probes.measure_rates = skewed
+    if sys.argv[5:] == ["--figures-only"]:
+        try:
+            record = dict(figures=repr(policy.figures(jax_cgx.CompressionConfig(policy="auto"))))
+        except ValueError as e:
+            record = dict(error=str(e))
+        _write(out_dir, pid, record)
+        return
 
     devices = jax.devices()
     mesh = jax.make_mesh((len(devices),), ("d",), axis_types=(jax.sharding.AxisType.Explicit,), devices=devices)
@@ -54,6 +62,10 @@ def main() -> None:
     record = dict(figures=repr(fig), quantize=fig.rates.quantize, slow_link_compresses=slow.compress,
                   compressed_in_jaxpr="compressed_allreduce" in jaxpr, result=out.tolist(), timed=list(timed),
                   tcp_left=len(jax_cgx.tcp.communicators()))
+    _write(out_dir, pid, record)
+
+
+def _write(out_dir: str, pid: int, record: dict) -> None:
     with open(os.path.join(out_dir, f"process{pid}.json"), "w") as fh:
         json.dump(record, fh)
     jax.distributed.shutdown()
