@@ -10,8 +10,9 @@
 - :func:`step_is_finite`: whether a step's means are all finite, agreed by every rank that
   shares the state's count: the flag every transformation uses to keep its whole state
   unchanged on a non-finite step;
-- :func:`axes` and :func:`placeholder`, the zero-size ``(0,)`` float32 state leaf kept where
-  a transformation keeps nothing for a leaf.
+- :func:`axes` (the axes to average over, checked), :func:`placeholder` (the zero-size
+  ``(0,)`` float32 state leaf kept where a transformation keeps nothing for a leaf) and
+  :func:`typed_like` (a state leaf ``init`` makes, typed as ``update`` will give it back).
 """
 
 from __future__ import annotations
@@ -32,7 +33,36 @@ PLACEHOLDER_SHAPE = (0,)
 _SEED_MIN, _SEED_MAX = -(2**63), 2**63 - 1  # what jax.random.key accepts
 
 
-axes = _compat.axes_tuple
+def axes(fn: str, axis_name) -> tuple:
+    """``axis_name`` (a name, or a tuple or list of names) as a tuple; a ``ValueError`` if empty
+    (a mean over no axis would leave every rank with its own gradient: replicas would drift)."""
+    result = _compat.axes_tuple(axis_name)
+    if not result:
+        raise ValueError(f"{fn}: axis_name must name at least one mapped axis to average over, "
+                         f"got {axis_name!r}")
+    return result
+
+
+def typed_like(x: jax.Array, like, axes: tuple, *, per_rank: bool) -> jax.Array:
+    """The state leaf ``x`` that ``init`` makes for the parameter ``like``, typed as ``update``
+    gives it back, so that a state made inside ``shard_map(check_vma=True)`` can be a
+    ``lax.scan`` carry or a ``lax.cond`` branch.
+
+    ``update`` returns it varying over what the gradient varies over besides ``axes`` (on a
+    2-D mesh, the model axis a parameter is sharded over: taken from ``like``), and over
+    ``axes`` too when each rank keeps its own (``per_rank``: a residual, an accumulator) rather
+    than a mean. Outside ``shard_map(check_vma=True)``: ``x``.
+    """
+    if not _compat.check_vma_enabled():
+        return x
+    want = _compat.varying_axes(jax.typeof(like)) - set(axes)
+    if per_rank:
+        try:
+            _compat.check_axis_names(axes, "init")
+            want |= set(axes)
+        except NameError:  # init outside the mapping over axes: only its update can type the state
+            pass
+    return _compat.ensure_varying(x, tuple(sorted(want)))
 
 
 def placeholder() -> jax.Array:
@@ -96,7 +126,11 @@ def check_real(
 
     A ``ValueError`` for bools, non-numbers, NaN, infinities and values out of range.
     """
-    number = isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, (bool, np.bool_))
+    # Python and NumPy numbers, and 0-d arrays of them (jnp.float32(0.1) is one); never bools.
+    dtype = getattr(value, "dtype", None)
+    number = (isinstance(value, (int, float)) and not isinstance(value, bool)) or (
+        dtype is not None and np.ndim(value) == 0
+        and (jnp.issubdtype(dtype, jnp.integer) or jnp.issubdtype(dtype, jnp.floating)))
     result = float(value) if number else math.nan
     ok = (
         math.isfinite(result)

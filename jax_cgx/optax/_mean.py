@@ -85,19 +85,6 @@ def layer_filter(config, layer_min_size: int = 1024):
     return leaf_config
 
 
-def _is_bound(axes, api: str) -> bool:
-    try:
-        _compat.check_axis_names(axes, api)
-    except NameError:
-        return False
-    return True
-
-
-def _mark_per_rank(x, axes):
-    """Under shard_map(check_vma=True), type ``x`` as varying over ``axes`` (a per-rank value)."""
-    return _compat.ensure_varying(x, axes)
-
-
 def compressed_mean(
     axis_name,
     config: CompressionConfig | None = None,
@@ -189,7 +176,7 @@ def compressed_mean(
             "compressed_mean: config must be a CompressionConfig, a function (path, leaf) -> "
             f"CompressionConfig | None, or None; got {type(config).__name__}"
         )
-    axes = _checks.axes(axis_name)
+    axes = _checks.axes("compressed_mean", axis_name)
 
     leaf_config = layer_filter(config, layer_min_size)
 
@@ -197,13 +184,11 @@ def compressed_mean(
         count = jnp.zeros([], jnp.int32)
         if not error_feedback:
             return CompressedMeanState(count, ())
-        bound = _is_bound(axes, "compressed_mean")
 
         def zeros(p):
             if _filtered(p, layer_min_size):
                 return _checks.placeholder()
-            z = jnp.zeros(jnp.shape(p), jnp.result_type(p))
-            return _mark_per_rank(z, axes) if bound else z
+            return _checks.typed_like(jnp.zeros(jnp.shape(p), jnp.result_type(p)), p, axes, per_rank=True)
 
         return CompressedMeanState(count, jax.tree.map(zeros, params))
 
@@ -242,7 +227,7 @@ def compressed_mean(
         # The mean is bitwise the same on every rank: all ranks agree on whether it is finite.
         finite = _checks.step_is_finite(mean, state.count, axes)
         residual = [
-            _mark_per_rank(jnp.where(finite, new.astype(e.dtype), e), axes) if c else e
+            _compat.ensure_varying(jnp.where(finite, new.astype(e.dtype), e), axes) if c else e
             for new, e, c in zip(treedef.flatten_up_to(lost), old, carried)
         ]
         return mean, CompressedMeanState(_next_count(state.count, finite), treedef.unflatten(residual))
@@ -293,10 +278,14 @@ def cast_mean(axis_name, dtype=jnp.bfloat16) -> optax.GradientTransformation:
       dtype: the floating type the sum runs in, ``jnp.bfloat16`` (default) or
         ``jnp.float16``.
     """
-    dtype = jnp.dtype(dtype)
-    if not jnp.issubdtype(dtype, jnp.floating):
-        raise TypeError(f"cast_mean: dtype must be a floating type (bfloat16, float16), got {dtype}")
-    axes = _checks.axes(axis_name)
+    try:
+        dtype = jnp.dtype(dtype) if dtype is not None else None
+    except TypeError:
+        pass
+    if dtype not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        raise TypeError(f"cast_mean: dtype must be jnp.bfloat16 or jnp.float16 (the 16-bit floating types the sum "
+                        f"runs in), got {getattr(dtype, 'name', dtype)!r}; for an exact mean use lax.pmean")
+    axes = _checks.axes("cast_mean", axis_name)
 
     def init_fn(params):
         del params

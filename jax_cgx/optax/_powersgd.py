@@ -204,7 +204,7 @@ def powersgd_mean(
     error_feedback = _checks.check_bool(fn, "error_feedback", error_feedback)
     warm_start = _checks.check_bool(fn, "warm_start", warm_start)
     seed = _checks.check_seed(fn, seed)
-    axes = _checks.axes(axis_name)
+    axes = _checks.axes(fn, axis_name)
     axis_set = frozenset(axes)
 
     def plan_of(x):
@@ -218,9 +218,10 @@ def powersgd_mean(
         if warm_start and idx:
             fresh = _fresh_qs(start_iter, seed=seed, sizes=tuple(plans[i][1:] for i in idx), epsilon=eps)
             for i, q in zip(idx, fresh):
-                qs[i] = q
+                qs[i] = _checks.typed_like(q, leaves[i], axes, per_rank=False)  # a mean: the same on every rank
         errors = [
-            jnp.zeros(jnp.shape(x), jnp.float32) if plan is not None and error_feedback else _checks.placeholder()
+            _checks.typed_like(jnp.zeros(jnp.shape(x), jnp.float32), x, axes, per_rank=True)
+            if plan is not None and error_feedback else _checks.placeholder()
             for x, plan in zip(leaves, plans)
         ]
         return PowerSGDState(count=jnp.zeros([], jnp.int32), q=treedef.unflatten(qs), error=treedef.unflatten(errors))

@@ -83,7 +83,7 @@ import optax
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from jax_cgx._compat import all_gather_invariant, check_axis_names, check_vma_enabled, pvary
+from jax_cgx._compat import all_gather_invariant
 from jax_cgx.optax import _checks
 
 __all__ = ["TopKState", "topk_mean", "topk_bytes", "topk_state_specs"]
@@ -206,23 +206,21 @@ def topk_mean(
             _checks.check_real(fn, f"warmup_ratios[{i}]", r, low=0.0, high=1.0, low_open=True)
             for i, r in enumerate(warmup_ratios)
         )
-    axes = _checks.axes(axis_name)
+    axes = _checks.axes(fn, axis_name)
     ratios = (warmup_ratios if warmup_steps else ()) + (ratio,)
     use_momentum = momentum != 0.0
 
     def init_fn(params):
-        per_rank = _per_rank_marker(axes)
-
         def u0(p):
             dtype = _momentum_dtype(jnp.result_type(p))
-            if use_momentum and dtype is not None:
+            if use_momentum and dtype is not None:  # per rank where the leaf is compressed, else a mean's
                 z = jnp.zeros(jnp.shape(p), dtype)
-                return per_rank(z) if _is_compressed(p, min_size) else z
+                return _checks.typed_like(z, p, axes, per_rank=_is_compressed(p, min_size))
             return _checks.placeholder()
 
         def v0(p):
             if _is_compressed(p, min_size):
-                return per_rank(jnp.zeros(jnp.shape(p), jnp.float32))
+                return _checks.typed_like(jnp.zeros(jnp.shape(p), jnp.float32), p, axes, per_rank=True)
             return _checks.placeholder()
 
         return TopKState(jnp.zeros((), jnp.int32), jax.tree.map(u0, params), jax.tree.map(v0, params))
@@ -280,19 +278,6 @@ def topk_mean(
     return optax.GradientTransformation(init_fn, update_fn)
 
 
-def _per_rank_marker(axes):
-    """Inside shard_map(check_vma=True), marks per-rank state as varying over ``axes``.
-
-    So a state created inside ``shard_map`` has the type the update gives it back (a
-    ``lax.scan`` carry, a ``lax.cond`` branch need that). Elsewhere: the identity.
-    """
-    try:
-        check_axis_names(axes, "topk_mean")
-    except NameError:
-        return lambda x: x
-    return (lambda x: pvary(x, axes)) if check_vma_enabled() else (lambda x: x)
-
-
 def _small_leaf(g, u, axes, momentum, nesterov, use_momentum):
     mean = lax.pmean(g, axes)
     dtype = _momentum_dtype(g.dtype)
@@ -313,8 +298,10 @@ def _compressed_leaf(g, u, v, plan: _LeafPlan, phase, key, axes, world, momentum
     else:
         v = v + g32
     # A non-finite gradient on any rank makes the mean non-finite on every rank (as pmean
-    # would), so optax.apply_if_finite sees it even when the bad element is not selected.
-    bad = ~jnp.all(jnp.isfinite(g32))
+    # would), so optax.apply_if_finite sees it even when the bad element is not selected. The
+    # accumulator, not the gradient, is checked: a finite gradient can overflow it (3e38 with
+    # momentum), and an inf left unsent would be selected, and poison the mean, ever after.
+    bad = ~jnp.all(jnp.isfinite(v))
 
     # One branch per distinct ratio, each with its own static k: a step sends exactly
     # ceil(ratio_t * n) slots. All ranks take the same branch (the phase depends on the count).
@@ -404,7 +391,9 @@ def _select_and_exchange(u, v, bad, plan: _LeafPlan, k: int, ks: int, key, axes,
         sl_i = lax.dynamic_slice_in_dim(gathered, 2 * r * k + k, k)
         return dense.at[sl_i].add(sl_v, mode="drop")
 
-    dense = lax.fori_loop(0, world, add_rank, jnp.zeros((n,), jnp.float32))
+    # The sum varies over what the gathered slots vary over (a 2-D mesh's other axis).
+    zeros = _checks.typed_like(jnp.zeros((n,), jnp.float32), gathered, axes, per_rank=False)
+    dense = lax.fori_loop(0, world, add_rank, zeros)
     return dense / world, u, v
 
 

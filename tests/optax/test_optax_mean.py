@@ -435,8 +435,12 @@ def test_bad_arguments():
     compressed_mean("d", FOUR, layer_min_size=1e3, seed=np.int64(3))  # integral values are fine
     with pytest.raises(ValueError, match="impl"):
         compressed_mean("d", FOUR, impl="gpu")
-    with pytest.raises(TypeError, match="floating"):
-        cast_mean("d", jnp.int8)
+    for dtype in (jnp.int8, jnp.float32, None, "float8_e4m3fn"):  # only the two 16-bit floats
+        with pytest.raises(TypeError, match="dtype must be jnp.bfloat16 or jnp.float16"):
+            cast_mean("d", dtype)
+    for make in (lambda a: compressed_mean(a, FOUR), cast_mean):  # a mean over no axis: replicas drift
+        with pytest.raises(ValueError, match=r"axis_name must name at least one mapped axis .*got \(\)"):
+            make(())
     with pytest.raises(NameError, match="not bound"):
         cast_mean("d").update({"w": jnp.ones(3)}, CastMeanState())
 

@@ -507,6 +507,12 @@ def test_integral_arguments_accepted_and_bytes_validation():
         got = topk_mean("d", **{"seed": 4, **kw}).init(PARAMS)
         for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
             assert_same_bits(a, b)
+    # 0-d arrays are numbers too; a mean over no axis is refused.
+    topk_mean("d", ratio=jnp.float32(0.01), momentum=np.array(0.9), warmup_steps=jnp.int32(1), warmup_ratios=(0.5,))
+    with pytest.raises(ValueError, match="ratio must be a real number in .*, got Array\\(True"):
+        topk_mean("d", ratio=jnp.array(True))
+    with pytest.raises(ValueError, match="topk_mean: axis_name must name at least one mapped axis"):
+        topk_mean([])
     with pytest.raises(ValueError, match="topk_bytes: world must be an integer >= 1, got 2.5"):
         topk_bytes(PARAMS, 2.5)
     with pytest.raises(ValueError, match="topk_bytes: min_size must be an integer >= 1, got 0"):
@@ -545,6 +551,29 @@ def test_nonfinite_step_keeps_the_state_and_later_steps_are_unaffected(value, le
     for a, b in zip(jax.tree.leaves(run.state), jax.tree.leaves(clean_state)):
         assert_same_bits(a, b, "final state")
     assert run.traces == 1
+
+
+def test_finite_gradient_overflowing_the_accumulator_is_a_skipped_step():
+    """3e38 is finite, but with Nesterov momentum it overflows the accumulator (1.9 * 3e38). Left
+    unsent (12 tied candidates come first), that inf would stay in v, be selected at every later
+    step and make every later mean inf. The step is non-finite instead, and the state untouched."""
+    n = 1024
+    params = {"w": jnp.zeros((n,), jnp.float32)}
+    tx = topk_mean("d", 10 / n, sample_ratio=1.0, momentum=0.9, nesterov=True, min_size=16)
+    run = Runner(tx, params)
+    init = run.state
+    steps = [grads(t, params, seed=3) for t in range(3)]
+    clean = [run.step(gs) for gs in steps]
+
+    big = np.zeros((W, n), np.float32)
+    big[:, :12] = 1.0
+    big[0, 1000] = 3e38
+    run.state = init
+    assert not np.isfinite(run.step({"w": jnp.asarray(big)})["w"]).all()
+    for a, b in zip(jax.tree.leaves(init), jax.tree.leaves(run.state)):
+        assert_same_bits(a, b, "state across the overflowing step")
+    for t, gs in enumerate(steps):
+        assert_same_bits(run.step(gs)["w"], clean[t]["w"], f"step {t} after it")
 
 
 def test_complex_leaves_are_averaged_exactly_with_complex_momentum():
