@@ -17,6 +17,7 @@ import builtins
 import dataclasses
 import dis
 import functools
+import gc
 import logging
 import os
 import socket
@@ -24,14 +25,19 @@ import sys
 import threading
 import traceback
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import jax
-
-from jax_cgx import launch
 
 __all__ = ["ProcessInfo", "detect", "initialize"]
 
 log = logging.getLogger("jax_cgx")
+
+# What every process of ``python -m jax_cgx.launch`` finds in its environment: rank, world
+# size, local rank, local count, then the coordinator's address. (Defined here, not in the
+# launcher: importing jax_cgx must not import jax_cgx.launch, or ``python -m`` warns.)
+RANK_VARIABLES = ("JAX_CGX_PROCESS_ID", "JAX_CGX_NUM_PROCESSES", "JAX_CGX_LOCAL_RANK", "JAX_CGX_LOCAL_COUNT")
+COORDINATOR_VARIABLE = "JAX_CGX_COORDINATOR"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,26 +63,41 @@ def _int(env: Mapping[str, str], name: str) -> int | None:
 
 
 def detect(env: Mapping[str, str] | None = None) -> ProcessInfo:
-    """This process's rank, world size and local rank, read from the launcher's environment."""
+    """This process's rank, world size and local rank, read from the launcher's environment.
+
+    A launcher's rank without its size (or the reverse) is an error naming the missing
+    variable, not a quiet single-process run. SLURM counts only inside an ``srun`` step: a
+    batch script's own shell also sees ``SLURM_PROCID`` and ``SLURM_NTASKS``, but is one
+    process (it would wait for peers that never come); there the step's size,
+    ``SLURM_STEP_NUM_TASKS``, is missing and the script runs as a single process.
+    """
     env = os.environ if env is None else env
     sources = [
-        ("jax_cgx.launch", *launch.RANK_VARIABLES),
+        ("jax_cgx.launch", *RANK_VARIABLES),
         ("openmpi", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
          "OMPI_COMM_WORLD_LOCAL_SIZE"),
         ("mpich", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
-        ("slurm", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE"),
+        ("slurm", "SLURM_PROCID", "SLURM_STEP_NUM_TASKS", "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE"),
     ]
     for source, rank_var, size_var, local_var, local_size_var in sources:
         rank, size = _int(env, rank_var), _int(env, size_var)
-        if rank is None or size is None:
+        if rank is None and size is None:
             continue
+        if rank is None or size is None:
+            if source == "slurm":
+                log.info("jax_cgx.distributed: a SLURM allocation outside an srun step: one process "
+                         "(start the processes with srun to run them as one job)")
+                continue
+            have, missing = (rank_var, size_var) if size is None else (size_var, rank_var)
+            raise ValueError(f"{have} is set but {missing} is not: a partial {source} environment. Start the "
+                             f"processes with {source}, or set both (rank and world size), or neither")
         local = _int(env, local_var)
         # SLURM_NTASKS_PER_NODE may read "4(x2)"; only a plain count is used.
         try:
             local_count = _int(env, local_size_var)
         except ValueError:
             local_count = None
-        coordinator = env.get(launch.COORDINATOR_VARIABLE) or env.get("JAX_COORDINATOR_ADDRESS")
+        coordinator = env.get(COORDINATOR_VARIABLE) or env.get("JAX_COORDINATOR_ADDRESS")
         return ProcessInfo(rank, size, local if local is not None else 0, local_count or 1, coordinator, source)
     return ProcessInfo(0, 1, 0, 1, None, "single")
 
@@ -106,6 +127,7 @@ def initialize(
     one_gpu_per_process: bool = True,
     initialization_timeout: int = 300,
     exit_on_uncaught_exception: bool = True,
+    **jax_options: Any,
 ) -> ProcessInfo:
     """Start jax's multi-process runtime with what the launcher says; return this process's place.
 
@@ -115,6 +137,15 @@ def initialize(
     does nothing and returns ``ProcessInfo(0, 1, 0, 1, None, "single")``.
 
     Call it first, before anything touches a jax device.
+
+    Devices: with several processes on a node and ``one_gpu_per_process`` (the default),
+    each process takes the GPU of its local rank; otherwise (one process per node, or
+    ``one_gpu_per_process=False``) it drives every local GPU. ``local_device_ids`` or
+    ``JAX_LOCAL_DEVICE_IDS`` overrides both. Other keyword arguments
+    (``heartbeat_timeout_seconds``, ``shutdown_timeout_seconds``, ...) go to
+    ``jax.distributed.initialize`` as they are: a process that ends long before the others
+    waits for them in jax's shutdown barrier for ``shutdown_timeout_seconds`` (jax's default
+    300) and is then aborted, so raise it for jobs whose processes may finish far apart.
 
     With ``exit_on_uncaught_exception`` (the default), a failing process ends at once,
     with its own status, so that the launcher (jax_cgx.launch, mpirun, srun) learns of the
@@ -130,9 +161,10 @@ def initialize(
 
     A zero status (the script ends, or ``sys.exit(0)``) runs jax's normal shutdown, which
     waits for the other processes. The hook sees ``sys.exit``, ``exit`` and ``quit`` as
-    looked up when called, so a ``raise SystemExit(n)`` statement, or a ``sys.exit``
-    imported (``from sys import exit``) before :func:`initialize`, still waits in the
-    barrier; the process then says so on stderr.
+    looked up when called; a ``SystemExit`` from one looked up earlier is found if it is
+    still held at exit (absl's ``app.run`` holds it), else, like a ``raise SystemExit(n)``
+    statement, it waits in the barrier, and the process says so on stderr. An uncaught
+    exception under another ``sys.excepthook`` installed later still exits at once.
     """
     info = detect()
     if any(v is not None for v in (coordinator_address, num_processes, process_id)):
@@ -157,9 +189,14 @@ def initialize(
         info = dataclasses.replace(info, coordinator_address=address)
     if cpu_collectives:
         jax.config.update("jax_cpu_collectives_implementation", cpu_collectives)
-    if local_device_ids is None and one_gpu_per_process and info.local_count > 1:
-        # Several processes on this node: each takes the GPU of its local rank (ignored on CPU).
-        local_device_ids = [info.local_rank]
+    if local_device_ids is None and not os.environ.get("JAX_LOCAL_DEVICE_IDS"):
+        if one_gpu_per_process and info.local_count > 1:
+            # Several processes on this node: each takes the GPU of its local rank (ignored on CPU).
+            local_device_ids = [info.local_rank]
+        else:
+            # Every local GPU. Not None: under Open MPI and SLURM, jax would then pick the GPU of
+            # the local rank itself (its cluster detection), also for the one process of a node.
+            local_device_ids = []
     log.info(
         "jax_cgx.distributed: process %d of %d (local rank %d of %d) via %s, coordinator %s",
         info.process_index, info.process_count, info.local_rank, info.local_count, info.source,
@@ -173,6 +210,7 @@ def initialize(
         process_id=info.process_index,
         local_device_ids=local_device_ids,
         initialization_timeout=initialization_timeout,
+        **jax_options,
     )
     return info
 
@@ -267,6 +305,16 @@ def _exit_now(status: int) -> None:
     os._exit(status)
 
 
+def _held_system_exit() -> SystemExit | None:
+    """The SystemExit the interpreter is exiting with, if something still holds it and it is
+    the only one alive: one raised by a ``sys.exit`` looked up before the hooks were installed
+    (absl's ``app.run`` evaluates ``sys.exit`` in ``sys.exit(main(argv))`` before ``main``
+    runs) and kept alive in a reference cycle (``app.run`` keeps ``exc = sys.exc_info()[1]``
+    in a frame its traceback holds). Searched only on this rare path: it walks every object."""
+    held = [obj for obj in gc.get_objects() if isinstance(obj, SystemExit)]
+    return held[0] if len(held) == 1 else None
+
+
 def _install_exit_hooks(rank: int) -> None:
     global _hooks_installed
     if _hooks_installed:
@@ -289,7 +337,16 @@ def _install_exit_hooks(rank: int) -> None:
         ended = _ended_by(outermost) if outermost is not None else None
         if ended == "return":
             return  # the script ran to its end: status 0, jax's normal shutdown
+        uncaught = getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
+        if uncaught is not None and not isinstance(uncaught, SystemExit):
+            # Another sys.excepthook (rich.traceback.install(), ...) replaced ours and printed it.
+            print(f"jax_cgx: process {rank} failed ({type(uncaught).__name__}); exiting with status 1, "
+                  "without waiting for the other processes in jax's shutdown barrier", file=sys.stderr)
+            _exit_now(1)
         status = _exit_status
+        if status is None and ended == "exception":
+            held = _held_system_exit()
+            status = None if held is None else _status(held.code)
         if status:
             print(f"jax_cgx: process {rank} exits with status {status}, without waiting for the "
                   "other processes in jax's shutdown barrier", file=sys.stderr)

@@ -7,9 +7,11 @@
   ``JAX_CGX_PROCESS_ID`` / ``JAX_CGX_NUM_PROCESSES`` / ``JAX_CGX_LOCAL_RANK`` /
   ``JAX_CGX_LOCAL_COUNT`` / ``JAX_CGX_COORDINATOR``; with ``--devices-per-process K``
   (K >= 1), each process sees K simulated CPU devices (``XLA_FLAGS``).
-- Prefixes every line of output with the rank.
+- Prefixes every line of output with the rank (bytes that are not UTF-8 are replaced, and
+  output keeps flowing, unread, if the launcher's own output is closed: ``| head``).
 - If a process fails (a non-zero status, or killed by a signal), stops the others and
-  exits with its status (128 + N for signal N), naming the process. A script that calls
+  exits with the status (128 + N for signal N) of the process that failed first, naming it
+  and any that failed after it before they were stopped. A script that calls
   ``jax_cgx.distributed.initialize()`` ends at once on an uncaught exception or a non-zero
   ``sys.exit``, instead of waiting in jax's shutdown barrier for the other processes.
 - ``--timeout SECONDS`` limits the whole job: when it passes, the launcher names the
@@ -17,8 +19,8 @@
 - Stopping means SIGTERM, then SIGKILL after ``--grace`` seconds (default 5). jax catches
   SIGTERM (its preemption notice) and keeps running, so a process past
   ``jax.distributed.initialize`` usually ends only at the SIGKILL.
-- Ctrl-C or SIGTERM to the launcher stops every process the same way and exits with
-  128 + the signal. No process is left behind: each one runs in its own process group,
+- Ctrl-C, SIGTERM, SIGHUP (a closed terminal or ssh session) or SIGQUIT to the launcher
+  stops every process the same way and exits with 128 + the signal. No process is left behind: each one runs in its own process group,
   and the whole group is signalled; on Linux the processes are also killed if the
   launcher itself is killed (``PR_SET_PDEATHSIG``).
 """
@@ -35,18 +37,14 @@ import sys
 import threading
 import time
 
+from jax_cgx.distributed import COORDINATOR_VARIABLE, RANK_VARIABLES
+
 
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that is free now (for a coordinator)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-# What every process finds in its environment (read by jax_cgx.distributed.detect):
-# rank, world size, local rank, local count, then the coordinator's address.
-RANK_VARIABLES = ("JAX_CGX_PROCESS_ID", "JAX_CGX_NUM_PROCESSES", "JAX_CGX_LOCAL_RANK", "JAX_CGX_LOCAL_COUNT")
-COORDINATOR_VARIABLE = "JAX_CGX_COORDINATOR"
 
 
 def _environment(rank: int, n: int, port: int, devices: int | None) -> dict[str, str]:
@@ -81,10 +79,37 @@ def _die_with_launcher() -> None:
 
 
 def _pump(stream, prefix: str, out) -> None:
-    for line in iter(stream.readline, ""):
-        out.write(f"{prefix}{line}")
-        out.flush()
+    """Copy a process's output to ``out``, each line prefixed, until the process closes it.
+
+    Bytes, decoded leniently: a byte that is not UTF-8 must not stop the copying (the process
+    would block on a full pipe, and the job hang). If ``out`` goes away (``| head``), keep
+    draining, for the same reason.
+    """
+    writing = True
+    for raw in iter(stream.readline, b""):
+        if writing:
+            try:
+                out.write(prefix + raw.decode("utf-8", errors="replace"))
+                out.flush()
+            except (OSError, ValueError):  # a closed or broken pipe: drain the rest unread
+                writing = False
     stream.close()
+
+
+def describe_status(status: int) -> str:
+    """A process's end in words: "exited with 3", "was killed by SIGSEGV (status 139)"."""
+    if status >= 0:
+        return f"exited with {status}"
+    try:
+        name = signal.Signals(-status).name
+    except ValueError:
+        name = f"signal {-status}"
+    return f"was killed by {name} (status {128 - status})"
+
+
+def exit_code(status: int) -> int:
+    """A Popen returncode as a shell reports it: 128 + N for signal N."""
+    return status if status >= 0 else 128 - status
 
 
 class ProcessGroup:
@@ -96,6 +121,10 @@ class ProcessGroup:
     def __init__(self, commands: list[list[str]], envs: list[dict[str, str]], cwd=None):
         self.procs: list[subprocess.Popen] = []
         self.pumps: list[threading.Thread] = []
+        # (rank, returncode) in the order the processes ended, each noted by its own thread as it
+        # ends: the first failure is the one that happened first, not the lowest rank.
+        self.ended: list[tuple[int, int]] = []
+        self._changed = threading.Condition()
         width = len(str(len(commands) - 1))
         for rank, (argv, env) in enumerate(zip(commands, envs)):
             proc = subprocess.Popen(
@@ -104,7 +133,6 @@ class ProcessGroup:
                 cwd=cwd,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
-                text=True,
                 start_new_session=True,  # our own group: we signal it, the terminal does not
                 preexec_fn=_die_with_launcher if _PRCTL is not None else None,
             )
@@ -112,6 +140,34 @@ class ProcessGroup:
             pump = threading.Thread(target=_pump, args=(proc.stdout, f"[{rank:>{width}}] ", sys.stdout), daemon=True)
             pump.start()
             self.pumps.append(pump)
+            threading.Thread(target=self._note_end, args=(rank, proc), daemon=True).start()
+
+    def _note_end(self, rank: int, proc: subprocess.Popen) -> None:
+        status = proc.wait()
+        with self._changed:
+            self.ended.append((rank, status))
+            self._changed.notify_all()
+
+    def running(self) -> list[int]:
+        with self._changed:
+            done = {rank for rank, _ in self.ended}
+        return [rank for rank in range(len(self.procs)) if rank not in done]
+
+    def failures(self) -> list[tuple[int, int]]:
+        """``(rank, returncode)`` of every process that failed so far, the first first."""
+        with self._changed:
+            return [(rank, status) for rank, status in self.ended if status != 0]
+
+    def wait_for_end_or_failure(self, deadline: float | None = None) -> bool:
+        """Block until every process has ended, one has failed, or ``deadline`` (a
+        ``time.monotonic()``) passed; True unless it is the deadline that came."""
+        with self._changed:
+            while len(self.ended) < len(self.procs) and all(status == 0 for _, status in self.ended):
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._changed.wait(left)
+        return True
 
     def _signal_all(self, sig: int) -> None:
         for proc in self.procs:
@@ -135,6 +191,12 @@ class ProcessGroup:
             proc.wait()
         return killed
 
+    def close(self) -> None:
+        """Reap whatever a process left in its group (grandchildren), and the rest of the output."""
+        self._signal_all(signal.SIGKILL)
+        for pump in self.pumps:
+            pump.join(timeout=5)
+
 
 TIMEOUT_EXIT = 124  # the job ran past --timeout (as timeout(1) exits)
 
@@ -144,7 +206,10 @@ def _ranks(ranks: list[int]) -> str:
 
 
 def _say(message: str) -> None:
-    print(f"jax_cgx.launch: {message}", file=sys.stderr, flush=True)
+    try:
+        print(f"jax_cgx.launch: {message}", file=sys.stderr, flush=True)
+    except (OSError, ValueError):  # stderr is gone: the exit status still tells
+        pass
 
 
 class Job(ProcessGroup):
@@ -163,44 +228,27 @@ class Job(ProcessGroup):
     def wait(self, grace: float, timeout: float | None = None) -> int:
         """Wait for all; on the first failure, or at ``timeout`` seconds, stop the rest.
 
-        Returns the job's exit code: 0, the failed process's status (128 + N for signal N),
-        or ``TIMEOUT_EXIT``.
+        Returns the job's exit code: 0, the status of the process that failed first (128 + N
+        for signal N), or ``TIMEOUT_EXIT``.
         """
         deadline = None if timeout is None else self.started + timeout
         code = 0
-        while True:
-            codes = [proc.poll() for proc in self.procs]
-            failed = [(rank, rc) for rank, rc in enumerate(codes) if rc not in (None, 0)]
-            if failed:
-                rank, rc = failed[0]
-                code = rc if rc > 0 else 128 - rc
-                if rc > 0:
-                    how = f"exited with {rc}"
-                else:
-                    try:
-                        how = f"was killed by {signal.Signals(-rc).name} (status {code})"
-                    except ValueError:
-                        how = f"was killed by signal {-rc} (status {code})"
-                running = [r for r, c in enumerate(codes) if c is None]
-                _say(f"process {rank} {how}; see its output above (lines starting [{rank}])"
-                     + (f"; stopping {_ranks(running)}" if running else ""))
-                self._stop(grace)
-                break
-            running = [rank for rank, rc in enumerate(codes) if rc is None]
-            if not running:
-                break
-            if deadline is not None and time.monotonic() >= deadline:
-                _say(f"--timeout {timeout:g} s passed with {_ranks(running)} still running; stopping "
-                     f"them (SIGTERM, then SIGKILL after --grace {grace:g} s). Their output above shows "
-                     "where they were; raise --timeout if the job needs longer")
-                self._stop(grace)
-                code = TIMEOUT_EXIT
-                break
-            time.sleep(0.05)
-        # Reap whatever a process left in its group (grandchildren) before returning.
-        self._signal_all(signal.SIGKILL)
-        for pump in self.pumps:
-            pump.join(timeout=5)
+        if not self.wait_for_end_or_failure(deadline):
+            running = self.running()
+            _say(f"--timeout {timeout:g} s passed with {_ranks(running)} still running; stopping "
+                 f"them (SIGTERM, then SIGKILL after --grace {grace:g} s). Their output above shows "
+                 "where they were; raise --timeout if the job needs longer")
+            self._stop(grace)
+            code = TIMEOUT_EXIT
+        elif failed := self.failures():
+            running = self.running()
+            (rank, status), others = failed[0], failed[1:]
+            code = exit_code(status)
+            _say(f"process {rank} {describe_status(status)}; see its output above (lines starting [{rank}])"
+                 + "".join(f"; then process {r} {describe_status(c)}" for r, c in others)
+                 + (f"; stopping {_ranks(running)}" if running else ""))
+            self._stop(grace)
+        self.close()
         return code
 
 
@@ -228,6 +276,23 @@ def _seconds(minimum_exclusive: bool):
     return parse
 
 
+# A job launcher's world size, as each of its processes sees it.
+_OUTER_SIZES = {"OMPI_COMM_WORLD_SIZE": "mpirun (Open MPI)", "PMI_SIZE": "mpirun (MPICH)",
+                "SLURM_STEP_NUM_TASKS": "srun"}
+
+
+def _outer_job(env) -> str | None:
+    """Which launcher started this process among others ("started by srun (...=4)"), if any."""
+    for variable, name in _OUTER_SIZES.items():
+        try:
+            size = int(env.get(variable, "1"))
+        except ValueError:
+            continue
+        if size > 1:
+            return f"started by {name} ({variable}={size})"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m jax_cgx.launch", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -244,6 +309,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("script", help="the Python script every process runs")
     parser.add_argument("args", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
+    if outer := _outer_job(os.environ):
+        parser.error(f"this launcher is one of several processes {outer}: each would start a job of its own. "
+                     "Run the script under that launcher directly (jax_cgx.distributed.initialize() reads "
+                     "each process's rank from it), or start python -m jax_cgx.launch once")
     command = [sys.executable, args.script, *args.args]
 
     job = Job(command, args.nproc, args.devices_per_process)
@@ -253,8 +322,10 @@ def main(argv: list[str] | None = None) -> int:
         job._stop(args.grace)
         sys.exit(128 + signum)
 
-    signal.signal(signal.SIGINT, on_signal)
-    signal.signal(signal.SIGTERM, on_signal)
+    # Ctrl-C, kill, a closed terminal or ssh session (SIGHUP), Ctrl-backslash (SIGQUIT).
+    for name in ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT"):
+        if hasattr(signal, name):
+            signal.signal(getattr(signal, name), on_signal)
     return job.wait(args.grace, args.timeout)
 
 

@@ -43,7 +43,7 @@ import sys
 import time
 from pathlib import Path
 
-from jax_cgx.launch import ProcessGroup
+from jax_cgx.launch import ProcessGroup, describe_status, exit_code
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_SCRIPT = REPO / "benchmarks" / "allreduce.py"
@@ -343,31 +343,23 @@ class Network:
     def wait(self, timeout: float | None, grace: float) -> int:
         """Wait for every process; the first failure (or the timeout) stops the rest."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            codes = [p.poll() for p in self.group.procs]
-            failed = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
-            if failed:
-                rank, rc = failed[0]
-                print(f"netem: process {rank} exited with {rc}; stopping the others", file=sys.stderr)
-                self.stop(grace)
-                return rc if rc > 0 else 128 - rc
-            if all(c == 0 for c in codes):
-                break
-            if deadline is not None and time.monotonic() > deadline:
-                print(f"netem: timed out after {timeout:g} s; stopping every process", file=sys.stderr)
-                self.stop(grace)
-                return 124
-            time.sleep(0.05)
-        for pump in self.group.pumps:
-            pump.join(timeout=5)
+        if not self.group.wait_for_end_or_failure(deadline):
+            print(f"netem: timed out after {timeout:g} s; stopping every process", file=sys.stderr)
+            self.stop(grace)
+            return 124
+        if failed := self.group.failures():
+            rank, status = failed[0]
+            print(f"netem: process {rank} {describe_status(status)}; stopping the others", file=sys.stderr)
+            self.stop(grace)
+            return exit_code(status)
+        self.group.close()
         return 0
 
     def stop(self, grace: float) -> None:
         if self.group is None:
             return
         self.group.stop(grace)
-        for pump in self.group.pumps:
-            pump.join(timeout=5)
+        self.group.close()
 
     def close(self, grace: float) -> list[str]:
         """Stop the processes, delete the namespaces and /etc/netns entries; return what failed."""

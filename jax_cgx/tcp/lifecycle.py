@@ -32,6 +32,9 @@ log = logging.getLogger("jax_cgx")
 TIMEOUT_ENV = "JAX_CGX_TCP_TIMEOUT_S"
 HOST_ENV = "JAX_CGX_TCP_HOST"
 DEFAULT_TIMEOUT_S = 300.0
+# Timeouts become integer milliseconds (jax's key-value store, the C++ transport's int64):
+# anything finite up to ~30 years is fine; inf or 1e300 would overflow.
+MAX_TIMEOUT_S = 1e9
 # Key-value store keys of the addresses: <prefix>/<family key>/<generation>/<group index>/<rank>.
 KV_PREFIX = "jax_cgx/tcp/addr"
 
@@ -57,8 +60,9 @@ def timeout(timeout_s: float | None) -> float:
             timeout_s = float(raw)
         except ValueError:
             raise ValueError(f"{TIMEOUT_ENV}={raw!r} is not a number of seconds") from None
-    if not timeout_s > 0:
-        raise ValueError(f"jax_cgx.tcp: the timeout must be > 0 seconds, got {timeout_s!r}")
+    if not 0 < timeout_s <= MAX_TIMEOUT_S:  # also refuses NaN and inf
+        raise ValueError(f"jax_cgx.tcp: the timeout must be > 0 and at most {MAX_TIMEOUT_S:g} seconds, "
+                         f"got {timeout_s!r}")
     return float(timeout_s)
 
 

@@ -115,7 +115,7 @@ def test_a_failing_rank_stops_the_job(tmp_path):
     _assert_no_leak(tmp_path, 3)
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP], ids=["SIGINT", "SIGTERM", "SIGHUP"])
 def test_a_signal_to_the_launcher_leaves_no_children(tmp_path, sig):
     proc = subprocess.Popen(
         [*LAUNCH, "-n", "2", "--devices-per-process", "1", "--grace", "2", CHECK, str(tmp_path), "--hang-rank", "0"],
@@ -136,8 +136,13 @@ def test_a_signal_to_the_launcher_leaves_no_children(tmp_path, sig):
     _assert_no_leak(tmp_path, 2)
 
 
-@pytest.mark.parametrize("how, status", [("sys.exit", 3), ("exit", 4)])
-def test_a_rank_exit_status_reaches_the_launcher_at_once(tmp_path, how, status):
+@pytest.mark.parametrize("how, status, says", [
+    ("sys.exit", 3, "exits with status 3"),
+    ("exit", 4, "exits with status 4"),
+    ("held", 5, "exits with status 5"),  # absl's app.run: the SystemExit of a plain sys.exit, in a cycle
+    ("hook", 1, "failed (RuntimeError); exiting with status 1"),  # another sys.excepthook
+])
+def test_a_rank_exit_status_reaches_the_launcher_at_once(tmp_path, how, status, says):
     # Rank 1 exits while rank 0 sleeps: without jax_cgx's exit hook, rank 1 would wait in jax's
     # shutdown barrier for rank 0 (up to 5 minutes) and its status would be lost.
     run, _, ended = _launch(tmp_path, "-n", "2", "--devices-per-process", "1", "--grace", "1",
@@ -145,7 +150,7 @@ def test_a_rank_exit_status_reaches_the_launcher_at_once(tmp_path, how, status):
     assert run.returncode == status, _log(run)
     assert f"process 1 exited with {status}" in run.stderr, _log(run)
     assert "process 0 exited" not in run.stderr, _log(run)
-    assert f"[1] jax_cgx: process 1 exits with status {status}" in run.stdout, _log(run)
+    assert f"[1] jax_cgx: process 1 {says}" in run.stdout, _log(run)
     exited = float((tmp_path / "exit1").read_text())
     assert ended - exited < 10, f"the launcher took {ended - exited:.1f} s after the exit (jax's barrier waits 30 s+)"
     assert not (tmp_path / "end1").exists(), "rank 1 ran the exit hooks behind jax's barrier"
@@ -189,6 +194,60 @@ def test_timeout_stops_a_hung_job(tmp_path):
     assert 8 <= seconds < 8 + 1 + 8, seconds
     assert len(_pids(tmp_path, "child")) == 2, "the grandchildren did not start before the timeout"
     _assert_no_leak(tmp_path, 2)
+
+
+def _script(tmp_path, text: str) -> str:
+    path = tmp_path / "script.py"
+    path.write_text(text)
+    return str(path)
+
+
+def test_output_that_is_not_utf8_or_not_read_never_stalls_a_rank(tmp_path):
+    # A byte that is not UTF-8 used to kill the copying thread; a closed stdout (| head) too.
+    # Either way the rank blocked on a full pipe (64 KiB) and the job hung.
+    script = _script(tmp_path, "import os, sys\n"
+                     "os.write(1, b'bad byte \\xff here\\n')\n"
+                     "for i in range(5000): print('line', i, 'x' * 40)\n"
+                     "print('DONE', os.environ['JAX_CGX_PROCESS_ID'], flush=True)\n")
+    run = subprocess.run([*LAUNCH, "-n", "2", "--timeout", "60", script], capture_output=True, timeout=120)
+    out = run.stdout.decode()
+    assert run.returncode == 0, run.stderr.decode()[-2000:]
+    assert "[0] bad byte \ufffd here" in out and "[0] DONE 0" in out and "[1] DONE 1" in out
+    head = subprocess.Popen([*LAUNCH, "-n", "2", "--timeout", "60", script], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    head.stdout.readline()
+    head.stdout.close()  # as `| head -1` does
+    assert head.wait(timeout=120) == 0, head.stderr.read().decode()[-2000:]
+    head.stderr.close()
+
+
+def test_the_process_that_failed_first_is_named_first(tmp_path):
+    # Rank 1 dies of SIGSEGV; rank 0 notices and exits with 3 right after (as a rank whose peer
+    # vanished from a collective does): the job's status and the first name are rank 1's.
+    script = _script(tmp_path, "import os, signal, sys, time, pathlib\n"
+                     "rank, out = int(os.environ['JAX_CGX_PROCESS_ID']), pathlib.Path(sys.argv[1])\n"
+                     "(out / f'pid{rank}').write_text(str(os.getpid()))\n"
+                     "if rank == 1:\n"
+                     "    time.sleep(0.5)\n"
+                     "    os.kill(os.getpid(), signal.SIGSEGV)\n"
+                     "while not (out / 'pid1').exists(): time.sleep(0.01)\n"
+                     "pid1 = int((out / 'pid1').read_text())\n"
+                     "while os.path.exists(f'/proc/{pid1}') and open(f'/proc/{pid1}/stat').read().rsplit(')', 1)[1].split()[0] != 'Z': time.sleep(0.005)\n"
+                     "sys.exit(3)\n")
+    run = subprocess.run([*LAUNCH, "-n", "2", "--timeout", "60", script, str(tmp_path)], capture_output=True,
+                         text=True, timeout=120)
+    assert run.returncode == 128 + signal.SIGSEGV, _log(run)
+    assert "jax_cgx.launch: process 1 was killed by SIGSEGV (status 139)" in run.stderr, _log(run)
+
+
+def test_the_launcher_refuses_to_run_as_one_of_an_mpirun_job(tmp_path, capsys, monkeypatch):
+    # Under mpirun -np 2, each copy of the launcher would start its own job of -n processes.
+    monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "2")
+    with pytest.raises(SystemExit) as exited:
+        launch.main(["-n", "2", CHECK, str(tmp_path)])
+    assert exited.value.code == 2
+    assert "one of several processes started by mpirun (Open MPI) (OMPI_COMM_WORLD_SIZE=2)" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir()), "a process was started"
 
 
 @pytest.mark.parametrize(
@@ -292,8 +351,10 @@ def test_explicit_coordinator_arguments(tmp_path):
         ({"OMPI_COMM_WORLD_RANK": "5", "OMPI_COMM_WORLD_SIZE": "8", "OMPI_COMM_WORLD_LOCAL_RANK": "1",
           "OMPI_COMM_WORLD_LOCAL_SIZE": "4"}, (5, 8, 1, 4, "openmpi")),
         ({"PMI_RANK": "2", "PMI_SIZE": "3", "MPI_LOCALRANKID": "2", "MPI_LOCALNRANKS": "3"}, (2, 3, 2, 3, "mpich")),
-        ({"SLURM_PROCID": "7", "SLURM_NTASKS": "16", "SLURM_LOCALID": "3", "SLURM_NTASKS_PER_NODE": "4(x4)"},
-         (7, 16, 3, 1, "slurm")),
+        ({"SLURM_PROCID": "7", "SLURM_NTASKS": "16", "SLURM_STEP_NUM_TASKS": "16", "SLURM_LOCALID": "3",
+          "SLURM_NTASKS_PER_NODE": "4(x4)"}, (7, 16, 3, 1, "slurm")),
+        # A batch script's own shell (no srun step): one process, not rank 0 of 4 waiting for 3 more.
+        ({"SLURM_JOB_ID": "9", "SLURM_PROCID": "0", "SLURM_NTASKS": "4", "SLURM_LOCALID": "0"}, (0, 1, 0, 1, "single")),
     ],
 )
 def test_detect_reads_each_launcher(env, expected):
@@ -304,3 +365,35 @@ def test_detect_reads_each_launcher(env, expected):
 def test_detect_rejects_malformed_values():
     with pytest.raises(ValueError, match="OMPI_COMM_WORLD_RANK='x'"):
         detect({"OMPI_COMM_WORLD_RANK": "x", "OMPI_COMM_WORLD_SIZE": "2"})
+    with pytest.raises(ValueError, match="JAX_CGX_PROCESS_ID is set but JAX_CGX_NUM_PROCESSES is not: a partial "
+                                         "jax_cgx.launch environment"):
+        detect({"JAX_CGX_PROCESS_ID": "1", "JAX_CGX_COORDINATOR": "127.0.0.1:1234"})
+    with pytest.raises(ValueError, match="OMPI_COMM_WORLD_SIZE is set but OMPI_COMM_WORLD_RANK is not"):
+        detect({"OMPI_COMM_WORLD_SIZE": "2"})
+
+
+@pytest.mark.parametrize(
+    "env, kwargs, expected",
+    [
+        ({"OMPI_COMM_WORLD_LOCAL_RANK": "1", "OMPI_COMM_WORLD_LOCAL_SIZE": "2"}, {}, [1]),
+        # One process on the node, or one_gpu_per_process=False: every local GPU. [], not None:
+        # with None, jax's own cluster detection would pick the GPU of the local rank.
+        ({"OMPI_COMM_WORLD_LOCAL_RANK": "0", "OMPI_COMM_WORLD_LOCAL_SIZE": "1"}, {}, []),
+        ({"OMPI_COMM_WORLD_LOCAL_RANK": "1", "OMPI_COMM_WORLD_LOCAL_SIZE": "2"}, {"one_gpu_per_process": False}, []),
+        ({"OMPI_COMM_WORLD_LOCAL_RANK": "1", "OMPI_COMM_WORLD_LOCAL_SIZE": "2", "JAX_LOCAL_DEVICE_IDS": "0,1"},
+         {}, None),  # jax reads it itself
+        ({"OMPI_COMM_WORLD_LOCAL_RANK": "1", "OMPI_COMM_WORLD_LOCAL_SIZE": "2"}, {"local_device_ids": [0]}, [0]),
+    ],
+)
+def test_the_devices_each_process_drives(monkeypatch, env, kwargs, expected):
+    monkeypatch.setenv("OMPI_COMM_WORLD_RANK", "1")
+    monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "2")
+    monkeypatch.delenv("JAX_LOCAL_DEVICE_IDS", raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    seen = {}
+    monkeypatch.setattr(distributed.jax.distributed, "initialize", lambda **kw: seen.update(kw))
+    distributed.initialize(cpu_collectives="", exit_on_uncaught_exception=False, shutdown_timeout_seconds=7,
+                           **kwargs)
+    assert seen["local_device_ids"] == expected
+    assert seen["shutdown_timeout_seconds"] == 7  # other options reach jax as they are

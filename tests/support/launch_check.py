@@ -7,8 +7,11 @@
 
 --hang-rank: every process sleeps (until stopped) once its rank has run its --exit /
 --fail-rank. --exit: rank R exits with STATUS (an integer, or a message: status 1) through
-HOW (sys.exit, exit: the builtin, raise: a ``raise SystemExit`` statement), WHEN (start:
-right after initialize, end: after the psum, instead of jax.distributed.shutdown()).
+HOW (sys.exit, exit: the builtin, raise: a ``raise SystemExit`` statement, held: a sys.exit
+looked up before initialize, its SystemExit kept in a reference cycle as absl's app.run
+does, hook: an uncaught RuntimeError under a sys.excepthook replaced after initialize, as
+rich.traceback.install() does; STATUS is then ignored: 1), WHEN (start: right after
+initialize, end: after the psum, instead of jax.distributed.shutdown()).
 --catch-exit-rank: that rank calls sys.exit(3), catches the SystemExit and carries on.
 --linger-rank: that rank sleeps 2 s after the psum. --ignore-term-rank: that rank ignores
 SIGTERM; the others then end at once on SIGTERM (jax's own handler only logs it).
@@ -46,12 +49,14 @@ out = pathlib.Path(args.out_dir)
 exits = {}
 for spec in args.exit:
     r, status, how, when = spec.split(":")
-    assert how in ("sys.exit", "exit", "raise") and when in ("start", "end"), spec
+    assert how in ("sys.exit", "exit", "raise", "held", "hook") and when in ("start", "end"), spec
     exits[int(r)] = (int(status) if status.lstrip("-").isdigit() else status, how, when)
 
 # Registered before jax is imported, so it runs after jax's exit hook (atexit is last in, first out).
 _rank = []
 atexit.register(lambda: _rank and (out / f"end{_rank[0]}").write_text(repr(time.time())))
+
+early_exit = sys.exit  # looked up before jax_cgx replaces it, as absl's sys.exit(main(argv)) does
 
 import jax_cgx.distributed  # noqa: E402  (imports jax)
 
@@ -75,6 +80,15 @@ def leave(rank: int) -> None:
         sys.exit(status)
     elif how == "exit":
         exit(status)  # noqa: PLR1722 - the builtin on purpose
+    elif how == "held":
+        try:
+            early_exit(status)
+        except BaseException:
+            exc = sys.exc_info()[1]  # noqa: F841 - the frame, its traceback and exc: a cycle
+            raise
+    elif how == "hook":
+        sys.excepthook = lambda kind, value, tb: print(f"another hook: {kind.__name__}: {value}", file=sys.stderr)
+        raise RuntimeError(f"rank {rank} failing under another excepthook")
     else:
         raise SystemExit(status)
 

@@ -206,6 +206,11 @@ def test_setup_checks_its_arguments(monkeypatch):
     monkeypatch.setenv("JAX_CGX_TCP_TIMEOUT_S", "soon")
     with pytest.raises(ValueError, match="JAX_CGX_TCP_TIMEOUT_S='soon' is not a number"):
         jax_cgx.tcp.setup(mesh)
+    for endless in ("inf", "nan", "1e300"):  # milliseconds of these overflow an int64
+        monkeypatch.setenv("JAX_CGX_TCP_TIMEOUT_S", endless)
+        with pytest.raises(ValueError, match="timeout must be > 0 and at most 1e\\+09 seconds"):
+            jax_cgx.tcp.setup(mesh)
+    monkeypatch.delenv("JAX_CGX_TCP_TIMEOUT_S")
     with pytest.raises(ValueError, match="not axes of the mesh"):
         jax_cgx.tcp.setup(mesh, "model", timeout_s=5)
     assert jax_cgx.tcp.setup(_mesh((1,), ("d",)) if False else jax.make_mesh(
