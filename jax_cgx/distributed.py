@@ -367,9 +367,9 @@ def _exit_on_uncaught_exception(rank: int) -> None:
     def hook(kind, value, tb):
         if issubclass(kind, KeyboardInterrupt):
             previous(kind, value, tb)
-        else:
-            print(f"jax_cgx: process {rank} failed:", file=sys.stderr)
-            traceback.print_exception(kind, value, tb)
+            _exit_now(128 + 2)  # as Python reports Ctrl-C: the status of SIGINT
+        print(f"jax_cgx: process {rank} failed:", file=sys.stderr)
+        traceback.print_exception(kind, value, tb)
         _exit_now(1)  # skip jax's blocking shutdown barrier: let the launcher see the failure now
 
     sys.excepthook = hook

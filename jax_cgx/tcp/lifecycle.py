@@ -10,6 +10,7 @@ stopped after ``jax.effects_barrier()``.
 from __future__ import annotations
 
 import atexit
+import ipaddress
 import logging
 import os
 import socket
@@ -72,6 +73,24 @@ def _kv_client():
     return distributed.global_state.client
 
 
+def _route_to(target: str) -> str | None:
+    """The local address of a UDP socket "connected" to ``target``: the interface on the route
+    to it (no packet is sent); None without a route."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((target, 9))
+            return s.getsockname()[0]
+    except OSError:
+        return None
+
+
+def _loopback(address: str) -> bool:
+    try:
+        return ipaddress.ip_address(address).is_loopback
+    except ValueError:  # a host name
+        return address == "localhost"
+
+
 def host_address() -> str:
     """The address this process's peers reach it at (see the package docstring)."""
     if (host := os.environ.get(HOST_ENV)):
@@ -82,16 +101,19 @@ def host_address() -> str:
 
     coordinator = getattr(distributed.global_state, "coordinator_address", None) or ""
     target = coordinator.rsplit(":", 1)[0].strip("[]") if coordinator else ""
-    if target:
-        # The local address of a UDP socket "connected" to the coordinator: the interface
-        # on the route to it (no packet is sent).
-        try:
-            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-                s.connect((target, 9))
-                return s.getsockname()[0]
-        except OSError:
-            pass
-    return socket.gethostbyname(socket.gethostname())
+    address = (_route_to(target) if target else None) or socket.gethostbyname(socket.gethostname())
+    if _loopback(address) and not _loopback(target):
+        # The coordinator's name resolves to loopback here (Debian and Ubuntu map the host's own
+        # name to 127.0.1.1): this is its host, and peers on other hosts cannot reach a loopback
+        # address. The interface of the default route (TEST-NET-1: nothing is sent) can be.
+        routed = _route_to("192.0.2.1")
+        if routed and not _loopback(routed):
+            log.info("jax_cgx.tcp: %s resolves to %s here; publishing %s (the default route's interface) "
+                     "instead (set %s to choose)", target or socket.gethostname(), address, routed, HOST_ENV)
+            return routed
+        log.warning("jax_cgx.tcp: publishing the loopback address %s: processes on other hosts cannot reach "
+                    "it; set %s to this host's address", address, HOST_ENV)
+    return address
 
 
 def lookup(mesh, axes) -> int | None:

@@ -10,7 +10,8 @@
 HOW (sys.exit, exit: the builtin, raise: a ``raise SystemExit`` statement, held: a sys.exit
 looked up before initialize, its SystemExit kept in a reference cycle as absl's app.run
 does, hook: an uncaught RuntimeError under a sys.excepthook replaced after initialize, as
-rich.traceback.install() does; STATUS is then ignored: 1), WHEN (start: right after
+rich.traceback.install() does; STATUS is then ignored: 1, interrupt: an uncaught
+KeyboardInterrupt, status 130 as Python gives Ctrl-C), WHEN (start: right after
 initialize, end: after the psum, instead of jax.distributed.shutdown()).
 --catch-exit-rank: that rank calls sys.exit(3), catches the SystemExit and carries on.
 --linger-rank: that rank sleeps 2 s after the psum. --ignore-term-rank: that rank ignores
@@ -49,7 +50,7 @@ out = pathlib.Path(args.out_dir)
 exits = {}
 for spec in args.exit:
     r, status, how, when = spec.split(":")
-    assert how in ("sys.exit", "exit", "raise", "held", "hook") and when in ("start", "end"), spec
+    assert how in ("sys.exit", "exit", "raise", "held", "hook", "interrupt") and when in ("start", "end"), spec
     exits[int(r)] = (int(status) if status.lstrip("-").isdigit() else status, how, when)
 
 # Registered before jax is imported, so it runs after jax's exit hook (atexit is last in, first out).
@@ -89,6 +90,8 @@ def leave(rank: int) -> None:
     elif how == "hook":
         sys.excepthook = lambda kind, value, tb: print(f"another hook: {kind.__name__}: {value}", file=sys.stderr)
         raise RuntimeError(f"rank {rank} failing under another excepthook")
+    elif how == "interrupt":
+        raise KeyboardInterrupt
     else:
         raise SystemExit(status)
 

@@ -239,3 +239,23 @@ def test_pmap_over_a_mesh_that_was_set_up():
         assert_same_bits(run("tcp"), run("xla"), "pmap")
     finally:
         jax_cgx.tcp.teardown(jax.sharding.Mesh(np.array(devices), ("i",)))
+
+
+def test_a_loopback_route_to_the_coordinator_is_not_published(monkeypatch):
+    """On the coordinator's host its name may resolve to 127.0.1.1 (Debian's /etc/hosts); peers on
+    other hosts cannot reach that: the default route's interface is published instead."""
+    from jax._src import distributed as jax_distributed
+
+    from jax_cgx.tcp import lifecycle
+
+    monkeypatch.delenv("JAX_CGX_TCP_HOST", raising=False)
+    monkeypatch.setattr(lifecycle.jax, "process_count", lambda: 2)
+    monkeypatch.setattr(jax_distributed.global_state, "coordinator_address", "node0:1234")
+    routes = {"node0": "127.0.1.1", "192.0.2.1": "10.1.2.3"}
+    monkeypatch.setattr(lifecycle, "_route_to", routes.get)
+    assert lifecycle.host_address() == "10.1.2.3"
+    routes["node0"] = "10.9.9.9"  # another host's coordinator: the route to it, as before
+    assert lifecycle.host_address() == "10.9.9.9"
+    monkeypatch.setattr(jax_distributed.global_state, "coordinator_address", "127.0.0.1:1234")
+    routes["127.0.0.1"] = "127.0.0.1"  # a coordinator on loopback: every process is on this host
+    assert lifecycle.host_address() == "127.0.0.1"
