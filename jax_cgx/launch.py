@@ -308,7 +308,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="seconds between SIGTERM and SIGKILL when stopping (default 5)")
     parser.add_argument("script", help="the Python script every process runs")
     parser.add_argument("args", nargs=argparse.REMAINDER)
-    args = parser.parse_args(argv)
+    raw = sys.argv[1:] if argv is None else list(argv)
+    args = parser.parse_args(raw)
+    tail = len(raw) - len(args.args)
+    if tail >= 2 and raw[tail - 1] == "--" and raw[tail - 2] == args.script:
+        args.args.insert(0, "--")  # argparse took the script's own leading "--" for its end of options
     if outer := _outer_job(os.environ):
         parser.error(f"this launcher is one of several processes {outer}: each would start a job of its own. "
                      "Run the script under that launcher directly (jax_cgx.distributed.initialize() reads "

@@ -241,6 +241,13 @@ def test_the_process_that_failed_first_is_named_first(tmp_path):
     assert "jax_cgx.launch: process 1 was killed by SIGSEGV (status 139)" in run.stderr, _log(run)
 
 
+def test_the_script_gets_its_arguments_as_given(tmp_path):
+    script = _script(tmp_path, "import sys; print(sys.argv[1:])\n")
+    for given in (["--", "a", "--b"], ["a", "--", "-n", "3"], []):
+        run = subprocess.run([*LAUNCH, "-n", "1", script, *given], capture_output=True, text=True, timeout=60)
+        assert run.returncode == 0 and f"[0] {given}" in run.stdout, (given, _log(run))
+
+
 def test_the_launcher_refuses_to_run_as_one_of_an_mpirun_job(tmp_path, capsys, monkeypatch):
     # Under mpirun -np 2, each copy of the launcher would start its own job of -n processes.
     monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "2")
