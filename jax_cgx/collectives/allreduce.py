@@ -27,7 +27,7 @@ from jax_cgx.codec import Impl, check_impl
 from jax_cgx.collectives import sharded
 from jax_cgx.collectives.chunks import wire_bytes_per_rank
 from jax_cgx.collectives.hierarchical import hierarchical_wire_bytes, reduce_hierarchical
-from jax_cgx.collectives.plan import ConfigSpec, make_plan
+from jax_cgx.collectives.plan import ConfigSpec, check_ranks, make_plan
 from jax_cgx.collectives.primitive import compressed_sum
 from jax_cgx.config import CompressionConfig
 
@@ -207,13 +207,12 @@ def bytes_on_wire(x, world: int, config: ConfigSpec = None, *, inner_world: int 
     """
     if op not in WIRE_OPS:
         raise ValueError(f"bytes_on_wire: op must be one of {', '.join(map(repr, WIRE_OPS))}, got {op!r}")
+    world, inner_world = check_ranks("bytes_on_wire", world, inner_world)
     if op != "psum":
         return sharded.wire_bytes(x, world, config, op)
     leaves_with_paths = jax.tree_util.tree_flatten_with_path(x)[0]
     paths = [p for p, _ in leaves_with_paths]
     leaves = [v for _, v in leaves_with_paths]
-    if inner_world is not None and (inner_world < 1 or world % inner_world):
-        raise ValueError(f"bytes_on_wire: inner_world={inner_world} must divide world={world}")
     plan = make_plan(paths, leaves, config, x, world, inner_world, measure=False)  # one process may call it
     if world <= 1:
         return 0

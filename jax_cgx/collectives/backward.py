@@ -39,6 +39,7 @@ from __future__ import annotations
 import functools
 
 import jax
+import jax.numpy as jnp
 
 from jax_cgx import _compat
 from jax_cgx.codec import Impl, check_impl
@@ -85,10 +86,14 @@ def _identity_fwd(axes, config, impl, treedef, varying, key, *leaves):
 
 
 def _identity_bwd(axes, config, impl, treedef, varying, key, cotangents):
-    cotangents = [_compat.ensure_varying(c, axes) for c in cotangents]
-    mean = jax.tree.leaves(compressed_pmean(treedef.unflatten(cotangents), axes, config, key=key, impl=impl))
+    # Integer and bool leaves (a step counter in a marked layer state) have float0 cotangents:
+    # no gradient, nothing to reduce. They stay out (None), the paths of the others unchanged.
+    none = [jnp.result_type(c) == jax.dtypes.float0 for c in cotangents]
+    real = [None if n else _compat.ensure_varying(c, axes) for c, n in zip(cotangents, none)]
+    reduced = compressed_pmean(treedef.unflatten(real), axes, config, key=key, impl=impl)
+    mean = [c if n else m for c, m, n in zip(cotangents, treedef.flatten_up_to(reduced), none)]
     if varying is not None:  # a leaf that came in varying gets a varying cotangent back
-        mean = [_compat.ensure_varying(m, axes) if v else m for m, v in zip(mean, varying)]
+        mean = [_compat.ensure_varying(m, axes) if v and not n else m for m, v, n in zip(mean, varying, none)]
     return (None, *mean)
 
 

@@ -20,14 +20,29 @@ __all__ = ["chunk_length", "chunk_valid", "row_plan", "gather_decode", "gather_d
 _WHOLE_BUCKETS_ABOVE = 64
 
 
+# Counts of real values reach the kernels as int32: a buffer holds fewer than 2^31 values per rank.
+MAX_BUFFER_VALUES = 2**31 - 1
+
+
+def check_buffer_values(n: int) -> None:
+    """A clear error for a buffer whose value counts would wrap in int32 (and decode to zeros)."""
+    if n > MAX_BUFFER_VALUES:
+        raise ValueError(
+            f"jax_cgx: a compressed buffer of {n} values per rank is more than the kernels can count "
+            f"({MAX_BUFFER_VALUES}, int32). Split the leaf into smaller leaves, lower fusion_buffer_mb, "
+            "or give the leaf config=None (reduced exactly)")
+
+
 def chunk_length(n: int, world: int, bucket_size: int, whole_buckets: bool) -> int:
-    """Values per chunk when ``n`` values are split over ``world`` ranks.
+    """Values per chunk when ``n`` values are split over ``world`` ranks (at most
+    :data:`MAX_BUFFER_VALUES`).
 
     Chunks are bucket-aligned (no short bucket inside a chunk) when
     ``whole_buckets`` or when the buffer is large enough for the padding to be
     negligible (< 1/64 of the buffer); otherwise a multiple of 16 values, which keeps
     every chunk's start aligned for the kernels' vector loads.
     """
+    check_buffer_values(n)
     per_rank = -(-n // world)
     if whole_buckets or per_rank >= _WHOLE_BUCKETS_ABOVE * bucket_size:
         align = bucket_size

@@ -20,7 +20,7 @@ import numpy as np
 
 from jax_cgx import _compat
 from jax_cgx.collectives import policy, sharded
-from jax_cgx.collectives.plan import ConfigSpec, make_plan
+from jax_cgx.collectives.plan import ConfigSpec, check_ranks, make_plan
 
 __all__ = ["explain", "Explanation", "LeafReport", "BufferReport"]
 
@@ -130,8 +130,7 @@ def explain(x, axis_name=None, config: ConfigSpec = None, *, world: int | None =
         inner_world = jax.lax.axis_size(axes[-1]) if len(axes) > 1 else None
     else:
         axes = None
-    if not isinstance(world, int) or world < 1:
-        raise ValueError(f"explain: world must be a positive int, got {world!r}")
+    world, inner_world = check_ranks("explain", world, inner_world)
     if op != "psum":
         result = _explain_sharded(x, config, world, op)
         if file is not None:

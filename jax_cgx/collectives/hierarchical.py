@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jax_cgx import _compat
-from jax_cgx.collectives.chunks import wire_bytes_per_rank
+from jax_cgx.collectives.chunks import check_buffer_values, wire_bytes_per_rank
 from jax_cgx.collectives.primitive import compressed_sum
 from jax_cgx.config import CompressionConfig
 
@@ -24,6 +24,7 @@ def hierarchical_shard(n: int, inner_world: int, config: CompressionConfig) -> i
     With ``skip_incomplete_buckets`` (``n`` is whole buckets) to a multiple of
     ``inner_world`` buckets, so that no bucket mixes values and padding.
     """
+    check_buffer_values(n)  # the shards' real-value counts start from n, in int32
     align = inner_world * (config.bucket_size if config.skip_incomplete_buckets else 1)
     return -(-n // align) * align // inner_world
 

@@ -32,7 +32,7 @@ from jax_cgx.codec import SUPPORTED_DTYPES
 from jax_cgx.collectives import policy
 from jax_cgx.config import MAX_FUSION_BUFFERS, CompressionConfig
 
-__all__ = ["ConfigSpec", "Group", "Plan", "make_plan", "leaf_configs", "lane"]
+__all__ = ["ConfigSpec", "Group", "Plan", "make_plan", "check_ranks", "leaf_configs", "lane"]
 
 # A config for every leaf, a pytree of configs (None = reduce exactly), or a function
 # of the leaf's path and value (torch_cgx's layer-wise hook).
@@ -137,6 +137,19 @@ class Plan:
             f"{count} fusion buffers, more than the {MAX_FUSION_BUFFERS} allowed per reduction "
             f"(each buffer is a separate exchange and compile time grows with their number); {fix}"
         )
+
+
+def check_ranks(api: str, world, inner_world=None) -> tuple[int, int | None]:
+    """``world`` (and ``inner_world``, the inner axis of a hierarchical sum, which must divide
+    it) as ints; a ``ValueError`` unless they are integers >= 1."""
+    for name, value in (("world", world), ("inner_world", inner_world)):
+        if name == "inner_world" and value is None:
+            continue
+        if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or value < 1:
+            raise ValueError(f"{api}: {name} must be a positive int (a number of ranks), got {value!r}")
+    if inner_world is not None and world % inner_world:
+        raise ValueError(f"{api}: inner_world={inner_world} must divide world={world}")
+    return int(world), None if inner_world is None else int(inner_world)
 
 
 def make_plan(paths, leaves, spec: ConfigSpec, tree, world: int | None = None,

@@ -138,6 +138,9 @@ def check_config(config: CompressionConfig, api: str) -> None:
     notes = []
     if config.algorithm != "sra":
         notes.append(f"algorithm={config.algorithm!r} does not apply: the exchange is one all_to_all or all_gather")
+    if config.skip_incomplete_buckets:
+        notes.append("skip_incomplete_buckets=True does not apply: every block or shard is quantized whole, "
+                     "its shorter last bucket too (within the same error bound)")
     for note in notes:
         if (api, note) not in _logged:
             _logged.add((api, note))

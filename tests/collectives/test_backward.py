@@ -122,3 +122,28 @@ def test_forward_is_the_identity_and_errors_are_clear():
         jax_cgx.reduce_in_backward(params, "nope", CONFIG)
     with pytest.raises(TypeError, match="reduce_in_backward: key must be a PRNG key"):
         _shard_map(lambda p, x, y: jax_cgx.reduce_in_backward(p, "d", CONFIG, key=3))(params, *_batch())
+
+
+@pytest.mark.parametrize("check_vma", [True, False])
+def test_integer_leaves_of_a_marked_subtree_pass_through(check_vma):
+    """A marked layer state with a step counter: the counter has no gradient (a float0 cotangent,
+    nothing to reduce); the float leaves' gradients are those of compressed_pmean, bitwise."""
+    xs = jax.random.normal(jax.random.key(0), (W, 64))
+    w = jnp.linspace(-1.0, 1.0, 64)
+
+    def loss(weights, x, marked: bool):
+        layer = {"w": weights, "step": jnp.array(3, jnp.int32)}
+        if marked:
+            layer = jax_cgx.reduce_in_backward(layer, "d", CONFIG)
+        return jnp.sum(jnp.tanh(x * layer["w"])) * layer["step"]
+
+    mesh = Mesh(np.array(jax.devices()[:W]), ("d",))
+
+    def run(body):
+        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P("d")), out_specs=P(),
+                                     check_vma=check_vma))(w, xs)
+
+    got = run(lambda w, x: jax.grad(loss)(w, x[0], True))
+    want = run(lambda w, x: jax_cgx.compressed_pmean(jax.grad(loss)(lax.pcast(w, "d", to="varying"), x[0], False),
+                                                     "d", CONFIG))
+    assert_same_bits(got, want)

@@ -219,3 +219,40 @@ def test_vmap_over_another_axis_still_works():
     f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(None, "d"), out_specs=P(None, None)))
     out = f(per_device(jnp.ones((3, W * 64)), mesh, P(None, "d")))
     np.testing.assert_allclose(np.asarray(out), W, rtol=1e-2)
+
+
+@pytest.mark.parametrize("op", ["psum", "psum_hierarchical", "all_gather", "psum_scatter"])
+def test_buffers_past_int32_counts_are_refused(op):
+    """A buffer of 2^31 values or more per rank: the kernels' int32 real-value counts would wrap
+    and the buffer decode to zeros. Lowered only (nothing is allocated): a clear error instead."""
+    n = 2**31 + 64
+    big = CompressionConfig(bits=4, fusion_buffer_mb=16384)
+    mesh = jax.make_mesh((2, 2), ("o", "i"), devices=jax.devices()[:4])
+    calls = {
+        "psum": (lambda v: jax_cgx.compressed_psum(v, "o", big), (n,)),
+        "psum_hierarchical": (lambda v: jax_cgx.compressed_psum(v, ("o", "i"), big.replace(hierarchical=True)), (n,)),
+        "all_gather": (lambda v: jax_cgx.compressed_all_gather(v, "o", big, tiled=True), (n,)),
+        "psum_scatter": (lambda v: jax_cgx.compressed_psum_scatter(v, "o", big, tiled=True), (2 * n,)),
+    }
+    fn, shape = calls[op]
+    f = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=P(), out_specs=P(), check_vma=False))
+    with pytest.raises(ValueError, match=r"a compressed buffer of \d+ values per rank is more than the kernels "
+                                         r"can count \(2147483647, int32\)"):
+        f.lower(jax.ShapeDtypeStruct(shape, jnp.float32))
+
+
+@pytest.mark.parametrize("world, inner, message", [
+    (0, None, "world must be a positive int"), (-4, None, "world must be a positive int"),
+    (8.5, None, "world must be a positive int"), ("8", None, "world must be a positive int"),
+    (True, None, "world must be a positive int"), (8, 3, "inner_world=3 must divide world=8"),
+    (8, 0, "inner_world must be a positive int"),
+])
+def test_rank_counts_are_checked(world, inner, message):
+    tree = {"w": jax.ShapeDtypeStruct((4096,), jnp.float32)}
+    config = CompressionConfig(bits=4)
+    for op in ("psum", "psum_scatter", "all_gather"):
+        with pytest.raises(ValueError, match=f"bytes_on_wire: {message}"):
+            bytes_on_wire(tree, world, config, inner_world=inner, op=op)
+    with pytest.raises(ValueError, match=f"explain: {message}"):
+        jax_cgx.explain(tree, config=config, world=world, inner_world=inner, file=None)
+    assert bytes_on_wire(tree, np.int64(8), config) == bytes_on_wire(tree, 8, config)  # numpy ints are ints

@@ -217,6 +217,20 @@ def test_errors():
         jax_cgx.compressed_psum_scatter(jnp.ones((W, 4)), "x", cfg)
 
 
+def test_settings_that_do_not_apply_are_logged_once(caplog, monkeypatch):
+    from jax_cgx.collectives import sharded
+
+    monkeypatch.setattr(sharded, "_logged", set())  # whatever earlier tests logged
+    xs = _data((W, 100))
+    cfg = jax_cgx.CompressionConfig(bits=4, bucket_size=BUCKET, algorithm="ring", skip_incomplete_buckets=True)
+    with caplog.at_level("INFO", logger="jax_cgx"):
+        for _ in range(2):
+            _run(lambda v: jax_cgx.compressed_all_gather(v, "d", cfg), xs[:, 0])
+    for note in ("compressed_all_gather: algorithm='ring' does not apply",
+                 "compressed_all_gather: skip_incomplete_buckets=True does not apply"):
+        assert caplog.text.count(note) == 1, caplog.text
+
+
 def test_pmap():
     xs = _data((W, 100))
     cfg = jax_cgx.CompressionConfig(bits=4, bucket_size=BUCKET)
