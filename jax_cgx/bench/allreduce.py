@@ -47,6 +47,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_cgx
+from jax_cgx.bench._args import BITS, integer, number
 from jax_cgx.bench._table import print_table, save
 from jax_cgx.collectives import bytes_on_wire
 
@@ -74,7 +75,10 @@ def parse_bytes(text: str) -> int:
         value = float(t[: len(t) - len(unit)] if unit else t)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a size (e.g. 1M, 256K, 1073741824)") from None
-    return int(value * _SUFFIXES[unit])
+    size = int(value * _SUFFIXES[unit])
+    if size < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is less than one byte; give a size of at least 1")
+    return size
 
 
 def sizes_in_bytes(args: argparse.Namespace) -> list[int]:
@@ -86,7 +90,7 @@ def sizes_in_bytes(args: argparse.Namespace) -> list[int]:
     sizes, size = [], args.minbytes
     while size <= args.maxbytes:
         sizes.append(size)
-        size = int(size * args.stepfactor)
+        size = max(size + 1, int(size * args.stepfactor))  # a factor near 1 must still move on
     return sizes
 
 
@@ -227,25 +231,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="smallest buffer per device (bytes; K/M/G suffixes), default 1M")
     p.add_argument("-e", "--maxbytes", type=parse_bytes, default=parse_bytes("64M"),
                    help="largest buffer per device, default 64M")
-    p.add_argument("-f", "--stepfactor", type=float, default=4, help="factor between sizes, default 4")
-    p.add_argument("--sizes-mib", type=float, nargs="+", help="explicit sizes in MiB (instead of -b/-e/-f)")
+    p.add_argument("-f", "--stepfactor", type=number(1, above=True), default=4, help="factor between sizes, default 4")
+    p.add_argument("--sizes-mib", type=number(0, above=True), nargs="+", help="explicit sizes in MiB (instead of -b/-e/-f)")
     p.add_argument("-d", "--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--bits", type=int, nargs="+", default=[2, 4, 8])
-    p.add_argument("--bucket-sizes", "--bucket-size", type=int, nargs="+", default=[512], dest="bucket_sizes")
+    p.add_argument("--bits", type=int, choices=BITS, nargs="+", default=[2, 4, 8], metavar="BITS")
+    p.add_argument("--bucket-sizes", "--bucket-size", type=integer(1), nargs="+", default=[512], dest="bucket_sizes")
     p.add_argument("--backends", nargs="+", choices=["xla", "nccl", "tcp"],
                    help="jax_cgx backends to time (default: xla, plus nccl on GPUs); nccl and tcp are set up "
                         "with jax_cgx.nccl.setup / jax_cgx.tcp.setup")
     p.add_argument("--ops", nargs="+", choices=list(_OPS), default=["psum"],
                    help="collectives to time against lax's (default: psum)")
     p.add_argument("--algorithm", default="sra", choices=["sra", "ring"])
-    p.add_argument("--segments", type=int, default=0,
+    p.add_argument("--segments", type=integer(0), default=0,
                    help="CompressionConfig.pipeline_segments: messages per exchange, 0 = by size (default)")
     p.add_argument("--policy", default="always", choices=["always", "auto"],
                    help="CompressionConfig.policy of the compressed rows (auto: lax where the cost model, "
                         "measured in the first trace, finds it faster; default %(default)s)")
     p.add_argument("--impl", default="auto", choices=["kernel", "reference", "auto"])
-    p.add_argument("-n", "--repeats", type=int, default=10, help="timed calls per point (median)")
-    p.add_argument("-w", "--warmup", type=int, default=1, help="untimed calls first")
+    p.add_argument("-n", "--repeats", type=integer(1), default=10, help="timed calls per point (median)")
+    p.add_argument("-w", "--warmup", type=integer(0), default=1, help="untimed calls first")
     p.add_argument("--share-gpu", action="store_true",
                    help="all ranks on GPU 0 of this machine (one NCCL host id per process)")
     p.add_argument("--output", help="also write the results to this .json or .csv file")
@@ -303,7 +307,7 @@ def main(args: argparse.Namespace) -> None:
             f"{r['algbw_gbs']:.2f}",
             f"{r['busbw_gbs']:.2f}",
             f"{r['speedup']:.2f}",
-            f"{r['psum_wire_mib'] / r['compressed_wire_mib']:.2f}",
+            f"{r['psum_wire_mib'] / r['compressed_wire_mib']:.2f}" if r["compressed_wire_mib"] else "-",
             f"{r['max_abs_error']:.3g}",
         ]
         for r in records

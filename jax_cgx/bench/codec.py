@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_cgx
+from jax_cgx.bench._args import BITS, integer, number
 from jax_cgx.bench._table import print_table, save
 
 _CALLS = 20  # calls per timed batch on a GPU
@@ -73,10 +74,13 @@ def _copy_time(x: jax.Array, repeats: int) -> float:
 def _reduce_time(x: jax.Array, config, world: int, impl: str, repeats: int) -> float:
     """Time of the fused dequantize-sum-requantize of ``world`` encodings of ``x.size / world`` values."""
     chunk = x[: x.size // world]
-    stacked = jax.jit(jax.vmap(lambda a: jax_cgx.quantize(a, config, impl=impl)))(
-        jnp.stack([jnp.roll(chunk, i) for i in range(world)]))
-    fused = jax.jit(lambda q, a: jax_cgx.dequantize_sum_requantize(q, a, impl=impl))
-    return _time(lambda: fused(stacked, chunk), x.devices().pop().platform, repeats)
+    keys = jax.random.split(jax.random.key(2), world)  # one per rank (used when rounding stochastically)
+    stacked = jax.jit(jax.vmap(lambda a, k: jax_cgx.quantize(a, config, key=k, impl=impl)))(
+        jnp.stack([jnp.roll(chunk, i) for i in range(world)]), keys)
+    fused = jax.jit(lambda q, a, k: jax_cgx.dequantize_sum_requantize(
+        q, a, stochastic=config.stochastic, key=k, impl=impl))
+    key = jax.random.key(3)
+    return _time(lambda: fused(stacked, chunk, key), x.devices().pop().platform, repeats)
 
 
 def run(args: argparse.Namespace) -> list[dict]:
@@ -123,16 +127,16 @@ def run(args: argparse.Namespace) -> list[dict]:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--sizes-mib", type=float, nargs="+", default=[1, 16, 64], help="buffer sizes in MiB")
-    p.add_argument("--bits", type=int, nargs="+", default=[2, 4, 8])
-    p.add_argument("--bucket-size", type=int, default=512)
+    p.add_argument("--sizes-mib", type=number(0, above=True), nargs="+", default=[1, 16, 64], help="buffer sizes in MiB")
+    p.add_argument("--bits", type=int, choices=BITS, nargs="+", default=[2, 4, 8], metavar="BITS")
+    p.add_argument("--bucket-size", type=integer(1), default=512)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--stochastic", action="store_true", help="stochastic rounding")
     p.add_argument("--impl", default="kernel", choices=["kernel", "reference", "auto"])
     p.add_argument("--platform", default=None, help="cpu or gpu (default: jax's default device)")
-    p.add_argument("--world", type=int, default=4,
+    p.add_argument("--world", type=integer(1), default=4,
                    help="ranks for the fused dequantize-sum-requantize (reduce) column, default 4")
-    p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--repeats", type=integer(1), default=10)
     p.add_argument("--output", help="also write the results to this .json or .csv file")
 
 

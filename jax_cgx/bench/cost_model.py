@@ -15,6 +15,7 @@ import re
 
 import numpy as np
 
+from jax_cgx.bench._args import BITS, integer, number
 from jax_cgx.collectives.cost_model import CodecRates, LinkModel, encoded_chunk_bytes, predict
 
 __all__ = ["CodecRates", "LinkModel", "encoded_chunk_bytes", "predict", "parse_rate"]
@@ -31,6 +32,8 @@ def parse_rate(text: str) -> float:
     if not m:
         raise argparse.ArgumentTypeError(f"{text!r} is not a rate (e.g. 1gbit, 10gbit, 125MB, unlimited)")
     value = float(m.group(1)) * _RATE_UNITS[m.group(2)]
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: a rate must be above 0 (or 'unlimited')")
     # tc's units: "bit" or a bare number are bits per second; "bps" and "b" bytes per second.
     return value / 8 if m.group(3) in ("bit", None) else value
 
@@ -38,13 +41,13 @@ def parse_rate(text: str) -> float:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--codec-json", required=True, help="output of `python -m jax_cgx.bench codec --output`")
     p.add_argument("--link", type=parse_rate, default=parse_rate("1gbit"), help="per-rank rate, e.g. 1gbit")
-    p.add_argument("--latency-ms", type=float, default=0.2, help="fixed cost per message and collective step")
-    p.add_argument("--segments", type=int, default=0,
+    p.add_argument("--latency-ms", type=number(0), default=0.2, help="fixed cost per message and collective step")
+    p.add_argument("--segments", type=integer(0), default=0,
                    help="messages per collective (pipeline_segments; 0: the xla backend's CPU default)")
-    p.add_argument("--world", type=int, nargs="+", default=[2, 4])
-    p.add_argument("--sizes-mib", type=float, nargs="+", default=[64])
-    p.add_argument("--bits", type=int, nargs="+", default=[4, 8])
-    p.add_argument("--bucket-size", type=int, default=512)
+    p.add_argument("--world", type=integer(1), nargs="+", default=[2, 4])
+    p.add_argument("--sizes-mib", type=number(0, above=True), nargs="+", default=[64])
+    p.add_argument("--bits", type=int, choices=BITS, nargs="+", default=[4, 8], metavar="BITS")
+    p.add_argument("--bucket-size", type=integer(1), default=512)
     p.add_argument("--host-cores", type=int, default=None,
                    help="all ranks share one machine with this many cores (as benchmarks/netem runs "
                         "them); default: a core per rank")

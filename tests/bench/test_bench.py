@@ -19,6 +19,34 @@ def test_parse_bytes_and_sweep():
     assert allreduce.sizes_in_bytes(args) == [2**20, 4 * 2**20, 16 * 2**20, 64 * 2**20]
     args.sizes_mib = [0.5, 2]
     assert allreduce.sizes_in_bytes(args) == [2**19, 2**21]
+    args = argparse.Namespace(sizes_mib=None, minbytes=1, maxbytes=8, stepfactor=1.5)  # int(1 * 1.5) == 1
+    assert allreduce.sizes_in_bytes(args) == [1, 2, 3, 4, 6]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["allreduce", "-b", "0"], "argument -b/--minbytes: '0' is less than one byte"),
+    (["allreduce", "-b=-1K"], "argument -b/--minbytes: '-1K' is less than one byte"),
+    (["allreduce", "-f", "1"], "argument -f/--stepfactor: must be a finite number > 1"),
+    (["allreduce", "--bits", "16"], "argument --bits: invalid choice: 16"),
+    (["codec", "--world", "0"], "argument --world: must be at least 1, got 0"),
+    (["codec", "--bits", "9"], "argument --bits: invalid choice: 9"),
+    (["model", "--codec-json", "x.json", "--link", "0gbit"], "argument --link: '0gbit': a rate must be above 0"),
+    (["model", "--codec-json", "x.json", "--latency-ms", "-1"], "argument --latency-ms: must be a finite number >= 0"),
+    (["model", "--codec-json", "x.json", "--world", "0"], "argument --world: must be at least 1"),
+])
+def test_bad_arguments_are_refused_before_measuring(argv, message, capsys):
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+    assert exited.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_tiny_runs_of_what_used_to_crash(capsys):
+    # Stochastic rounding in the codec bench (its reduce column had no key); an all-reduce
+    # over one device (no bytes on the wire: the ratio column divided by zero).
+    main(["codec", "--sizes-mib", "0.01", "--bits", "4", "--repeats", "1", "--world", "2", "--stochastic"])
+    main(["allreduce", "--sizes-mib", "0.01", "--bits", "4", "-n", "1", "--no-progress"])
+    assert "psum" in capsys.readouterr().out
 
 
 def test_small_sweep_writes_consistent_records(tmp_path, capsys):

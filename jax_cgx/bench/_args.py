@@ -1,0 +1,39 @@
+"""Argument types the bench commands share: a value out of range is an argparse error that
+names the flag, before anything is measured."""
+
+from __future__ import annotations
+
+import argparse
+import math
+from collections.abc import Callable
+
+# Widths the codec has (bits per value).
+BITS = range(1, 9)
+
+
+def integer(minimum: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
+        return value
+
+    return parse
+
+
+def number(minimum: float, *, above: bool = False) -> Callable[[str], float]:
+    """A finite float >= ``minimum`` (> with ``above``)."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if not math.isfinite(value) or value < minimum or (above and value == minimum):
+            raise argparse.ArgumentTypeError(f"must be a finite number {'>' if above else '>='} {minimum:g}, "
+                                             f"got {text}")
+        return value
+
+    return parse
