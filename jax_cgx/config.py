@@ -56,6 +56,8 @@ _MIN_SIZE_FLOOR = 16
 # collectives and kernel launches, so smaller ones only add overhead (1e-9 MiB would put
 # one value in each).
 MIN_FUSION_BUFFER_MB = 2.0**-10
+# Buckets beyond this are never needed: a buffer holds fewer values (collectives/chunks.py).
+MAX_BUCKET_SIZE = 2**31 - 1
 # The most fusion buffers one compressed_psum may cut its values into. Every buffer is its own
 # exchange in the compiled program, so compile time grows with their number (XLA:CPU, 8
 # devices: 256 buffers take 11 s to compile, 4000 over 2 minutes). 1024 buffers at the
@@ -133,9 +135,10 @@ class CompressionConfig:
                 "compression"
             )
         _check_int("bucket_size", self.bucket_size)
-        if self.bucket_size < 1:
+        if not 1 <= self.bucket_size <= MAX_BUCKET_SIZE:
             raise ValueError(
-                f"CompressionConfig: bucket_size must be >= 1, got {self.bucket_size}"
+                f"CompressionConfig: bucket_size must be in 1..{MAX_BUCKET_SIZE} (2^31 - 1: a buffer's "
+                f"values fit in fewer), got {self.bucket_size}"
             )
         for name in ("stochastic", "skip_incomplete_buckets"):
             if not isinstance(getattr(self, name), bool):
@@ -147,19 +150,22 @@ class CompressionConfig:
         if self.min_size < 0:
             raise ValueError(f"CompressionConfig: min_size must be >= 0, got {self.min_size}")
         if isinstance(self.fusion_buffer_mb, bool) or not isinstance(
-            self.fusion_buffer_mb, (int, float)
+            self.fusion_buffer_mb, numbers.Real
         ):
             raise TypeError(
                 "CompressionConfig: fusion_buffer_mb must be a number of MiB, got "
                 f"{self.fusion_buffer_mb!r}"
             )
+        if not isinstance(self.fusion_buffer_mb, (int, float)):  # a numpy number: as the Python one
+            integral = isinstance(self.fusion_buffer_mb, numbers.Integral)
+            object.__setattr__(self, "fusion_buffer_mb", (int if integral else float)(self.fusion_buffer_mb))
         mb = self.fusion_buffer_mb
         if not ((isinstance(mb, int) or math.isfinite(mb)) and mb >= MIN_FUSION_BUFFER_MB):
             raise ValueError(
                 "CompressionConfig: fusion_buffer_mb must be a finite number of MiB >= "
                 f"1/1024 (1 KiB), got {mb}; e.g. 64 (the default)"
             )
-        if self.half_dtype not in ("bfloat16", "float16"):
+        if not isinstance(self.half_dtype, str) or self.half_dtype not in ("bfloat16", "float16"):
             raise ValueError(
                 "CompressionConfig: half_dtype must be 'bfloat16' or 'float16', got "
                 f"{self.half_dtype!r}"

@@ -1,5 +1,6 @@
 """CompressionConfig validation and torch_cgx's environment variables."""
 
+import numpy as np
 import pytest
 
 from jax_cgx import CompressionConfig
@@ -28,8 +29,11 @@ def test_valid_bits(bits):
         (dict(bits=12), ValueError, "bits=12"),
         (dict(bits=4.0), TypeError, "bits must be an int"),
         (dict(bits=True), TypeError, "bits must be an int"),
-        (dict(bucket_size=0), ValueError, "bucket_size must be >= 1"),
-        (dict(bucket_size=-5), ValueError, "bucket_size must be >= 1"),
+        (dict(bucket_size=0), ValueError, r"bucket_size must be in 1\.\.2147483647"),
+        (dict(bucket_size=-5), ValueError, r"bucket_size must be in 1\.\.2147483647"),
+        (dict(bucket_size=2**63), ValueError, r"bucket_size must be in 1\.\.2147483647"),
+        (dict(half_dtype=np.dtype("float16")), ValueError, "half_dtype must be 'bfloat16' or 'float16'"),
+        (dict(fusion_buffer_mb=np.bool_(True)), TypeError, "fusion_buffer_mb must be a number of MiB"),
         (dict(stochastic=1), TypeError, "stochastic must be a bool"),
         (dict(skip_incomplete_buckets="yes"), TypeError, "skip_incomplete_buckets must be a bool"),
         (dict(min_size=-1), ValueError, "min_size must be >= 0"),
@@ -61,6 +65,11 @@ def test_fusion_buffer_bounds():
     assert CompressionConfig(fusion_buffer_mb=1e308).fusion_buffer_bytes == int(1e308) * 2**20
     with pytest.raises(ValueError, match="fusion_buffer_mb"):
         CompressionConfig(fusion_buffer_mb=MIN_FUSION_BUFFER_MB / 2)
+    # numpy numbers are numbers, kept as the Python ones (equal configs hash alike)
+    for value, same in ((np.int64(64), 64), (np.float32(0.5), 0.5)):
+        config = CompressionConfig(fusion_buffer_mb=value)
+        assert type(config.fusion_buffer_mb) is type(same) and config == CompressionConfig(fusion_buffer_mb=same)
+        assert hash(config) == hash(CompressionConfig(fusion_buffer_mb=same))
 
 
 def test_properties():

@@ -19,12 +19,23 @@ def quantized_elements(n: int, bucket_size: int, skip_incomplete_buckets: bool) 
     return (n // bucket_size) * bucket_size if skip_incomplete_buckets else n
 
 
+def _check_sizes(fn: str, m, bucket_size, bits=1) -> None:
+    whole = (int, np.integer)
+    if not (isinstance(m, whole) and m >= 0 and isinstance(bucket_size, whole) and bucket_size >= 1
+            and isinstance(bits, whole) and 1 <= bits <= 8):
+        raise ValueError(f"{fn}: needs integers m >= 0, bucket_size >= 1 and bits in 1..8, got m={m!r}, "
+                         f"bucket_size={bucket_size!r}, bits={bits!r}")
+
+
 def num_buckets(m: int, bucket_size: int) -> int:
+    """Buckets for ``m`` values: ceil(m / bucket_size)."""
+    _check_sizes("num_buckets", m, bucket_size)
     return -(-m // bucket_size)
 
 
 def payload_bytes(m: int, bucket_size: int, bits: int) -> int:
     """Packed bytes for ``m`` values: ceil(n*bits/8) per bucket of n values."""
+    _check_sizes("payload_bytes", m, bucket_size, bits)
     full, rest = divmod(m, bucket_size)
     return full * (-(-bucket_size * bits // 8)) + (-(-rest * bits // 8))
 

@@ -37,6 +37,8 @@ def quantize_rows(x, seeds, *, bits, bucket_size, stochastic, m, impl: Impl, val
     params = dict(bits=bits, bucket_size=bucket_size, stochastic=stochastic, m=m)
     if impl == "reference":
         return reference.quantize(x, seeds, valid, **params)
+    if m < jnp.shape(x)[-1] and m % bucket_size:
+        x = x[:, :m]  # the kernels end a row's last bucket at the row's end, not at m
     return tuple(kernels.quantize_p.bind(x, seeds, _valid_operand(valid), **params, strict=impl == "kernel"))
 
 

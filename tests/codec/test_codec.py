@@ -81,6 +81,29 @@ def test_skip_incomplete_buckets_keeps_tail_exact(dtype):
     assert_same_bits(np.asarray(y)[960:], x[960:], "uncompressed tail")
 
 
+@pytest.mark.parametrize("bits", [1, 4])
+@pytest.mark.parametrize("m", [6, 8, 10])
+def test_rows_encode_their_first_m_values(bits, m):
+    """quantize_rows on x[R, n] with m < n (not whole buckets too): the first m values, the
+    same bytes from the kernel and the reference as from the first m columns alone."""
+    x = jnp.asarray(np.array([[0, 1, 2, 3, 0, 1, 100, -100, 5, 5]], np.float32))
+    seeds = jnp.zeros((1, 2), jnp.uint32)
+    args = dict(bits=bits, bucket_size=4, stochastic=False, m=m)
+    want = jax_cgx.codec.quantize_rows(x[:, :m], seeds, impl="reference", **args)
+    for impl in ("kernel", "reference"):
+        for a, b in zip(jax_cgx.codec.quantize_rows(x, seeds, impl=impl, **args), want):
+            assert_same_bits(a, b, f"{impl} m={m}")
+
+
+@pytest.mark.parametrize("args", [(-5, 4, 4), (10, -3, 4), (10, 4, 0), (10, 4, 16), (10.0, 4, 4), (10, 4.5, 4)])
+def test_size_helpers_refuse_what_is_not_a_size(args):
+    with pytest.raises(ValueError, match="payload_bytes: needs integers m >= 0, bucket_size >= 1 and bits in 1..8"):
+        jax_cgx.codec.payload_bytes(*args)
+    if args[2] == 4:
+        with pytest.raises(ValueError, match="num_buckets: needs integers"):
+            jax_cgx.codec.num_buckets(*args[:2])
+
+
 def test_shapes_and_dtypes_round_trip():
     x = jnp.asarray(sample(6 * 7 * 11, jnp.bfloat16)).reshape(6, 7, 11)
     q, y = roundtrip(x, KEY, CompressionConfig(bits=5, bucket_size=100), "kernel")
