@@ -74,6 +74,9 @@ def quantize(
     Returns:
       A :class:`Quantized` pytree; :func:`dequantize` restores an array of ``x``'s
       shape and dtype.
+
+    Its gradient is zero, as ``jnp.round``'s is; a straight-through estimate is
+    ``x + jax.lax.stop_gradient(dequantize(quantize(x)) - x)``.
     """
     config = CompressionConfig() if config is None else config
     if not isinstance(config, CompressionConfig):
@@ -87,6 +90,9 @@ def quantize(
     _compat.check_prng_key(key, "quantize")
     x = jnp.asarray(x)
     dtype = check_float_dtype(x.dtype, "quantize")
+    # Rounding to levels: a zero gradient, as jnp.round has, on every implementation (the kernels
+    # have no differentiation rule; the reference's gradient would flow through the bucket minimum).
+    x = jax.lax.stop_gradient(x)
     n = math.prod(x.shape)
     if n > _MAX_ROW:
         raise ValueError(f"quantize: {n} elements exceed the per-array limit of {_MAX_ROW}")
