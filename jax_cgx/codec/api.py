@@ -211,7 +211,9 @@ def _sum_tails(tails, addend_tail):
     if addend_tail is not None:
         acc = reference.flush(addend_tail.astype(jnp.float32))
     for i in range(tails.shape[0]):
-        acc = reference.accumulate(acc, tails[i].astype(jnp.float32))
+        # Flushed first, as every input value is (docs/format.md): a subnormal tail value must not
+        # depend on the processor's flush-to-zero mode (XLA:CPU's DAZ read it as 0, CUDA does not).
+        acc = reference.accumulate(acc, reference.flush(tails[i].astype(jnp.float32)))
     return acc
 
 
