@@ -24,7 +24,7 @@ from jax import lax
 
 from jax_cgx import _compat
 from jax_cgx.codec import Impl, check_impl
-from jax_cgx.collectives import sharded
+from jax_cgx.collectives import policy, sharded
 from jax_cgx.collectives.chunks import wire_bytes_per_rank
 from jax_cgx.collectives.hierarchical import hierarchical_wire_bytes, reduce_hierarchical
 from jax_cgx.collectives.plan import ConfigSpec, check_ranks, make_plan
@@ -190,6 +190,10 @@ def bytes_on_wire(x, world: int, config: ConfigSpec = None, *, inner_world: int 
     packed when quantized) or ``"all_gather"`` (:func:`~jax_cgx.compressed_all_gather` of the
     shard ``x``: ``W-1`` copies of it, packed when quantized).
 
+    One process may call it alone: it runs nothing collective. So under ``policy="auto"`` in
+    a multi-process job it needs the figures measured first (:func:`jax_cgx.calibrate` on every
+    process, or a step that compresses), and raises a ``RuntimeError`` otherwise.
+
     Uncompressed lanes are counted as a bandwidth-optimal all-reduce, ``2(W-1)/W`` times
     the array's bytes; a quantized buffer as the compressed exchange: ``W-1`` packed
     chunks out in the all_to_all (SRA) or around the ring (``algorithm="ring"``, the
@@ -209,11 +213,13 @@ def bytes_on_wire(x, world: int, config: ConfigSpec = None, *, inner_world: int 
         raise ValueError(f"bytes_on_wire: op must be one of {', '.join(map(repr, WIRE_OPS))}, got {op!r}")
     world, inner_world = check_ranks("bytes_on_wire", world, inner_world)
     if op != "psum":
-        return sharded.wire_bytes(x, world, config, op)
+        with policy.one_process_alone():  # one process may call it: nothing collective
+            return sharded.wire_bytes(x, world, config, op)
     leaves_with_paths = jax.tree_util.tree_flatten_with_path(x)[0]
     paths = [p for p, _ in leaves_with_paths]
     leaves = [v for _, v in leaves_with_paths]
-    plan = make_plan(paths, leaves, config, x, world, inner_world, measure=False)  # one process may call it
+    with policy.one_process_alone():  # one process may call it: nothing collective
+        plan = make_plan(paths, leaves, config, x, world, inner_world, measure=False)
     if world <= 1:
         return 0
     ring = 2 * (world - 1) / world

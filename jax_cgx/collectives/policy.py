@@ -36,6 +36,7 @@ logger; :func:`jax_cgx.explain` shows them for a pytree. The probes themselves a
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import logging
 import os
@@ -189,6 +190,20 @@ def _calibrate_platform(platform: str, link_gbps: float | None, source: str | No
     return fig
 
 
+_alone = threading.local()
+
+
+@contextlib.contextmanager
+def one_process_alone():
+    """While in it, figures that would have to be measured (collectively) raise instead: for
+    what one process may call alone (``bytes_on_wire``), where measuring would hang."""
+    _alone.on = True
+    try:
+        yield
+    finally:
+        _alone.on = False
+
+
 def figures(config: CompressionConfig | None = None, platform: str | None = None) -> Figures:
     """The figures ``config`` is decided with on ``platform`` (default: JAX's default backend).
 
@@ -204,6 +219,11 @@ def figures(config: CompressionConfig | None = None, platform: str | None = None
         link_gbps, source = env, "JAX_CGX_LINK_GBPS"
     with _lock:
         fig = _cached(platform, link_gbps, source)
+        if fig is None and getattr(_alone, "on", False) and jax.process_count() > 1:
+            raise RuntimeError(
+                "jax_cgx: policy='auto' has not measured this machine yet, and measuring is collective (every "
+                "process takes part): one process cannot do it alone. Call jax_cgx.calibrate() on every "
+                "process first (or run a step that compresses)")
         if fig is None:
             fig = _outside_trace(lambda: _calibrate_platform(platform, link_gbps, source))
     return fig

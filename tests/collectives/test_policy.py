@@ -353,3 +353,17 @@ def test_processes_given_different_link_rates_fail_clearly(tmp_path):
         error = json.loads((tmp_path / f"process{i}.json").read_text()).get("error", "")
         assert "disagree on the link rate (not given (measured) on one, 2.5 Gbit/s on another" in error, error
         assert "on every process, or on none" in error
+
+
+def test_bytes_on_wire_alone_never_measures_collectively(monkeypatch):
+    """bytes_on_wire may run on one process: with several processes and nothing measured yet,
+    policy='auto' would start a collective probe the others never join (a hang): a clear error."""
+    policy.reset()
+    monkeypatch.setattr(policy.jax, "process_count", lambda: 2)
+    tree = {"w": jax.ShapeDtypeStruct((1 << 16,), jnp.float32)}
+    auto = jax_cgx.CompressionConfig(bits=4, policy="auto")
+    for op in ("psum", "psum_scatter", "all_gather"):
+        with pytest.raises(RuntimeError, match="one process cannot do it alone. Call jax_cgx.calibrate"):
+            bytes_on_wire(tree, 8, auto, op=op)
+    assert bytes_on_wire(tree, 8, jax_cgx.CompressionConfig(bits=4)) > 0  # "always" needs no figures
+    policy.reset()
