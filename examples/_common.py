@@ -61,7 +61,7 @@ def add_args(p: argparse.ArgumentParser, *, steps: int, batch: int, lr: float, l
                         "pipelined with the wire (CPU; connected by jax_cgx.tcp.setup) (default: %(default)s)")
     p.add_argument("--reduce-in-backward", action="store_true",
                    help="maxmin: average each layer's gradient in the backward pass, as soon as it exists "
-                        "(jax_cgx.reduce_in_backward), instead of all of them after it")
+                        "(jax_cgx.reduce_in_backward), instead of all of them after it (train_digits.py only)")
     p.add_argument("--error-feedback", action="store_true",
                    help="maxmin: carry each rank's quantization error into its next step")
     p.add_argument("--layer-min-size", type=int, default=1024,

@@ -8,7 +8,7 @@ By default it runs on 8 simulated CPU devices in one process; under a launcher, 
 processes' devices. Each device computes the gradient of a
 small MLP on its shard of the batch; the gradients are averaged once with jax.lax.pmean
 and once with jax_cgx.compressed_pmean. It prints the error of the compressed mean, the
-step times, the bytes each device puts on the wire, and the loss curves of both runs.
+step times, the bytes each device puts on the wire, and the first and last loss of both runs.
 
 Simulated devices share one process's memory: nothing crosses a network, so there the
 compressed step can only be slower (it adds the codec's work and saves no wire time). The

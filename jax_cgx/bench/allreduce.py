@@ -29,7 +29,7 @@ custom call on jax_cgx's NCCL communicators, GPU only; ``tcp``: one CPU custom c
 jax_cgx's TCP connections, the codec pipelined with the wire). Under a launcher
 (``python -m jax_cgx.launch -n 4 benchmarks/allreduce.py ...``, mpirun, srun) every
 process runs it and process 0 prints; ``--share-gpu`` lets all ranks use GPU 0 of
-one machine, each as its own NCCL "host" (ARCHITECTURE.md §5), which is how the
+one machine, each as its own NCCL "host" (docs/nccl.md), which is how the
 nccl backend is measured on a one-GPU machine.
 """
 

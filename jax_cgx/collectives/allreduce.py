@@ -83,8 +83,8 @@ def compressed_psum(
       error ``x - cast(x)`` (the rounding of the half-precision sum itself is not
       attributable to a rank and is not included); quantized: what each quantization
       this rank ran lost (see docs/algorithm.md, "Error feedback"); a single rank:
-      zeros. Residuals are computed by the ``xla`` backend only (``backend="nccl"``
-      raises); they cannot be differentiated.
+      zeros. Residuals are computed by the ``xla`` backend only (``backend="nccl"`` or
+      ``"tcp"`` raises); they cannot be differentiated.
     """
     check_impl(impl)
     _compat.check_prng_key(key, "compressed_psum")

@@ -20,7 +20,7 @@ order. What this buys depends on the platform:
   latency-hiding scheduler may run a layer's exchange while computing the next layer's
   gradients (the xla backend's collectives are asynchronous there; the nccl backend's
   custom call runs on the compute stream, so it orders rather than overlaps).
-- **CPU**: XLA:CPU runs a process's work in order (../shared/ARCHITECTURE.md §6), so nothing
+- **CPU**: XLA:CPU runs a process's work in order (one thunk after another), so nothing
   overlaps; the reductions only move earlier. docs/performance.md has the measurement.
 
 Gradients are those of ``compressed_pmean`` applied to each marked subtree's gradient after

@@ -2,7 +2,7 @@
 
 Several ranks share ONE GPU: each is its own process with a distinct NCCL_HOSTID, so
 NCCL treats them as separate hosts and connects them over sockets on `lo`
-(ARCHITECTURE.md §5). Every case runs with the nccl and the xla backend; the results
+(docs/nccl.md, "Several ranks on one GPU"). Every case runs with the nccl and the xla backend; the results
 must be bitwise equal to each other, identical on every rank, and equal to the
 single-program oracle of the algorithm.
 """

@@ -72,7 +72,7 @@ def oracle(xs, config, key=None, ranks=None):
 
 
 def sra_bound(xs, out, scales, chunk, bucket_size, stochastic=False):
-    """|out - exact| per element and the analytic bound of ARCHITECTURE.md section 3.
+    """|out - exact| per element and the analytic bound of docs/algorithm.md.
 
     For an element of chunk o: sum over peers r != o of s_r/2 (the owner's own chunk is
     exact) plus s_sum/2 for the re-quantized sum; stochastic rounding doubles each term.
