@@ -24,17 +24,23 @@ DEFAULT_TIMEOUT_S = 300.0
 ID_EXCHANGES = ("auto", "kv", "mpi")
 
 
-def timeout(timeout_s: float | None) -> float:
-    """``timeout_s``, else ``$JAX_CGX_NCCL_TIMEOUT_S``, else 300 s."""
-    if timeout_s is not None:
-        return float(timeout_s)
-    raw = os.environ.get(TIMEOUT_ENV, "")
-    if not raw:
-        return DEFAULT_TIMEOUT_S
-    try:
-        return float(raw)
-    except ValueError:
-        raise ValueError(f"{TIMEOUT_ENV}={raw!r} is not a number of seconds") from None
+# Timeouts become integer milliseconds: anything finite up to ~30 years; inf or 1e300 would overflow.
+MAX_TIMEOUT_S = 1e9
+
+
+def timeout(timeout_s: float | None, env: str = TIMEOUT_ENV, api: str = "jax_cgx.nccl") -> float:
+    """``timeout_s``, else ``$env``, else 300 s: a number of seconds in (0, MAX_TIMEOUT_S]."""
+    if timeout_s is None:
+        raw = os.environ.get(env, "")
+        if not raw:
+            return DEFAULT_TIMEOUT_S
+        try:
+            timeout_s = float(raw)
+        except ValueError:
+            raise ValueError(f"{env}={raw!r} is not a number of seconds") from None
+    if not 0 < timeout_s <= MAX_TIMEOUT_S:  # also refuses NaN and inf
+        raise ValueError(f"{api}: the timeout must be > 0 and at most {MAX_TIMEOUT_S:g} seconds, got {timeout_s!r}")
+    return float(timeout_s)
 
 
 def exchange_ids(binding, plan: list[PlannedGroup], process: int, id_exchange: str,

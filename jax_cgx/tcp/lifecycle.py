@@ -22,6 +22,7 @@ import jax
 import numpy as np
 
 from jax_cgx.codec import kernels
+from jax_cgx.nccl import unique_ids
 from jax_cgx.nccl.groups import PlannedGroup, families, find_family, groups_array, key_of, mesh_ident, mesh_parts
 from jax_cgx.nccl.registry import CommunicatorInfo  # (key, ordinal, rank, world, description), as for nccl
 
@@ -32,10 +33,7 @@ log = logging.getLogger("jax_cgx")
 
 TIMEOUT_ENV = "JAX_CGX_TCP_TIMEOUT_S"
 HOST_ENV = "JAX_CGX_TCP_HOST"
-DEFAULT_TIMEOUT_S = 300.0
-# Timeouts become integer milliseconds (jax's key-value store, the C++ transport's int64):
-# anything finite up to ~30 years is fine; inf or 1e300 would overflow.
-MAX_TIMEOUT_S = 1e9
+DEFAULT_TIMEOUT_S = unique_ids.DEFAULT_TIMEOUT_S
 # Key-value store keys of the addresses: <prefix>/<family key>/<generation>/<group index>/<rank>.
 KV_PREFIX = "jax_cgx/tcp/addr"
 
@@ -52,19 +50,8 @@ class TcpError(RuntimeError):
 
 
 def timeout(timeout_s: float | None) -> float:
-    """``timeout_s``, else ``$JAX_CGX_TCP_TIMEOUT_S``, else 300 s."""
-    if timeout_s is None:
-        raw = os.environ.get(TIMEOUT_ENV, "")
-        if not raw:
-            return DEFAULT_TIMEOUT_S
-        try:
-            timeout_s = float(raw)
-        except ValueError:
-            raise ValueError(f"{TIMEOUT_ENV}={raw!r} is not a number of seconds") from None
-    if not 0 < timeout_s <= MAX_TIMEOUT_S:  # also refuses NaN and inf
-        raise ValueError(f"jax_cgx.tcp: the timeout must be > 0 and at most {MAX_TIMEOUT_S:g} seconds, "
-                         f"got {timeout_s!r}")
-    return float(timeout_s)
+    """``timeout_s``, else ``$JAX_CGX_TCP_TIMEOUT_S``, else 300 s (checked as the nccl backend's)."""
+    return unique_ids.timeout(timeout_s, TIMEOUT_ENV, "jax_cgx.tcp")
 
 
 def _kv_client():
@@ -147,6 +134,20 @@ def _members(g: PlannedGroup, process: int) -> list[tuple[int, int]]:
     return [(int(d.id), rank) for rank, d in enumerate(g.devices) if int(d.process_index) == process]
 
 
+def _unpublish(plan: list[PlannedGroup], listeners: dict, process: int) -> None:
+    """After a failed exchange: delete the addresses this process published (their listeners are
+    closed), so that a retry can publish again, and a late peer waits instead of dialing them."""
+    client = _kv_client() if jax.process_count() > 1 else None
+    if client is None or not hasattr(client, "key_value_delete"):
+        return
+    mine = {(g.index, g.key): g for g in plan if process in g.processes}
+    for gk, rank in listeners:
+        try:
+            client.key_value_delete(_kv_key(mine[gk], rank))
+        except Exception:  # noqa: BLE001 - never published, or the store is gone: nothing to undo
+            pass
+
+
 def _addresses(plan: list[PlannedGroup], listeners: dict, process: int, timeout_s: float) -> dict:
     """Every rank's ``host:port`` of every group with a member here: ``{(group, key): [address]}``.
 
@@ -215,7 +216,9 @@ def setup(mesh, axes=None, *, timeout_s: float | None = None):
     binding = kernels._cpu
     with lock:
         have = _families.get(ident, {})
-        new = [fam for fam in wanted if fam not in have]
+        # In one order on every process, whatever order the caller listed the axes in: connecting
+        # walks the families in this order, and two orders would wait on each other until the timeout.
+        new = sorted((fam for fam in wanted if fam not in have), key=lambda fam: wanted[fam])
         if not new:
             return types.MappingProxyType(dict(wanted))
         process = jax.process_index()
@@ -235,6 +238,7 @@ def setup(mesh, axes=None, *, timeout_s: float | None = None):
         except BaseException:
             for handle, _ in listeners.values():
                 binding.tcp_close_listener(handle)
+            _unpublish(plan, listeners, process)
             raise
         if not _atexit_registered:
             atexit.register(_at_exit)

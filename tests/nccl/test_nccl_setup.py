@@ -523,3 +523,14 @@ def test_mpi_exchange_in_one_process(monkeypatch):
     _fake_mpi(monkeypatch, FakeComm(4, lambda obj: [obj]))
     with pytest.raises(nccl.NcclError, match="COMM_WORLD has 4 ranks but jax has 2 processes"):
         nccl.setup(mesh)
+
+
+@pytest.mark.parametrize("value", [float("inf"), float("nan"), -1.0, 0.0, 1e300])
+def test_nccl_timeouts_are_checked_as_tcps_are(value, monkeypatch):
+    from jax_cgx.nccl import unique_ids
+
+    with pytest.raises(ValueError, match="jax_cgx.nccl: the timeout must be > 0 and at most 1e\\+09 seconds"):
+        unique_ids.timeout(value)
+    monkeypatch.setenv("JAX_CGX_NCCL_TIMEOUT_S", str(value))
+    with pytest.raises(ValueError, match="the timeout must be > 0"):
+        unique_ids.timeout(None)

@@ -51,3 +51,43 @@ def test_ranks_running_different_reductions_fail_with_both_named(tmp_path):
         message = (tmp_path / f"process{pid}.txt").read_text()
         assert "runs a different reduction" in message, message
         assert "n=1000," in message and "n=2000," in message, message
+
+
+_SETUP_SCRIPT = """
+import sys, time
+import jax_cgx
+jax_cgx.distributed.initialize()
+import jax
+import numpy as np
+from jax.sharding import Mesh
+import jax_cgx.tcp as tcp
+p = jax.process_index()
+d = {x.id: x for x in jax.devices()}
+if sys.argv[1] == "order":  # the same families, listed in another order on each process
+    mesh = Mesh(np.array([[d[0], d[2048]], [d[2049], d[1]]]), ("a", "b"))  # both axes cross processes
+    tcp.setup(mesh, [("a",), ("b",)] if p == 0 else [("b",), ("a",)], timeout_s=20)
+else:  # process 0 gives up waiting for a late peer, then both set up
+    mesh = jax.make_mesh((jax.device_count(),), ("data",))
+    if p == 0:
+        try:
+            tcp.setup(mesh, timeout_s=1)
+            raise SystemExit("the first setup should have timed out")
+        except tcp.TcpError:
+            pass
+    else:
+        time.sleep(4)
+    tcp.setup(mesh, timeout_s=30)
+print("set up", len(tcp.communicators()), flush=True)
+"""
+
+
+@pytest.mark.parametrize("case", ["order", "retry"])
+def test_setup_in_any_axes_order_and_after_a_failed_attempt(tmp_path, case):
+    # Listed in two orders, the families were connected in two orders: each process waited on the
+    # other until the timeout. A retry after a timeout met its own stale address in the store.
+    script = tmp_path / "setup.py"
+    script.write_text(_SETUP_SCRIPT)
+    launch = [sys.executable, "-m", "jax_cgx.launch", "-n", "2", "--devices-per-process", "2", "--timeout", "120"]
+    ((returncode, log),) = run_all([[*launch, str(script), case]], timeout=180)
+    assert returncode == 0, log[-4000:]
+    assert log.count("set up") == 2, log[-4000:]
