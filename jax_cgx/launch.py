@@ -20,8 +20,8 @@
   SIGTERM (its preemption notice) and keeps running, so a process past
   ``jax.distributed.initialize`` usually ends only at the SIGKILL.
 - Ctrl-C, SIGTERM, SIGHUP (a closed terminal or ssh session) or SIGQUIT to the launcher
-  stops every process the same way and exits with 128 + the signal. No process is left behind: each one runs in its own process group,
-  and the whole group is signalled; on Linux the processes are also killed if the
+  stops every process the same way and exits with 128 + the signal. No process is left
+  behind: each one runs in its own process group, and the whole group is signalled; on Linux the processes are also killed if the
   launcher itself is killed (``PR_SET_PDEATHSIG``).
 """
 
@@ -36,7 +36,9 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 
+from jax_cgx._args import integer
 from jax_cgx.distributed import COORDINATOR_VARIABLE, RANK_VARIABLES
 
 
@@ -158,16 +160,24 @@ class ProcessGroup:
         with self._changed:
             return [(rank, status) for rank, status in self.ended if status != 0]
 
-    def wait_for_end_or_failure(self, deadline: float | None = None) -> bool:
-        """Block until every process has ended, one has failed, or ``deadline`` (a
-        ``time.monotonic()``) passed; True unless it is the deadline that came."""
+    def _wait(self, done: Callable[[], bool], deadline: float | None) -> bool:
+        """Block, woken by each end noted, until ``done()`` or ``deadline`` (a ``time.monotonic()``);
+        True unless it is the deadline that came."""
         with self._changed:
-            while len(self.ended) < len(self.procs) and all(status == 0 for _, status in self.ended):
+            while not done():
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     return False
                 self._changed.wait(left)
         return True
+
+    def _all_ended(self) -> bool:
+        return len(self.ended) == len(self.procs)
+
+    def wait_for_end_or_failure(self, deadline: float | None = None) -> bool:
+        """Block until every process has ended, one has failed, or ``deadline`` (a
+        ``time.monotonic()``) passed; True unless it is the deadline that came."""
+        return self._wait(lambda: self._all_ended() or any(status != 0 for _, status in self.ended), deadline)
 
     def _signal_all(self, sig: int) -> None:
         for proc in self.procs:
@@ -182,10 +192,8 @@ class ProcessGroup:
         Returns the ranks that were still running at the SIGKILL.
         """
         self._signal_all(signal.SIGTERM)
-        deadline = time.monotonic() + grace
-        while time.monotonic() < deadline and any(p.poll() is None for p in self.procs):
-            time.sleep(0.05)
-        killed = [rank for rank, p in enumerate(self.procs) if p.poll() is None]
+        self._wait(self._all_ended, time.monotonic() + grace)
+        killed = self.running()
         self._signal_all(signal.SIGKILL)
         for proc in self.procs:
             proc.wait()
@@ -252,16 +260,6 @@ class Job(ProcessGroup):
         return code
 
 
-def _count(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
-
-
 def _seconds(minimum_exclusive: bool):
     def parse(text: str) -> float:
         try:
@@ -297,9 +295,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m jax_cgx.launch", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("-n", "--nproc", type=_count, required=True, metavar="N",
+    parser.add_argument("-n", "--nproc", type=integer(1), required=True, metavar="N",
                         help="number of processes (at least 1)")
-    parser.add_argument("--devices-per-process", type=_count, default=None, metavar="K",
+    parser.add_argument("--devices-per-process", type=integer(1), default=None, metavar="K",
                         help="simulated CPU devices per process (at least 1; leave out on GPUs)")
     parser.add_argument("--timeout", type=_seconds(minimum_exclusive=True), default=None, metavar="SECONDS",
                         help=f"stop every process and exit {TIMEOUT_EXIT} if the job is still running after "

@@ -47,7 +47,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_cgx
-from jax_cgx.bench._args import BITS, integer, number
+from jax_cgx._args import BITS, integer, number
 from jax_cgx.bench._table import print_table, save
 from jax_cgx.collectives import bytes_on_wire
 

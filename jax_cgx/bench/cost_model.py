@@ -15,7 +15,7 @@ import re
 
 import numpy as np
 
-from jax_cgx.bench._args import BITS, integer, number
+from jax_cgx._args import BITS, integer, number
 from jax_cgx.collectives.cost_model import CodecRates, LinkModel, encoded_chunk_bytes, predict
 
 __all__ = ["CodecRates", "LinkModel", "encoded_chunk_bytes", "predict", "parse_rate"]

@@ -1,5 +1,5 @@
-"""Argument types the bench commands share: a value out of range is an argparse error that
-names the flag, before anything is measured."""
+"""Argument types the command lines share (``jax_cgx.bench``, ``jax_cgx.launch``): a value out
+of range is an argparse error that names the flag, before anything runs."""
 
 from __future__ import annotations
 
