@@ -11,7 +11,9 @@ the same processes, one step of each in turn, so the step times compare directly
   size of the step PyTorch DDP's fp16 and PowerSGD hooks were measured on (docs/performance.md).
 - ``charlm``: the character transformer of examples/train_charlm.py (d_model 256: 1.6 M parameters).
 
-A compressor is ``none`` (pmean), ``maxmin:BITS``, ``cast`` (bfloat16) or ``powersgd:RANK``. Each
+A compressor is ``none`` (pmean), ``maxmin:BITS``, ``cast`` (bfloat16) or ``powersgd:RANK``; the
+yardstick, the same step in PyTorch DDP in the same processes, is ``ddp:none``, ``ddp:fp16``,
+``ddp:bf16`` or ``ddp:powersgd:RANK`` (benchmarks/torch_ddp.py; needs torch and ``--model mlp``). Each
 takes ``--steps`` steps from the same initialization and batches; the table gives the median step
 time without the first ``--warmup`` steps (compilation), its spread (max / median), the speedup over
 ``none``, the bytes one device sends per step and the mean training loss of the last 10 steps.
@@ -31,6 +33,9 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # torch_ddp, the PyTorch yardstick
+
+import torch_ddp  # noqa: E402  (imports torch only when a ddp: compressor is asked for)
 
 # Issue 20's comm-bound step: 16.8 M parameters, 67 MB of float32 gradients (four 2048 x 2048 layers).
 MLP_SIZES = (2048, 2048, 2048, 2048, 2048, 10)
@@ -41,7 +46,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--model", choices=("mlp", "charlm"), default="mlp", help="(default: %(default)s)")
     p.add_argument("--compressors", nargs="+", default=["none", "maxmin:4", "maxmin:8", "cast", "powersgd:2"],
                    help="none, maxmin:BITS[+auto][+backward][+tcp], cast, powersgd:RANK (+auto: policy='auto'; "
-                        "+backward: reduce_in_backward; +tcp: the tcp backend) "
+                        "+backward: reduce_in_backward; +tcp: the tcp backend), and PyTorch DDP in the same "
+                        "processes: ddp:none, ddp:fp16, ddp:bf16, ddp:powersgd:RANK "
                         "(default: %(default)s)")
     p.add_argument("--steps", type=int, default=30, help="steps per compressor (default: %(default)s)")
     p.add_argument("--warmup", type=int, default=3, help="first steps left out of the median (default: %(default)s)")
@@ -64,6 +70,16 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--batch-per-device must be at least 1, got {args.batch_per_device}")
     if args.link_gbps is not None and not args.link_gbps > 0:
         p.error(f"--link-gbps must be positive, got {args.link_gbps}")
+    ddp = [spec for spec in args.compressors if spec.startswith("ddp:")]
+    for spec in ddp:
+        try:
+            torch_ddp.parse_spec(spec)
+        except ValueError as err:
+            p.error(str(err))
+    if ddp and args.model != "mlp":
+        p.error(f"{ddp[0]} needs --model mlp (the PyTorch yardstick is written for the MLP only)")
+    if ddp and args.profile:
+        p.error("--profile traces JAX steps only; leave the ddp: compressors out")
     return args
 
 
@@ -228,7 +244,9 @@ def main(argv=None) -> list[dict]:
 
     lead = jax.process_index() == 0
     model = Model(args)
-    trainers = [Trainer(spec, model, args) for spec in ["compute", *args.compressors]]
+    lr = example_args("none", args, 1).lr
+    trainers = [torch_ddp.DdpTrainer(spec, model, args, lr) if spec.startswith("ddp:") else Trainer(spec, model, args)
+                for spec in ["compute", *args.compressors]]
     # Round robin, one step of each compressor in turn: every compressor sees the same load on the
     # machine and the link over the run, so the ratios are measured side by side.
     for i in range(args.steps):
@@ -243,10 +261,10 @@ def main(argv=None) -> list[dict]:
             r["profile_ms"] = t.profile(args.profile, args.profile_steps)
     if not lead:
         return records
-    r0 = records[-1]
+    r0 = records[0]
     link = f", {args.link_gbps:g} Gbit/s link" if args.link_gbps else ""
     print_table(
-        f"training step, {model.title} ({r0['parameters']:,} parameters), {r0['devices']} x {r0['platform']}, "
+        f"training step, {model.title} ({r0['parameters']:,} parameters), {jax.device_count()} x {r0['platform']}, "
         f"{args.batch_per_device} samples per device{link}, median of {args.steps - args.warmup} steps",
         ["compressor", "step ms", "p10-p90 ms", "max/median", "speedup", "ideal ms", "of ideal",
          "wire per device per step", "loss (last 10)"],

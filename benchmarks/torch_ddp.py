@@ -1,0 +1,179 @@
+"""The yardstick: the same training step in PyTorch DDP, with its compression hooks, in the same processes.
+
+``benchmarks/train_step.py --compressors ... ddp:none ddp:fp16 ddp:powersgd:2`` adds a
+:class:`DdpTrainer` per ``ddp:`` spec to its round robin, so PyTorch's step runs in the same processes,
+on the same link, between the same JAX steps: the ratios in one table are measured side by side.
+
+What a PyTorch user would run, with PyTorch's defaults:
+
+- ``torch.nn.parallel.DistributedDataParallel`` on a gloo process group (25 MB buckets, gradients
+  reduced as backward produces them);
+- ``ddp:none`` plain DDP (float32 all-reduce), ``ddp:fp16`` / ``ddp:bf16`` the
+  ``fp16_compress_hook`` / ``bf16_compress_hook``, ``ddp:powersgd:RANK`` the ``powerSGD_hook``
+  (error feedback and warm start on, as by default) starting at step 10 as ``powersgd_mean`` does,
+  in one DDP bucket (several crash gloo: see ``DdpTrainer``);
+- the MLP of ``--model mlp``, from the very same initial weights, on the very same batches (each
+  process takes its rows of the global batch, as the JAX data-parallel step does), Adam with the same
+  learning rate and cosine decay; ``torch.get_num_threads()`` is PyTorch's default, recorded.
+
+The rendezvous goes through jax.distributed's key-value store: process 0 hosts a ``TCPStore`` on a free
+port of the address jax_cgx's tcp backend would publish, and the others read its address.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+
+HOOKS = ("none", "fp16", "bf16", "powersgd")
+POWERSGD_START = 10  # powersgd_mean's default start_iter: both run uncompressed steps first
+_KV_KEY = "jax_cgx/bench/torch_ddp_store"
+
+
+def parse_spec(spec: str) -> tuple[str, int | None]:
+    """``ddp:none`` -> ("none", None), ``ddp:powersgd:2`` -> ("powersgd", 2); anything else raises ValueError."""
+    _, _, rest = spec.partition(":")
+    hook, _, value = rest.partition(":")
+    if hook not in HOOKS or (hook == "powersgd") != bool(value):
+        raise ValueError(f"{spec!r} is not ddp:none, ddp:fp16, ddp:bf16 or ddp:powersgd:RANK")
+    if hook != "powersgd":
+        return hook, None
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"{spec!r}: the PowerSGD rank must be a positive integer")
+    return hook, int(value)
+
+
+def import_torch():
+    try:
+        import torch
+        import torch.distributed  # noqa: F401
+    except ImportError as err:
+        raise SystemExit(
+            "train_step: the ddp: compressors need PyTorch (the yardstick, not a jax_cgx dependency): "
+            "pip install torch (a CPU build is enough)"
+        ) from err
+    return torch
+
+
+_group = None
+
+
+def process_group():
+    """The gloo process group over the JAX processes (created once, ranks = ``jax.process_index()``)."""
+    global _group
+    if _group is not None:
+        return _group
+    import jax
+    import torch.distributed as dist
+
+    rank, world = jax.process_index(), jax.process_count()
+    if world == 1:
+        store = dist.HashStore()
+    else:
+        from jax._src import distributed
+
+        from jax_cgx.tcp.lifecycle import host_address
+
+        client = distributed.global_state.client
+        if rank == 0:
+            store = dist.TCPStore(host_address(), 0, world, is_master=True, wait_for_workers=False)
+            client.key_value_set(_KV_KEY, f"{host_address()}:{store.port}")
+        else:
+            host, port = client.blocking_key_value_get(_KV_KEY, 120_000).rsplit(":", 1)
+            store = dist.TCPStore(host, int(port), world, is_master=False)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+    _group = dist.group.WORLD
+    return _group
+
+
+def _register_hook(model, hook: str, rank: int | None):
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+
+    if hook == "fp16":
+        model.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    elif hook == "bf16":
+        model.register_comm_hook(None, default_hooks.bf16_compress_hook)
+    elif hook == "powersgd":
+        state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=rank,
+                                            start_powerSGD_iter=POWERSGD_START)
+        model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+
+
+class DdpTrainer:
+    """One DDP configuration, a step at a time: the interface of train_step.py's ``Trainer``."""
+
+    def __init__(self, spec: str, model, args: argparse.Namespace, lr: float):
+        self.hook, self.rank = parse_spec(spec)
+        torch = import_torch()
+        import jax
+        import torch.nn.functional as F
+        from torch.nn.parallel import DistributedDataParallel
+
+        self.spec, self.model, self.args, self.torch, self.F = spec, model, args, torch, F
+        self.world, self.index = jax.process_count(), jax.process_index()
+        self.batch_size = args.batch_per_device * jax.device_count()
+        group = process_group()
+        layers = []
+        params = jax.device_get(model.init())  # the JAX model's initial weights, [{"w": (in, out), "b"}]
+        for layer in params:
+            linear = torch.nn.Linear(*np.shape(layer["w"]))
+            with torch.no_grad():
+                linear.weight.copy_(torch.from_numpy(np.array(layer["w"]).T))
+                linear.bias.copy_(torch.from_numpy(np.array(layer["b"])))
+            layers += [linear, torch.nn.ReLU()]
+        net = torch.nn.Sequential(*layers[:-1])
+        self.parameters = sum(p.numel() for p in net.parameters())
+        # PowerSGD on gloo needs a single bucket: with several, each bucket's hook issues its Q
+        # all-reduce from a callback of its P all-reduce, and the ranks can issue them in different
+        # orders (seen: gloo aborts with "Received data size doesn't match expected size" at the first
+        # compressed step). Other hooks keep DDP's 25 MB buckets.
+        bucket_mb = 4 * self.parameters / 2**20 + 1 if self.hook == "powersgd" else 25
+        self.net = DistributedDataParallel(net, process_group=group, bucket_cap_mb=bucket_mb)
+        _register_hook(self.net, self.hook, self.rank)
+        self.wire = self._wire_bytes(params)
+        self.optimizer = torch.optim.Adam(net.parameters(), lr=lr)
+        steps = args.steps
+        # optax.cosine_decay_schedule(lr, steps): lr * (1 + cos(pi * min(t, steps) / steps)) / 2
+        self.schedule = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda t: 0.5 * (1 + np.cos(np.pi * min(t, steps) / steps)))
+        self.rng = np.random.default_rng(0)  # the same batches as every JAX trainer
+        self.times, self.losses = [], []
+
+    def step(self) -> None:
+        x, y = self.model.batch(self.rng, self.batch_size)
+        rows = slice(self.index * len(x) // self.world, (self.index + 1) * len(x) // self.world)
+        x, y = self.torch.from_numpy(x[rows]), self.torch.from_numpy(y[rows]).long()
+        t0 = time.perf_counter()
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = self.F.cross_entropy(self.net(x), y)
+        loss.backward()  # DDP's all-reduces run during backward and are waited for before it returns
+        self.optimizer.step()
+        self.schedule.step()
+        self.times.append(time.perf_counter() - t0)
+        self.losses.append(loss.item())
+
+    def describe(self) -> str:
+        name = {"none": "plain (float32)", "fp16": "fp16_compress_hook", "bf16": "bf16_compress_hook",
+                "powersgd": f"PowerSGD rank {self.rank}, one bucket"}[self.hook]
+        return f"PyTorch DDP {name}"
+
+    def _wire_bytes(self, params) -> int:
+        """Bytes one process sends per step, counted as train_step counts jax_cgx's (ring all-reduces)."""
+        ring = 2 * (self.world - 1) / self.world
+        if self.hook == "powersgd":  # the same P, Q and uncompressed tensors as powersgd_mean's
+            from jax_cgx.optax._powersgd import powersgd_bytes
+
+            return powersgd_bytes(params, self.world, rank=self.rank)
+        return int(round(ring * self.parameters * (4 if self.hook == "none" else 2)))
+
+    def record(self, warmup: int) -> dict:
+        timed = np.asarray(self.times[warmup:]) * 1e3
+        return dict(compressor=self.spec, description=self.describe(), devices=self.world,
+                    platform=f"cpu (torch {self.torch.__version__}, {self.torch.get_num_threads()} threads)",
+                    parameters=self.parameters, steps=self.args.steps, batch=self.batch_size,
+                    step_ms=float(np.median(timed)), step_ms_p10=float(np.percentile(timed, 10)),
+                    step_ms_p90=float(np.percentile(timed, 90)), step_ms_max=float(timed.max()),
+                    spread=float(timed.max() / np.median(timed)), first_step_s=self.times[0],
+                    wire_bytes=self.wire, final_loss=float(np.mean(self.losses[-10:])))
