@@ -167,15 +167,21 @@ def _calibrate_platform(platform: str, link_gbps: float | None, source: str | No
     t0 = time.perf_counter()
     if platform not in _measured_rates:
         r = probes.measure_rates(jax.local_devices(backend=platform)[0])
-        # The link rate given travels with the rates: a process given one would skip the link
-        # probe that the others run collectively, and their programs would no longer match.
+        # The link rates given travel with the rates: a process given one would skip the link
+        # probe that the others run collectively, and their programs would no longer match. The
+        # environment's is compared even when this call has its own (or none, as calibrate()):
+        # a later call without one falls back to it.
         given = -1.0 if link_gbps is None else link_gbps
-        q, d, a, low, neg_high = _agree([r.quantize, r.dequantize, r.add, given, -given], np.min)
-        if low != -neg_high:
-            raise ValueError(
-                f"policy='auto': the processes disagree on the link rate ({_rate_setting(low)} on one, "
-                f"{_rate_setting(-neg_high)} on another; here {source or 'measured'}). Set JAX_CGX_LINK_GBPS "
-                "(or CompressionConfig.link_gbps) to the same value on every process, or on none.")
+        env = link_gbps_from_env()
+        env = -1.0 if env is None else env
+        q, d, a, low, neg_high, env_low, neg_env_high = _agree(
+            [r.quantize, r.dequantize, r.add, given, -given, env, -env], np.min)
+        for lo, hi, where in ((low, -neg_high, "the rate each uses here"), (env_low, -neg_env_high, "JAX_CGX_LINK_GBPS")):
+            if lo != hi:
+                raise ValueError(
+                    f"policy='auto': the processes disagree on the link rate ({_rate_setting(lo)} on one, "
+                    f"{_rate_setting(hi)} on another; compared: {where}). Set JAX_CGX_LINK_GBPS "
+                    "(or CompressionConfig.link_gbps) to the same value on every process, or on none.")
         _measured_rates[platform] = CodecRates(quantize=q, dequantize=d, add=a)
     if link_gbps is None and platform not in _measured_link:
         devices = jax.devices(platform)

@@ -339,12 +339,14 @@ def test_processes_agree_on_figures_and_decisions(tmp_path):
 
 
 @pytest.mark.multiprocess
-def test_processes_given_different_link_rates_fail_clearly(tmp_path):
+@pytest.mark.parametrize("first", ["--figures-only", "--calibrate-only"])
+def test_processes_given_different_link_rates_fail_clearly(tmp_path, first):
     """JAX_CGX_LINK_GBPS on one process only: that one would skip the link probe the other runs
-    collectively (a hang, or mismatched programs). Both raise at the first calibration instead."""
+    collectively (a hang, or mismatched programs). Both raise at the first calibration instead,
+    also when that is jax_cgx.calibrate(), which measures the link whatever the variable says."""
     nproc, port = 2, free_port()
     worker = SUPPORT / "policy_worker.py"
-    commands = [[sys.executable, str(worker), str(i), str(nproc), str(port), str(tmp_path), "--figures-only"]
+    commands = [[sys.executable, str(worker), str(i), str(nproc), str(port), str(tmp_path), first]
                 for i in range(nproc)]
     env = {k: v for k, v in os.environ.items() if k != "JAX_CGX_LINK_GBPS"}
     for returncode, log in run_all(commands, timeout=300, envs=[env, {**env, "JAX_CGX_LINK_GBPS": "2.5"}]):
@@ -352,6 +354,7 @@ def test_processes_given_different_link_rates_fail_clearly(tmp_path):
     for i in range(nproc):
         error = json.loads((tmp_path / f"process{i}.json").read_text()).get("error", "")
         assert "disagree on the link rate (not given (measured) on one, 2.5 Gbit/s on another" in error, error
+        assert ("compared: JAX_CGX_LINK_GBPS" if first == "--calibrate-only" else "the rate each uses here") in error
         assert "on every process, or on none" in error
 
 

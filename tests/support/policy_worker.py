@@ -1,6 +1,6 @@
 """One process of the multi-process policy="auto" test (tests/collectives/test_policy.py).
 
-    python tests/support/policy_worker.py PROCESS_ID NUM_PROCESSES PORT OUT_DIR [--figures-only]
+    python tests/support/policy_worker.py PROCESS_ID NUM_PROCESSES PORT OUT_DIR [--figures-only | --calibrate-only]
 
 One CPU device per process. Every process measures different codec rates (process ``i``
 reports its quantize throughput divided by ``i + 1``), so agreement is what makes their
@@ -8,7 +8,8 @@ figures, and so their decisions and programs, the same. Writes OUT_DIR/process<I
 the agreed figures, the decision on a buffer the slow link makes worth compressing, the
 jaxpr's primitives, this device's result, and a near-tie's timing over the tcp backend
 (each process times its own; they agree on the slowest). ``--figures-only``: only the
-figures, or the error that computing them raised.
+figures, or the error that computing them raised; ``--calibrate-only``: the same through
+``jax_cgx.calibrate()``, then ``policy.figures``.
 """
 
 import dataclasses
@@ -39,8 +40,10 @@ def main() -> None:
         return dataclasses.replace(rates, quantize=rates.quantize / (pid + 1))
 
     probes.measure_rates = skewed
-    if sys.argv[5:] == ["--figures-only"]:
+    if sys.argv[5:] in (["--figures-only"], ["--calibrate-only"]):
         try:
+            if sys.argv[5] == "--calibrate-only":
+                jax_cgx.calibrate()
             record = dict(figures=repr(policy.figures(jax_cgx.CompressionConfig(policy="auto"))))
         except ValueError as e:
             record = dict(error=str(e))
