@@ -305,13 +305,30 @@ def _exit_now(status: int) -> None:
     os._exit(status)
 
 
-def _held_system_exit() -> SystemExit | None:
-    """The SystemExit the interpreter is exiting with, if something still holds it and it is
-    the only one alive: one raised by a ``sys.exit`` looked up before the hooks were installed
-    (absl's ``app.run`` evaluates ``sys.exit`` in ``sys.exit(main(argv))`` before ``main``
-    runs) and kept alive in a reference cycle (``app.run`` keeps ``exc = sys.exc_info()[1]``
-    in a frame its traceback holds). Searched only on this rare path: it walks every object."""
-    held = [obj for obj in gc.get_objects() if isinstance(obj, SystemExit)]
+def _held_system_exit(outermost) -> SystemExit | None:
+    """The SystemExit the interpreter is exiting with, if something still holds it: one raised
+    by a ``sys.exit`` looked up before the hooks were installed (absl's ``app.run`` evaluates
+    ``sys.exit`` in ``sys.exit(main(argv))`` before ``main`` runs) and kept alive in a reference
+    cycle (``app.run`` keeps ``exc = sys.exc_info()[1]`` in a frame its traceback holds).
+    Searched only on this rare path: it walks every object.
+
+    An exception's traceback starts at the frame that last caught it (Python 3.11 does not
+    extend it while an uncaught exception unwinds). One caught in the outermost frame at
+    another instruction than the one that frame ended on is an earlier exit the script caught
+    and kept, not the one it ends with; one whose frames do not lead to the outermost frame
+    is not the script's either. If more than one candidate is left, the status is unknown."""
+    def may_have_ended_the_script(e: SystemExit) -> bool:
+        tb = e.__traceback__
+        if tb is None:
+            return False
+        if tb.tb_frame is outermost:
+            return tb.tb_lasti == outermost.f_lasti
+        frame = tb.tb_frame
+        while frame is not None and frame is not outermost:
+            frame = frame.f_back
+        return frame is outermost
+
+    held = [obj for obj in gc.get_objects() if isinstance(obj, SystemExit) and may_have_ended_the_script(obj)]
     return held[0] if len(held) == 1 else None
 
 
@@ -345,7 +362,7 @@ def _install_exit_hooks(rank: int) -> None:
             _exit_now(1)
         status = _exit_status
         if status is None and ended == "exception":
-            held = _held_system_exit()
+            held = _held_system_exit(outermost)
             status = None if held is None else _status(held.code)
         if status:
             print(f"jax_cgx: process {rank} exits with status {status}, without waiting for the "

@@ -158,6 +158,16 @@ def test_a_rank_exit_status_reaches_the_launcher_at_once(tmp_path, how, status, 
     _assert_no_leak(tmp_path, 2)
 
 
+def test_a_caught_and_kept_exit_is_not_the_status(tmp_path):
+    # Rank 1 catches a sys.exit(3) and keeps the SystemExit, then ends with `raise SystemExit(0)`:
+    # Python would exit 0. The kept exception is not the one that ended the script.
+    run, _, _ = _launch(tmp_path, "-n", "2", "--devices-per-process", "1",
+                        check=["--catch-exit-rank", "1", "--exit", "1:0:raise:end"])
+    assert run.returncode == 0, _log(run)
+    assert "exits with status" not in run.stdout + run.stderr, _log(run)
+    assert "an exception whose status jax_cgx cannot see" in run.stdout + run.stderr, _log(run)
+
+
 def test_a_zero_exit_runs_jax_shutdown(tmp_path):
     # Rank 0 sys.exit(0)s right after the psum; rank 1 first catches a sys.exit(3), lingers
     # 2 s, then finishes. Rank 0 must wait for rank 1 in jax's shutdown barrier (its last exit

@@ -13,7 +13,7 @@ does, hook: an uncaught RuntimeError under a sys.excepthook replaced after initi
 rich.traceback.install() does; STATUS is then ignored: 1, interrupt: an uncaught
 KeyboardInterrupt, status 130 as Python gives Ctrl-C), WHEN (start: right after
 initialize, end: after the psum, instead of jax.distributed.shutdown()).
---catch-exit-rank: that rank calls sys.exit(3), catches the SystemExit and carries on.
+--catch-exit-rank: that rank calls sys.exit(3), catches the SystemExit, keeps it and carries on.
 --linger-rank: that rank sleeps 2 s after the psum. --ignore-term-rank: that rank ignores
 SIGTERM; the others then end at once on SIGTERM (jax's own handler only logs it).
 --spawn-child: every process starts a `sleep 600` grandchild in its process group.
@@ -102,11 +102,6 @@ def main() -> None:
         (out / f"child{rank}").write_text(str(subprocess.Popen(["sleep", "600"]).pid))
     if args.ignore_term_rank is not None:
         signal.signal(signal.SIGTERM, signal.SIG_IGN if args.ignore_term_rank == rank else signal.SIG_DFL)
-    if args.catch_exit_rank == rank:
-        try:
-            sys.exit(3)
-        except SystemExit:
-            pass
     if rank in exits and exits[rank][2] == "start":
         leave(rank)
     if args.fail_rank == rank:
@@ -134,4 +129,9 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    if args.catch_exit_rank == info.process_index:
+        try:
+            sys.exit(3)
+        except SystemExit as e:
+            kept = e  # alive to the end, caught in the outermost frame: it must not become the status
     main()
