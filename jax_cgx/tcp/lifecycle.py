@@ -243,9 +243,7 @@ def setup(mesh, axes=None, *, timeout_s: float | None = None):
         if not _atexit_registered:
             atexit.register(_at_exit)
             _atexit_registered = True
-        for fam in new:
-            key = wanted[fam]
-            _generations[key] = _generations.get(key, 0) + 1
+        published = dict.fromkeys(listeners)  # listeners are handed over below
         # One global order (families, then groups): connecting never waits on an accept,
         # accepting waits only on ranks that connect in the same group.
         try:
@@ -265,8 +263,14 @@ def setup(mesh, axes=None, *, timeout_s: float | None = None):
                 binding.tcp_close_listener(handle)
             for fam in new:
                 binding.tcp_destroy(wanted[fam])
+            # As after a failed exchange: a retry (here and on the peers, which fail too) uses this
+            # generation again, and must not find this attempt's addresses.
+            _unpublish(plan, published, process)
             raise
         for fam in new:
+            # A connected generation's addresses stay published: the next set-up of this family
+            # (after a teardown) publishes under the next generation.
+            _generations[wanted[fam]] = _generations.get(wanted[fam], 0) + 1
             _families.setdefault(ident, {})[fam] = wanted[fam]
             log.debug("jax_cgx.tcp: communicators for axes %r (key %#x)", fam, wanted[fam])
     return types.MappingProxyType(dict(wanted))
