@@ -21,8 +21,8 @@
   ``jax.distributed.initialize`` usually ends only at the SIGKILL.
 - Ctrl-C, SIGTERM, SIGHUP (a closed terminal or ssh session) or SIGQUIT to the launcher
   stops every process the same way and exits with 128 + the signal. No process is left
-  behind: each one runs in its own process group, and the whole group is signalled; on Linux the processes are also killed if the
-  launcher itself is killed (``PR_SET_PDEATHSIG``).
+  behind: each one runs in its own process group, and the whole group is signalled; on
+  Linux the processes are also killed if the launcher itself is killed (``PR_SET_PDEATHSIG``).
 """
 
 from __future__ import annotations
