@@ -500,6 +500,33 @@ def test_nonfinite_step_keeps_the_state_and_later_steps_are_unaffected(value, le
     assert int(state.count) == 3
 
 
+def test_nonfinite_step_without_state_to_keep_is_not_checked():
+    """Nearest rounding, no error feedback: no later update depends on the state, so the mean is not
+    checked (a pass over every gradient each step): the bad step counts, and every later update is
+    bitwise the one of a run without it."""
+    params = params_like()
+    tx = compressed_mean("d", FOUR, layer_min_size=100)
+    step, init = _stepper(tx, params)
+    steps = [grads_like(params, seed=30 + t) for t in range(2)]
+    clean = [step(g, init)[0] for g in steps]
+    bad = dict(steps[0], w=steps[0]["w"].at[(2, 0, 0)].set(np.nan))
+    state = init
+    for t, g in enumerate([bad, *steps]):
+        u, state = step(g, state)
+        if t:
+            for name in params:
+                assert_same_bits(u[name], clean[t - 1][name], f"step {t} {name}")
+    assert int(state.count) == 3
+    for config, checked in ((FOUR, False), (FOUR.replace(stochastic=True), True)):
+        tx = compressed_mean("d", config, layer_min_size=100)
+        mesh = mesh_1d()
+        state, specs = init_per_rank(tx, params, mesh)
+        g_specs = jax.tree.map(lambda _: P("d"), params)
+        body = jax.shard_map(lambda g, s: tx.update(local(g), s)[1], mesh=mesh, in_specs=(g_specs, specs),
+                             out_specs=specs)
+        assert ("is_finite" in str(jax.make_jaxpr(body)(put(steps[0], mesh, g_specs), state))) == checked
+
+
 def test_mismatched_state_raises_naming_the_leaf_and_both_shapes():
     params = params_like()
     tx = compressed_mean("d", FOUR, layer_min_size=100, error_feedback=True)
