@@ -176,4 +176,5 @@ class DdpTrainer:
                     step_ms=float(np.median(timed)), step_ms_p10=float(np.percentile(timed, 10)),
                     step_ms_p90=float(np.percentile(timed, 90)), step_ms_max=float(timed.max()),
                     spread=float(timed.max() / np.median(timed)), first_step_s=self.times[0],
+                    steps_ms=[round(t * 1e3, 3) for t in self.times],
                     wire_bytes=self.wire, final_loss=float(np.mean(self.losses[-10:])))

@@ -20,7 +20,7 @@ time without the first ``--warmup`` steps (compilation), its spread (max / media
 The same step on one device alone, with no exchange, is timed too (``compute``): with
 ``--link-gbps`` the table adds each compressor's *ideal*, compute + bytes sent / link rate (codec
 time counted as zero), and the step's share of it. With ``--output`` process 0 writes the rows as
-JSON (or CSV).
+JSON (or CSV), each with every step's time (``steps_ms``, compilation included).
 """
 
 from __future__ import annotations
@@ -211,7 +211,8 @@ class Trainer:
                     steps=self.ex.steps, batch=self.ex.batch, step_ms=float(np.median(timed)),
                     step_ms_p10=float(np.percentile(timed, 10)), step_ms_p90=float(np.percentile(timed, 90)),
                     step_ms_max=float(timed.max()), spread=float(timed.max() / np.median(timed)),
-                    first_step_s=self.times[0], wire_bytes=wire, final_loss=float(np.mean(self.losses[-10:])))
+                    first_step_s=self.times[0], wire_bytes=wire, final_loss=float(np.mean(self.losses[-10:])),
+                    steps_ms=[round(t * 1e3, 3) for t in self.times])
 
 
 def add_ratios(records: list[dict], link_gbps: float | None) -> None:

@@ -29,6 +29,7 @@ def test_two_processes_time_every_compressor(tmp_path):
     for r in records:
         assert r["platform"] == "cpu" and r["steps"] == 4 and r["step_ms"] > 0 and r["spread"] >= 1
         assert r["final_loss"] > 0 and r["parameters"] == records[0]["parameters"]
+        assert len(r["steps_ms"]) == 4 and max(r["steps_ms"][1:]) == pytest.approx(r["step_ms_max"], abs=1e-3)
         # the ideal: compute + bytes sent / 1 Gbit/s
         assert r["ideal_ms"] == pytest.approx(compute["step_ms"] + r["wire_bytes"] * 8e-9 * 1e3)
     assert {r["devices"] for r in records[1:]} == {2}
