@@ -6,8 +6,8 @@ on the same link, between the same JAX steps: the ratios in one table are measur
 
 What a PyTorch user would run, with PyTorch's defaults:
 
-- ``torch.nn.parallel.DistributedDataParallel`` on a gloo process group (25 MB buckets, gradients
-  reduced as backward produces them);
+- ``torch.nn.parallel.DistributedDataParallel`` on a gloo process group (its default buckets,
+  gradients reduced as backward produces them);
 - ``ddp:none`` plain DDP (float32 all-reduce), ``ddp:fp16`` / ``ddp:bf16`` the
   ``fp16_compress_hook`` / ``bf16_compress_hook``, ``ddp:powersgd:RANK`` the ``powerSGD_hook``
   (error feedback and warm start on, as by default) starting at step 10 as ``powersgd_mean`` does,
@@ -128,9 +128,11 @@ class DdpTrainer:
         # PowerSGD on gloo needs a single bucket: with several, each bucket's hook issues its Q
         # all-reduce from a callback of its P all-reduce, and the ranks can issue them in different
         # orders (seen: gloo aborts with "Received data size doesn't match expected size" at the first
-        # compressed step). Other hooks keep DDP's 25 MB buckets.
-        bucket_mb = 4 * self.parameters / 2**20 + 1 if self.hook == "powersgd" else 25
-        self.net = DistributedDataParallel(net, process_group=group, bucket_cap_mb=bucket_mb)
+        # compressed step). Other hooks keep DDP's default buckets (a small first one, then 25 MB:
+        # passing bucket_cap_mb=25 would make the first bucket 25 MB too).
+        one_bucket = dict(bucket_cap_mb=4 * self.parameters / 2**20 + 1) if self.hook == "powersgd" else {}
+        self.net = DistributedDataParallel(net, process_group=group, **one_bucket)
+        self.group = group
         _register_hook(self.net, self.hook, self.rank)
         self.wire = self._wire_bytes(params)
         self.optimizer = torch.optim.Adam(net.parameters(), lr=lr)
@@ -152,7 +154,10 @@ class DdpTrainer:
         self.optimizer.step()
         self.schedule.step()
         self.times.append(time.perf_counter() - t0)
-        self.losses.append(loss.item())
+        # The mean over the processes, as the JAX step reports it (outside the timed step).
+        loss = loss.detach()
+        self.torch.distributed.all_reduce(loss, group=self.group)
+        self.losses.append(loss.item() / self.world)
 
     def describe(self) -> str:
         name = {"none": "plain (float32)", "fp16": "fp16_compress_hook", "bf16": "bf16_compress_hook",

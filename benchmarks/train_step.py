@@ -78,6 +78,8 @@ def parse_args(argv=None) -> argparse.Namespace:
             p.error(str(err))
     if ddp and args.model != "mlp":
         p.error(f"{ddp[0]} needs --model mlp (the PyTorch yardstick is written for the MLP only)")
+    if ddp and args.share_gpu:
+        p.error("the ddp: compressors run PyTorch on the CPU: leave them out with --share-gpu")
     if ddp and args.profile:
         p.error("--profile traces JAX steps only; leave the ddp: compressors out")
     return args

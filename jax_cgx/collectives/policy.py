@@ -158,8 +158,22 @@ def _share(platform: str) -> float:
     return max(1.0, jax.local_device_count("cpu") / cores)
 
 
+_BAD_ENV = -2.0  # a malformed JAX_CGX_LINK_GBPS, as agreed between processes
+
+
 def _rate_setting(gbps: float) -> str:
+    if gbps == _BAD_ENV:
+        return "a malformed JAX_CGX_LINK_GBPS"
     return "not given (measured)" if gbps < 0 else f"{gbps:g} Gbit/s"
+
+
+def _env_link() -> tuple[float | None, ValueError | None]:
+    """``JAX_CGX_LINK_GBPS`` and the error a malformed value raises: a process must not raise
+    it before the agreement its peers wait in."""
+    try:
+        return link_gbps_from_env(), None
+    except ValueError as err:
+        return None, err
 
 
 def _calibrate_platform(platform: str, link_gbps: float | None, source: str | None) -> Figures:
@@ -172,10 +186,12 @@ def _calibrate_platform(platform: str, link_gbps: float | None, source: str | No
         # environment's is compared even when this call has its own (or none, as calibrate()):
         # a later call without one falls back to it.
         given = -1.0 if link_gbps is None else link_gbps
-        env = link_gbps_from_env()
-        env = -1.0 if env is None else env
+        env, bad_env = _env_link()
+        env = _BAD_ENV if bad_env else -1.0 if env is None else env
         q, d, a, low, neg_high, env_low, neg_env_high = _agree(
             [r.quantize, r.dequantize, r.add, given, -given, env, -env], np.min)
+        if bad_env:  # raised after the agreement, which the other processes wait in
+            raise bad_env
         for lo, hi, where in ((low, -neg_high, "the rate each uses here"), (env_low, -neg_env_high, "JAX_CGX_LINK_GBPS")):
             if lo != hi:
                 raise ValueError(
@@ -221,8 +237,12 @@ def figures(config: CompressionConfig | None = None, platform: str | None = None
     link_gbps, source = None, None
     if config is not None and config.link_gbps is not None:
         link_gbps, source = config.link_gbps, "CompressionConfig.link_gbps"
-    elif (env := link_gbps_from_env()) is not None:
-        link_gbps, source = env, "JAX_CGX_LINK_GBPS"
+    else:
+        env, bad_env = _env_link()
+        if bad_env and platform in _measured_rates:  # agreed on already: no peer waits for us
+            raise bad_env
+        if env is not None:
+            link_gbps, source = env, "JAX_CGX_LINK_GBPS"
     with _lock:
         fig = _cached(platform, link_gbps, source)
         if fig is None and getattr(_alone, "on", False) and jax.process_count() > 1:

@@ -23,7 +23,8 @@ and ``optax.apply_if_finite``). Needs optax (``pip install optax``).
 
 None of them fails silently: a step whose mean is non-finite (an inf or NaN on any rank)
 gives a non-finite update for that step only and leaves the state bitwise unchanged on every
-rank; a state that does not match the updates (structure or shapes) raises a ``ValueError``
+rank (``compressed_mean`` without error feedback and stochastic rounding, whose later updates do
+not depend on its state, skips that check and counts the step); a state that does not match the updates (structure or shapes) raises a ``ValueError``
 naming the leaf path and both shapes; a non-integer, bool or out-of-range count argument
 raises a ``ValueError`` when the transformation is built (the checks live in ``_checks``).
 Complex leaves are averaged exactly.

@@ -37,6 +37,7 @@ def test_bad_specs_are_refused(spec, capsys):
 @pytest.mark.parametrize("argv, message", [
     (["--model", "charlm"], "ddp:none needs --model mlp"),
     (["--profile", "/tmp/x"], "--profile traces JAX steps only"),
+    (["--share-gpu"], "the ddp: compressors run PyTorch on the CPU"),
 ])
 def test_settings_the_yardstick_does_not_have_are_refused(argv, message, capsys):
     with pytest.raises(SystemExit) as err:
@@ -89,9 +90,11 @@ def test_two_processes_time_the_hooks_beside_jax_cgx(tmp_path):
     records = {r["compressor"]: r for r in json.loads(out.read_text())}
     assert list(records) == ["compute", "none", "ddp:none", "ddp:fp16", "ddp:powersgd:1"]
     none, plain, fp16, powersgd = (records[k] for k in ("none", "ddp:none", "ddp:fp16", "ddp:powersgd:1"))
-    assert plain["wire_bytes"] == none["wire_bytes"] and fp16["wire_bytes"] == pytest.approx(none["wire_bytes"] / 2, 1)
+    assert plain["wire_bytes"] == none["wire_bytes"] and abs(2 * fp16["wire_bytes"] - none["wire_bytes"]) <= 2
     assert powersgd["wire_bytes"] < fp16["wire_bytes"] / 100
     for r in (plain, fp16, powersgd):
         assert r["devices"] == 2 and r["step_ms"] > 0 and r["speedup"] == pytest.approx(none["step_ms"] / r["step_ms"])
         assert r["parameters"] == none["parameters"] and r["platform"].startswith("cpu (torch")
     assert "PyTorch DDP PowerSGD rank 1, one bucket" in proc.stdout
+    # The same training (weights, batches, Adam): the losses are the mean over both processes, as JAX's.
+    assert plain["final_loss"] == pytest.approx(none["final_loss"], rel=0.01)

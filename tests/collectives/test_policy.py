@@ -358,6 +358,22 @@ def test_processes_given_different_link_rates_fail_clearly(tmp_path, first):
         assert "on every process, or on none" in error
 
 
+@pytest.mark.multiprocess
+def test_a_malformed_link_rate_on_one_process_fails_everywhere(tmp_path):
+    """A bad JAX_CGX_LINK_GBPS on one process: it raises after the agreement the others wait in
+    (before, it raised first and left them blocked there), and the others say why."""
+    nproc, port = 2, free_port()
+    worker = SUPPORT / "policy_worker.py"
+    commands = [[sys.executable, str(worker), str(i), str(nproc), str(port), str(tmp_path), "--calibrate-only"]
+                for i in range(nproc)]
+    env = {k: v for k, v in os.environ.items() if k != "JAX_CGX_LINK_GBPS"}
+    for returncode, log in run_all(commands, timeout=300, envs=[env, {**env, "JAX_CGX_LINK_GBPS": "fast"}]):
+        assert returncode == 0, log[-4000:]
+    errors = [json.loads((tmp_path / f"process{i}.json").read_text()).get("error", "") for i in range(nproc)]
+    assert "a malformed JAX_CGX_LINK_GBPS on one" in errors[0], errors
+    assert "JAX_CGX_LINK_GBPS='fast' is not a number" in errors[1], errors
+
+
 def test_bytes_on_wire_alone_never_measures_collectively(monkeypatch):
     """bytes_on_wire may run on one process: with several processes and nothing measured yet,
     policy='auto' would start a collective probe the others never join (a hang): a clear error."""
