@@ -8,8 +8,8 @@ What a PyTorch user would run, with PyTorch's defaults:
 
 - ``torch.nn.parallel.DistributedDataParallel`` on a gloo process group (its default buckets,
   gradients reduced as backward produces them);
-- ``ddp:none`` plain DDP (float32 all-reduce), ``ddp:fp16`` / ``ddp:bf16`` the
-  ``fp16_compress_hook`` / ``bf16_compress_hook``, ``ddp:powersgd:RANK`` the ``powerSGD_hook``
+- ``ddp:none`` plain DDP (float32 all-reduce), ``ddp:fp16`` the ``fp16_compress_hook``,
+  ``ddp:powersgd:RANK`` the ``powerSGD_hook``
   (error feedback and warm start on, as by default) starting at step 10 as ``powersgd_mean`` does,
   in one DDP bucket (several crash gloo: see ``DdpTrainer``);
 - the MLP of ``--model mlp``, from the very same initial weights, on the very same batches (each
@@ -27,7 +27,7 @@ import time
 
 import numpy as np
 
-HOOKS = ("none", "fp16", "bf16", "powersgd")
+HOOKS = ("none", "fp16", "powersgd")
 POWERSGD_START = 10  # powersgd_mean's default start_iter: both run uncompressed steps first
 _KV_KEY = "jax_cgx/bench/torch_ddp_store"
 
@@ -36,8 +36,10 @@ def parse_spec(spec: str) -> tuple[str, int | None]:
     """``ddp:none`` -> ("none", None), ``ddp:powersgd:2`` -> ("powersgd", 2); anything else raises ValueError."""
     _, _, rest = spec.partition(":")
     hook, _, value = rest.partition(":")
+    if hook == "bf16":  # DDP refuses it at register_comm_hook, after the process group is up
+        raise ValueError(f"{spec!r}: PyTorch's bf16_compress_hook needs CUDA and NCCL; on the CPU use ddp:fp16")
     if hook not in HOOKS or (hook == "powersgd") != bool(value):
-        raise ValueError(f"{spec!r} is not ddp:none, ddp:fp16, ddp:bf16 or ddp:powersgd:RANK")
+        raise ValueError(f"{spec!r} is not ddp:none, ddp:fp16 or ddp:powersgd:RANK")
     if hook != "powersgd":
         return hook, None
     if not value.isdigit() or int(value) < 1:
@@ -93,8 +95,6 @@ def _register_hook(model, hook: str, rank: int | None):
 
     if hook == "fp16":
         model.register_comm_hook(None, default_hooks.fp16_compress_hook)
-    elif hook == "bf16":
-        model.register_comm_hook(None, default_hooks.bf16_compress_hook)
     elif hook == "powersgd":
         state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=rank,
                                             start_powerSGD_iter=POWERSGD_START)
@@ -102,7 +102,8 @@ def _register_hook(model, hook: str, rank: int | None):
 
 
 class DdpTrainer:
-    """One DDP configuration, a step at a time: the interface of train_step.py's ``Trainer``."""
+    """One DDP configuration, a step at a time: the interface of train_step.py's ``Trainer``
+    (``step``, ``times``, ``losses``, ``facts``)."""
 
     def __init__(self, spec: str, model, args: argparse.Namespace, lr: float):
         self.hook, self.rank = parse_spec(spec)
@@ -160,26 +161,21 @@ class DdpTrainer:
         self.losses.append(loss.item() / self.world)
 
     def describe(self) -> str:
-        name = {"none": "plain (float32)", "fp16": "fp16_compress_hook", "bf16": "bf16_compress_hook",
+        name = {"none": "plain (float32)", "fp16": "fp16_compress_hook",
                 "powersgd": f"PowerSGD rank {self.rank}, one bucket"}[self.hook]
         return f"PyTorch DDP {name}"
 
     def _wire_bytes(self, params) -> int:
-        """Bytes one process sends per step, counted as train_step counts jax_cgx's (ring all-reduces)."""
-        ring = 2 * (self.world - 1) / self.world
-        if self.hook == "powersgd":  # the same P, Q and uncompressed tensors as powersgd_mean's
-            from jax_cgx.optax._powersgd import powersgd_bytes
+        """Bytes one process sends per step, counted as train_step counts jax_cgx's: DDP's plain,
+        fp16 and PowerSGD all-reduces move what pmean, cast_mean and powersgd_mean move."""
+        import _common  # examples/, on the path train_step.py sets
 
-            return powersgd_bytes(params, self.world, rank=self.rank)
-        return int(round(ring * self.parameters * (4 if self.hook == "none" else 2)))
+        like = {"none": "none", "fp16": "cast", "powersgd": "powersgd"}[self.hook]
+        return int(_common.wire_bytes(argparse.Namespace(compressor=like, rank=self.rank), params, self.world))
 
-    def record(self, warmup: int) -> dict:
-        timed = np.asarray(self.times[warmup:]) * 1e3
+    def facts(self) -> dict:
+        """What train_step's record says of this trainer besides its step times."""
         return dict(compressor=self.spec, description=self.describe(), devices=self.world,
                     platform=f"cpu (torch {self.torch.__version__}, {self.torch.get_num_threads()} threads)",
                     parameters=self.parameters, steps=self.args.steps, batch=self.batch_size,
-                    step_ms=float(np.median(timed)), step_ms_p10=float(np.percentile(timed, 10)),
-                    step_ms_p90=float(np.percentile(timed, 90)), step_ms_max=float(timed.max()),
-                    spread=float(timed.max() / np.median(timed)), first_step_s=self.times[0],
-                    steps_ms=[round(t * 1e3, 3) for t in self.times],
-                    wire_bytes=self.wire, final_loss=float(np.mean(self.losses[-10:])))
+                    wire_bytes=self.wire)

@@ -12,8 +12,8 @@ the same processes, one step of each in turn, so the step times compare directly
 - ``charlm``: the character transformer of examples/train_charlm.py (d_model 256: 1.6 M parameters).
 
 A compressor is ``none`` (pmean), ``maxmin:BITS``, ``cast`` (bfloat16) or ``powersgd:RANK``; the
-yardstick, the same step in PyTorch DDP in the same processes, is ``ddp:none``, ``ddp:fp16``,
-``ddp:bf16`` or ``ddp:powersgd:RANK`` (benchmarks/torch_ddp.py; needs torch and ``--model mlp``). Each
+yardstick, the same step in PyTorch DDP in the same processes, is ``ddp:none``, ``ddp:fp16``
+or ``ddp:powersgd:RANK`` (benchmarks/torch_ddp.py; needs torch and ``--model mlp``). Each
 takes ``--steps`` steps from the same initialization and batches; the table gives the median step
 time without the first ``--warmup`` steps (compilation), its spread (max / median), the speedup over
 ``none``, the bytes one device sends per step and the mean training loss of the last 10 steps.
@@ -47,7 +47,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--compressors", nargs="+", default=["none", "maxmin:4", "maxmin:8", "cast", "powersgd:2"],
                    help="none, maxmin:BITS[+auto][+backward][+tcp], cast, powersgd:RANK (+auto: policy='auto'; "
                         "+backward: reduce_in_backward; +tcp: the tcp backend), and PyTorch DDP in the same "
-                        "processes: ddp:none, ddp:fp16, ddp:bf16, ddp:powersgd:RANK "
+                        "processes: ddp:none, ddp:fp16, ddp:powersgd:RANK "
                         "(default: %(default)s)")
     p.add_argument("--steps", type=int, default=30, help="steps per compressor (default: %(default)s)")
     p.add_argument("--warmup", type=int, default=3, help="first steps left out of the median (default: %(default)s)")
@@ -199,22 +199,29 @@ class Trainer:
         phases["wall"] = wall
         return phases
 
-    def record(self, warmup: int) -> dict:
+    def facts(self) -> dict:
+        """What the record says of this trainer besides its step times (:func:`record`)."""
         import _common
         import jax
 
-        timed = np.asarray(self.times[warmup:]) * 1e3
         wire = 0 if self.spec == "compute" else int(_common.wire_bytes(self.ex, self.params, self.dp.world))
         return dict(compressor=self.spec,
                     description="compute only (one device, no exchange)" if self.spec == "compute"
                     else _common.describe(self.ex),
                     devices=self.dp.world, platform=jax.devices()[0].platform,
                     parameters=int(sum(v.size for v in jax.tree.leaves(self.params))),
-                    steps=self.ex.steps, batch=self.ex.batch, step_ms=float(np.median(timed)),
-                    step_ms_p10=float(np.percentile(timed, 10)), step_ms_p90=float(np.percentile(timed, 90)),
-                    step_ms_max=float(timed.max()), spread=float(timed.max() / np.median(timed)),
-                    first_step_s=self.times[0], wire_bytes=wire, final_loss=float(np.mean(self.losses[-10:])),
-                    steps_ms=[round(t * 1e3, 3) for t in self.times])
+                    steps=self.ex.steps, batch=self.ex.batch, wire_bytes=wire)
+
+
+def record(trainer, warmup: int) -> dict:
+    """A trainer's row: its facts, the step times without the first ``warmup`` steps, every step's
+    time (``steps_ms``) and the mean loss of the last 10 steps (JAX and PyTorch trainers alike)."""
+    timed = np.asarray(trainer.times[warmup:]) * 1e3
+    return dict(trainer.facts(), step_ms=float(np.median(timed)), step_ms_p10=float(np.percentile(timed, 10)),
+                step_ms_p90=float(np.percentile(timed, 90)), step_ms_max=float(timed.max()),
+                spread=float(timed.max() / np.median(timed)), first_step_s=trainer.times[0],
+                steps_ms=[round(t * 1e3, 3) for t in trainer.times],
+                final_loss=float(np.mean(trainer.losses[-10:])))
 
 
 def add_ratios(records: list[dict], link_gbps: float | None) -> None:
@@ -257,7 +264,7 @@ def main(argv=None) -> list[dict]:
             t.step()
         if lead and args.progress:
             print(f"train_step: step {i + 1}/{args.steps}", file=sys.stderr, flush=True)
-    records = [t.record(args.warmup) for t in trainers]
+    records = [record(t, args.warmup) for t in trainers]
     add_ratios(records, args.link_gbps)
     if args.profile:
         for t, r in zip(trainers, records):

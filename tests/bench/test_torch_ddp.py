@@ -21,7 +21,7 @@ import train_step  # noqa: E402
 
 
 @pytest.mark.parametrize("spec, hook", [("ddp:none", ("none", None)), ("ddp:fp16", ("fp16", None)),
-                                        ("ddp:bf16", ("bf16", None)), ("ddp:powersgd:3", ("powersgd", 3))])
+                                        ("ddp:powersgd:3", ("powersgd", 3))])
 def test_specs(spec, hook):
     assert torch_ddp.parse_spec(spec) == hook
 
@@ -32,6 +32,13 @@ def test_bad_specs_are_refused(spec, capsys):
     with pytest.raises(SystemExit) as err:
         train_step.parse_args(["--compressors", "none", spec])
     assert err.value.code == 2 and spec in capsys.readouterr().err
+
+
+def test_bf16_hook_is_refused_before_any_process_group(capsys):
+    """DDP's bf16_compress_hook needs CUDA and NCCL: refused with the reason, not at registration."""
+    with pytest.raises(SystemExit) as err:
+        train_step.parse_args(["--compressors", "none", "ddp:bf16"])
+    assert err.value.code == 2 and "bf16_compress_hook needs CUDA and NCCL; on the CPU use ddp:fp16" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -61,7 +68,7 @@ def test_the_yardstick_trains_the_same_model():
         "jax_side = train_step.Trainer('none', m, args)\n"
         "torch_side = torch_ddp.DdpTrainer('ddp:none', m, args, train_step.example_args('none', args, 1).lr)\n"
         "for _ in range(5): jax_side.step(); torch_side.step()\n"
-        "import json; print(json.dumps([jax_side.losses, torch_side.losses, torch_side.record(1)]))\n"
+        "import json; print(json.dumps([jax_side.losses, torch_side.losses, train_step.record(torch_side, 1)]))\n"
     )
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one CPU device
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT,
