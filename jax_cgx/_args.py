@@ -1,11 +1,18 @@
-"""Argument types the command lines share (``jax_cgx.bench``, ``jax_cgx.launch``): a value out
-of range is an argparse error that names the flag, before anything runs."""
+"""Argument checks shared across jax_cgx.
+
+- argparse types of the command lines (``jax_cgx.bench``, ``jax_cgx.launch``): a value out of
+  range is an argparse error that names the flag, before anything runs;
+- :func:`check_bool`, the check of every boolean argument of a public function
+  (``return_residual``, ``tiled``, ``error_feedback``, ...): only a real bool is accepted.
+"""
 
 from __future__ import annotations
 
 import argparse
 import math
 from collections.abc import Callable
+
+import numpy as np
 
 # Widths the codec has (bits per value).
 BITS = range(1, 9)
@@ -37,3 +44,15 @@ def number(minimum: float, *, above: bool = False) -> Callable[[str], float]:
         return value
 
     return parse
+
+
+# --- arguments of public functions --------------------------------------------------------
+
+
+def check_bool(fn: str, name: str, value) -> bool:
+    """``value`` as a bool; a ``ValueError`` naming ``fn`` and ``name`` unless it is a real bool
+    (``True``/``False`` or a numpy bool). ``"False"``, ``0``, ``1`` or ``None`` are refused, never
+    taken for their truth value (``"False"`` is true)."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise ValueError(f"{fn}: {name} must be True or False, got {value!r} ({type(value).__name__})")
+    return bool(value)

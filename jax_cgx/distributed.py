@@ -29,6 +29,8 @@ from typing import Any
 
 import jax
 
+from jax_cgx._args import check_bool
+
 __all__ = ["ProcessInfo", "detect", "initialize"]
 
 log = logging.getLogger("jax_cgx")
@@ -166,6 +168,9 @@ def initialize(
     statement, it waits in the barrier, and the process says so on stderr. An uncaught
     exception under another ``sys.excepthook`` installed later still exits at once.
     """
+    fn = "jax_cgx.distributed.initialize"
+    one_gpu_per_process = check_bool(fn, "one_gpu_per_process", one_gpu_per_process)
+    exit_on_uncaught_exception = check_bool(fn, "exit_on_uncaught_exception", exit_on_uncaught_exception)
     info = detect()
     if any(v is not None for v in (coordinator_address, num_processes, process_id)):
         info = dataclasses.replace(

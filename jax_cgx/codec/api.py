@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_cgx import _compat
+from jax_cgx._args import check_bool
 from jax_cgx.codec import reference
 from jax_cgx.codec.kernels import Impl, check_impl
 from jax_cgx.codec.quantized import Quantized, num_buckets, payload_bytes, quantized_elements
@@ -254,6 +255,7 @@ def dequantize_sum_requantize(
     re-quantized sum (same bits and bucket size) and its decoded value, which is what
     every replica will decode from it.
     """
+    stochastic = check_bool("dequantize_sum_requantize", "stochastic", stochastic)
     _check_quantized(q, "dequantize_sum_requantize", stacked=True)
     check_impl(impl)
     _compat.check_prng_key(key, "dequantize_sum_requantize")

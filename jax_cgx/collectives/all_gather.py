@@ -25,6 +25,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import ad
 
 from jax_cgx import _compat, codec
+from jax_cgx._args import check_bool
 from jax_cgx.codec import Impl, check_impl
 from jax_cgx.collectives import wire as _wire
 from jax_cgx.collectives.chunks import chunk_length, gather_decode_chunks, row_plan
@@ -126,6 +127,7 @@ def compressed_all_gather(x, axis_name, config: ConfigSpec = None, *, axis: int 
       key: a PRNG key for stochastic rounding, the same on every rank (each folds in its index).
       impl: the codec implementation: "auto", "kernel" or "reference" (bitwise the same).
     """
+    tiled = check_bool(API, "tiled", tiled)
     check_impl(impl)
     _compat.check_prng_key(key, API)
     if to not in ("varying", "invarying"):

@@ -23,6 +23,7 @@ import numpy as np
 from jax import lax
 
 from jax_cgx import _compat
+from jax_cgx._args import check_bool
 from jax_cgx.codec import Impl, check_impl
 from jax_cgx.collectives import policy, sharded
 from jax_cgx.collectives.chunks import wire_bytes_per_rank
@@ -86,6 +87,7 @@ def compressed_psum(
       zeros. Residuals are computed by the ``xla`` backend only (``backend="nccl"`` or
       ``"tcp"`` raises); they cannot be differentiated.
     """
+    return_residual = check_bool("compressed_psum", "return_residual", return_residual)
     check_impl(impl)
     _compat.check_prng_key(key, "compressed_psum")
     axes = _compat.axes_tuple(axis_name)
@@ -268,6 +270,7 @@ def compressed_pmean(
     (``sum_r residual_r == sum_r x_r - W * mean``), not divided by ``W``. That is what
     error feedback adds to the next step's inputs (:func:`jax_cgx.optax.compressed_mean`).
     """
+    return_residual = check_bool("compressed_pmean", "return_residual", return_residual)
     _compat.check_prng_key(key, "compressed_pmean")
     axes = _compat.axes_tuple(axis_name)
     world = _world_size(axes, "compressed_pmean")

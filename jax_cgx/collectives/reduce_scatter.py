@@ -35,6 +35,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import ad
 
 from jax_cgx import _compat, codec
+from jax_cgx._args import check_bool
 from jax_cgx.codec import Impl, check_impl
 from jax_cgx.collectives import wire as _wire
 from jax_cgx.collectives.chunks import chunk_length, row_plan
@@ -200,6 +201,7 @@ def compressed_psum_scatter(x, axis_name, config: ConfigSpec = None, *, scatter_
       ``(sums, residuals)``); the error of a compressed value is bounded by the scales of its
       peers' buckets (module docstring).
     """
+    tiled, return_residual = check_bool(API, "tiled", tiled), check_bool(API, "return_residual", return_residual)
     check_impl(impl)
     _compat.check_prng_key(key, API)
     axes = _compat.axes_tuple(axis_name)

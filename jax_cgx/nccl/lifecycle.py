@@ -19,6 +19,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from jax_cgx._args import check_bool
 from jax_cgx.nccl import library, registry
 from jax_cgx.nccl.groups import PlannedGroup, families, groups_array, key_of, mesh_ident, mesh_parts
 from jax_cgx.nccl.library import NcclError
@@ -144,6 +145,7 @@ def teardown(mesh=None, *, abort: bool = False) -> int:
     uses them may still be running: block on its results first. Call on every process.
     Returns how many communicators the extension released.
     """
+    abort = check_bool("jax_cgx.nccl.teardown", "abort", abort)
     with registry.lock:
         binding = library.binding()
         if mesh is None:

@@ -50,6 +50,7 @@ from jax_cgx.collectives.all_gather import compressed_all_gather
 from jax_cgx.collectives.plan import ConfigSpec
 from jax_cgx.collectives.reduce_scatter import compressed_psum_scatter
 from jax_cgx.config import CompressionConfig
+from jax_cgx.optax import _checks
 
 __all__ = ["ShardedState", "ShardedOptimizer", "sharded"]
 
@@ -103,7 +104,12 @@ def sharded(optimizer: optax.GradientTransformation, axis_name, *, grad_config: 
               params, state = opt.update(grads, state)
               return params, state, jax.lax.pmean(loss, "data")
     """
-    axes = _compat.axes_tuple(axis_name)
+    fn = "jax_cgx.optax.sharded"
+    if not (callable(getattr(optimizer, "init", None)) and callable(getattr(optimizer, "update", None))):
+        raise TypeError(f"{fn}: optimizer must be an optax.GradientTransformation (with init and update), "
+                        f"got {type(optimizer).__name__}; e.g. sharded(optax.adam(1e-3), 'data')")
+    axes = _checks.axes(fn, axis_name)
+    error_feedback = _checks.check_bool(fn, "error_feedback", error_feedback)
 
     def world() -> int:
         return math.prod(lax.axis_size(a) for a in axes)
