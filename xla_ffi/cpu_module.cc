@@ -74,34 +74,23 @@ NB_MODULE(_cpu, m) {
   // ---- the tcp backend's communicators (jax_cgx/tcp/): set-up, teardown, inspection.
   namespace tcp = jax_cgx::tcp;
   m.def(
-      "tcp_listen",
-      []() {
-        std::string error;
-        const auto [fd, port] = tcp::Listen(&error);
-        if (fd < 0) throw std::runtime_error("jax_cgx.tcp: " + error);
-        return std::make_pair(fd, port);
-      },
-      "A listening socket on an ephemeral port of all interfaces: (handle, port).");
-  m.def("tcp_close_listener", &tcp::CloseListener, nb::arg("handle"),
-        "Closes a listening socket from tcp_listen that tcp_init will not use.");
-  m.def(
-      "tcp_init",
-      [](int64_t key, int world, const std::vector<std::string>& addresses,
-         const std::vector<std::tuple<int, int, int>>& members, const std::string& description,
-         double timeout_s) {
+      "tcp_adopt",
+      [](int64_t key, int world, const std::vector<std::tuple<int, int, std::vector<int>>>& members,
+         const std::string& description, double timeout_s) {
         std::vector<tcp::Member> ms;
-        for (const auto& [ordinal, rank, listener] : members) ms.push_back({ordinal, rank, listener});
+        for (const auto& [ordinal, rank, sockets] : members) ms.push_back({ordinal, rank, sockets});
         std::string error;
         {
-          nb::gil_scoped_release release;  // blocks until every rank of the group connected
-          error = tcp::InitGroup(key, world, addresses, ms, description, timeout_s);
+          nb::gil_scoped_release release;
+          error = tcp::AdoptGroup(key, world, std::move(ms), description, timeout_s);
         }
         if (!error.empty()) throw std::runtime_error(error);
       },
-      nb::arg("key"), nb::arg("world"), nb::arg("addresses"), nb::arg("members"), nb::arg("description"),
-      nb::arg("timeout_s"),
-      "Connects this process's members [(ordinal, rank, listener)] of one group (addresses: "
-      "'host:port' of every rank) and registers their communicators under key. Closes the listeners.");
+      nb::arg("key"), nb::arg("world"), nb::arg("members"), nb::arg("description"), nb::arg("timeout_s"),
+      "Registers the communicators of this process's members [(ordinal, rank, sockets)] of one group "
+      "under key: sockets[j] is a connected socket's file descriptor to rank j (-1 at the member's own "
+      "rank), authenticated by jax_cgx.tcp's handshake. Takes ownership of every descriptor (closes "
+      "them on an error).");
   m.def(
       "tcp_destroy",
       [](int64_t key) {

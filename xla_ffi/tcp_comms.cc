@@ -1,9 +1,7 @@
 // The tcp backend's communicators and their I/O thread (see tcp_comms.h).
 #include "xla_ffi/tcp_comms.h"
 
-#include <arpa/inet.h>
 #include <fcntl.h>
-#include <netdb.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <poll.h>
@@ -22,104 +20,10 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-constexpr uint32_t kHelloMagic = 0x63677874;  // "cgxt"
-
-struct Hello {
-  uint32_t magic;
-  int32_t rank;
-  int64_t key;
-};
-
 std::string Errno(const std::string& what) { return what + ": " + std::strerror(errno); }
 
 void CloseFd(int fd) {
   if (fd >= 0) ::close(fd);
-}
-
-// Milliseconds left until `deadline` (at least 0).
-int MsLeft(Clock::time_point deadline) {
-  const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
-  return static_cast<int>(std::clamp<int64_t>(left, 0, 1 << 30));
-}
-
-// Waits for `events` on fd until the deadline: "" or why not.
-std::string PollOne(int fd, short events, Clock::time_point deadline, const std::string& what) {
-  while (true) {
-    pollfd p{fd, events, 0};
-    const int rc = ::poll(&p, 1, MsLeft(deadline));
-    if (rc > 0) return "";
-    if (rc == 0) return "timed out " + what;
-    if (errno != EINTR) return Errno("poll while " + what);
-  }
-}
-
-// Blocking-style transfers of a whole buffer on a (blocking) socket during set-up.
-std::string WriteAll(int fd, const void* data, size_t n, Clock::time_point deadline, const std::string& what) {
-  const char* p = static_cast<const char*>(data);
-  while (n > 0) {
-    const std::string waited = PollOne(fd, POLLOUT, deadline, what);
-    if (!waited.empty()) return waited;
-    const ssize_t k = ::send(fd, p, n, MSG_NOSIGNAL);
-    if (k < 0) {
-      if (errno == EINTR || errno == EAGAIN) continue;
-      return Errno(what);
-    }
-    p += k;
-    n -= static_cast<size_t>(k);
-  }
-  return "";
-}
-
-std::string ReadAll(int fd, void* data, size_t n, Clock::time_point deadline, const std::string& what) {
-  char* p = static_cast<char*>(data);
-  while (n > 0) {
-    const std::string waited = PollOne(fd, POLLIN, deadline, what);
-    if (!waited.empty()) return waited;
-    const ssize_t k = ::recv(fd, p, n, 0);
-    if (k == 0) return what + ": the peer closed the connection";
-    if (k < 0) {
-      if (errno == EINTR || errno == EAGAIN) continue;
-      return Errno(what);
-    }
-    p += k;
-    n -= static_cast<size_t>(k);
-  }
-  return "";
-}
-
-// A connected socket to "host:port", retrying refused connections until the deadline.
-int ConnectTo(const std::string& address, Clock::time_point deadline, std::string* error) {
-  const size_t colon = address.rfind(':');
-  if (colon == std::string::npos) {
-    *error = "address '" + address + "' is not host:port";
-    return -1;
-  }
-  const std::string host = address.substr(0, colon), port = address.substr(colon + 1);
-  addrinfo hints{};
-  hints.ai_family = AF_INET;
-  hints.ai_socktype = SOCK_STREAM;
-  addrinfo* found = nullptr;
-  const int gai = ::getaddrinfo(host.c_str(), port.c_str(), &hints, &found);
-  if (gai != 0) {
-    *error = "cannot resolve '" + address + "': " + ::gai_strerror(gai);
-    return -1;
-  }
-  std::unique_ptr<addrinfo, decltype(&::freeaddrinfo)> guard(found, &::freeaddrinfo);
-  while (true) {
-    const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    if (fd < 0) {
-      *error = Errno("socket");
-      return -1;
-    }
-    if (::connect(fd, found->ai_addr, found->ai_addrlen) == 0) return fd;
-    const int err = errno;
-    ::close(fd);
-    if ((err != ECONNREFUSED && err != EINTR && err != ETIMEDOUT) || Clock::now() >= deadline) {
-      *error = "connecting to " + address + ": " + std::strerror(err);
-      return -1;
-    }
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
-  }
 }
 
 std::string Configure(int fd) {
@@ -377,108 +281,40 @@ void Communicator::Run() {
 
 // ------------------------------------------------------------ set-up
 
-std::pair<int, int> Listen(std::string* error) {
-  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  if (fd < 0) {
-    *error = Errno("socket");
-    return {-1, 0};
-  }
-  const int one = 1;
-  ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_ANY);
-  addr.sin_port = 0;
-  socklen_t len = sizeof(addr);
-  if (::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 || ::listen(fd, 1024) != 0 ||
-      ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
-    *error = Errno("listening socket");
-    ::close(fd);
-    return {-1, 0};
-  }
-  return {fd, ntohs(addr.sin_port)};
-}
-
-void CloseListener(int fd) { CloseFd(fd); }
-
-std::string InitGroup(int64_t key, int world, const std::vector<std::string>& addresses,
-                      const std::vector<Member>& members, const std::string& description,
-                      double timeout_s) {
-  const auto deadline = Clock::now() + std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000));
-  std::vector<std::vector<int>> sockets(members.size(), std::vector<int>(static_cast<size_t>(world), -1));
-  auto cleanup = [&] {
-    for (auto& row : sockets) {
-      for (int fd : row) CloseFd(fd);
-    }
-    for (const Member& m : members) CloseFd(m.listener);
-  };
+std::string AdoptGroup(int64_t key, int world, std::vector<Member> members, const std::string& description,
+                       double timeout_s) {
   std::string error;
-  if (static_cast<int>(addresses.size()) != world) {
-    error = "got " + std::to_string(addresses.size()) + " addresses for " + std::to_string(world) + " ranks";
-  }
   for (const Member& m : members) {
-    if (error.empty() && (m.rank < 0 || m.rank >= world)) error = "rank " + std::to_string(m.rank) + " out of range";
-  }
-  // 1. Every member connects to the ranks below it (the peer's kernel
-  //    completes the handshake from its listen backlog: nothing waits on accept).
-  for (size_t i = 0; i < members.size() && error.empty(); ++i) {
-    for (int p = 0; p < members[i].rank && error.empty(); ++p) {
-      const int fd = ConnectTo(addresses[static_cast<size_t>(p)], deadline, &error);
-      if (fd < 0) break;
-      sockets[i][static_cast<size_t>(p)] = fd;
-      const Hello hello{kHelloMagic, members[i].rank, key};
-      error = WriteAll(fd, &hello, sizeof(hello), deadline, "greeting rank " + std::to_string(p));
-    }
-  }
-  // 2. Then accepts the ranks above it.
-  for (size_t i = 0; i < members.size() && error.empty(); ++i) {
-    const Member& m = members[i];
-    for (int accepted = m.rank + 1; accepted < world && error.empty(); ++accepted) {
-      error = PollOne(m.listener, POLLIN, deadline,
-                      "waiting for ranks above " + std::to_string(m.rank) + " to connect");
-      if (!error.empty()) break;
-      const int fd = ::accept4(m.listener, nullptr, nullptr, SOCK_CLOEXEC);
-      if (fd < 0) {
-        if (errno == EINTR || errno == EAGAIN) {
-          --accepted;
-          continue;
+    if (!error.empty()) break;
+    if (m.rank < 0 || m.rank >= world) {
+      error = "rank " + std::to_string(m.rank) + " out of range";
+    } else if (static_cast<int>(m.sockets.size()) != world) {
+      error = "got " + std::to_string(m.sockets.size()) + " sockets for " + std::to_string(world) + " ranks";
+    } else {
+      for (int j = 0; j < world && error.empty(); ++j) {
+        const int fd = m.sockets[static_cast<size_t>(j)];
+        if ((fd >= 0) != (j != m.rank)) {
+          error = "rank " + std::to_string(m.rank) + ": " +
+                  (fd >= 0 ? std::string("a socket to itself") : "no socket to rank " + std::to_string(j));
+        } else if (fd >= 0) {
+          error = Configure(fd);
         }
-        error = Errno("accept");
-        break;
       }
-      Hello hello{};
-      error = ReadAll(fd, &hello, sizeof(hello), deadline, "reading a peer's greeting");
-      if (error.empty() && (hello.magic != kHelloMagic || hello.key != key || hello.rank <= m.rank ||
-                            hello.rank >= world || sockets[i][static_cast<size_t>(hello.rank)] >= 0)) {
-        error = "unexpected greeting (rank " + std::to_string(hello.rank) + ", key " + std::to_string(hello.key) +
-                "): another program or set-up connected";
-      }
-      if (!error.empty()) {
-        ::close(fd);
-        break;
-      }
-      sockets[i][static_cast<size_t>(hello.rank)] = fd;
-    }
-  }
-  for (size_t i = 0; i < members.size() && error.empty(); ++i) {
-    for (int fd : sockets[i]) {
-      if (fd >= 0 && error.empty()) error = Configure(fd);
     }
   }
   if (!error.empty()) {
-    cleanup();
+    for (const Member& m : members) {
+      for (int fd : m.sockets) CloseFd(fd);
+    }
     return error;
   }
-  for (const Member& m : members) CloseFd(m.listener);
   std::lock_guard<std::mutex> lock(g_registry_mu);
-  for (size_t i = 0; i < members.size(); ++i) {
-    const auto where = std::make_pair(key, members[i].ordinal);
-    auto comm = std::make_shared<Communicator>(members[i].rank, world, std::move(sockets[i]),
-                                               description + " rank " + std::to_string(members[i].rank),
-                                               timeout_s);
-    sockets[i].clear();
+  for (Member& m : members) {
+    const auto where = std::make_pair(key, m.ordinal);
+    auto comm = std::make_shared<Communicator>(m.rank, world, std::move(m.sockets),
+                                               description + " rank " + std::to_string(m.rank), timeout_s);
     if (g_registry.count(where) != 0) {
-      error = "device " + std::to_string(members[i].ordinal) + " already has a communicator for this key";
+      error = "device " + std::to_string(m.ordinal) + " already has a communicator for this key";
       continue;
     }
     g_registry.emplace(where, std::move(comm));

@@ -143,27 +143,23 @@ class Communicator {
   TaskThread finisher_{&Task::Finish};
 };
 
-// Listening sockets: a new one on an ephemeral port of all interfaces.
-// Returns (fd, port) or fd = -1 and *error.
-std::pair<int, int> Listen(std::string* error);
-void CloseListener(int fd);
-
-// One of this process's devices in a group: its ordinal, its rank and the
-// listening socket it published.
+// One of this process's devices in a group: its ordinal, its rank and its
+// connected sockets (sockets[rank] == -1, one per other rank).
 struct Member {
   int ordinal;
   int rank;
-  int listener;
+  std::vector<int> sockets;
 };
 
-// Connects this process's members of one group of `world` ranks (addresses:
-// "host:port" of every rank's listener) and registers their communicators
-// under `key`. Every member first connects to the ranks below it, then
-// accepts the ranks above it, so no process waits on another's accept.
-// Returns "" or an error message; closes the listeners either way.
-std::string InitGroup(int64_t key, int world, const std::vector<std::string>& addresses,
-                      const std::vector<Member>& members, const std::string& description,
-                      double timeout_s);
+// Registers the communicators of this process's members of one group of
+// `world` ranks under `key`, over sockets connected and authenticated by the
+// set-up handshake (jax_cgx/tcp/handshake.py: every member connects to the
+// ranks below it and accepts the ranks above it; each connection's greeting
+// is checked there, in Python). Takes ownership of every socket: they are
+// made non-blocking with TCP_NODELAY, or closed on an error.
+// Returns "" or an error message.
+std::string AdoptGroup(int64_t key, int world, std::vector<Member> members, const std::string& description,
+                       double timeout_s);
 
 // Stops and forgets the communicators of `key` (all when key < 0); returns how many.
 int DestroyCommunicators(int64_t key);

@@ -1,9 +1,11 @@
 """Creating and releasing the tcp backend's communicators: :func:`setup`, :func:`teardown`.
 
 :func:`setup` plans every group of the families asked for (the nccl backend's groups and
-family keys, :mod:`jax_cgx.nccl.groups`), opens a listening socket per local member,
-exchanges the addresses (the ``jax.distributed`` key-value store), connects each group
-and records its family here. At interpreter exit the communicators still alive are
+family keys, :mod:`jax_cgx.nccl.groups`), opens a listening socket per local member on
+the address this process publishes, exchanges the addresses and listener keys (the
+``jax.distributed`` key-value store), connects and authenticates each group
+(:mod:`jax_cgx.tcp.handshake`), hands the sockets to the C++ communicators and records
+its family here. At interpreter exit the communicators still alive are
 stopped after ``jax.effects_barrier()``.
 """
 
@@ -12,6 +14,7 @@ from __future__ import annotations
 import atexit
 import ipaddress
 import logging
+import numbers
 import os
 import socket
 import threading
@@ -25,6 +28,8 @@ from jax_cgx.codec import kernels
 from jax_cgx.nccl import unique_ids
 from jax_cgx.nccl.groups import PlannedGroup, families, find_family, groups_array, key_of, mesh_ident, mesh_parts
 from jax_cgx.nccl.registry import CommunicatorInfo  # (key, ordinal, rank, world, description), as for nccl
+from jax_cgx.tcp import handshake
+from jax_cgx.tcp.handshake import GroupHandshake, Listener, TcpError
 
 __all__ = ["DEFAULT_TIMEOUT_S", "HOST_ENV", "TIMEOUT_ENV", "CommunicatorInfo", "TcpError", "communicators",
            "lookup", "setup", "teardown"]
@@ -34,7 +39,8 @@ log = logging.getLogger("jax_cgx")
 TIMEOUT_ENV = "JAX_CGX_TCP_TIMEOUT_S"
 HOST_ENV = "JAX_CGX_TCP_HOST"
 DEFAULT_TIMEOUT_S = unique_ids.DEFAULT_TIMEOUT_S
-# Key-value store keys of the addresses: <prefix>/<family key>/<generation>/<group index>/<rank>.
+# Key-value store keys of the addresses ("host:port/listener key in hex", handshake.Listener):
+# <prefix>/<family key>/<generation>/<group index>/<rank>.
 KV_PREFIX = "jax_cgx/tcp/addr"
 
 lock = threading.RLock()
@@ -45,13 +51,17 @@ _generations: dict[int, int] = {}
 _atexit_registered = False
 
 
-class TcpError(RuntimeError):
-    """The tcp backend cannot do what was asked (set-up, a missing communicator, a dead peer)."""
-
-
 def timeout(timeout_s: float | None) -> float:
     """``timeout_s``, else ``$JAX_CGX_TCP_TIMEOUT_S``, else 300 s (checked as the nccl backend's)."""
+    if timeout_s is not None and (isinstance(timeout_s, bool) or not isinstance(timeout_s, numbers.Real)):
+        raise TypeError(f"jax_cgx.tcp.setup: timeout_s must be a number of seconds (or None), got {timeout_s!r}")
     return unique_ids.timeout(timeout_s, TIMEOUT_ENV, "jax_cgx.tcp")
+
+
+def _check_mesh(mesh) -> None:
+    if not isinstance(mesh, (jax.sharding.Mesh, jax.sharding.AbstractMesh)):
+        raise TypeError(f"jax_cgx.tcp.setup: expected a concrete jax.sharding.Mesh of CPU devices (e.g. "
+                        f"jax.make_mesh(...)), got {type(mesh).__name__} {mesh!r}")
 
 
 def _kv_client():
@@ -148,42 +158,75 @@ def _unpublish(plan: list[PlannedGroup], listeners: dict, process: int) -> None:
             pass
 
 
-def _addresses(plan: list[PlannedGroup], listeners: dict, process: int, timeout_s: float) -> dict:
-    """Every rank's ``host:port`` of every group with a member here: ``{(group, key): [address]}``.
+def _addresses(plan: list[PlannedGroup], listeners: dict[tuple, Listener], process: int,
+               timeout_s: float) -> dict:
+    """Every rank's ``(address, listener key)`` of every group with a member here:
+    ``{(group, key): [(address, key)]}``.
 
     Publishes all of this process's addresses before reading any other's, so no read
     waits on a process that waits on us.
     """
-    host = host_address()
     mine = {(g.index, g.key): g for g in plan if process in g.processes}
     out = {k: [""] * g.world for k, g in mine.items()}
-    for (gk, rank), (_, port) in listeners.items():
-        out[gk][rank] = f"{host}:{port}"
-    if all(all(a for a in addrs) for addrs in out.values()):
-        return out
-    client = _kv_client()
-    if client is None:
-        raise TcpError(
-            "jax_cgx.tcp.setup: several processes, but jax.distributed is not initialized, so their "
-            "addresses cannot be exchanged: call jax_cgx.distributed.initialize() first"
-        )
-    for (gk, rank), (_, port) in listeners.items():
-        client.key_value_set(_kv_key(mine[gk], rank), f"{host}:{port}")
+    for (gk, rank), listener in listeners.items():
+        out[gk][rank] = listener.published
+    if not all(all(a for a in addrs) for addrs in out.values()):
+        client = _kv_client()
+        if client is None:
+            raise TcpError(
+                "jax_cgx.tcp.setup: several processes, but jax.distributed is not initialized, so their "
+                "addresses cannot be exchanged: call jax_cgx.distributed.initialize() first"
+            )
+        for (gk, rank), listener in listeners.items():
+            client.key_value_set(_kv_key(mine[gk], rank), listener.published)
+        deadline = time.monotonic() + timeout_s
+        for gk, g in mine.items():
+            for rank, d in enumerate(g.devices):
+                if out[gk][rank]:
+                    continue
+                remaining_ms = max(1, int((deadline - time.monotonic()) * 1000))
+                try:
+                    out[gk][rank] = client.blocking_key_value_get(_kv_key(g, rank), remaining_ms)
+                except Exception as err:
+                    raise TcpError(
+                        f"jax_cgx.tcp.setup: timed out after {timeout_s:g} s waiting for process "
+                        f"{d.process_index} to publish the address of rank {rank} of {g.description}. Did every "
+                        "process call jax_cgx.tcp.setup with the same mesh and axes, in the same order? "
+                        f"({type(err).__name__}: {err})"
+                    ) from err
+    return {gk: [handshake.parse_published(a) for a in addrs] for gk, addrs in out.items()}
+
+
+def _connect_group(g: PlannedGroup, members: list[tuple[int, int]], listeners: dict[int, Listener],
+                   addresses: list[tuple[str, bytes]], timeout_s: float) -> None:
+    """Connects and authenticates this process's ``members`` [(ordinal, rank)] of ``g`` and
+    registers their communicators; closes the members' listeners either way."""
+    shake = GroupHandshake(g.key, g.generation, g.index, g.world, g.description)
     deadline = time.monotonic() + timeout_s
-    for gk, g in mine.items():
-        for rank, d in enumerate(g.devices):
-            if out[gk][rank]:
-                continue
-            remaining_ms = max(1, int((deadline - time.monotonic()) * 1000))
-            try:
-                out[gk][rank] = client.blocking_key_value_get(_kv_key(g, rank), remaining_ms)
-            except Exception as err:
-                raise TcpError(
-                    f"jax_cgx.tcp.setup: timed out after {timeout_s:g} s waiting for process {d.process_index} "
-                    f"to publish the address of rank {rank} of {g.description}. Did every process call "
-                    f"jax_cgx.tcp.setup with the same mesh and axes, in the same order? ({type(err).__name__}: {err})"
-                ) from err
-    return out
+    sockets: dict[int, dict] = {rank: {} for _, rank in members}
+    try:
+        # 1. Every member connects to the ranks below it (the peer's kernel completes the TCP
+        #    handshake from its listen backlog: nothing waits on an accept) and greets them.
+        for _, rank in members:
+            for peer in range(rank):
+                address, key = addresses[peer]
+                sockets[rank][peer] = handshake.connect(address, shake.greeting(key, rank, peer), deadline,
+                                                        f"rank {peer} of {g.description}")
+        # 2. Then accepts the ranks above it, each proving it read this attempt's listener key.
+        for rank, accepted in shake.accept(listeners, deadline).items():
+            sockets[rank].update(accepted)
+    except BaseException:
+        for row in sockets.values():
+            for sock in row.values():
+                sock.close()
+        raise
+    finally:
+        for listener in listeners.values():
+            listener.close()
+    # The C++ communicators own the descriptors from here (tcp_adopt closes them on an error).
+    rows = [(ordinal, rank, [sockets[rank][j].detach() if j != rank else -1 for j in range(g.world)])
+            for ordinal, rank in members]
+    kernels._cpu.tcp_adopt(g.key, g.world, rows, g.description, timeout_s)
 
 
 def setup(mesh, axes=None, *, timeout_s: float | None = None):
@@ -204,6 +247,7 @@ def setup(mesh, axes=None, *, timeout_s: float | None = None):
     already set up are kept, so calling again is cheap.
     """
     global _atexit_registered
+    _check_mesh(mesh)
     wait = timeout(timeout_s)
     devices, names = mesh_parts(mesh)
     _check_devices(devices)
@@ -228,16 +272,18 @@ def setup(mesh, axes=None, *, timeout_s: float | None = None):
             arr = groups_array(devices, names, fam)
             plan.extend(PlannedGroup(fam, key, _generations.get(key, 0), i, len(arr), tuple(g))
                         for i, g in enumerate(arr))
-        # (group index, key), rank -> (listener handle, port), for this process's members.
+        # (group index, key), rank -> Listener, for this process's members: on the address this
+        # process publishes (not every interface), each with a fresh key for this attempt.
         listeners: dict = {}
         try:
+            host = host_address() if any(_members(g, process) for g in plan) else ""
             for g in plan:
                 for _, rank in _members(g, process):
-                    listeners[(g.index, g.key), rank] = binding.tcp_listen()
+                    listeners[(g.index, g.key), rank] = handshake.open_listener(host)
             addresses = _addresses(plan, listeners, process, wait)
         except BaseException:
-            for handle, _ in listeners.values():
-                binding.tcp_close_listener(handle)
+            for listener in listeners.values():
+                listener.close()
             _unpublish(plan, listeners, process)
             raise
         if not _atexit_registered:
@@ -248,19 +294,19 @@ def setup(mesh, axes=None, *, timeout_s: float | None = None):
         # accepting waits only on ranks that connect in the same group.
         try:
             for g in plan:
-                members = [(ordinal, rank, listeners.pop(((g.index, g.key), rank))[0])
-                           for ordinal, rank in _members(g, process)]
+                members = _members(g, process)
                 if members:
+                    mine = {rank: listeners.pop(((g.index, g.key), rank)) for _, rank in members}
                     try:
-                        binding.tcp_init(g.key, g.world, addresses[g.index, g.key], members, g.description, wait)
+                        _connect_group(g, members, mine, addresses[g.index, g.key], wait)
                     except Exception as err:
                         raise TcpError(
                             f"jax_cgx.tcp.setup: connecting {g.description} (members (ordinal, rank) "
-                            f"{[(o, r) for o, r, _ in members]} of {g.world}) failed: {err}"
+                            f"{members} of {g.world}) failed: {err}"
                         ) from err
         except BaseException:
-            for handle, _ in listeners.values():
-                binding.tcp_close_listener(handle)
+            for listener in listeners.values():
+                listener.close()
             for fam in new:
                 binding.tcp_destroy(wanted[fam])
             # As after a failed exchange: a retry (here and on the peers, which fail too) uses this
