@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import fractions
+import logging
 import math
 import numbers
 import os
@@ -12,16 +13,20 @@ from typing import Literal
 
 __all__ = [
     "CompressionConfig",
+    "CONFIG_VARIABLES",
     "ENV_VARS",
     "JAX_CGX_ENV_VARS",
     "BACKENDS",
     "MAX_SEGMENTS",
     "ALGORITHMS",
     "POLICIES",
+    "check_environment",
     "link_gbps_from_env",
     "MIN_FUSION_BUFFER_MB",
     "MAX_FUSION_BUFFERS",
 ]
+
+log = logging.getLogger("jax_cgx")
 
 _QUANT_BITS = tuple(range(1, 9))
 _VALID_BITS = _QUANT_BITS + (16, 32)
@@ -43,6 +48,9 @@ JAX_CGX_ENV_VARS: Mapping[str, str] = {
     "JAX_CGX_POLICY": "always",
     "JAX_CGX_LINK_GBPS": "",  # unset: policy="auto" measures the link
 }
+# Every variable from_env reads (torch_cgx's communicator types included).
+CONFIG_VARIABLES = (*ENV_VARS, "CGX_CROSS_COMMUNICATOR_TYPE", "CGX_INNER_COMMUNICATOR_TYPE",
+                    "CGX_INTRA_BROADCAST", *JAX_CGX_ENV_VARS)
 BACKENDS = ("auto", "xla", "nccl", "tcp")
 ALGORITHMS = ("sra", "ring")
 POLICIES = ("always", "auto")
@@ -251,106 +259,142 @@ class CompressionConfig:
         always XLA's uncompressed reduce-scatter and all-gather (docs/algorithm.md).
 
         Keyword ``overrides`` win over the environment. A malformed value raises
-        ``ValueError`` naming the variable.
+        ``ValueError`` naming the variable, the value and what is accepted; a minimal size below
+        16 is raised to 16 with an INFO line. Every variable jax_cgx reads: docs/environment.md.
         """
         env = os.environ if environ is None else environ
 
         def read(name: str) -> str:
             return env.get(name, ENV_VARS[name]).strip()
 
-        def read_int(name: str) -> int:
+        def read_int(name: str, accepted: str) -> int:
             raw = read(name)
             try:
                 return int(raw)
             except ValueError:
-                raise ValueError(f"{name}={raw!r} is not an integer") from None
+                raise ValueError(f"{name}={raw!r} is not an integer; {accepted}") from None
 
         fields: dict = {}
-        bits = read_int("CGX_COMPRESSION_QUANTIZATION_BITS")
+        bits_accepted = "use 1..8 (bits per value), 16 (a half-precision all-reduce) or 32 (no compression)"
+        bits = read_int("CGX_COMPRESSION_QUANTIZATION_BITS", bits_accepted)
         if bits not in _VALID_BITS:
-            raise ValueError(
-                f"CGX_COMPRESSION_QUANTIZATION_BITS={bits} is not supported; use 1..8, "
-                "16, or 32 (no compression)"
-            )
+            raise ValueError(f"CGX_COMPRESSION_QUANTIZATION_BITS={bits} is not supported; {bits_accepted}")
         fields["bits"] = bits
-        bucket = read_int("CGX_COMPRESSION_BUCKET_SIZE")
-        if bucket < 1:
-            raise ValueError(f"CGX_COMPRESSION_BUCKET_SIZE={bucket} must be >= 1")
+        bucket_accepted = f"use a whole number of values in 1..{MAX_BUCKET_SIZE}, e.g. 512 (the default)"
+        bucket = read_int("CGX_COMPRESSION_BUCKET_SIZE", bucket_accepted)
+        if not 1 <= bucket <= MAX_BUCKET_SIZE:
+            raise ValueError(f"CGX_COMPRESSION_BUCKET_SIZE={bucket} must be >= 1; {bucket_accepted}")
         fields["bucket_size"] = bucket
-        skip = read("CGX_COMPRESSION_SKIP_INCOMPLETE_BUCKETS").lower()
-        if skip not in ("0", "1", "true", "false"):
-            raise ValueError(
-                f"CGX_COMPRESSION_SKIP_INCOMPLETE_BUCKETS={skip!r} must be 0 or 1"
-            )
-        fields["skip_incomplete_buckets"] = skip in ("1", "true")
-        min_size = read_int("CGX_COMPRESSION_MINIMAL_SIZE")
+        fields["skip_incomplete_buckets"] = _flag(env, "CGX_COMPRESSION_SKIP_INCOMPLETE_BUCKETS",
+                                                  read("CGX_COMPRESSION_SKIP_INCOMPLETE_BUCKETS"))
+        min_size = read_int("CGX_COMPRESSION_MINIMAL_SIZE", "use a whole number of values >= 0 (16 and below: 16)")
         if min_size < 0:
-            raise ValueError(f"CGX_COMPRESSION_MINIMAL_SIZE={min_size} must be >= 0")
+            raise ValueError(f"CGX_COMPRESSION_MINIMAL_SIZE={min_size} must be >= 0 (16 and below: 16, "
+                             "torch_cgx's floor)")
+        if min_size < _MIN_SIZE_FLOOR and ("min", min_size) not in _said:
+            _said.add(("min", min_size))
+            log.info("jax_cgx: CGX_COMPRESSION_MINIMAL_SIZE=%d raised to %d, torch_cgx's floor (arrays with fewer "
+                     "values are reduced uncompressed); CompressionConfig(min_size=...) takes any value >= 0",
+                     min_size, _MIN_SIZE_FLOOR)
         fields["min_size"] = max(min_size, _MIN_SIZE_FLOOR)
         raw_mb = read("CGX_FUSION_BUFFER_SIZE_MB")
+        mb_accepted = "use a finite number of MiB >= 1/1024 (1 KiB), e.g. 64 (the default)"
         try:
             mb = float(raw_mb)
         except ValueError:
-            raise ValueError(f"CGX_FUSION_BUFFER_SIZE_MB={raw_mb!r} is not a number") from None
+            raise ValueError(f"CGX_FUSION_BUFFER_SIZE_MB={raw_mb!r} is not a number; {mb_accepted}") from None
         if not (math.isfinite(mb) and mb >= MIN_FUSION_BUFFER_MB):
-            raise ValueError(
-                f"CGX_FUSION_BUFFER_SIZE_MB={raw_mb} must be a finite number of MiB >= "
-                "1/1024 (1 KiB); e.g. 64 (the default)"
-            )
+            raise ValueError(f"CGX_FUSION_BUFFER_SIZE_MB={raw_mb} must be a finite number of MiB >= "
+                             "1/1024 (1 KiB); e.g. 64 (the default)")
         fields["fusion_buffer_mb"] = int(mb) if mb.is_integer() else mb
         fields.update(_execution_from_env(env))
         fields.update(overrides)
         return cls(**fields)
 
 
+def _flag(env: Mapping[str, str], name: str, raw: str) -> bool:
+    """A 0/1 variable (true/false too, any case)."""
+    value = raw.strip().lower()
+    if value not in ("0", "1", "true", "false"):
+        raise ValueError(f"{name}={env.get(name)!r} must be 0 or 1 (or false/true)")
+    return value in ("1", "true")
+
+
+def _choice(env: Mapping[str, str], name: str, raw: str, choices) -> str:
+    """The one of ``choices`` that ``raw`` names, in any case."""
+    for choice in choices:
+        if raw.lower() == choice.lower():
+            return choice
+    raise ValueError(f"{name}={env.get(name)!r} must be {', '.join(choices[:-1])} or {choices[-1]} (any case)")
+
+
 def _execution_from_env(env: Mapping[str, str]) -> dict:
     """backend, algorithm, hierarchical, pipeline_segments, policy and link_gbps from the environment."""
     fields: dict = {}
-    cross = env.get("CGX_CROSS_COMMUNICATOR_TYPE", "").strip().upper()
-    if cross:
-        if cross not in _CROSS_COMMUNICATORS:
-            raise ValueError(f"CGX_CROSS_COMMUNICATOR_TYPE={cross!r} must be NCCL, MPI or SHM")
-        fields["backend"] = _CROSS_COMMUNICATORS[cross]
-    inner = env.get("CGX_INNER_COMMUNICATOR_TYPE", "").strip().upper()
-    if inner and inner not in ("NCCL", "MPI", "SHM"):
-        raise ValueError(f"CGX_INNER_COMMUNICATOR_TYPE={inner!r} must be NCCL, MPI or SHM")
-    intra = env.get("CGX_INTRA_BROADCAST", "").strip().lower()
-    if intra and intra not in ("0", "1", "true", "false"):
-        raise ValueError(f"CGX_INTRA_BROADCAST={intra!r} must be 0 or 1")
 
     def read(name: str) -> str | None:
         raw = env.get(name)
         return None if raw is None or not raw.strip() else raw.strip()
 
+    communicators = tuple(_CROSS_COMMUNICATORS)
+    if (cross := read("CGX_CROSS_COMMUNICATOR_TYPE")) is not None:
+        fields["backend"] = _CROSS_COMMUNICATORS[_choice(env, "CGX_CROSS_COMMUNICATOR_TYPE", cross, communicators)]
+    if (inner := read("CGX_INNER_COMMUNICATOR_TYPE")) is not None:
+        _choice(env, "CGX_INNER_COMMUNICATOR_TYPE", inner, communicators)
+    if (intra := read("CGX_INTRA_BROADCAST")) is not None:
+        _flag(env, "CGX_INTRA_BROADCAST", intra)
     if (backend := read("JAX_CGX_BACKEND")) is not None:
-        if backend.lower() not in BACKENDS:
-            raise ValueError(f"JAX_CGX_BACKEND={backend!r} must be auto, xla, nccl or tcp")
-        fields["backend"] = backend.lower()
+        fields["backend"] = _choice(env, "JAX_CGX_BACKEND", backend, BACKENDS)
     if (algorithm := read("JAX_CGX_ALGORITHM")) is not None:
-        if algorithm.lower() not in ALGORITHMS:
-            raise ValueError(f"JAX_CGX_ALGORITHM={algorithm!r} must be sra or ring")
-        fields["algorithm"] = algorithm.lower()
+        fields["algorithm"] = _choice(env, "JAX_CGX_ALGORITHM", algorithm, ALGORITHMS)
     if (hier := read("JAX_CGX_HIERARCHICAL")) is not None:
-        if hier.lower() not in ("0", "1", "true", "false"):
-            raise ValueError(f"JAX_CGX_HIERARCHICAL={hier!r} must be 0 or 1")
-        fields["hierarchical"] = hier.lower() in ("1", "true")
+        fields["hierarchical"] = _flag(env, "JAX_CGX_HIERARCHICAL", hier)
     if (segments := read("JAX_CGX_PIPELINE_SEGMENTS")) is not None:
+        accepted = f"use 0..{MAX_SEGMENTS} (0 = by size, the default)"
         try:
             count = int(segments)
         except ValueError:
-            raise ValueError(f"JAX_CGX_PIPELINE_SEGMENTS={segments!r} is not an integer") from None
+            raise ValueError(f"JAX_CGX_PIPELINE_SEGMENTS={segments!r} is not an integer; {accepted}") from None
         if not 0 <= count <= MAX_SEGMENTS:
-            raise ValueError(
-                f"JAX_CGX_PIPELINE_SEGMENTS={segments} must be in 0..{MAX_SEGMENTS} (0 = by size)"
-            )
+            raise ValueError(f"JAX_CGX_PIPELINE_SEGMENTS={segments} must be in 0..{MAX_SEGMENTS} (0 = by size)")
         fields["pipeline_segments"] = count
     if (policy := read("JAX_CGX_POLICY")) is not None:
-        if policy.lower() not in POLICIES:
-            raise ValueError(f"JAX_CGX_POLICY={policy!r} must be always or auto")
-        fields["policy"] = policy.lower()
+        fields["policy"] = _choice(env, "JAX_CGX_POLICY", policy, POLICIES)
     if (link := link_gbps_from_env(env)) is not None:
         fields["link_gbps"] = link
     return fields
+
+
+_said: set = set()  # what was logged once, and the environments check_environment found good
+_LINK = "JAX_CGX_LINK_GBPS"
+
+
+def check_environment(config_given: bool = True, api: str = "compressed_psum",
+                      environ: Mapping[str, str] | None = None) -> None:
+    """Validate every variable :meth:`CompressionConfig.from_env` reads, also where a config is
+    given and they are unused: a malformed one raises the ``ValueError`` from_env raises (naming
+    the variable, its value and what is accepted), so that a setting is never ignored unnoticed.
+    Valid ones that a given config leaves unused are logged once (INFO). Runs once per set of
+    values.
+
+    ``JAX_CGX_LINK_GBPS`` is left to what reads it, the ``policy='auto'`` calibration, which
+    raises after the processes agree (raising here, on one process only, would leave the others
+    waiting in that agreement); a malformed value is logged here (WARNING), once.
+    """
+    env = os.environ if environ is None else environ
+    seen = tuple((name, env[name]) for name in CONFIG_VARIABLES if name in env)
+    if (config_given, seen) in _said:
+        return
+    CompressionConfig.from_env({name: value for name, value in seen if name != _LINK})
+    try:
+        link_gbps_from_env(env)
+    except ValueError as err:
+        log.warning("jax_cgx: %s. It raises when policy='auto' calibrates; policy='always' does not read it", err)
+    unused = [name for name, value in seen if value.strip() and name != _LINK]  # policy reads the link rate
+    if config_given and unused:
+        log.info("jax_cgx: %s given a config: %s set in the environment but unused (they apply where config=None)",
+                 api, ", ".join(unused))
+    _said.add((config_given, seen))
 
 
 def link_gbps_from_env(environ: Mapping[str, str] | None = None) -> float | None:

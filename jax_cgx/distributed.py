@@ -61,7 +61,28 @@ def _int(env: Mapping[str, str], name: str) -> int | None:
     try:
         return int(raw)
     except ValueError:
-        raise ValueError(f"{name}={raw!r} is not an integer") from None
+        raise ValueError(f"{name}={raw!r} is not an integer (a launcher sets it: a rank, or a number of "
+                         "processes); unset it, or start the processes with that launcher") from None
+
+
+def _check_place(source: str, names: tuple[str, ...], rank: int, size: int, local: int | None,
+                 local_count: int | None, coordinator: str | None, coordinator_variable: str) -> None:
+    """A rank in 0..size-1 of size >= 1 (the local ones alike), and a coordinator host:port."""
+    rank_var, size_var, local_var, local_size_var = names
+    fix = f"; these come from {source}: start the processes with it, or unset them"
+    if size < 1:
+        raise ValueError(f"{size_var}={size} must be at least 1{fix}")
+    if not 0 <= rank < size:
+        raise ValueError(f"{rank_var}={rank} must be in 0..{size - 1} ({size_var}={size}){fix}")
+    if local_count is not None and local_count < 1:
+        raise ValueError(f"{local_size_var}={local_count} must be at least 1{fix}")
+    if local is not None and not 0 <= local < (local_count or size):
+        raise ValueError(f"{local_var}={local} must be in 0..{(local_count or size) - 1}{fix}")
+    if coordinator is not None:
+        host, _, port = coordinator.rpartition(":")
+        if not (host and port.isdigit() and 1 <= int(port) <= 65535):
+            raise ValueError(f"{coordinator_variable}={coordinator!r} must be host:port (a port in 1..65535), "
+                             "e.g. 10.0.0.1:1234")
 
 
 def detect(env: Mapping[str, str] | None = None) -> ProcessInfo:
@@ -99,7 +120,10 @@ def detect(env: Mapping[str, str] | None = None) -> ProcessInfo:
             local_count = _int(env, local_size_var)
         except ValueError:
             local_count = None
-        coordinator = env.get(COORDINATOR_VARIABLE) or env.get("JAX_COORDINATOR_ADDRESS")
+        coordinator_variable = COORDINATOR_VARIABLE if env.get(COORDINATOR_VARIABLE) else "JAX_COORDINATOR_ADDRESS"
+        coordinator = env.get(coordinator_variable) or None
+        _check_place(source, (rank_var, size_var, local_var, local_size_var), rank, size, local, local_count,
+                     coordinator, coordinator_variable)
         return ProcessInfo(rank, size, local if local is not None else 0, local_count or 1, coordinator, source)
     return ProcessInfo(0, 1, 0, 1, None, "single")
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 from collections.abc import Callable
 from typing import Literal
 
@@ -39,8 +40,6 @@ def check_impl(impl: str) -> None:
 try:
     from jax_cgx import _cpu
 except ImportError as err:  # pragma: no cover - a broken install
-    import os
-
     here = os.path.dirname(os.path.abspath(__file__))
     hint = f"Reinstall jax_cgx with `pip install .` from a source checkout ({err})."
     if os.path.exists(os.path.join(os.path.dirname(here), "CMakeLists.txt")):
@@ -73,6 +72,33 @@ def require_cuda_extension() -> None:
             f"{_CUDA_IMPORT_ERROR}). Rebuild on a machine with nvcc, e.g. "
             "`JAX_CGX_CUDA=ON pip install .`, to use the GPU kernels."
         )
+
+
+ISA_ENV = "JAX_CGX_CPU_ISA"
+ISAS = ("auto", "avx512", "avx2", "baseline")
+
+
+def choose_isa(environ=None) -> str:
+    """Set the CPU kernels' variant from ``JAX_CGX_CPU_ISA`` (unset or empty: auto); at import.
+
+    The C++ reads the variable when a kernel first runs and takes a name it does not know
+    (``AVX2``, a typo) or one this CPU lacks for ``auto`` without a word; so it is checked
+    here, before, and the variant is set explicitly (the C++ then never reads it).
+    """
+    env = os.environ if environ is None else environ
+    raw = env.get(ISA_ENV, "")
+    name = raw or "auto"
+    if name not in ISAS:
+        raise ValueError(f"{ISA_ENV}={raw!r} is not a CPU kernel variant: use one of {', '.join(ISAS)} (lower "
+                         "case; auto, the default, picks the best this CPU runs)")
+    if not _cpu.set_isa(name):
+        runs = ", ".join(_cpu.kernel_info()["isa_supported"])
+        raise ValueError(f"{ISA_ENV}={raw!r}: this CPU cannot run the {name} kernels; it runs {runs} "
+                         "(auto, the default, picks the best of them)")
+    return name
+
+
+choose_isa()
 
 
 def _register_targets() -> None:

@@ -30,7 +30,7 @@ import numpy as np
 
 from jax_cgx.codec import SUPPORTED_DTYPES
 from jax_cgx.collectives import policy
-from jax_cgx.config import MAX_FUSION_BUFFERS, CompressionConfig
+from jax_cgx.config import MAX_FUSION_BUFFERS, CompressionConfig, check_environment
 
 __all__ = ["ConfigSpec", "Group", "Plan", "make_plan", "check_ranks", "leaf_configs", "lane"]
 
@@ -43,6 +43,7 @@ ConfigSpec = Union[
 
 def leaf_configs(spec: ConfigSpec, tree, paths: Sequence[tuple], api: str = "compressed_psum"
                  ) -> list[CompressionConfig | None]:
+    check_environment(spec is not None, api)  # a malformed variable raises even where a config is given
     if spec is None:
         return [CompressionConfig.from_env()] * len(paths)
     if isinstance(spec, CompressionConfig):

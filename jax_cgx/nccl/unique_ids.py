@@ -30,16 +30,19 @@ MAX_TIMEOUT_S = 1e9
 
 def timeout(timeout_s: float | None, env: str = TIMEOUT_ENV, api: str = "jax_cgx.nccl") -> float:
     """``timeout_s``, else ``$env``, else 300 s: a number of seconds in (0, MAX_TIMEOUT_S]."""
+    given = f"{api}: the timeout"
     if timeout_s is None:
         raw = os.environ.get(env, "")
-        if not raw:
+        if not raw.strip():
             return DEFAULT_TIMEOUT_S
         try:
             timeout_s = float(raw)
         except ValueError:
-            raise ValueError(f"{env}={raw!r} is not a number of seconds") from None
+            raise ValueError(f"{env}={raw!r} is not a number of seconds; use a number > 0 and at most "
+                             f"{MAX_TIMEOUT_S:g}, e.g. 600 (unset: {DEFAULT_TIMEOUT_S:g})") from None
+        given = f"{api}: {env}={raw!r}: the timeout"
     if not 0 < timeout_s <= MAX_TIMEOUT_S:  # also refuses NaN and inf
-        raise ValueError(f"{api}: the timeout must be > 0 and at most {MAX_TIMEOUT_S:g} seconds, got {timeout_s!r}")
+        raise ValueError(f"{given} must be > 0 and at most {MAX_TIMEOUT_S:g} seconds, got {timeout_s!r}")
     return float(timeout_s)
 
 
