@@ -28,7 +28,7 @@ from jax.interpreters import ad, batching, mlir
 
 from jax_cgx import _compat
 from jax_cgx.codec import batch_rows
-from jax_cgx.collectives import wire
+from jax_cgx.collectives import agreement, wire
 from jax_cgx.collectives.chunks import chunk_length
 from jax_cgx.collectives.ring import ring_rows
 from jax_cgx.collectives.sra import sra_rows
@@ -108,8 +108,9 @@ def lower_xla(ctx, x, seeds, valid, *, backend, residual=False, **params):
             f"lowered for {platforms}. Use backend='auto' ({backend} where set up, else xla) or "
             "backend='xla'."
         )
-    cap = wire.message_cap(ctx.module_context.platforms)
     extra = dict(residual=True) if residual else {}
+    agreement.check(ctx, "compressed_psum", "xla", **extra, **params)  # across processes, once per compile
+    cap = wire.message_cap(ctx.module_context.platforms)
     fun = functools.partial(xla_rows, backend=backend, message_cap=cap, **extra, **params)
     return mlir.lower_fun(fun, multiple_results=residual)(ctx, x, seeds, valid)
 

@@ -25,7 +25,7 @@ from jax.interpreters import ad, batching, mlir
 from jax_cgx import _compat
 from jax_cgx.codec import batch_rows
 from jax_cgx.codec.quantized import META_BYTES, num_buckets, payload_bytes
-from jax_cgx.collectives import policy
+from jax_cgx.collectives import agreement, policy
 from jax_cgx.collectives import wire as _wire
 from jax_cgx.collectives.chunks import chunk_length
 from jax_cgx.collectives.plan import ConfigSpec, Group, lane, leaf_configs
@@ -208,6 +208,8 @@ def register(prim: Primitive, *, abstract_eval: Callable, program: Callable, jvp
             raise NotImplementedError(
                 f"{api}: backend='nccl' runs on CUDA GPUs only, but this computation is lowered for {platforms}. "
                 "Use backend='auto' (nccl where set up, else xla) or backend='xla'.")
+        extra = dict(residual=True) if prim.name.endswith("_residual") else {}
+        agreement.check(ctx, api, "xla", **extra, **params)  # across processes, once per compile
         for name in typing_only:
             params.pop(name)
         cap = _wire.message_cap(ctx.module_context.platforms)

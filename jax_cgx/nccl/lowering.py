@@ -24,7 +24,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import mlir
 
 from jax_cgx.codec import kernels
-from jax_cgx.collectives import primitive
+from jax_cgx.collectives import agreement, primitive
 from jax_cgx.config import ALGORITHMS
 from jax_cgx.nccl import registry
 
@@ -91,6 +91,7 @@ def _lower_cuda(ctx, x, seeds, valid, *, backend, axes, world, chunk, bits, buck
                   stochastic=stochastic, impl=impl, algorithm=algorithm, segments=segments)
     if choice != "nccl":
         return primitive.lower_xla(ctx, x, seeds, valid, backend="xla", **params)
+    agreement.check(ctx, "compressed_psum", "nccl", **params)  # across processes, once per compile
     key = registry.lookup(context_mesh(ctx), axes)
 
     def rows(x, seeds, valid):

@@ -42,7 +42,7 @@ import numpy as np
 from jax.extend.core import Primitive
 from jax.interpreters import mlir
 
-from jax_cgx.collectives import primitive
+from jax_cgx.collectives import agreement, primitive
 from jax_cgx.tcp import lifecycle
 from jax_cgx.tcp.lifecycle import TcpError
 
@@ -182,6 +182,7 @@ def _lower_cpu(ctx, x, seeds, valid, *, backend, axes, world, chunk, bits, bucke
                   stochastic=stochastic, impl=impl, algorithm=algorithm, segments=segments)
     if choice != "tcp":
         return primitive.lower_xla(ctx, x, seeds, valid, backend=choice, **params)
+    agreement.check(ctx, "compressed_psum", "tcp", **params)  # across processes, once per compile
     key = lifecycle.lookup(mesh, axes)
 
     def rows(x, seeds, valid, *previous):

@@ -4,9 +4,9 @@
 
 One CPU device per process. MODE ``compare``: compressed_psum with the tcp and the xla
 backend, nearest and stochastic, float32 and bfloat16; writes OUT_DIR/process<ID>.npz.
-MODE ``dead_peer``: after setup, the last process exits without reducing; the others must
-get an error, not hang; they write OUT_DIR/process<ID>.txt with the message and how long
-it took. MODE ``mismatch``: every process reduces a different size (programs that differ);
+MODE ``dead_peer``: every process compiles a reduction, then the last one exits without
+running it; the others must get an error, not hang; they write OUT_DIR/process<ID>.txt with
+the message and how long it took. MODE ``mismatch``: every process reduces a different size (programs that differ);
 each writes its error message to OUT_DIR/process<ID>.txt.
 """
 
@@ -55,10 +55,15 @@ def main() -> None:
         jax_cgx.tcp.teardown()
         jax.distributed.shutdown()
         return
-    def error_of(n: int) -> str:
-        """The error a tcp reduction of n values raises here ("no error" if none)."""
+    def error_of(n: int, compile_first: bool = False) -> str:
+        """The error a tcp reduction of n values raises here ("no error" if none). ``compile_first``:
+        compiled on every process (where the processes agree on it), then the last one leaves."""
         f, x = reduce(jax_cgx.CompressionConfig(backend="tcp"), np.ones((1, n), np.float32))
         try:
+            if compile_first:
+                f = f.lower(x).compile()
+                if pid == nproc - 1:
+                    os._exit(0)
             jax.block_until_ready(f(x))
             return "no error"
         except Exception as err:  # the test checks the message
@@ -69,11 +74,9 @@ def main() -> None:
         with open(path, "w") as fh:
             fh.write(error_of(1000 * (pid + 1)))
         os._exit(0)
-    # dead_peer: the last process leaves; the others' call must fail, not hang.
-    if pid == nproc - 1:
-        os._exit(0)
+    # dead_peer: the last process leaves after compiling; the others' call must fail, not hang.
     start = time.monotonic()
-    message = error_of(1 << 20)
+    message = error_of(1 << 20, compile_first=True)
     with open(path, "w") as fh:
         fh.write(f"{time.monotonic() - start:.3f}\n{message}")
     os._exit(0)  # jax.distributed's shutdown would wait for the process that left
