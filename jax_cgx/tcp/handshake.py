@@ -221,22 +221,22 @@ class GroupHandshake:
                             self.description)
 
         def read(p: _Pending) -> None:
-            try:
-                chunk = p.sock.recv(GREETING.size - len(p.data))  # never past the greeting
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError as err:
-                return reject(p, f"the connection failed before its greeting was complete: {err}", "closed early")
-            if not chunk:
-                return reject(p, f"it closed the connection after {len(p.data)} of the greeting's {GREETING.size} "
-                                 "bytes", "closed early")
-            p.data += chunk
-            if len(p.data) >= 4 and p.data[:4] != MAGIC:
-                why = ("a greeting of an older jax_cgx (without a MAC)" if p.data[:4] == _OLD_MAGIC
-                       else f"not a jax_cgx greeting (it began {bytes(p.data[:8])!r})")
-                return reject(p, why, "not a jax_cgx greeting")
-            if len(p.data) < GREETING.size:
-                return
+            while len(p.data) < GREETING.size:
+                try:
+                    chunk = p.sock.recv(GREETING.size - len(p.data))  # never past the greeting
+                except (BlockingIOError, InterruptedError):
+                    return
+                except OSError as err:
+                    return reject(p, f"the connection failed before its greeting was complete: {err}",
+                                  "closed early")
+                if not chunk:
+                    return reject(p, f"it closed the connection after {len(p.data)} of the greeting's "
+                                     f"{GREETING.size} bytes", "closed early")
+                p.data += chunk
+                if len(p.data) >= 4 and p.data[:4] != MAGIC:
+                    why = ("a greeting of an older jax_cgx (without a MAC)" if p.data[:4] == _OLD_MAGIC
+                           else f"not a jax_cgx greeting (it began {bytes(p.data[:8])!r})")
+                    return reject(p, why, "not a jax_cgx greeting")
             rank, why, kind = self.check(bytes(p.data), listeners[p.to_rank].key, p.to_rank)
             if rank >= 0 and rank in got[p.to_rank]:
                 rank, why, kind = -1, f"rank {rank} is connected already (a replayed greeting?)", "duplicate"
@@ -283,6 +283,8 @@ class GroupHandshake:
                             read(item.data)
                     else:
                         accept_from(listeners[item.data], item.data, time.monotonic())
+            for p in list(pending.values()):  # every rank is in: whoever else is there is not one
+                reject(p, "it had not sent a whole greeting when every rank had connected", "no greeting in time")
         except BaseException:
             for socks in got.values():
                 for sock in socks.values():
