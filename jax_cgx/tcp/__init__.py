@@ -23,17 +23,23 @@ same order. Reduction groups and family keys are the nccl backend's
 (:mod:`jax_cgx.nccl.groups`); each device of a group gets a *communicator*: a TCP
 connection to every other rank of its group and one I/O thread.
 
-Addresses: each device listens on an ephemeral port of all interfaces and publishes
-``host:port`` through the ``jax.distributed`` key-value store (one process needs no
-store: 127.0.0.1). ``host`` is ``$JAX_CGX_TCP_HOST``, else this machine's address on
-the route to the ``jax.distributed`` coordinator. A call whose peers stop moving bytes
-fails after ``$JAX_CGX_TCP_TIMEOUT_S`` (default 300 s) instead of hanging.
+Addresses: each device listens on an ephemeral port of the address this process
+publishes (not every interface) and publishes ``ip:port`` with a fresh random listener
+key through the ``jax.distributed`` key-value store (one process needs no store:
+127.0.0.1). The address is ``$JAX_CGX_TCP_HOST``, else this machine's address on the
+route to the ``jax.distributed`` coordinator. Each connection's greeting carries an
+HMAC under the listener's key (:mod:`jax_cgx.tcp.handshake`): a process that did not
+read this job's store is rejected and logged, and set-up waits on for the real peer. The
+store is trusted; traffic after set-up is not authenticated (docs/tcp.md, "Trust"). A
+call whose peers stop moving bytes fails after ``$JAX_CGX_TCP_TIMEOUT_S`` (default
+300 s) instead of hanging.
 
 What it does not do: error feedback residuals and the ring algorithm run on the xla
 backend (``backend="auto"`` picks it and logs why at debug level; ``"tcp"`` raises).
 
 =================  ==================================================================
 ``lifecycle``      :func:`setup`, :func:`teardown`, the families, the exit hook
+``handshake``      listening, connecting, greetings and who may connect
 ``lowering``       the CPU lowering rule of the compressed all-reduce
 =================  ==================================================================
 """
