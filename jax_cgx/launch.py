@@ -3,10 +3,16 @@
     python -m jax_cgx.launch -n 4 [--devices-per-process K] [--timeout SECONDS] [--grace SECONDS]
                              script.py [args...]
 
-- Starts the coordinator on a free port of 127.0.0.1 and gives each process its rank in
-  ``JAX_CGX_PROCESS_ID`` / ``JAX_CGX_NUM_PROCESSES`` / ``JAX_CGX_LOCAL_RANK`` /
+- Starts the coordinator on a free port of 127.0.0.1, listening there only
+  (``JAX_COORDINATOR_BIND_ADDRESS``; jax's default is every interface), and gives each process
+  its rank in ``JAX_CGX_PROCESS_ID`` / ``JAX_CGX_NUM_PROCESSES`` / ``JAX_CGX_LOCAL_RANK`` /
   ``JAX_CGX_LOCAL_COUNT`` / ``JAX_CGX_COORDINATOR``; with ``--devices-per-process K``
   (K >= 1), each process sees K simulated CPU devices (``XLA_FLAGS``).
+- At most ``MAX_PROCESSES`` processes (the larger of 256 and 4 per CPU core): each is a
+  whole Python interpreter with JAX, so a larger ``-n`` is refused before anything starts.
+  Simulate more devices with ``--devices-per-process``, or use several machines.
+- Standard input goes to process 0 only; the others read ``/dev/null`` (as mpirun does), so
+  piped input is never split between processes by which reads first.
 - Prefixes every line of output with the rank (bytes that are not UTF-8 are replaced, and
   output keeps flowing, unread, if the launcher's own output is closed: ``| head``).
 - If a process fails (a non-zero status, or killed by a signal), stops the others and
@@ -49,10 +55,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# The most processes one launch starts: each is a Python interpreter with JAX (hundreds of MB).
+MAX_PROCESSES = max(256, 4 * (os.cpu_count() or 1))
+BIND_VARIABLE = "JAX_COORDINATOR_BIND_ADDRESS"  # where jax's coordinator service listens (process 0)
+
+
 def _environment(rank: int, n: int, port: int, devices: int | None) -> dict[str, str]:
     env = dict(os.environ)
     env.update(zip(RANK_VARIABLES, (str(rank), str(n), str(rank), str(n))))
-    env.update({COORDINATOR_VARIABLE: f"127.0.0.1:{port}", "PYTHONUNBUFFERED": "1"})
+    # One host: the coordinator is reached on loopback, so it listens there only (jax's
+    # default, [::]:port, is every interface).
+    env.update({COORDINATOR_VARIABLE: f"127.0.0.1:{port}", BIND_VARIABLE: f"127.0.0.1:{port}",
+                "PYTHONUNBUFFERED": "1"})
     if devices is not None:
         flags = [f for f in env.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f]
         env["XLA_FLAGS"] = " ".join([*flags, f"--xla_force_host_platform_device_count={devices}"])
@@ -117,6 +131,10 @@ def exit_code(status: int) -> int:
 class ProcessGroup:
     """Processes, each the leader of its own process group, output prefixed with its rank.
 
+    Standard input goes to the first process only; the others read ``/dev/null`` (as mpirun
+    does: otherwise whichever reads first takes piped input). If a process cannot be started,
+    those already started are stopped and the error is raised.
+
     Also used by benchmarks/netem/run.py, which starts its ranks inside network namespaces.
     """
 
@@ -129,15 +147,21 @@ class ProcessGroup:
         self._changed = threading.Condition()
         width = len(str(len(commands) - 1))
         for rank, (argv, env) in enumerate(zip(commands, envs)):
-            proc = subprocess.Popen(
-                argv,
-                env=env,
-                cwd=cwd,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,  # our own group: we signal it, the terminal does not
-                preexec_fn=_die_with_launcher if _PRCTL is not None else None,
-            )
+            try:
+                proc = subprocess.Popen(
+                    argv,
+                    env=env,
+                    cwd=cwd,
+                    stdin=None if rank == 0 else subprocess.DEVNULL,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,  # our own group: we signal it, the terminal does not
+                    preexec_fn=_die_with_launcher if _PRCTL is not None else None,
+                )
+            except OSError:
+                self.stop(0)  # none left behind
+                self.close()
+                raise
             self.procs.append(proc)
             pump = threading.Thread(target=_pump, args=(proc.stdout, f"[{rank:>{width}}] ", sys.stdout), daemon=True)
             pump.start()
@@ -296,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m jax_cgx.launch", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("-n", "--nproc", type=integer(1), required=True, metavar="N",
-                        help="number of processes (at least 1)")
+                        help=f"number of processes (at least 1, at most {MAX_PROCESSES} here)")
     parser.add_argument("--devices-per-process", type=integer(1), default=None, metavar="K",
                         help="simulated CPU devices per process (at least 1; leave out on GPUs)")
     parser.add_argument("--timeout", type=_seconds(minimum_exclusive=True), default=None, metavar="SECONDS",
@@ -308,6 +332,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("args", nargs=argparse.REMAINDER)
     raw = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(raw)
+    if args.nproc > MAX_PROCESSES:
+        parser.error(f"argument -n/--nproc: {args.nproc} processes is more than this launcher starts on one "
+                     f"machine (at most {MAX_PROCESSES}: the larger of 256 and 4 per CPU core, {os.cpu_count()} "
+                     "here); each is a whole Python interpreter with JAX. Simulate more devices with "
+                     "--devices-per-process K (N processes x K devices), or run on several machines under "
+                     "mpirun or srun (docs/distributed.md)")
     tail = len(raw) - len(args.args)
     if tail >= 2 and raw[tail - 1] == "--" and raw[tail - 2] == args.script:
         args.args.insert(0, "--")  # argparse took the script's own leading "--" for its end of options

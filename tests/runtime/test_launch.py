@@ -415,3 +415,78 @@ def test_the_devices_each_process_drives(monkeypatch, env, kwargs, expected):
                            **kwargs)
     assert seen["local_device_ids"] == expected
     assert seen["shutdown_timeout_seconds"] == 7  # other options reach jax as they are
+
+
+def test_stdin_goes_to_rank_0_only(tmp_path):
+    # Piped input went to whichever rank read first (rank 1 got it, rank 0 read '').
+    script = _script(tmp_path, "import sys; print(repr(sys.stdin.read()))\n")
+    run = subprocess.run([*LAUNCH, "-n", "3", script], input="for rank 0\n", capture_output=True, text=True,
+                         timeout=60)
+    assert run.returncode == 0, _log(run)
+    assert "[0] 'for rank 0\\n'" in run.stdout, _log(run)
+    assert "[1] ''" in run.stdout and "[2] ''" in run.stdout, _log(run)
+
+
+@pytest.mark.parametrize("n", [launch.MAX_PROCESSES + 1, 100000])
+def test_too_many_processes_is_an_error_that_starts_nothing(tmp_path, capsys, monkeypatch, n):
+    # -n 100000 started spawning with no bound.
+    started = []
+    monkeypatch.setattr(launch.subprocess, "Popen", lambda *a, **k: started.append(a))
+    with pytest.raises(SystemExit) as exited:
+        launch.main(["-n", str(n), CHECK, str(tmp_path)])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument -n/--nproc: {n} processes is more than this launcher starts on one machine (at most " \
+           f"{launch.MAX_PROCESSES}: the larger of 256 and 4 per CPU core" in err
+    assert "--devices-per-process K" in err and "mpirun or srun" in err
+    assert not started and not list(tmp_path.iterdir()), "a process was started"
+    assert launch.MAX_PROCESSES >= 256
+
+
+@pytest.mark.filterwarnings("ignore:os.fork")  # the processes are started from this (multithreaded) process
+def test_a_process_that_cannot_start_leaves_none_behind(monkeypatch):
+    real = subprocess.Popen
+    stdins, started = [], []
+
+    def popen(*args, **kwargs):
+        stdins.append(kwargs.get("stdin"))
+        if len(stdins) == 3:
+            raise OSError(11, "Resource temporarily unavailable")
+        started.append(real(*args, **kwargs))
+        return started[-1]
+
+    monkeypatch.setattr(launch.subprocess, "Popen", popen)
+    with pytest.raises(OSError, match="Resource temporarily unavailable"):
+        launch.ProcessGroup([["sleep", "600"]] * 3, [dict(os.environ)] * 3)
+    assert len(started) == 2 and all(p.poll() is not None for p in started), "a process was left running"
+    assert stdins[0] is None and stdins[1] == subprocess.DEVNULL  # stdin: rank 0's is the launcher's
+
+
+def test_the_coordinator_listens_on_loopback_only(tmp_path):
+    # The docstring said 127.0.0.1, but jax's coordinator bound every interface ([::]:port).
+    assert launch._environment(0, 2, 4321, None)["JAX_COORDINATOR_BIND_ADDRESS"] == "127.0.0.1:4321"
+    script = _script(tmp_path, """
+import ipaddress
+import os
+import jax_cgx
+jax_cgx.distributed.initialize()
+port = int(os.environ["JAX_CGX_COORDINATOR"].rsplit(":", 1)[1])
+listening = []
+for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+    with open(table) as f:
+        for line in f.readlines()[1:]:
+            local, state = line.split()[1], line.split()[3]
+            address, hex_port = local.split(":")
+            if state == "0A" and int(hex_port, 16) == port:  # LISTEN
+                # The address is in 32-bit words of host (little-endian) byte order.
+                packed = b"".join(bytes.fromhex(address[i:i + 8])[::-1] for i in range(0, len(address), 8))
+                ip = ipaddress.ip_address(packed)
+                listening.append(str(getattr(ip, "ipv4_mapped", None) or ip))
+if jax_cgx.distributed.detect().process_index == 0:
+    print("listening:", sorted(listening))
+""")
+    run = subprocess.run([*LAUNCH, "-n", "2", "--devices-per-process", "1", script], capture_output=True, text=True,
+                         timeout=120, cwd=tmp_path)
+    assert run.returncode == 0, _log(run)
+    # jax's default, every interface, would read ['::'] (or ['0.0.0.0']).
+    assert "[0] listening: ['127.0.0.1']" in run.stdout, _log(run)
