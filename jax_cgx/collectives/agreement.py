@@ -79,17 +79,18 @@ def describe(pairs: list[list[str]]) -> str:
 
 
 def timeout() -> float:
-    """``$JAX_CGX_AGREE_TIMEOUT_S``, else 300 s (the same convention as the backends' set-up timeouts)."""
+    """``$JAX_CGX_AGREE_TIMEOUT_S``, else 300 s: seconds in (0, 1e9], checked as the backends' set-up timeouts."""
     raw = os.environ.get(TIMEOUT_ENV, "")
-    if not raw:
+    if not raw.strip():
         return _DEFAULT_TIMEOUT_S
     try:
         value = float(raw)
     except ValueError:
-        raise ValueError(f"{TIMEOUT_ENV}={raw!r} is not a number of seconds") from None
-    if not 0 < value <= _MAX_TIMEOUT_S:
-        raise ValueError(f"{TIMEOUT_ENV}: the timeout must be > 0 and at most {_MAX_TIMEOUT_S:g} seconds, "
-                         f"got {raw!r}")
+        raise ValueError(f"{TIMEOUT_ENV}={raw!r} is not a number of seconds; use a number > 0 and at most "
+                         f"{_MAX_TIMEOUT_S:g}, e.g. 600 (unset: {_DEFAULT_TIMEOUT_S:g})") from None
+    if not 0 < value <= _MAX_TIMEOUT_S:  # also refuses NaN and inf
+        raise ValueError(f"jax_cgx: {TIMEOUT_ENV}={raw!r}: the timeout must be > 0 and at most {_MAX_TIMEOUT_S:g} "
+                         f"seconds, got {value!r}")
     return value
 
 
@@ -178,9 +179,25 @@ def check(ctx, api: str, backend: str, **params) -> None:
 
 
 def _agree(client, prefix: str, processes: tuple[int, ...], mine: str, where: str) -> None:
-    """Publish ``mine`` (a JSON description), get the verdict of the first process, raise unless all agree."""
+    """Publish ``mine`` (a JSON description), get the verdict of the first process, raise unless all agree.
+
+    A malformed timeout raises after the exchange, which the other processes wait in, and marks
+    this process's description, so that they fail too instead of running without this process.
+    """
+    try:
+        wait, bad = timeout(), None
+    except ValueError as err:
+        wait, bad = _DEFAULT_TIMEOUT_S, err
+        mine = json.dumps([*json.loads(mine), [TIMEOUT_ENV, "malformed"]])
+    try:
+        _exchange(client, prefix, processes, mine, where, wait)
+    finally:
+        if bad is not None:
+            raise bad
+
+
+def _exchange(client, prefix: str, processes: tuple[int, ...], mine: str, where: str, wait: float) -> None:
     me, first = jax.process_index(), processes[0]
-    wait = timeout()
     deadline = time.monotonic() + wait
     remaining = lambda: max(1, int((deadline - time.monotonic()) * 1000))  # noqa: E731
     if me != first:

@@ -76,11 +76,22 @@ class _Store:
             return self.values[key]
 
 
-def _both(monkeypatch, descriptions, timeout="5"):
-    """Run _agree as processes 0 and 1 (one thread each, process_index per thread): their errors."""
+_TIMEOUT = agreement.timeout
+
+
+def _both(monkeypatch, descriptions, timeout="5", timeouts=None):
+    """Run _agree as processes 0 and 1 (one thread each, process_index and $JAX_CGX_AGREE_TIMEOUT_S
+    per thread): their errors."""
     store, local, errors = _Store(), threading.local(), {}
+    timeouts = timeouts or [timeout, timeout]
     monkeypatch.setattr(jax, "process_index", lambda: local.me)
-    monkeypatch.setenv(agreement.TIMEOUT_ENV, timeout)
+
+    def timeout_here():
+        with monkeypatch.context() as m:
+            m.setenv(agreement.TIMEOUT_ENV, timeouts[local.me])
+            return _TIMEOUT()
+
+    monkeypatch.setattr(agreement, "timeout", timeout_here)
 
     def one(me):
         local.me = me
@@ -120,7 +131,18 @@ def test_a_process_that_never_arrives_is_named_after_the_timeout(monkeypatch):
     assert "process 1 waited 0.2 s at the point" in errors[1] and "for process 0, which did not reach" in errors[1]
 
 
-@pytest.mark.parametrize("raw", ["0", "-1", "nan", "soon"])
+@pytest.mark.parametrize("bad", [0, 1])
+def test_a_malformed_timeout_on_one_process_fails_every_process(monkeypatch, bad):
+    timeouts = ["5", "5"]
+    timeouts[bad] = "soon"
+    errors = _both(monkeypatch, [_pairs(), _pairs()], timeouts=timeouts)
+    assert set(errors) == {0, 1}
+    assert errors[bad].startswith("JAX_CGX_AGREE_TIMEOUT_S='soon' is not a number of seconds"), errors[bad]
+    other = errors[1 - bad]
+    assert "they differ in JAX_CGX_AGREE_TIMEOUT_S." in other and "JAX_CGX_AGREE_TIMEOUT_S=malformed" in other
+
+
+@pytest.mark.parametrize("raw", ["0", "-1", "nan", "inf", "soon"])
 def test_a_bad_timeout_is_refused(monkeypatch, raw):
     monkeypatch.setenv(agreement.TIMEOUT_ENV, raw)
     with pytest.raises(ValueError, match=agreement.TIMEOUT_ENV):
