@@ -16,7 +16,9 @@
 - :mod:`~jax_cgx.collectives.sra`, :mod:`~jax_cgx.collectives.ring`,
   :mod:`~jax_cgx.collectives.hierarchical`: one module per algorithm;
 - :mod:`~jax_cgx.collectives.chunks`: how SRA and the ring cut a buffer, and their shared last step;
-- :mod:`~jax_cgx.collectives.wire`: encodings as byte rows and the collectives that move them.
+- :mod:`~jax_cgx.collectives.wire`: encodings as byte rows and the collectives that move them;
+- :mod:`~jax_cgx.collectives.agreement`: the processes agree on every compressed reduction they
+  run together when it is lowered (a mismatch is one error on every process, not an abort or hang).
 
 Data flows one way: collectives -> codec -> config. The nccl backend's lowering
 (:mod:`jax_cgx.nccl.lowering`) builds on :mod:`~jax_cgx.collectives.primitive`.
