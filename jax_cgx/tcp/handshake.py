@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import errno
 import hashlib
 import hmac
 import logging
@@ -63,6 +64,8 @@ KEY_BYTES = 32
 GREETING_TIMEOUT_S = 10.0
 # Connections waiting for their greeting at once, per group; beyond it the oldest is dropped.
 MAX_PENDING = 64
+# accept() errors that a pause may cure (the others: the next connection).
+_OUT_OF_RESOURCES = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}
 # Rejections logged one by one per group; the rest are counted in one summary.
 LOG_REJECTIONS = 20
 
@@ -204,6 +207,7 @@ class GroupHandshake:
         pending: dict[socket.socket, _Pending] = {}  # insertion order: oldest first
         rejected: collections.Counter = collections.Counter()
         sel = selectors.DefaultSelector()
+        short_of = [False]  # accept() ran out of resources (logged once)
         start = time.monotonic()
         wait_greeting = max(min(GREETING_TIMEOUT_S, deadline - start), 0.001)
 
@@ -253,9 +257,16 @@ class GroupHandshake:
                     sock, where = listener.sock.accept()
                 except (BlockingIOError, InterruptedError):
                     return
-                except OSError as err:  # e.g. out of file descriptors: retried on the next turn
-                    log.warning("jax_cgx.tcp: accepting a connection to rank %d of %s failed: %s", to_rank,
-                                self.description, err)
+                except OSError as err:
+                    if err.errno not in _OUT_OF_RESOURCES:  # e.g. a stranger reset before the accept
+                        continue
+                    # Out of file descriptors or memory: retried on the next turn, after a pause
+                    # (the listener stays readable: no busy loop), logged once.
+                    if not short_of[0]:
+                        log.warning("jax_cgx.tcp: accepting a connection to rank %d of %s failed: %s", to_rank,
+                                    self.description, err)
+                    short_of[0] = True
+                    time.sleep(0.05)
                     return
                 sock.setblocking(False)
                 if len(pending) >= MAX_PENDING:
