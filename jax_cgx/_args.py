@@ -3,16 +3,19 @@
 - argparse types of the command lines (``jax_cgx.bench``, ``jax_cgx.launch``): a value out of
   range is an argparse error that names the flag, before anything runs;
 - :func:`check_bool`, the check of every boolean argument of a public function
-  (``return_residual``, ``tiled``, ``error_feedback``, ...): only a real bool is accepted.
+  (``return_residual``, ``tiled``, ``error_feedback``, ...): only a real bool is accepted;
+- :func:`check_axes`, the axes a data-parallel mean or a sharded optimizer runs over.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 
 import numpy as np
+
+from jax_cgx import _compat
 
 # Widths the codec has (bits per value).
 BITS = range(1, 9)
@@ -56,3 +59,18 @@ def check_bool(fn: str, name: str, value) -> bool:
     if not isinstance(value, (bool, np.bool_)):
         raise ValueError(f"{fn}: {name} must be True or False, got {value!r} ({type(value).__name__})")
     return bool(value)
+
+
+def check_axes(fn: str, axis_name) -> tuple:
+    """``axis_name`` (a name, or a tuple or list of names) as a tuple; a ``ValueError`` if empty
+    (a mean over no axis would leave every rank with its own gradient: replicas would drift) or
+    if a name is ``None``, a nested sequence or not hashable (no mesh axis is called that)."""
+    result = _compat.axes_tuple(axis_name)
+    if not result:
+        raise ValueError(f"{fn}: axis_name must name at least one mapped axis to average over, "
+                         f"got {axis_name!r}; e.g. 'data', or ('data', 'replica') for several")
+    for name in result:
+        if name is None or isinstance(name, (tuple, list, dict, set)) or not isinstance(name, Hashable):
+            raise ValueError(f"{fn}: axis_name must be a mesh axis name (e.g. 'data') or a tuple of them, "
+                             f"got {axis_name!r}")
+    return result

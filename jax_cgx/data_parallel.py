@@ -38,8 +38,7 @@ import jax
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from jax_cgx import _compat
-from jax_cgx._args import check_bool
+from jax_cgx._args import check_axes, check_bool
 from jax_cgx.collectives.allreduce import compressed_pmean
 from jax_cgx.collectives.plan import ConfigSpec
 
@@ -73,7 +72,7 @@ def data_parallel_value_and_grad(fun: Callable[..., Any], *, mesh, axis_name: st
     if not callable(fun):
         raise TypeError(f"data_parallel_value_and_grad: fun must be callable, got {type(fun).__name__}")
     has_aux = check_bool("data_parallel_value_and_grad", "has_aux", has_aux)
-    axes = _compat.axes_tuple(axis_name)
+    axes = check_axes("data_parallel_value_and_grad", axis_name)
     names = tuple(getattr(mesh, "axis_names", ()))
     missing = [a for a in axes if a not in names]
     if missing:

@@ -55,7 +55,13 @@ def test_numpy_bools_are_booleans():
 
 
 def test_one_boolean_check():
-    assert _checks.check_bool is _args.check_bool
+    assert _checks.check_bool is _args.check_bool and _checks.axes is _args.check_axes
+
+
+def test_data_parallel_needs_an_axis():
+    # axis_name=() failed with an IndexError.
+    with pytest.raises(ValueError, match="data_parallel_value_and_grad: axis_name must name at least one mapped axis"):
+        jax_cgx.data_parallel_value_and_grad(lambda p: 0.0, mesh=_mesh(), axis_name=())
 
 
 @pytest.mark.parametrize("axis_name", [(), [], None, ("data", None), (("data",),)], ids=repr)

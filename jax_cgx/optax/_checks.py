@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import math
 import operator
-from collections.abc import Hashable
 from typing import Callable
 
 import jax
@@ -28,26 +27,12 @@ import numpy as np
 from jax import lax
 
 from jax_cgx import _compat
+from jax_cgx._args import check_axes as axes  # noqa: F401  (shared with data_parallel)
 from jax_cgx._args import check_bool  # noqa: F401  (the one check of a boolean argument)
 
 PLACEHOLDER_SHAPE = (0,)
 
 _SEED_MIN, _SEED_MAX = -(2**63), 2**63 - 1  # what jax.random.key accepts
-
-
-def axes(fn: str, axis_name) -> tuple:
-    """``axis_name`` (a name, or a tuple or list of names) as a tuple; a ``ValueError`` if empty
-    (a mean over no axis would leave every rank with its own gradient: replicas would drift) or
-    if a name is ``None``, a nested sequence or not hashable (no mesh axis is called that)."""
-    result = _compat.axes_tuple(axis_name)
-    if not result:
-        raise ValueError(f"{fn}: axis_name must name at least one mapped axis to average over, "
-                         f"got {axis_name!r}; e.g. 'data', or ('data', 'replica') for several")
-    for name in result:
-        if name is None or isinstance(name, (tuple, list, dict, set)) or not isinstance(name, Hashable):
-            raise ValueError(f"{fn}: axis_name must be a mesh axis name (e.g. 'data') or a tuple of them, "
-                             f"got {axis_name!r}")
-    return result
 
 
 def typed_like(x: jax.Array, like, axes: tuple, *, per_rank: bool) -> jax.Array:
