@@ -307,12 +307,14 @@ CGX_HD uint64_t load_packed(const uint8_t* p, int nbytes) {
 
 // ------------------------------------------------------- min/max reduction
 
-// Running min/max of flush(x) with NaNs set aside. min and max of a set do not
+// Running min/max of the finite values of flush(x), with NaNs and infinities
+// set aside as flags (codec_math.h's BucketRange). min and max of a set do not
 // depend on the order they are taken in, so any reduction tree gives the bits
 // a scalar loop gives. (flush maps -0 to +0, so signed zeros never tie.)
+constexpr uint32_t kSawNan = 1u, kSawPosInf = 2u, kSawNegInf = 4u;
 struct MinMax {  // a plain aggregate: it also lives in __shared__ memory
   float mn, mx;
-  uint32_t nan;
+  uint32_t nan;  // kSaw* bits
 };
 
 CGX_HD MinMax minmax_empty() { return MinMax{bits_float(0x7F800000u), bits_float(0xFF800000u), 0u}; }
@@ -320,11 +322,23 @@ CGX_HD MinMax minmax_empty() { return MinMax{bits_float(0x7F800000u), bits_float
 CGX_HD void minmax_add(MinMax& s, float x) {
   const float f = flush(x);
   if (f != f) {
-    s.nan = 1u;
+    s.nan |= kSawNan;
+  } else if (abs_f32(f) > kMaxFinite) {
+    s.nan |= f > 0.0f ? kSawPosInf : kSawNegInf;
   } else {
     s.mn = f < s.mn ? f : s.mn;
     s.mx = f > s.mx ? f : s.mx;
   }
+}
+
+CGX_HD BucketRange range_of(const MinMax& s) {
+  BucketRange r;
+  r.mn = s.mn;
+  r.mx = s.mx;
+  r.nan = (s.nan & kSawNan) != 0u;
+  r.pos_inf = (s.nan & kSawPosInf) != 0u;
+  r.neg_inf = (s.nan & kSawNegInf) != 0u;
+  return r;
 }
 
 CGX_HD void minmax_merge(MinMax& s, const MinMax& o) {
@@ -351,7 +365,8 @@ CGX_HD void segment_minmax(MinMax& s, int lanes) {
 // Per-bucket constants of level computation.
 struct Encoder {
   float mn, inv, top;
-  bool finite;  // false: a NaN/overflow bucket, whose levels are all 0
+  bool finite;  // false: a NaN bucket, whose levels are all 0
+  uint32_t flags;  // a flagged bucket's (codec_math.h): encoded by flagged_level
   bool stochastic;
   uint32_t seed0, seed1;
   int bits;
@@ -361,9 +376,10 @@ CGX_HD Encoder make_encoder(const BucketMeta& m, int bits, bool stochastic, uint
                             uint32_t seed1) {
   Encoder c;
   c.mn = m.min;
-  c.inv = inverse_scale(m.scale);
+  c.inv = inverse_scale(meta_scale(m.scale));
   c.top = static_cast<float>(max_level(bits));
   c.finite = m.min == m.min;  // make_meta sets min to NaN exactly for bad buckets
+  c.flags = meta_flags(m.scale);
   c.stochastic = stochastic;
   c.seed0 = seed0;
   c.seed1 = seed1;
@@ -379,17 +395,28 @@ CGX_HD uint64_t encode_group(const Encoder& c, const float (&v)[kGroup], int cnt
   for (int e = 0; e < kGroup; ++e) {
     uint32_t level = 0;
     if (c.finite && e < cnt) {
-      const int32_t fixed = fixed_position(v[e], c.mn, c.inv, c.top);
-      level = c.stochastic
-                  ? level_stochastic(fixed, random_bits(c.seed0, c.seed1, index0 + static_cast<uint32_t>(e)))
-                  : level_nearest(fixed);
+      const uint32_t random23 =
+          c.stochastic ? random_bits(c.seed0, c.seed1, index0 + static_cast<uint32_t>(e)) : 0u;
+      if (c.flags != 0u) {  // uniform over a bucket's lanes
+        level = flagged_level(v[e], c.mn, c.inv, c.flags, c.bits, c.stochastic, random23);
+      } else {
+        const int32_t fixed = fixed_position(v[e], c.mn, c.inv, c.top);
+        level = c.stochastic ? level_stochastic(fixed, random23) : level_nearest(fixed);
+      }
     }
     levels[e] = level;
   }
   return pack_group(levels, c.bits);
 }
 
+// `scale` is the metadata's scale field (flags and all).
 CGX_HD void decode_group(uint64_t packed, float mn, float scale, int bits, float (&d)[kGroup]) {
+  if (const uint32_t flags = meta_flags(scale); flags != 0u) {  // uniform over a bucket's lanes
+    const float s = meta_scale(scale);
+    CGX_UNROLL
+    for (int e = 0; e < kGroup; ++e) d[e] = flagged_decode(group_level(packed, e, bits), mn, s, flags, bits);
+    return;
+  }
   CGX_UNROLL
   for (int e = 0; e < kGroup; ++e) d[e] = decode(group_level(packed, e, bits), mn, scale);
 }
@@ -576,11 +603,10 @@ struct SumInput {
         // A short last group owns only ceil(cnt*bits/8) bytes: read no more.
         const uint64_t packed =
             load_packed(bucket + g * l.bits, static_cast<int>(packed_bytes(cnt[i], l.bits)));
+        float d[kGroup];
+        decode_group(packed, mn, scale, l.bits, d);
         CGX_UNROLL
-        for (int e = 0; e < kGroup; ++e) {
-          const float d = decode(group_level(packed, e, l.bits), mn, scale);
-          v[i][e] = first ? d : accumulate(v[i][e], d);
-        }
+        for (int e = 0; e < kGroup; ++e) v[i][e] = first ? d[e] : accumulate(v[i][e], d[e]);
       }
     }
   }

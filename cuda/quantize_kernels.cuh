@@ -33,7 +33,7 @@ struct BucketTarget {
 CGX_HD BucketTarget begin_bucket(const RowLayout& l, const QuantOut& q, bool active, int64_t r,
                                  int64_t k, int64_t len, const MinMax& mm, bool write_meta) {
   BucketTarget t;
-  t.meta = make_meta(mm.mn, mm.mx, mm.nan != 0u, l.bits);
+  t.meta = make_meta(range_of(mm), l.bits);
   uint32_t seed0 = 0, seed1 = 0;
   t.dst = q.payload;
   t.bytes = 0;

@@ -30,10 +30,21 @@
 
 namespace jax_cgx {
 
-// Bucket values whose magnitude exceeds this are treated as overflow: the
-// bucket is encoded as non-finite (decodes to NaN). It keeps every
-// intermediate (range, scale, 1/scale) a normal f32.
+// Finite bucket values beyond this magnitude make a bucket *wide*: its finite
+// values are encoded scaled by kWideDown (exact for normal results), which
+// brings them within it. It keeps every intermediate (range, scale, 1/scale)
+// a normal f32.
 constexpr float kMaxMagnitude = 0x1p125f;
+constexpr float kWideDown = 0x1p-4f;
+constexpr float kWideUp = 16.0f;
+constexpr float kMaxFinite = 0x1.fffffep127f;
+// Flags in the low 8 bits of a bucket's scale field, which a scale never uses
+// (round_scale_up clears them): 0 for every bucket of finite values within
+// kMaxMagnitude, so such buckets read exactly as before the flags existed.
+constexpr uint32_t kFlagPosInf = 1u;  // level 2^bits-1 decodes to +inf
+constexpr uint32_t kFlagNegInf = 2u;  // level 0 decodes to -inf
+constexpr uint32_t kFlagWide = 4u;    // finite values are encoded scaled by kWideDown
+constexpr uint32_t kFlagMask = 0xFFu;
 // Smallest non-zero scale. With it, 1/scale <= 2^100 and any subnormal
 // difference x - min maps to a level fraction below 2^-23, i.e. zero.
 constexpr float kMinScale = 0x1p-100f;
@@ -87,44 +98,95 @@ CGX_HD float round_scale_up(float s) {
   return bits_float((float_bits(s) + 0xFFu) & ~0xFFu);
 }
 
-// Per-bucket metadata, stored as two f32 in this order.
+// Per-bucket metadata, stored as two f32 in this order. `scale` is the scale
+// field: the scale with the bucket's flags in its low 8 bits.
 struct BucketMeta {
   float min;
   float scale;
 };
 
-// Metadata from a bucket's minimum and maximum (taken over flushed values,
-// NaNs ignored) and whether the bucket held a NaN. A bucket with no value in
-// its range (mn > mx: every element lies past the row's valid count, i.e. is
-// padding) gets (0, 0) and decodes to zeros.
-CGX_HD BucketMeta make_meta(float mn, float mx, bool has_nan, int bits) {
-  BucketMeta m;
-  if (!has_nan && mn > mx) {
-    m.min = 0.0f;
-    m.scale = 0.0f;
-    return m;
+CGX_HD uint32_t meta_flags(float scale_field) { return float_bits(scale_field) & kFlagMask; }
+// The scale itself (0, or a normal float with 16 significant bits; NaN stays NaN).
+CGX_HD float meta_scale(float scale_field) { return bits_float(float_bits(scale_field) & ~kFlagMask); }
+
+// What a bucket's values set: min and max of its finite flushed values
+// (mn > mx when there is none), and whether it held a NaN, +inf or -inf.
+struct BucketRange {
+  float mn = bits_float(0x7F800000u);
+  float mx = bits_float(0xFF800000u);
+  bool nan = false, pos_inf = false, neg_inf = false;
+};
+
+CGX_HD void range_add(BucketRange& r, float x) {
+  const float f = flush(x);
+  if (f != f) {
+    r.nan = true;
+  } else if (abs_f32(f) > kMaxFinite) {
+    (f > 0.0f ? r.pos_inf : r.neg_inf) = true;
+  } else {
+    r.mn = f < r.mn ? f : r.mn;
+    r.mx = f > r.mx ? f : r.mx;
   }
-  // Written as negated comparisons so that NaN min/max also count as overflow.
-  if (has_nan || !(mn >= -kMaxMagnitude) || !(mx <= kMaxMagnitude)) {
+}
+
+// f32(1 / span): a constant per width when span == max_level(bits).
+CGX_HD float span_step(int span, int bits) {
+  return span == static_cast<int>(max_level(bits)) ? level_step(bits) : 1.0f / static_cast<float>(span);
+}
+
+// Metadata of a bucket (docs/format.md, "Metadata"):
+//   * a NaN, or infinities that leave no level for distinct finite values
+//     (1-bit buckets), make it a NaN bucket (min and scale NaN): decodes to NaN;
+//   * +inf takes level 2^bits-1 and -inf level 0 (flags), the finite values
+//     the levels between: span = max_level - #infinity signs of them;
+//   * finite values beyond +-kMaxMagnitude make it wide (flag): min and scale
+//     then describe the finite values times kWideDown;
+//   * no element at all (every element is padding): (0, 0), decodes to zeros.
+CGX_HD BucketMeta make_meta(const BucketRange& r, int bits) {
+  BucketMeta m;
+  const bool any_finite = r.mn <= r.mx;
+  const int span = static_cast<int>(max_level(bits)) - (r.neg_inf ? 1 : 0) - (r.pos_inf ? 1 : 0);
+  if (r.nan || (any_finite && (span < 0 || (span == 0 && r.mx > r.mn)))) {
     m.min = canonical_nan();
     m.scale = canonical_nan();
     return m;
   }
+  uint32_t flags = (r.pos_inf ? kFlagPosInf : 0u) | (r.neg_inf ? kFlagNegInf : 0u);
+  float mn = 0.0f, mx = 0.0f;
+  if (any_finite) {
+    mn = r.mn;
+    mx = r.mx;
+    if (!(mn >= -kMaxMagnitude) || !(mx <= kMaxMagnitude)) {
+      flags |= kFlagWide;
+      mn = flush(mn * kWideDown);
+      mx = flush(mx * kWideDown);
+    }
+  }
   m.min = mn;
+  float s = 0.0f;  // degenerate bucket (or none finite): every finite element decodes to min exactly
   if (mx > mn) {
     // range <= 2^126, so nothing overflows. A subnormal product (or its FTZ
     // zero) ends at kMinScale either way. Rounding up to 16 bits leaves
-    // max_level * scale >= range in all but f32-rounding corner cases, which
+    // span * scale >= range in all but f32-rounding corner cases, which
     // the clamp in fixed_position absorbs.
-    float s = round_scale_up((mx - mn) * level_step(bits));
-    m.scale = s > kMinScale ? s : kMinScale;
-  } else {
-    m.scale = 0.0f;  // degenerate bucket: every element decodes to min exactly
+    s = round_scale_up((mx - mn) * span_step(span, bits));
+    s = s > kMinScale ? s : kMinScale;
   }
+  m.scale = bits_float(float_bits(s) | flags);
   return m;
 }
 
-// 1/scale, or 0 for a degenerate (or non-finite) bucket.
+// The same for a range of finite values only (mn > mx: empty).
+CGX_HD BucketMeta make_meta(float mn, float mx, bool has_nan, int bits) {
+  BucketRange r;
+  r.mn = mn;
+  r.mx = mx;
+  r.nan = has_nan;
+  return make_meta(r, bits);
+}
+
+// 1/scale, or 0 for a degenerate (or non-finite) bucket. Takes meta_scale(field)
+// (the same bits as the field when the bucket has no flags).
 CGX_HD float inverse_scale(float scale) { return scale > 0.0f ? 1.0f / scale : 0.0f; }
 
 // Counter-based hash: murmur3's 32-bit finalizer.
@@ -168,6 +230,55 @@ CGX_HD uint32_t level_stochastic(int32_t fixed, uint32_t random23) {
 // gives the same bits as a separate multiply and add.
 CGX_HD float decode(uint32_t level, float mn, float scale) {
   return flush(mn + static_cast<float>(level) * scale);
+}
+
+// A flagged bucket's level of x (meta_flags(scale_field) != 0; see make_meta):
+// infinities to their reserved levels, finite values (scaled if wide) between
+// them with the usual fixed-point rounding. inv = inverse_scale(meta_scale(field)).
+CGX_HD uint32_t flagged_level(float x, float mn, float inv, uint32_t flags, int bits, bool stochastic,
+                              uint32_t random23) {
+  float f = flush(x);
+  if ((flags & kFlagPosInf) != 0u && f > kMaxFinite) return max_level(bits);
+  if ((flags & kFlagNegInf) != 0u && f < -kMaxFinite) return 0u;
+  if ((flags & kFlagWide) != 0u) f = flush(f * kWideDown);
+  const int span = static_cast<int>(max_level(bits)) - ((flags & kFlagNegInf) != 0u ? 1 : 0) -
+                   ((flags & kFlagPosInf) != 0u ? 1 : 0);
+  const int32_t fixed = fixed_position(f, mn, inv, static_cast<float>(span > 0 ? span : 0));
+  const uint32_t level = stochastic ? level_stochastic(fixed, random23) : level_nearest(fixed);
+  return level + ((flags & kFlagNegInf) != 0u ? 1u : 0u);
+}
+
+// A flagged bucket's decoded value of a level: +-inf for the reserved levels,
+// else decode() of the finite part, scaled back (kept finite) if wide.
+CGX_HD float flagged_decode(uint32_t level, float mn, float scale, uint32_t flags, int bits) {
+  if ((flags & kFlagPosInf) != 0u && level == max_level(bits)) return bits_float(0x7F800000u);
+  if ((flags & kFlagNegInf) != 0u) {
+    if (level == 0u) return bits_float(0xFF800000u);
+    level -= 1u;
+  }
+  float v = decode(level, mn, scale);
+  if ((flags & kFlagWide) != 0u) {
+    v = v * kWideUp;  // exact, but past the largest finite float when the range ends near it
+    v = v < -kMaxFinite ? -kMaxFinite : (v > kMaxFinite ? kMaxFinite : v);
+  }
+  return v;
+}
+
+// Any bucket's level of x (scalar; the kernels branch per bucket instead).
+CGX_HD uint32_t encode_level(float x, const BucketMeta& m, int bits, bool stochastic, uint32_t random23) {
+  if (m.min != m.min) return 0u;  // NaN bucket
+  const uint32_t flags = meta_flags(m.scale);
+  const float inv = inverse_scale(meta_scale(m.scale));
+  if (flags != 0u) return flagged_level(x, m.min, inv, flags, bits, stochastic, random23);
+  const int32_t fixed = fixed_position(x, m.min, inv, static_cast<float>(max_level(bits)));
+  return stochastic ? level_stochastic(fixed, random23) : level_nearest(fixed);
+}
+
+// Any bucket's decoded value of a level, from its metadata fields.
+CGX_HD float decode_level(uint32_t level, float mn, float scale_field, int bits) {
+  const uint32_t flags = meta_flags(scale_field);
+  if (flags != 0u) return flagged_decode(level, mn, meta_scale(scale_field), flags, bits);
+  return decode(level, mn, scale_field);
 }
 
 // Accumulation step of dequantize-and-sum (f32, flushed).

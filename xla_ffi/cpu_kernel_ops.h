@@ -224,9 +224,21 @@ inline void minmax_update(const float* __restrict x, int64_t n, MinMax& r) {
   }
 }
 
-template <int kBits>
-inline BucketMeta meta_of(const MinMax& r) {
-  return make_meta(flush(r.mn), flush(r.mx), r.nan, kBits);
+// The fast pass's min/max include infinities; a bucket that holds one (rare)
+// needs its finite range: `rescan(BucketRange&)` adds its in-range values to it
+// (range_add, one by one).
+inline bool holds_infinity(const MinMax& r) { return r.mn < -kMaxFinite || r.mx > kMaxFinite; }
+
+inline void range_update(const float* x, int64_t n, BucketRange& r) {
+  for (int64_t i = 0; i < n; ++i) range_add(r, x[i]);
+}
+
+template <int kBits, class Rescan>
+inline BucketMeta meta_of(const MinMax& r, Rescan&& rescan) {
+  if (!holds_infinity(r)) return make_meta(flush(r.mn), flush(r.mx), r.nan, kBits);
+  BucketRange finite;
+  rescan(finite);
+  return make_meta(finite, kBits);
 }
 
 inline bool is_nan(float f) { return f != f; }
@@ -261,19 +273,57 @@ inline void encode(const float* __restrict x, int64_t n, float mn, float inv, ui
   }
 }
 
+// encode() for a flagged bucket (infinities or wide values; make_meta): scalar.
+template <int kBits, bool kStochastic>
+inline void encode_flagged(const float* x, int64_t n, float mn, float inv, uint32_t flags, uint32_t seed0,
+                           uint32_t seed1, uint32_t index0, uint8_t* lv) {
+  uint32_t index = index0;
+  for (int64_t i = 0; i < n; ++i, ++index) {
+    const uint32_t random23 = kStochastic ? random_bits(seed0, seed1, index) : 0u;
+    lv[i] = static_cast<uint8_t>(flagged_level(x[i], mn, inv, flags, kBits, kStochastic, random23));
+  }
+}
+
+// Levels of x[0..n) (row indices from index0) in the bucket of `meta`.
+template <int kBits, bool kStochastic>
+inline void encode_bucket(const BucketMeta& meta, const float* __restrict x, int64_t n, uint32_t seed0,
+                          uint32_t seed1, uint32_t index0, uint8_t* __restrict lv) {
+  const uint32_t flags = meta_flags(meta.scale);
+  const float inv = inverse_scale(meta_scale(meta.scale));
+  if (is_nan(meta.min)) {  // non-finite bucket: every level is 0
+    std::memset(lv, 0, n);
+  } else if (flags != 0u) {
+    encode_flagged<kBits, kStochastic>(x, n, meta.min, inv, flags, seed0, seed1, index0, lv);
+  } else {
+    encode<kBits, kStochastic>(x, n, meta.min, inv, seed0, seed1, index0, lv);
+  }
+}
+
 // out[i] = decode(lv[i]) in the output type. 16-bit outputs go through the
 // f32 buffer tmp: two simple loops vectorize better than one fused loop.
-inline void decode_store(const uint8_t* __restrict lv, int64_t n, float mn, float scale, void* out,
-                         FloatType t, float* __restrict tmp) {
+// `scale` is the metadata's scale field: a flagged bucket (rare) is decoded
+// by a scalar loop, every other one by the plain vectorizable loop.
+inline void decode_store(const uint8_t* __restrict lv, int64_t n, float mn, float scale, int bits,
+                         void* out, FloatType t, float* __restrict tmp) {
   float* __restrict d = t == FloatType::kF32 ? static_cast<float*>(out) : tmp;
-  for (int64_t i = 0; i < n; ++i) d[i] = decode(lv[i], mn, scale);
+  if (const uint32_t flags = meta_flags(scale); flags != 0u) {
+    const float s = meta_scale(scale);
+    for (int64_t i = 0; i < n; ++i) d[i] = flagged_decode(lv[i], mn, s, flags, bits);
+  } else {
+    for (int64_t i = 0; i < n; ++i) d[i] = decode(lv[i], mn, scale);
+  }
   if (t != FloatType::kF32) store_f32(tmp, n, out, t);
 }
 
 // sum[i] = accumulate(acc[i], decode(lv[i])); sum may be acc itself.
-inline void decode_accumulate(const uint8_t* __restrict lv, int64_t n, float mn, float scale,
+inline void decode_accumulate(const uint8_t* __restrict lv, int64_t n, float mn, float scale, int bits,
                               const float* acc, float* sum) {
-  for (int64_t i = 0; i < n; ++i) sum[i] = accumulate(acc[i], decode(lv[i], mn, scale));
+  if (const uint32_t flags = meta_flags(scale); flags != 0u) {
+    const float s = meta_scale(scale);
+    for (int64_t i = 0; i < n; ++i) sum[i] = accumulate(acc[i], flagged_decode(lv[i], mn, s, flags, bits));
+  } else {
+    for (int64_t i = 0; i < n; ++i) sum[i] = accumulate(acc[i], decode(lv[i], mn, scale));
+  }
 }
 
 // ------------------------------------------------------------ bit packing

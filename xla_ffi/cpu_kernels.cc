@@ -129,8 +129,8 @@ void quantize_row_impl(const QuantizeRow& a) {
     load_f32(element_ptr(a.x, a.x_type, first), a.x_type, n, conv);
     return conv;
   };
-  auto set_meta = [&](int64_t k, const MinMax& range) {
-    const BucketMeta meta = meta_of<kBits>(range);
+  auto set_meta = [&](int64_t k, const MinMax& range, auto&& rescan) {
+    const BucketMeta meta = meta_of<kBits>(range, rescan);
     a.meta[2 * k] = meta.min;
     a.meta[2 * k + 1] = meta.scale;
     return meta;
@@ -138,12 +138,8 @@ void quantize_row_impl(const QuantizeRow& a) {
   // Levels of elements [first, first + n) of bucket meta, from x.
   auto levels_of = [&](const BucketMeta& meta, const float* x, int64_t n, int64_t first,
                        uint8_t* levels) {
-    if (is_nan(meta.min)) {  // non-finite bucket: every level is 0
-      std::memset(levels, 0, n);
-    } else {
-      encode<kBits, kStochastic>(x, n, meta.min, inverse_scale(meta.scale), a.seed0, a.seed1,
-                                 a.index_base + static_cast<uint32_t>(first), levels);
-    }
+    encode_bucket<kBits, kStochastic>(meta, x, n, a.seed0, a.seed1, a.index_base + static_cast<uint32_t>(first),
+                                      levels);
   };
 
   const int64_t group = buckets_per_span(B);
@@ -157,8 +153,10 @@ void quantize_row_impl(const QuantizeRow& a) {
       for (int64_t k = k0, off = 0; k < k1; ++k, off += B) {
         const int64_t len = std::min(B, n - off);
         MinMax range;
-        minmax_update<kLanes>(x + off, in_range(a.valid, start + off, len), range);
-        levels_of(set_meta(k, range), x + off, len, start + off, levels + off);
+        const int64_t count = in_range(a.valid, start + off, len);
+        minmax_update<kLanes>(x + off, count, range);
+        const auto rescan = [&](BucketRange& r) { range_update(x + off, count, r); };
+        levels_of(set_meta(k, range, rescan), x + off, len, start + off, levels + off);
       }
       if constexpr (kBits != 8) pack<kBits>(words, n, dst);
     } else {  // one long bucket: min/max over all pieces, then encode them
@@ -167,7 +165,13 @@ void quantize_row_impl(const QuantizeRow& a) {
         const int64_t len = std::min(kPiece, n - s);
         minmax_update<kLanes>(fetch(start + s, len), in_range(a.valid, start + s, len), range);
       }
-      const BucketMeta meta = set_meta(k0, range);
+      const auto rescan = [&](BucketRange& r) {
+        for (int64_t s = 0; s < n; s += kPiece) {
+          const int64_t len = std::min(kPiece, n - s);
+          range_update(fetch(start + s, len), in_range(a.valid, start + s, len), r);
+        }
+      };
+      const BucketMeta meta = set_meta(k0, range, rescan);
       for (int64_t s = 0; s < n; s += kPiece) {
         const int64_t len = std::min(kPiece, n - s);
         uint8_t* piece_dst = dst + s * kBits / 8;
@@ -192,7 +196,7 @@ void dequantize_row_impl(const DequantizeRow& a) {
       const int64_t len = std::min(kPiece, n - s);
       const uint8_t* levels = unpack<kBits>(a.payload + k0 * stride + s * kBits / 8, len, words);
       for (int64_t k = k0, off = 0; k < k1; ++k, off += B) {
-        decode_store(levels + off, std::min(B, len - off), a.meta[2 * k], a.meta[2 * k + 1],
+        decode_store(levels + off, std::min(B, len - off), a.meta[2 * k], a.meta[2 * k + 1], kBits,
                      element_ptr(a.out, a.out_type, start + s + off), a.out_type, tmp + off);
       }
     }
@@ -224,7 +228,7 @@ void reduce_row_impl(const ReduceRow& a) {
           unpack<kBits>(a.payload + w * a.payload_stride + k0 * stride + s * kBits / 8, len, words);
       float* dst = w + 1 == a.inputs ? sum : part;
       for (int64_t k = k0, off = 0; k < k1; ++k, off += B) {
-        decode_accumulate(levels + off, std::min(B, len - off), meta[2 * k], meta[2 * k + 1],
+        decode_accumulate(levels + off, std::min(B, len - off), meta[2 * k], meta[2 * k + 1], kBits,
                           part + off, dst + off);
       }
     }
@@ -236,8 +240,8 @@ void reduce_row_impl(const ReduceRow& a) {
       sum_span(k0, k1, s + t, std::min(kSpan, n - t), acc + t, acc + t);
     }
   };
-  auto set_meta = [&](int64_t k, const MinMax& range) {
-    const BucketMeta meta = meta_of<kBits>(range);
+  auto set_meta = [&](int64_t k, const MinMax& range, auto&& rescan) {
+    const BucketMeta meta = meta_of<kBits>(range, rescan);
     a.meta_out[2 * k] = meta.min;
     a.meta_out[2 * k + 1] = meta.scale;
     return meta;
@@ -247,16 +251,11 @@ void reduce_row_impl(const ReduceRow& a) {
   // dead after encoding and serves as decode_store's buffer.
   auto requantize = [&](const BucketMeta& meta, int64_t off, int64_t len, int64_t first,
                         uint8_t* levels) {
-    const float inv = inverse_scale(meta.scale);
     for (int64_t t = 0; t < len; t += kSpan) {
       const int64_t i = off + t, n = std::min(kSpan, len - t);
-      if (is_nan(meta.min)) {
-        std::memset(levels + i, 0, n);
-      } else {
-        encode<kBits, kStochastic>(acc + i, n, meta.min, inv, a.seed0, a.seed1,
-                                   a.index_base + static_cast<uint32_t>(first + t), levels + i);
-      }
-      decode_store(levels + i, n, meta.min, meta.scale,
+      encode_bucket<kBits, kStochastic>(meta, acc + i, n, a.seed0, a.seed1,
+                                        a.index_base + static_cast<uint32_t>(first + t), levels + i);
+      decode_store(levels + i, n, meta.min, meta.scale, kBits,
                    element_ptr(a.out, a.out_type, first + t), a.out_type, acc + i);
     }
   };
@@ -283,8 +282,10 @@ void reduce_row_impl(const ReduceRow& a) {
       for (int64_t k = k0, off = 0; k < k1; ++k, off += B) {
         const int64_t len = std::min(B, n - off);
         MinMax range;
-        minmax_update<kLanes>(acc + off, in_range(a.valid, start + off, len), range);
-        requantize(set_meta(k, range), off, len, start + off, levels);
+        const int64_t count = in_range(a.valid, start + off, len);
+        minmax_update<kLanes>(acc + off, count, range);
+        const auto rescan = [&](BucketRange& r) { range_update(acc + off, count, r); };
+        requantize(set_meta(k, range, rescan), off, len, start + off, levels);
       }
       if constexpr (kBits != 8) pack<kBits>(words, n, dst);
     } else {  // one long bucket: min/max over all pieces, then encode them
@@ -294,7 +295,14 @@ void reduce_row_impl(const ReduceRow& a) {
         sum_into_acc(k0, k1, s, len);
         minmax_update<kLanes>(acc, in_range(a.valid, start + s, len), range);
       }
-      const BucketMeta meta = set_meta(k0, range);
+      const auto rescan = [&](BucketRange& r) {  // summed again, as below
+        for (int64_t s = 0; s < n; s += kPiece) {
+          const int64_t len = std::min(kPiece, n - s);
+          sum_into_acc(k0, k1, s, len);
+          range_update(acc, in_range(a.valid, start + s, len), r);
+        }
+      };
+      const BucketMeta meta = set_meta(k0, range, rescan);
       for (int64_t s = 0; s < n; s += kPiece) {
         const int64_t len = std::min(kPiece, n - s);
         // Summed again: the same operations in the same order give the same

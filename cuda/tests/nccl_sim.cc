@@ -83,28 +83,17 @@ static void quantize_f32(const RowLayout& l, const std::function<float(int64_t, 
     const int64_t count = valid_count(valid, r);
     for (int64_t k = 0; k < l.buckets; ++k) {
       const int64_t len = blen(l, k);
-      float mn = INFINITY, mx = -INFINITY;
-      bool nan = false;
-      for (int64_t j = 0; j < len && k * l.bucket + j < count; ++j) {
-        const float f = flush(val(r, k * l.bucket + j));
-        if (f != f) nan = true; else { mn = std::min(mn, f); mx = std::max(mx, f); }
-      }
-      const BucketMeta m = make_meta(mn, mx, nan, l.bits);
+      BucketRange range;
+      for (int64_t j = 0; j < len && k * l.bucket + j < count; ++j) range_add(range, val(r, k * l.bucket + j));
+      const BucketMeta m = make_meta(range, l.bits);
       meta[(r * l.buckets + k) * 2] = m.min;
       meta[(r * l.buckets + k) * 2 + 1] = m.scale;
-      const float inv = inverse_scale(m.scale);
-      const float top = float(max_level(l.bits));
       uint8_t* s = payload + r * l.row_bytes + k * l.bucket_bytes;
       std::memset(s, 0, packed_bytes(len, l.bits));
       for (int64_t j = 0; j < len; ++j) {
-        uint32_t level = 0;
-        if (m.min == m.min) {
-          const int32_t fx = fixed_position(val(r, k * l.bucket + j), m.min, inv, top);
-          level = stoch ? level_stochastic(fx, random_bits(seeds[2 * r], seeds[2 * r + 1],
-                                                           uint32_t(l.index_base + k * l.bucket + j)))
-                        : level_nearest(fx);
-        }
-        put_bits(s, j * l.bits, level, l.bits);
+        const uint32_t random23 =
+            stoch ? random_bits(seeds[2 * r], seeds[2 * r + 1], uint32_t(l.index_base + k * l.bucket + j)) : 0u;
+        put_bits(s, j * l.bits, encode_level(val(r, k * l.bucket + j), m, l.bits, stoch, random23), l.bits);
       }
     }
   }
@@ -112,7 +101,7 @@ static void quantize_f32(const RowLayout& l, const std::function<float(int64_t, 
 static float decoded(const RowLayout& l, const uint8_t* payload_row, const float* meta_row, int64_t i) {
   const int64_t k = i / l.bucket, j = i % l.bucket;
   const uint32_t lev = get_bits(payload_row + k * l.bucket_bytes, j * l.bits, l.bits);
-  return decode(lev, meta_row[2 * k], meta_row[2 * k + 1]);
+  return decode_level(lev, meta_row[2 * k], meta_row[2 * k + 1], l.bits);
 }
 
 // ----------------------------------------------------- device memory registry

@@ -76,33 +76,18 @@ Packed quantize(const std::vector<float>& vals, int64_t R, int64_t stride, int64
     for (int64_t k = 0; k < nb; ++k) {
       const int64_t start = k * B;
       const int64_t len = std::min(B, m - start);
-      float mn = INFINITY, mx = -INFINITY;
-      bool nan = false;
+      BucketRange range;
       const int64_t count = valid != nullptr ? (*valid)[r] : m;
-      for (int64_t j = 0; j < len && start + j < count; ++j) {
-        const float f = flush(vals[r * stride + start + j]);
-        if (std::isnan(f)) {
-          nan = true;
-        } else {
-          mn = std::min(mn, f);
-          mx = std::max(mx, f);
-        }
-      }
-      const BucketMeta meta = make_meta(mn, mx, nan, bits);
+      for (int64_t j = 0; j < len && start + j < count; ++j) range_add(range, vals[r * stride + start + j]);
+      const BucketMeta meta = make_meta(range, bits);
       out.meta[(r * nb + k) * 2] = meta.min;
       out.meta[(r * nb + k) * 2 + 1] = meta.scale;
-      const float inv = inverse_scale(meta.scale);
-      const float top = static_cast<float>(max_level(bits));
       uint8_t* stream = out.payload.data() + r * P + k * bb;
       for (int64_t j = 0; j < len; ++j) {
-        uint32_t level = 0;
-        if (!std::isnan(meta.min)) {
-          const int32_t fixed = fixed_position(vals[r * stride + start + j], meta.min, inv, top);
-          level = stochastic ? level_stochastic(fixed, random_bits(seeds[2 * r], seeds[2 * r + 1],
-                                                                   static_cast<uint32_t>(start + j)))
-                             : level_nearest(fixed);
-        }
-        put_bits(stream, j * bits, level, bits);
+        const uint32_t random23 =
+            stochastic ? random_bits(seeds[2 * r], seeds[2 * r + 1], static_cast<uint32_t>(start + j)) : 0u;
+        put_bits(stream, j * bits, encode_level(vals[r * stride + start + j], meta, bits, stochastic, random23),
+                 bits);
       }
     }
   }
@@ -116,7 +101,7 @@ float decoded(const uint8_t* payload, const float* meta, int64_t m, int64_t B, i
   const int64_t k = i / B, j = i % B;
   (void)m;
   const uint32_t level = get_bits(payload + k * ceil_div(B * bits, 8), j * bits, bits);
-  return decode(level, meta[2 * k], meta[2 * k + 1]);
+  return decode_level(level, meta[2 * k], meta[2 * k + 1], bits);
 }
 
 }  // namespace ref
@@ -184,7 +169,7 @@ typename E::Storage to_storage(float f) {
 std::vector<float> make_values(std::mt19937& rng, int64_t n, int64_t B, bool specials) {
   std::vector<float> v(n);
   std::normal_distribution<float> normal(0.0f, 1.0f);
-  std::uniform_int_distribution<int> pick(0, specials ? 11 : 3);
+  std::uniform_int_distribution<int> pick(0, specials ? 15 : 3);
   std::uniform_int_distribution<int> expo(-3, 3);
   for (int64_t start = 0; start < n; start += B) {
     const int64_t len = std::min(B, n - start);
@@ -204,7 +189,11 @@ std::vector<float> make_values(std::mt19937& rng, int64_t n, int64_t B, bool spe
         case 8: x = (j % 2) ? 0x1p-130f : -0x1p-135f; break;    // subnormals only
         case 9: x = 1.0f + 0x1p-20f * static_cast<float>(j % 5); break;  // tiny range
         case 10: x = (j % 4 == 0) ? -0.0f : x * 1e30f; break;   // big and -0
-        case 11: x = 0x1p124f * (normal(rng) > 0 ? 1.0f : -1.0f); break;  // near the limit
+        case 11: x = 0x1p124f * (normal(rng) > 0 ? 1.0f : -1.0f); break;  // near the wide limit
+        case 12: x = (j == 1) ? -INFINITY : (j == len - 1 ? INFINITY : x); break;  // both infinities
+        case 13: x = (j % 2) ? 3e38f : -0x1.fffffep127f; break;  // wide, at the largest float
+        case 14: x = (j % 7 == 3) ? -INFINITY : x * 3e37f; break;  // wide with -inf
+        case 15: x = (j % 3) ? INFINITY : -INFINITY; break;  // nothing finite
       }
       v[start + j] = x;
     }

@@ -17,10 +17,15 @@ from jax import lax
 _F32 = jnp.float32
 _U32 = jnp.uint32
 MAX_MAGNITUDE = np.float32(2.0**125)
+MAX_FINITE = np.float32(np.finfo(np.float32).max)
+WIDE_DOWN = np.float32(2.0**-4)
+WIDE_UP = np.float32(16.0)
 MIN_SCALE = np.float32(2.0**-100)
 MIN_NORMAL = np.float32(2.0**-126)
 FRAC_BITS = 23
 FRAC_SCALE = np.float32(2.0**FRAC_BITS)
+# Flags in the low 8 bits of a bucket's scale field (codec_math.h, docs/format.md).
+FLAG_POS_INF, FLAG_NEG_INF, FLAG_WIDE, FLAG_MASK = 1, 2, 4, 0xFF
 
 
 def max_level(bits: int) -> int:
@@ -29,6 +34,13 @@ def max_level(bits: int) -> int:
 
 def level_step(bits: int) -> np.float32:
     return np.float32(1.0) / np.float32(max_level(bits))
+
+
+def span_step(span, bits: int):
+    """``f32(1 / span)`` per bucket, for the spans a bucket can have (``L``, ``L - 1``, ``L - 2``)."""
+    top = max_level(bits)
+    steps = [np.float32(1.0) / np.float32(k) if k > 0 else np.float32(0) for k in (top - 1, top - 2)]
+    return jnp.where(span == top, level_step(bits), jnp.where(span == top - 1, steps[0], steps[1]))
 
 
 def flush(x):
@@ -40,14 +52,41 @@ def round_scale_up(s):
     return lax.bitcast_convert_type((u + _U32(0xFF)) & _U32(0xFFFFFF00), _F32)
 
 
-def make_meta(mn, mx, has_nan, bits: int):
-    bad = has_nan | ~(mn >= -MAX_MAGNITUDE) | ~(mx <= MAX_MAGNITUDE)
-    empty = ~has_nan & (mn > mx)  # no valid element: (0, 0)
-    s = round_scale_up((mx - mn) * level_step(bits))
+def _with_flags(scale, flags):
+    return lax.bitcast_convert_type(lax.bitcast_convert_type(scale, _U32) | flags, _F32)
+
+
+def meta_flags(scale_field):
+    return lax.bitcast_convert_type(scale_field, _U32) & _U32(FLAG_MASK)
+
+
+def meta_scale(scale_field):
+    return lax.bitcast_convert_type(lax.bitcast_convert_type(scale_field, _U32) & _U32(~FLAG_MASK & 0xFFFFFFFF), _F32)
+
+
+def _span(flags, bits: int):
+    """Levels between the infinities' reserved ones (int32; may be negative)."""
+    neg = ((flags & _U32(FLAG_NEG_INF)) != 0).astype(jnp.int32)
+    pos = ((flags & _U32(FLAG_POS_INF)) != 0).astype(jnp.int32)
+    return max_level(bits) - neg - pos
+
+
+def make_meta(mn, mx, has_nan, bits: int, pos_inf=None, neg_inf=None):
+    """Metadata of buckets whose finite values span ``[mn, mx]`` (``mn > mx``: none)."""
+    pos_inf = jnp.zeros_like(has_nan) if pos_inf is None else pos_inf
+    neg_inf = jnp.zeros_like(has_nan) if neg_inf is None else neg_inf
+    any_finite = mn <= mx
+    flags = jnp.where(pos_inf, _U32(FLAG_POS_INF), _U32(0)) | jnp.where(neg_inf, _U32(FLAG_NEG_INF), _U32(0))
+    span = _span(flags, bits)
+    bad = has_nan | (any_finite & ((span < 0) | ((span == 0) & (mx > mn))))
+    wide = any_finite & (~(mn >= -MAX_MAGNITUDE) | ~(mx <= MAX_MAGNITUDE))
+    flags = flags | jnp.where(wide, _U32(FLAG_WIDE), _U32(0))
+    mn = jnp.where(any_finite, jnp.where(wide, flush(mn * WIDE_DOWN), mn), _F32(0))
+    mx = jnp.where(any_finite, jnp.where(wide, flush(mx * WIDE_DOWN), mx), _F32(0))
+    s = round_scale_up((mx - mn) * span_step(span, bits))
     s = jnp.where(s > MIN_SCALE, s, MIN_SCALE)
-    scale = jnp.where(mx > mn, s, _F32(0))
+    scale = _with_flags(jnp.where(mx > mn, s, _F32(0)), flags)
     nan = _F32(np.nan)
-    mn = jnp.where(empty, _F32(0), mn)
     return jnp.where(bad, nan, mn), jnp.where(bad, nan, scale)
 
 
@@ -115,6 +154,36 @@ def decode(level, mn, scale):
     return flush(mn + level.astype(_F32) * scale)
 
 
+def flagged_level(x, mn, inv, flags, bits: int, rnd=None):
+    """codec_math.h's ``flagged_level`` (any flags, 0 included: then the plain levels)."""
+    f = flush(x)
+    neg = (flags & _U32(FLAG_NEG_INF)) != 0
+    pos = (flags & _U32(FLAG_POS_INF)) != 0
+    g = jnp.where((flags & _U32(FLAG_WIDE)) != 0, flush(f * WIDE_DOWN), f)
+    top = jnp.maximum(_span(flags, bits), 0).astype(_F32)
+    t = (flush(g) - mn) * inv
+    t = jnp.where(t > 0, t, _F32(0))
+    t = jnp.where(t < top, t, top)
+    fixed = (t * FRAC_SCALE).astype(jnp.int32)
+    level = level_nearest(fixed) if rnd is None else level_stochastic(fixed, rnd)
+    level = level + neg.astype(_U32)
+    level = jnp.where(pos & (f > MAX_FINITE), _U32(max_level(bits)), level)
+    return jnp.where(neg & (f < -MAX_FINITE), _U32(0), level)
+
+
+def decode_level(level, mn, scale_field, bits: int):
+    """codec_math.h's ``decode_level``: any bucket's decoded value of a level."""
+    flags = meta_flags(scale_field)
+    neg = (flags & _U32(FLAG_NEG_INF)) != 0
+    pos = (flags & _U32(FLAG_POS_INF)) != 0
+    v = decode(level - neg.astype(_U32), mn, meta_scale(scale_field))
+    up = v * WIDE_UP
+    up = jnp.where(up < -MAX_FINITE, -MAX_FINITE, jnp.where(up > MAX_FINITE, MAX_FINITE, up))
+    v = jnp.where((flags & _U32(FLAG_WIDE)) != 0, up, v)
+    v = jnp.where(pos & (level == max_level(bits)), _F32(np.inf), v)
+    return jnp.where(neg & (level == 0), _F32(-np.inf), v)
+
+
 def accumulate(acc, v):
     return flush(acc + v)
 
@@ -179,21 +248,17 @@ def encode(values, seeds, valid=None, *, bits: int, bucket_size: int, stochastic
     same = lambda length: length  # noqa: E731
     payloads, metas = [], []
     for v, idx in zip(_split(values, m, bucket_size, same), _split(index, m, bucket_size, same)):
-        if valid is None:
-            has_nan = jnp.any(jnp.isnan(v), axis=-1)
-            mn, mx = jnp.min(v, axis=-1), jnp.max(v, axis=-1)
-        else:
-            inside = idx.astype(jnp.int32) < valid.astype(jnp.int32)[:, None, None]
-            has_nan = jnp.any(jnp.isnan(v) & inside, axis=-1)
-            mn = jnp.min(jnp.where(inside, v, _F32(np.inf)), axis=-1)
-            mx = jnp.max(jnp.where(inside, v, _F32(-np.inf)), axis=-1)
-        mn, scale = make_meta(mn, mx, has_nan, bits)
-        fixed = fixed_position(v, mn[..., None], inverse_scale(scale)[..., None], bits)
-        if stochastic:
-            rnd = random_bits(seeds[:, 0, None, None], seeds[:, 1, None, None], idx)
-            levels = level_stochastic(fixed, rnd)
-        else:
-            levels = level_nearest(fixed)
+        inside = True if valid is None else idx.astype(jnp.int32) < valid.astype(jnp.int32)[:, None, None]
+        finite = inside & (jnp.abs(v) <= MAX_FINITE)
+        has_nan = jnp.any(jnp.isnan(v) & inside, axis=-1)
+        pos_inf = jnp.any(inside & (v > MAX_FINITE), axis=-1)
+        neg_inf = jnp.any(inside & (v < -MAX_FINITE), axis=-1)
+        mn = jnp.min(jnp.where(finite, v, _F32(np.inf)), axis=-1)
+        mx = jnp.max(jnp.where(finite, v, _F32(-np.inf)), axis=-1)
+        mn, scale = make_meta(mn, mx, has_nan, bits, pos_inf, neg_inf)
+        rnd = random_bits(seeds[:, 0, None, None], seeds[:, 1, None, None], idx) if stochastic else None
+        inv = inverse_scale(meta_scale(scale))[..., None]
+        levels = flagged_level(v, mn[..., None], inv, meta_flags(scale)[..., None], bits, rnd)
         levels = jnp.where(jnp.isnan(mn)[..., None], _U32(0), levels)
         payloads.append(_pack(levels, bits).reshape(r, -1))
         metas.append(jnp.stack([mn, scale], axis=-1))
@@ -210,7 +275,7 @@ def decode_rows(payload, meta, *, m: int, bits: int, bucket_size: int):
     parts = []
     for (k, length), packed, mt in zip(_layout(m, bucket_size), packed_pieces, meta_pieces):
         levels = _unpack(packed, length, bits)
-        parts.append(decode(levels, mt[:, :, 0, 0, None], mt[:, :, 0, 1, None]).reshape(r, -1))
+        parts.append(decode_level(levels, mt[:, :, 0, 0, None], mt[:, :, 0, 1, None], bits).reshape(r, -1))
     return jnp.concatenate(parts, axis=1)
 
 

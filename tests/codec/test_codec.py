@@ -175,14 +175,14 @@ def test_degenerate_buckets_decode_exactly(dtype):
         assert np.all(np.asarray(q.meta[:, 1]) == 0)
 
 
-@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf, 2.0**126], ids=["nan", "inf", "-inf", "huge"])
 @pytest.mark.parametrize("stochastic", [False, True])
-def test_non_finite_bucket_decodes_non_finite(bad, stochastic):
+def test_nan_bucket_decodes_nan(stochastic):
+    """(Infinities and values up to float32's largest: tests/codec/test_range.py.)"""
     x = sample(256, jnp.float32)
-    x[70] = bad
+    x[70] = np.nan
     q, y = check_parity(x, CompressionConfig(bits=4, bucket_size=64, stochastic=stochastic))
     y = np.asarray(y)
-    assert np.all(np.isnan(y[64:128])), "the bucket holding a non-finite value must decode to NaN"
+    assert np.all(np.isnan(y[64:128])), "the bucket holding a NaN must decode to NaN"
     assert np.all(np.isfinite(y[:64])) and np.all(np.isfinite(y[128:])), "other buckets stay finite"
     assert np.all(np.isnan(np.asarray(q.meta[1])))
 
