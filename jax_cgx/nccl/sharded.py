@@ -26,7 +26,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import mlir
 
 from jax_cgx.codec import kernels
-from jax_cgx.collectives import all_gather, reduce_scatter
+from jax_cgx.collectives import agreement, all_gather, reduce_scatter
 from jax_cgx.nccl import registry
 from jax_cgx.nccl.lowering import context_mesh
 
@@ -82,6 +82,9 @@ def _lower_cuda(prim: Primitive, lower_xla, ctx, x, seeds, *, backend, axes, wor
     if choice != "nccl":
         return lower_xla(ctx, x, seeds, backend="xla", axes=axes, world=world, bits=bits, bucket_size=bucket_size,
                          stochastic=stochastic, segments=segments, **params)
+    api = reduce_scatter.API if prim is nccl_reduce_scatter_p else all_gather.API
+    agreement.check(ctx, api, "nccl", axes=axes, world=world, bits=bits, bucket_size=bucket_size,  # once per compile
+                    stochastic=stochastic, segments=segments, **params)
     row = functools.partial(prim.bind, key=registry.lookup(context_mesh(ctx), axes), world=world, bits=bits,
                             bucket_size=bucket_size, stochastic=stochastic, segments=segments)
     # All-gather rows carry one seed pair, the handler takes it as [1, 2].
