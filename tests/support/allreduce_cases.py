@@ -1,16 +1,19 @@
-"""Helpers for the all-reduce tests: meshes, a shard_map runner, the oracle and the error bound."""
+"""Helpers for the all-reduce tests: meshes, a shard_map runner, the oracle and the error bound.
+
+The oracles are tests/support/numpy_oracle.py's, written from docs/format.md and docs/algorithm.md
+alone: they share no code with jax_cgx (its chunking, row dispatch, seeds or codec).
+"""
 
 import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import numpy_oracle
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_cgx
-from jax_cgx import testing
-from jax_cgx.collectives.chunks import chunk_length
 
 W = 8
 
@@ -42,33 +45,24 @@ def psum_1d_jit(xs, key, config, check_vma=True, impl="auto", mean=False):
 
 
 def seed_rows(key, config, world, buffer_index=0, ranks=None):
-    """The seeds rank r uses for one buffer: what compressed_psum derives from the key.
+    """The seeds rank r draws for one buffer, ``uint32[W, W+1, 2]``, as docs/algorithm.md defines
+    them (:func:`numpy_oracle.buffer_seeds`): zeros without stochastic rounding.
 
     ``ranks``: the index each rank folds into the key (``lax.axis_index`` over all the
     reduced axes); by default ``0..world-1``. Hierarchical mode reduces over a subset of
     the ranks, which keep their index over all axes.
     """
-    if not config.stochastic:
-        return jnp.zeros((world, world + 1, 2), jnp.uint32)
-    rows = []
-    for r in range(world) if ranks is None else ranks:
-        k = jax.random.fold_in(jax.random.fold_in(key, int(r)), buffer_index)
-        rows.append(jax.random.bits(k, (1, world + 1, 2), jnp.uint32)[0])
-    return jnp.stack(rows)
+    ranks = range(world) if ranks is None else ranks
+    return jnp.asarray(numpy_oracle.rank_seeds(key if config.stochastic else None, ranks, buffer_index, world + 1))
 
 
-def oracle(xs, config, key=None, ranks=None):
-    """The SRA result computed in one program (pure-JAX reference), with its scales."""
-    w, n = xs.shape
-    chunk = chunk_length(n, w, config.bucket_size, config.skip_incomplete_buckets)
-    return testing.simulate(
-        jnp.asarray(xs),
-        seed_rows(key, config, w, ranks=ranks),
-        chunk=chunk,
-        bits=config.bits,
-        bucket_size=config.bucket_size,
-        stochastic=config.stochastic,
-    ) + (chunk,)
+def oracle(xs, config, key=None, ranks=None, buffer_index=0):
+    """SRA over the rows of ``xs[W, n]``, from the documents alone (tests/support/numpy_oracle.py):
+    ``(out, scales, chunk)``, the scales as :func:`sra_bound` reads them."""
+    xs = np.asarray(xs)
+    return tuple(numpy_oracle.sra(xs, np.asarray(seed_rows(key, config, xs.shape[0], buffer_index, ranks)),
+                                  bits=config.bits, bucket_size=config.bucket_size, stochastic=config.stochastic,
+                                  skip_incomplete_buckets=config.skip_incomplete_buckets))
 
 
 def sra_bound(xs, out, scales, chunk, bucket_size, stochastic=False):
@@ -136,24 +130,13 @@ def reduction_groups(a, names, axes):
     return moved.reshape(-1, w, a.shape[-1])
 
 
-@functools.partial(jax.jit, static_argnames=("chunk", "bits", "bucket_size", "stochastic"))
-def _simulate_ring(xs, seeds, *, chunk, bits, bucket_size, stochastic):
-    return testing.simulate_ring(xs, seeds, chunk=chunk, bits=bits, bucket_size=bucket_size, stochastic=stochastic)
-
-
-def ring_oracle(xs, config, key=None, ranks=None):
-    """The ring result computed in one program (pure-JAX reference): ``(out, scales, chunk)``."""
-    w, n = xs.shape
-    chunk = chunk_length(n, w, config.bucket_size, config.skip_incomplete_buckets)
-    out, scales = _simulate_ring(
-        jnp.asarray(xs),
-        seed_rows(key, config, w, ranks=ranks),
-        chunk=chunk,
-        bits=config.bits,
-        bucket_size=config.bucket_size,
-        stochastic=config.stochastic,
-    )
-    return out, scales, chunk
+def ring_oracle(xs, config, key=None, ranks=None, buffer_index=0):
+    """The ring over the rows of ``xs[W, n]``, from the documents alone (tests/support/numpy_oracle.py):
+    ``(out, scales, chunk)``, the scales as :func:`ring_bound` reads them."""
+    xs = np.asarray(xs)
+    return tuple(numpy_oracle.ring(xs, np.asarray(seed_rows(key, config, xs.shape[0], buffer_index, ranks)),
+                                   bits=config.bits, bucket_size=config.bucket_size, stochastic=config.stochastic,
+                                   skip_incomplete_buckets=config.skip_incomplete_buckets))
 
 
 def ring_bound(xs, out, scales, chunk, bucket_size, stochastic=False):
