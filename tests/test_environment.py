@@ -14,8 +14,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import jax_cgx
-from jax_cgx import CompressionConfig, config
-from jax_cgx.codec import kernels
+from jax_cgx import CompressionConfig, _extensions, config
 from jax_cgx.distributed import detect
 from jax_cgx.nccl import unique_ids
 
@@ -39,7 +38,7 @@ def test_cpu_isa_takes_only_the_variants_names(value):
     # The C++ took an unknown name for auto without a word (AVX2 ran avx512).
     with pytest.raises(ValueError, match=rf"JAX_CGX_CPU_ISA={value!r} is not a CPU kernel variant: use one of "
                                          "auto, avx512, avx2, baseline"):
-        kernels.choose_isa({"JAX_CGX_CPU_ISA": value})
+        _extensions.choose_isa({"JAX_CGX_CPU_ISA": value})
 
 
 def test_cpu_isa_the_cpu_lacks_is_an_error(monkeypatch):
@@ -50,20 +49,20 @@ def test_cpu_isa_the_cpu_lacks_is_an_error(monkeypatch):
         def kernel_info(self):
             return {"isa_supported": ["avx2", "baseline"]}
 
-    monkeypatch.setattr(kernels, "_cpu", OldCpu())
+    monkeypatch.setattr(_extensions, "_cpu", OldCpu())
     with pytest.raises(ValueError, match="JAX_CGX_CPU_ISA='avx512': this CPU cannot run the avx512 kernels; it runs "
                                          "avx2, baseline"):
-        kernels.choose_isa({"JAX_CGX_CPU_ISA": "avx512"})
-    assert kernels.choose_isa({"JAX_CGX_CPU_ISA": ""}) == "auto"
+        _extensions.choose_isa({"JAX_CGX_CPU_ISA": "avx512"})
+    assert _extensions.choose_isa({"JAX_CGX_CPU_ISA": ""}) == "auto"
 
 
 def test_cpu_isa_chosen_sets_the_kernels():
     try:
-        assert kernels.choose_isa({"JAX_CGX_CPU_ISA": "baseline"}) == "baseline"
-        assert kernels._cpu.kernel_info()["isa"] == "baseline"
+        assert _extensions.choose_isa({"JAX_CGX_CPU_ISA": "baseline"}) == "baseline"
+        assert _extensions.cpu().kernel_info()["isa"] == "baseline"
     finally:
-        kernels.choose_isa({})
-    assert kernels._cpu.kernel_info()["isa"] == kernels._cpu.kernel_info()["isa_supported"][0]
+        _extensions.choose_isa({})
+    assert _extensions.cpu().kernel_info()["isa"] == _extensions.cpu().kernel_info()["isa_supported"][0]
 
 
 def test_a_bad_cpu_isa_stops_the_import():

@@ -1,4 +1,4 @@
-"""The compiled codec: extension loading and one JAX primitive per FFI target.
+"""The compiled codec: one JAX primitive per FFI target.
 
 Each primitive lowers to the XLA FFI custom call of the same name on CPU (always
 built) and CUDA (when the CUDA extension was built), and to the pure-JAX
@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 from collections.abc import Callable
 from typing import Literal
 
@@ -22,6 +21,7 @@ import numpy as np
 from jax.extend.core import Primitive
 from jax.interpreters import batching, mlir
 
+from jax_cgx import _extensions
 from jax_cgx._compat import apply_primitive
 from jax_cgx.codec import reference as _reference
 
@@ -37,75 +37,16 @@ def check_impl(impl: str) -> None:
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
 
-try:
-    from jax_cgx import _cpu
-except ImportError as err:  # pragma: no cover - a broken install
-    here = os.path.dirname(os.path.abspath(__file__))
-    hint = f"Reinstall jax_cgx with `pip install .` from a source checkout ({err})."
-    if os.path.exists(os.path.join(os.path.dirname(here), "CMakeLists.txt")):
-        hint = (
-            f"Python imported jax_cgx from the source tree {here}, which holds no compiled "
-            "extension, instead of the installed package: run from another directory, use "
-            "`pytest` rather than `python -m pytest` (which puts the current directory first), "
-            "or install in editable mode (`pip install -e .`)."
-        )
-    raise ImportError(f"jax_cgx's compiled CPU extension (jax_cgx._cpu) cannot be imported. {hint}") from err
-
-try:
-    from jax_cgx import _cuda
-    _CUDA_IMPORT_ERROR: Exception | None = None
-except ImportError as err:
-    _cuda = None
-    _CUDA_IMPORT_ERROR = err
-
-
-def cuda_extension_available() -> bool:
-    """True when jax_cgx was built with its CUDA extension (a GPU may still be absent)."""
-    return _cuda is not None
-
-
-def require_cuda_extension() -> None:
-    """Raise a clear error when a GPU-only feature is used without the CUDA extension."""
-    if _cuda is None:
-        raise RuntimeError(
-            "jax_cgx was built without its CUDA extension (jax_cgx._cuda: "
-            f"{_CUDA_IMPORT_ERROR}). Rebuild on a machine with nvcc, e.g. "
-            "`JAX_CGX_CUDA=ON pip install .`, to use the GPU kernels."
-        )
-
-
-ISA_ENV = "JAX_CGX_CPU_ISA"
-ISAS = ("auto", "avx512", "avx2", "baseline")
-
-
-def choose_isa(environ=None) -> str:
-    """Set the CPU kernels' variant from ``JAX_CGX_CPU_ISA`` (unset or empty: auto); at import.
-
-    The C++ reads the variable when a kernel first runs and takes a name it does not know
-    (``AVX2``, a typo) or one this CPU lacks for ``auto`` without a word; so it is checked
-    here, before, and the variant is set explicitly (the C++ then never reads it).
-    """
-    env = os.environ if environ is None else environ
-    raw = env.get(ISA_ENV, "")
-    name = raw or "auto"
-    if name not in ISAS:
-        raise ValueError(f"{ISA_ENV}={raw!r} is not a CPU kernel variant: use one of {', '.join(ISAS)} (lower "
-                         "case; auto, the default, picks the best this CPU runs)")
-    if not _cpu.set_isa(name):
-        runs = ", ".join(_cpu.kernel_info()["isa_supported"])
-        raise ValueError(f"{ISA_ENV}={raw!r}: this CPU cannot run the {name} kernels; it runs {runs} "
-                         "(auto, the default, picks the best of them)")
-    return name
-
-
-choose_isa()
+# Loaded (and the CPU kernels' variant chosen) once, in jax_cgx._extensions.
+cuda_extension_available = _extensions.cuda_extension_available
+require_cuda_extension = _extensions.require_cuda_extension
 
 
 def _register_targets() -> None:
-    for name, capsule in _cpu.registrations().items():
+    for name, capsule in _extensions.cpu().registrations().items():
         jax.ffi.register_ffi_target(name, capsule, platform="cpu")
-    if _cuda is not None:
-        for name, capsule in _cuda.registrations().items():
+    if _extensions.cuda() is not None:
+        for name, capsule in _extensions.cuda().registrations().items():
             jax.ffi.register_ffi_target(name, capsule, platform="CUDA")
 
 
@@ -188,7 +129,7 @@ def _define(name: str, abstract_eval: Callable, reference: Callable, attr_names:
 
     ref = _reference_rule(reference)
     mlir.register_lowering(prim, _ffi_lowering(name, attrs), platform="cpu")
-    if _cuda is not None:
+    if _extensions.cuda_extension_available():
         mlir.register_lowering(prim, _ffi_lowering(name, attrs), platform="cuda")
     else:
         mlir.register_lowering(prim, _fallback_lowering(name, "cuda", ref), platform="cuda")

@@ -14,6 +14,8 @@ import os
 import threading
 from typing import Any
 
+from jax_cgx import _extensions
+
 __all__ = [
     "DEFAULT_SONAME",
     "LIBRARY_ENV",
@@ -50,9 +52,7 @@ def binding():
     ``nccl_destroy`` and ``nccl_communicators``. Every module of jax_cgx.nccl calls it as
     ``library.binding()``, so that tests can monkeypatch this one function.
     """
-    from jax_cgx.codec import kernels
-
-    return kernels._cuda
+    return _extensions.cuda()
 
 
 def _rebuild_hint() -> str:
@@ -67,9 +67,7 @@ def require_binding():
     """The binding, or NcclNotFoundError saying why it cannot run NCCL and how to fix it."""
     found = binding()
     if found is None:
-        from jax_cgx.codec import kernels
-
-        why = getattr(kernels, "_CUDA_IMPORT_ERROR", None)
+        why = _extensions.cuda_import_error()
         raise NcclNotFoundError(
             "jax_cgx.nccl: the nccl backend needs jax_cgx's CUDA extension (jax_cgx._cuda), "
             f"which this install lacks ({why}). {_rebuild_hint()}. Or use backend='xla'."

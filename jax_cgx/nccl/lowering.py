@@ -23,7 +23,7 @@ import numpy as np
 from jax.extend.core import Primitive
 from jax.interpreters import mlir
 
-from jax_cgx.codec import kernels
+from jax_cgx import _extensions
 from jax_cgx.collectives import agreement, primitive
 from jax_cgx.config import ALGORITHMS
 from jax_cgx.nccl import registry
@@ -39,8 +39,8 @@ _ALGORITHMS = {name: code for code, name in enumerate(ALGORITHMS)}
 def workspace_bytes(n: int, world: int, chunk: int, bits: int, bucket_size: int, dtype, algorithm: str,
                     segments: int) -> tuple[int, int]:
     """(workspace bytes, segments) of one custom call, as the C++ plan computes them."""
-    kernels.require_cuda_extension()
-    return kernels._cuda.nccl_workspace_bytes(
+    _extensions.require_cuda_extension()
+    return _extensions.cuda().nccl_workspace_bytes(
         n, world, chunk, bits, bucket_size, np.dtype(dtype).itemsize, _ALGORITHMS[algorithm], segments
     )
 

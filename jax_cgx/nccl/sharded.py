@@ -25,7 +25,7 @@ import numpy as np
 from jax.extend.core import Primitive
 from jax.interpreters import mlir
 
-from jax_cgx.codec import kernels
+from jax_cgx import _extensions
 from jax_cgx.collectives import agreement, all_gather, reduce_scatter
 from jax_cgx.nccl import registry
 from jax_cgx.nccl.lowering import context_mesh
@@ -41,8 +41,8 @@ _OPS = {"psum_scatter": 0, "all_gather": 1}
 def workspace_bytes(op: str, m: int, world: int, bits: int, bucket_size: int, dtype, segments: int) -> tuple[int, int]:
     """(workspace bytes, segments) of one custom call of ``op`` ("psum_scatter" or "all_gather")
     on blocks or shards of ``m`` values, as the C++ plan computes them."""
-    kernels.require_cuda_extension()
-    return kernels._cuda.nccl_sharded_workspace_bytes(_OPS[op], m, world, bits, bucket_size,
+    _extensions.require_cuda_extension()
+    return _extensions.cuda().nccl_sharded_workspace_bytes(_OPS[op], m, world, bits, bucket_size,
                                                       np.dtype(dtype).itemsize, segments)
 
 

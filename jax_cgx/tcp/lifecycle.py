@@ -24,7 +24,7 @@ import types
 import jax
 import numpy as np
 
-from jax_cgx.codec import kernels
+from jax_cgx import _extensions
 from jax_cgx.nccl import unique_ids
 from jax_cgx.nccl.groups import PlannedGroup, families, find_family, groups_array, key_of, mesh_ident, mesh_parts
 from jax_cgx.nccl.registry import CommunicatorInfo  # (key, ordinal, rank, world, description), as for nccl
@@ -226,7 +226,7 @@ def _connect_group(g: PlannedGroup, members: list[tuple[int, int]], listeners: d
     # The C++ communicators own the descriptors from here (tcp_adopt closes them on an error).
     rows = [(ordinal, rank, [sockets[rank][j].detach() if j != rank else -1 for j in range(g.world)])
             for ordinal, rank in members]
-    kernels._cpu.tcp_adopt(g.key, g.world, rows, g.description, timeout_s)
+    _extensions.cpu().tcp_adopt(g.key, g.world, rows, g.description, timeout_s)
 
 
 def setup(mesh, axes=None, *, timeout_s: float | None = None):
@@ -257,7 +257,7 @@ def setup(mesh, axes=None, *, timeout_s: float | None = None):
         world = int(np.prod([devices.shape[names.index(a)] for a in fam], dtype=np.int64))
         if world > 1:
             wanted[fam] = key_of(ident, fam)
-    binding = kernels._cpu
+    binding = _extensions.cpu()
     with lock:
         have = _families.get(ident, {})
         # In one order on every process, whatever order the caller listed the axes in: connecting
@@ -328,7 +328,7 @@ def teardown(mesh=None) -> int:
     No computation that uses them may still be running: block on its results first. A
     call still waiting for peers fails with an error instead of hanging.
     """
-    binding = kernels._cpu
+    binding = _extensions.cpu()
     with lock:
         if mesh is None:
             keys = [-1] if _families else []
@@ -347,7 +347,7 @@ def teardown(mesh=None) -> int:
 
 def communicators() -> list[CommunicatorInfo]:
     """Every tcp communicator of this process."""
-    return [CommunicatorInfo(*row) for row in kernels._cpu.tcp_communicators()]
+    return [CommunicatorInfo(*row) for row in _extensions.cpu().tcp_communicators()]
 
 
 def _at_exit() -> None:
@@ -360,6 +360,6 @@ def _at_exit() -> None:
     except Exception:
         pass
     try:
-        kernels._cpu.tcp_destroy(-1)
+        _extensions.cpu().tcp_destroy(-1)
     except Exception as err:  # pragma: no cover - exit is best effort
         log.warning("jax_cgx.tcp: stopping communicators at exit failed: %s", err)

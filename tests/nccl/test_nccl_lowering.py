@@ -11,14 +11,13 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_cgx
-from jax_cgx import CompressionConfig, nccl
-from jax_cgx.codec import kernels as _ffi
+from jax_cgx import CompressionConfig, _extensions, nccl
 from jax_cgx.nccl import lowering as _nccl_lowering
 from jax_cgx.nccl import registry
 from jax_cgx.nccl import sharded as _nccl_sharded
 
 pytestmark = pytest.mark.skipif(
-    not (_ffi.cuda_extension_available() and _ffi._cuda.nccl_compiled()),
+    not (_extensions.cuda_extension_available() and _extensions.cuda().nccl_compiled()),
     reason="CUDA extension with the nccl backend not built",
 )
 

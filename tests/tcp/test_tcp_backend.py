@@ -13,8 +13,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_cgx
-from jax_cgx import CompressionConfig
-from jax_cgx.codec import kernels
+from jax_cgx import CompressionConfig, _extensions
 from jax_cgx.tcp import TcpError
 
 TARGET = "jax_cgx_tcp_allreduce"
@@ -186,7 +185,7 @@ def test_a_call_after_teardown_fails_instead_of_hanging():
 
 
 def test_segments_by_size_and_bad_arguments():
-    segments = kernels._cpu.tcp_segments
+    segments = _extensions.cpu().tcp_segments
     # 4 MiB of float32 input per chunk: 1 MiB segments; a tiny chunk: one.
     assert segments(8 << 20, 2, 4 << 20, 4, 512, 4, 0) == 16
     assert segments(1000, 2, 512, 4, 512, 4, 0) == 1
