@@ -52,17 +52,47 @@ def sample(n: int, dtype, seed: int = 0) -> np.ndarray:
     return np.array(jnp.asarray(x, dtype))  # a writable copy
 
 
-def bucket_scales(meta, m: int, bucket_size: int) -> np.ndarray:
-    """The scale of the bucket holding each of the first m values."""
-    return np.repeat(np.asarray(meta[:, 1], np.float64), bucket_size)[:m]
+def flushed(x) -> np.ndarray:
+    """The values the codec quantizes, as float64: subnormals and -0 flushed to +0 (docs/format.md)."""
+    x64 = np.asarray(x, np.float64)
+    return np.where(np.abs(x64) < 2.0**-126, 0.0, x64)
 
 
-def error_bound(x, out, meta, m, bucket_size, stochastic):
-    """Per-element bound: scale/2 (nearest) or scale (stochastic), plus f32/dtype rounding."""
-    scale = bucket_scales(meta, m, bucket_size)
-    x64 = np.asarray(x[:m], np.float64)
-    out64 = np.asarray(out[:m], np.float64)
+def step_bound(spread, bits: int, span=None):
+    """An upper bound of a bucket's scale from the range of its finite values, never from the codec.
+
+    docs/format.md, "Error": ``scale <= (mx - mn) / span * (1 + 2^-15)`` (``span = 2^bits - 1``
+    levels between finite values; the factor is the scale's rounding up to 16 significant
+    bits), and at least the floor ``2^-100`` when ``mx > mn``; 0 for a degenerate bucket.
+    """
+    span = (1 << bits) - 1 if span is None else span
+    spread = np.asarray(spread, np.float64)
+    return np.where(spread > 0, np.maximum(spread / span * (1 + 2.0**-15), 2.0**-100), 0.0)
+
+
+def bucket_scales(x, m: int, bucket_size: int, bits: int) -> np.ndarray:
+    """An upper bound of the scale of the bucket holding each of the first m values, from the data:
+    the bucket's range over ``2^bits - 1`` levels (:func:`step_bound`). Finite inputs only (the
+    whole range, infinities and NaN: tests/codec/test_range.py)."""
+    x64 = flushed(np.asarray(x).reshape(-1)[:m])
+    assert np.all(np.isfinite(x64)), "bucket_scales: finite inputs only"
+    buckets = -(-m // bucket_size)
+    padded = np.full(buckets * bucket_size, np.nan)
+    padded[:m] = x64
+    padded = padded.reshape(buckets, bucket_size)
+    with np.errstate(invalid="ignore"):
+        spread = np.nanmax(padded, axis=1, initial=-np.inf) - np.nanmin(padded, axis=1, initial=np.inf)
+    return np.repeat(step_bound(spread, bits), bucket_size)[:m]
+
+
+def error_bound(x, out, m, bucket_size, bits, stochastic):
+    """Per-element ``|decoded - x|`` and its bound (docs/format.md, "Error"), scales from the data:
+    scale/2 (nearest) or scale (stochastic), plus f32 rounding (1e-4 of the scale), the output dtype's
+    rounding, and the flush of values below 2^-126."""
+    scale = bucket_scales(x, m, bucket_size, bits)
+    x64 = np.asarray(np.asarray(x).reshape(-1)[:m], np.float64)
+    out64 = np.asarray(np.asarray(out).reshape(-1)[:m], np.float64)
     # The decoded value is rounded once to the output's dtype.
-    rounding = EPS[np.dtype(out.dtype)] * np.maximum(np.abs(x64), np.abs(out64))
+    rounding = EPS[np.dtype(out.dtype)] * np.maximum(np.abs(x64), np.abs(out64)) + 2.0**-125
     factor = 1.0 if stochastic else 0.5
     return np.abs(out64 - x64), scale * (factor + 1e-4) + rounding
