@@ -128,3 +128,8 @@ def ensure_varying(x, axes):
     have = varying_axes(_core.typeof(x))
     missing = tuple(a for a in axes if a not in have)
     return pvary(x, missing) if missing else x
+
+
+def context_mesh(ctx):
+    """The mesh of the shard_map/pmap whose body a lowering rule is lowering (None outside one)."""
+    return getattr(ctx.module_context.axis_context, "mesh", None)

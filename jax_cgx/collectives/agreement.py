@@ -36,6 +36,8 @@ import jax
 import numpy as np
 from jax.interpreters import mlir
 
+from jax_cgx._compat import context_mesh
+
 __all__ = ["check", "describe", "fields", "participants", "TIMEOUT_ENV"]
 
 TIMEOUT_ENV = "JAX_CGX_AGREE_TIMEOUT_S"
@@ -100,10 +102,6 @@ def _client():
     return distributed.global_state.client
 
 
-def _mesh(ctx):
-    return getattr(ctx.module_context.axis_context, "mesh", None)
-
-
 def _devices(mesh):
     try:
         devices = mesh.devices  # an AbstractMesh has none
@@ -116,7 +114,7 @@ def participants(ctx, axes: tuple) -> tuple[int, ...] | None:
     """The processes that lower this module, when the reduction over ``axes`` crosses processes; else None."""
     if jax.process_count() == 1:
         return None
-    mesh = _mesh(ctx)
+    mesh = context_mesh(ctx)
     devices = _devices(mesh) if mesh is not None else None
     if devices is None:
         assigned = getattr(ctx.module_context.axis_context, "device_assignment", None)
@@ -155,7 +153,7 @@ def check(ctx, api: str, backend: str, **params) -> None:
         return
     module = ctx.module_context.module
     name = mlir.ir.StringAttr(module.operation.attributes["sym_name"]).value
-    mesh = _mesh(ctx)
+    mesh = context_mesh(ctx)
     mesh_shape = dict(mesh.shape) if mesh is not None and hasattr(mesh, "shape") else None
     mine = json.dumps(fields(api, ctx.avals_in[0], ",".join(ctx.module_context.platforms),
                              dict(params, backend=backend), mesh_shape))

@@ -24,11 +24,12 @@ from jax.extend.core import Primitive
 from jax.interpreters import mlir
 
 from jax_cgx import _extensions
+from jax_cgx._compat import context_mesh
 from jax_cgx.collectives import agreement, primitive
 from jax_cgx.config import ALGORITHMS
 from jax_cgx.nccl import registry
 
-__all__ = ["nccl_allreduce_p", "workspace_bytes", "context_mesh"]
+__all__ = ["nccl_allreduce_p", "workspace_bytes"]
 
 log = logging.getLogger("jax_cgx")
 
@@ -77,11 +78,6 @@ def _lower_row(ctx, x, seeds, valid, *, key, world, chunk, bits, bucket_size, st
 
 nccl_allreduce_p.def_abstract_eval(_abstract)
 mlir.register_lowering(nccl_allreduce_p, _lower_row, platform="cuda")
-
-
-def context_mesh(ctx):
-    """The mesh of the shard_map/pmap being lowered (None outside one)."""
-    return getattr(ctx.module_context.axis_context, "mesh", None)
 
 
 def _lower_cuda(ctx, x, seeds, valid, *, backend, axes, world, chunk, bits, bucket_size, stochastic, impl,

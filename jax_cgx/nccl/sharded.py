@@ -26,9 +26,9 @@ from jax.extend.core import Primitive
 from jax.interpreters import mlir
 
 from jax_cgx import _extensions
+from jax_cgx._compat import context_mesh
 from jax_cgx.collectives import agreement, all_gather, reduce_scatter
 from jax_cgx.nccl import registry
-from jax_cgx.nccl.lowering import context_mesh
 
 __all__ = ["nccl_reduce_scatter_p", "nccl_all_gather_p", "workspace_bytes"]
 

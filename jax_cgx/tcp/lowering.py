@@ -42,6 +42,7 @@ import numpy as np
 from jax.extend.core import Primitive
 from jax.interpreters import mlir
 
+from jax_cgx._compat import context_mesh
 from jax_cgx.collectives import agreement, primitive
 from jax_cgx.tcp import lifecycle
 from jax_cgx.tcp.lifecycle import TcpError
@@ -134,11 +135,6 @@ def _record_call(ctx, value, aval) -> None:
         calls.last = [c for c in calls.last if c[0] != block] + [(block, value, aval)]
 
 
-def _context_mesh(ctx):
-    """The mesh of the shard_map/pmap being lowered (None outside one)."""
-    return getattr(ctx.module_context.axis_context, "mesh", None)
-
-
 def select_backend(requested: str, mesh, axes, *, algorithm: str = "sra", impl: str = "auto",
                    world: int = 2) -> tuple[str, str]:
     """Which backend runs a compressed reduction over ``axes`` of ``mesh`` on CPU: ``(backend, reason)``.
@@ -176,7 +172,7 @@ def _select(requested, mesh, axes, algorithm, impl, world) -> tuple[str, str]:
 
 def _lower_cpu(ctx, x, seeds, valid, *, backend, axes, world, chunk, bits, bucket_size, stochastic, impl,
                algorithm, segments):
-    mesh = _context_mesh(ctx)
+    mesh = context_mesh(ctx)
     choice, _ = select_backend(backend, mesh, axes, algorithm=algorithm, impl=impl, world=world)
     params = dict(axes=axes, world=world, chunk=chunk, bits=bits, bucket_size=bucket_size,
                   stochastic=stochastic, impl=impl, algorithm=algorithm, segments=segments)
@@ -215,7 +211,7 @@ mlir.register_lowering(primitive.compressed_allreduce_p, _lower_cpu, platform="c
 
 def _lower_cpu_residual(ctx, x, seeds, valid, *, backend, axes, **params):
     """Error-feedback residuals: the xla backend's program (the custom call computes no residual)."""
-    if backend == "auto" and lifecycle.lookup(_context_mesh(ctx), axes) is not None:
+    if backend == "auto" and lifecycle.lookup(context_mesh(ctx), axes) is not None:
         log.debug("jax_cgx: compressed_psum(return_residual=True) over axes %r uses the xla backend: error "
                   "feedback residuals are computed by the xla backend only", axes)
     return primitive.lower_residual_xla(ctx, x, seeds, valid, backend=backend, axes=axes, **params)
