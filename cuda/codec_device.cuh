@@ -13,7 +13,7 @@
 
 #include <cstdint>
 
-#include "cuda/codec_kernels.h"
+#include "xla_ffi/cuda_kernels.h"
 #include "xla_ffi/codec_math.h"
 
 namespace jax_cgx::cuda {

@@ -33,8 +33,8 @@
 //
 // Files: cuda/codec_device.cuh (the building blocks), cuda/quantize_kernels.cuh
 // (the bucket-quantizing kernels); this file adds the decoding kernel and the
-// launchers of cuda/codec_kernels.h, and is the one translation unit.
-#include "cuda/codec_kernels.h"
+// launchers of xla_ffi/cuda_kernels.h, and is the one translation unit.
+#include "xla_ffi/cuda_kernels.h"
 
 #include <cuda_runtime.h>
 

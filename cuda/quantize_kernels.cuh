@@ -12,7 +12,7 @@
 #include <cstdint>
 
 #include "cuda/codec_device.cuh"
-#include "cuda/codec_kernels.h"
+#include "xla_ffi/cuda_kernels.h"
 #include "xla_ffi/codec_math.h"
 
 namespace jax_cgx::cuda {
@@ -211,7 +211,7 @@ CGX_HD void quantize_blocks(const Src& src, const Sink& sink, const RowLayout& l
 //                                  decode) also prefetches the next bucket
 //   JAX_CGX_QUANTIZE_MIN_BLOCKS=N  ask ptxas for registers that let N blocks
 //                                  of kThreads reside on a multiprocessor
-// (Their defaults are set in cuda/codec_kernels.h.)
+// (Their defaults are set in xla_ffi/cuda_kernels.h.)
 constexpr bool kCodecPipeline = JAX_CGX_CODEC_PIPELINE != 0;
 
 template <class Src, class Sink, int G>

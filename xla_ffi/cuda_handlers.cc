@@ -1,7 +1,7 @@
 // XLA FFI handlers of the jax_cgx CUDA targets (see xla_ffi/README.md).
 //
 // Each handler validates its buffers and attributes, derives the row layout
-// and enqueues the kernels of cuda/codec_kernels.h on XLA's stream. Checks and
+// and enqueues the kernels of xla_ffi/cuda_kernels.h on XLA's stream. Checks and
 // errors are those of xla_ffi/ffi_support.h: bad input is INVALID_ARGUMENT
 // naming the buffer, a failed launch INTERNAL; nothing aborts and nothing
 // waits for the GPU.
@@ -11,7 +11,7 @@
 #include <string>
 #include <string_view>
 
-#include "cuda/codec_kernels.h"
+#include "xla_ffi/cuda_kernels.h"
 #include "xla/ffi/api/ffi.h"
 #include "xla_ffi/ffi_support.h"
 

@@ -1,5 +1,5 @@
 // Element types of the codec's float buffers (x, addend, out), shared by the
-// CPU kernels (xla_ffi/cpu_kernels.h), the CUDA kernels (cuda/codec_kernels.h)
+// CPU kernels (xla_ffi/cpu_kernels.h), the CUDA kernels (xla_ffi/cuda_kernels.h)
 // and the FFI handlers, which map XLA's dtypes onto it in one place
 // (ToFloatType in xla_ffi/ffi_support.h). Plain C++: nvcc includes it too.
 #ifndef JAX_CGX_XLA_FFI_FLOAT_TYPE_H_

@@ -26,7 +26,7 @@
 #include <string>
 #include <string_view>
 
-#include "cuda/codec_kernels.h"
+#include "xla_ffi/cuda_kernels.h"
 #include "xla/ffi/api/ffi.h"
 #include "xla_ffi/exchange_plan.h"
 #include "xla_ffi/ffi_support.h"

@@ -22,7 +22,7 @@
 #include <cstdint>
 #include <string>
 
-#include "cuda/codec_kernels.h"
+#include "xla_ffi/cuda_kernels.h"
 #include "xla_ffi/exchange_plan.h"
 #include "xla_ffi/nccl_comms.h"
 

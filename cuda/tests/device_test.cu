@@ -10,7 +10,7 @@
 #include <algorithm>
 #include <chrono>
 
-#include "cuda/codec_kernels.h"
+#include "xla_ffi/cuda_kernels.h"
 #include "ref.h"
 
 using jax_cgx::cuda::FloatType;

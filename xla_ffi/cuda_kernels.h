@@ -1,12 +1,15 @@
-// Host interface of the jax_cgx CUDA codec kernels (cuda/codec_kernels.cu).
+// Host interface of the jax_cgx CUDA codec kernels, implemented by
+// cuda/codec_kernels.cu (as xla_ffi/cpu_kernels.h is of the CPU kernels).
 //
-// Plain C++: the FFI handlers (xla_ffi/cuda_handlers.cc) include it without
-// nvcc. Every launcher only enqueues work on `stream` and returns the launch
-// status (cudaGetLastError); nothing here allocates, synchronizes or blocks the
-// host. The byte format and the per-element arithmetic are those of
+// Plain C++: the FFI handlers (xla_ffi/cuda_handlers.cc, the nccl backend)
+// include it without nvcc. cuda/ includes it and xla_ffi/'s other plain
+// headers (codec_math.h, float_type.h); xla_ffi/ includes nothing of cuda/.
+// Every launcher only enqueues work on `stream` and returns the launch status
+// (cudaGetLastError); nothing here allocates, synchronizes or blocks the host.
+// The byte format and the per-element arithmetic are those of
 // xla_ffi/README.md and xla_ffi/codec_math.h.
-#ifndef JAX_CGX_CUDA_CODEC_KERNELS_H_
-#define JAX_CGX_CUDA_CODEC_KERNELS_H_
+#ifndef JAX_CGX_XLA_FFI_CUDA_KERNELS_H_
+#define JAX_CGX_XLA_FFI_CUDA_KERNELS_H_
 
 #include <cuda_runtime_api.h>
 
@@ -112,4 +115,4 @@ cudaError_t LaunchDequantizeSumRequantize(cudaStream_t stream, const RowLayout& 
 
 }  // namespace jax_cgx::cuda
 
-#endif  // JAX_CGX_CUDA_CODEC_KERNELS_H_
+#endif  // JAX_CGX_XLA_FFI_CUDA_KERNELS_H_
