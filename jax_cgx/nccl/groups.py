@@ -11,6 +11,7 @@ import dataclasses
 import hashlib
 import itertools
 import json
+import threading
 from typing import Any
 
 import jax
@@ -157,6 +158,59 @@ def find_family(table: dict[tuple, dict[tuple[str, ...], int]], mesh, axes) -> t
     if key is None:
         return None, f"communicators exist for this mesh, but not for axes {tup} (set up: {sorted(fams)})"
     return key, ""
+
+
+class Families:
+    """One backend's communicator families in this process (nccl and tcp each keep one).
+
+    Maps a mesh (:func:`mesh_ident`) to the families whose communicators were created here
+    (axes tuple -> family key), and counts how often each family was created: its
+    *generation*, part of the key-value store keys, so that a set-up after a teardown never
+    reads an earlier one's entries. Set-up and teardown hold :attr:`lock` while they write;
+    :meth:`find` takes it to read.
+    """
+
+    def __init__(self) -> None:
+        self.lock = threading.RLock()
+        self._by_mesh: dict[tuple, dict[tuple[str, ...], int]] = {}
+        self._generations: dict[int, int] = {}
+
+    def of(self, ident: tuple) -> dict[tuple[str, ...], int]:
+        """The families set up for a mesh: axes tuple -> key (empty when none)."""
+        return dict(self._by_mesh.get(ident, {}))
+
+    def generation(self, key: int) -> int:
+        """How many times this process created family ``key``."""
+        return self._generations.get(key, 0)
+
+    def advance_generation(self, key: int) -> None:
+        self._generations[key] = self.generation(key) + 1
+
+    def record(self, ident: tuple, axes: tuple[str, ...], key: int) -> None:
+        """Family ``key`` of ``axes`` on mesh ``ident`` has its communicators here."""
+        self._by_mesh.setdefault(ident, {})[axes] = key
+
+    def forget(self, ident: tuple | None = None) -> dict[tuple[str, ...], int]:
+        """Forget the families of mesh ``ident`` (all when None) and return them (all meshes'
+        merged when None); generations are kept."""
+        if ident is None:
+            gone = {axes: key for fams in self._by_mesh.values() for axes, key in fams.items()}
+            self._by_mesh.clear()
+            return gone
+        return self._by_mesh.pop(ident, {})
+
+    def empty(self) -> bool:
+        return not self._by_mesh
+
+    def reset(self) -> None:
+        """Forget everything, generations included: a fresh process (for tests)."""
+        self._by_mesh.clear()
+        self._generations.clear()
+
+    def find(self, mesh, axes) -> tuple[int | None, str]:
+        """(the family key of ``(mesh, axes)`` or None, why not): :func:`find_family`."""
+        with self.lock:
+            return find_family(self._by_mesh, mesh, axes)
 
 
 @dataclasses.dataclass(frozen=True)

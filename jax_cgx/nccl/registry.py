@@ -1,72 +1,35 @@
 """This process's communicator families, and the choice of backend they decide.
 
-The registry maps a mesh (:func:`~jax_cgx.nccl.groups.mesh_ident`) to the families whose
-communicators :func:`jax_cgx.nccl.setup` created here (axes tuple -> family key), and
-counts how often each family was created (the *generation*, part of the key-value store
-keys, so a setup after a teardown gets fresh unique ids). :func:`select_backend` reads
-it at lowering time; setup and teardown write it holding :data:`lock`.
+The registry is the nccl backend's :class:`~jax_cgx.nccl.groups.Families`: the families
+whose communicators :func:`jax_cgx.nccl.setup` created here, and their generations.
+:func:`select_backend` reads it at lowering time; setup and teardown write it holding
+:data:`lock`.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 from typing import NamedTuple
 
 from jax_cgx.config import BACKENDS
 from jax_cgx.nccl import library
-from jax_cgx.nccl.groups import find_family
+from jax_cgx.nccl.groups import Families
 from jax_cgx.nccl.library import NcclError
 
 __all__ = ["CommunicatorInfo", "communicators", "lock", "lookup", "select_backend"]
 
 log = logging.getLogger("jax_cgx")
 
-lock = threading.RLock()
-# mesh ident -> {axes tuple: family key}, for families whose communicators exist here.
-_families: dict[tuple, dict[tuple[str, ...], int]] = {}
-# family key -> how many times this process created it.
-_generations: dict[int, int] = {}
-
-
-# ------------------------------------------------------------- writing (callers hold `lock`)
-
-
-def families_of(ident: tuple) -> dict[tuple[str, ...], int]:
-    """The families set up for a mesh: axes tuple -> key (empty when none)."""
-    return dict(_families.get(ident, {}))
-
-
-def generation(key: int) -> int:
-    """How many times this process created family ``key``."""
-    return _generations.get(key, 0)
-
-
-def advance_generation(key: int) -> None:
-    _generations[key] = generation(key) + 1
-
-
-def record(ident: tuple, axes: tuple[str, ...], key: int) -> None:
-    """Family ``key`` of ``axes`` on mesh ``ident`` has its communicators here."""
-    _families.setdefault(ident, {})[axes] = key
-
-
-def forget(ident: tuple | None = None) -> None:
-    """Forget the families of mesh ``ident`` (all when None); generations are kept."""
-    if ident is None:
-        _families.clear()
-    else:
-        _families.pop(ident, None)
-
-
-def empty() -> bool:
-    return not _families
-
-
-def reset() -> None:
-    """Forget everything, generations included: a fresh process (for tests)."""
-    _families.clear()
-    _generations.clear()
+_families = Families()
+# Set-up and teardown write holding it (jax_cgx.nccl.lifecycle).
+lock = _families.lock
+families_of = _families.of
+generation = _families.generation
+advance_generation = _families.advance_generation
+record = _families.record
+forget = _families.forget
+empty = _families.empty
+reset = _families.reset
 
 
 # ------------------------------------------------------------- reading
@@ -83,8 +46,7 @@ def lookup(mesh, axes) -> int | None:
 
 def _lookup(mesh, axes) -> tuple[int | None, str]:
     """(key or None, why not)."""
-    with lock:
-        return find_family(_families, mesh, axes)
+    return _families.find(mesh, axes)
 
 
 def select_backend(requested: str, platform: str, mesh, axes) -> tuple[str, str]:

@@ -17,7 +17,6 @@ import logging
 import numbers
 import os
 import socket
-import threading
 import time
 import types
 
@@ -26,7 +25,7 @@ import numpy as np
 
 from jax_cgx import _extensions
 from jax_cgx.nccl import unique_ids
-from jax_cgx.nccl.groups import PlannedGroup, families, find_family, groups_array, key_of, mesh_ident, mesh_parts
+from jax_cgx.nccl.groups import Families, PlannedGroup, families, groups_array, key_of, mesh_ident, mesh_parts
 from jax_cgx.nccl.registry import CommunicatorInfo  # (key, ordinal, rank, world, description), as for nccl
 from jax_cgx.tcp import handshake
 from jax_cgx.tcp.handshake import GroupHandshake, Listener, TcpError
@@ -43,11 +42,10 @@ DEFAULT_TIMEOUT_S = unique_ids.DEFAULT_TIMEOUT_S
 # <prefix>/<family key>/<generation>/<group index>/<rank>.
 KV_PREFIX = "jax_cgx/tcp/addr"
 
-lock = threading.RLock()
-# mesh ident -> {axes tuple: family key}, for families whose communicators exist here.
-_families: dict[tuple, dict[tuple[str, ...], int]] = {}
-# family key -> how many times this process created it (part of the store keys).
-_generations: dict[int, int] = {}
+# The tcp backend's families here and their generations (part of the store keys); set-up and
+# teardown write holding `lock`.
+_families = Families()
+lock = _families.lock
 _atexit_registered = False
 
 
@@ -120,8 +118,7 @@ def lookup(mesh, axes) -> int | None:
 
 def find(mesh, axes) -> tuple[int | None, str]:
     """(key or None, why not)."""
-    with lock:
-        return find_family(_families, mesh, axes)
+    return _families.find(mesh, axes)
 
 
 def _check_devices(devices: np.ndarray) -> None:
@@ -259,7 +256,7 @@ def setup(mesh, axes=None, *, timeout_s: float | None = None):
             wanted[fam] = key_of(ident, fam)
     binding = _extensions.cpu()
     with lock:
-        have = _families.get(ident, {})
+        have = _families.of(ident)
         # In one order on every process, whatever order the caller listed the axes in: connecting
         # walks the families in this order, and two orders would wait on each other until the timeout.
         new = sorted((fam for fam in wanted if fam not in have), key=lambda fam: wanted[fam])
@@ -270,7 +267,7 @@ def setup(mesh, axes=None, *, timeout_s: float | None = None):
         for fam in new:
             key = wanted[fam]
             arr = groups_array(devices, names, fam)
-            plan.extend(PlannedGroup(fam, key, _generations.get(key, 0), i, len(arr), tuple(g))
+            plan.extend(PlannedGroup(fam, key, _families.generation(key), i, len(arr), tuple(g))
                         for i, g in enumerate(arr))
         # (group index, key), rank -> Listener, for this process's members: on the address this
         # process publishes (not every interface), each with a fresh key for this attempt.
@@ -316,8 +313,8 @@ def setup(mesh, axes=None, *, timeout_s: float | None = None):
         for fam in new:
             # A connected generation's addresses stay published: the next set-up of this family
             # (after a teardown) publishes under the next generation.
-            _generations[wanted[fam]] = _generations.get(wanted[fam], 0) + 1
-            _families.setdefault(ident, {})[fam] = wanted[fam]
+            _families.advance_generation(wanted[fam])
+            _families.record(ident, fam, wanted[fam])
             log.debug("jax_cgx.tcp: communicators for axes %r (key %#x)", fam, wanted[fam])
     return types.MappingProxyType(dict(wanted))
 
@@ -331,11 +328,11 @@ def teardown(mesh=None) -> int:
     binding = _extensions.cpu()
     with lock:
         if mesh is None:
-            keys = [-1] if _families else []
-            _families.clear()
+            keys = [] if _families.empty() else [-1]
+            _families.forget()
         else:
             devices, names = mesh_parts(mesh)
-            keys = sorted(set(_families.pop(mesh_ident(devices, names), {}).values()))
+            keys = sorted(set(_families.forget(mesh_ident(devices, names)).values()))
         if not keys:
             return 0
         try:
@@ -352,9 +349,9 @@ def communicators() -> list[CommunicatorInfo]:
 
 def _at_exit() -> None:
     """Stop what is left after the last effects (no lock: a thread stuck in setup must not block exit)."""
-    if not _families:
+    if _families.empty():
         return
-    _families.clear()
+    _families.forget()
     try:
         jax.effects_barrier()
     except Exception:
