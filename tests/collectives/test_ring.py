@@ -58,12 +58,12 @@ def check_against_oracle(case, n, config, seed=0, dtype=jnp.float32):
     key = KEY if config.stochastic else None
     out = psum_grid(xs, make_mesh(shape, names), axes, config, key)
     groups_in, groups_out = reduction_groups(xs, names, axes), reduction_groups(out, names, axes)
-    for g, (x_g, out_g) in enumerate(zip(groups_in, groups_out)):
+    for g, (x_g, out_g) in enumerate(zip(groups_in, groups_out, strict=True)):
         for r in range(1, out_g.shape[0]):
             assert_same_bits(out_g[r], out_g[0], f"group {g}: replica {r} vs replica 0")
         expected, scales, chunk = ring_oracle(x_g, config, key)
         assert_same_bits(out_g[0], expected, f"group {g}: collective vs simulate_ring")
-        err, bound = ring_bound(x_g, out_g[0], scales, chunk, config.bucket_size, config.stochastic)
+        err, bound = ring_bound(x_g, out_g[0], config)  # scales from the data
         assert np.all(err <= bound), f"group {g}: max excess {np.max(err - bound)}"
 
 
@@ -122,8 +122,10 @@ def test_grad_like_psum(check_vma):
     if check_vma:
         assert_same_bits(g, g_ref)
     else:
-        # Without vma typing the transpose is the compressed (ring) sum of the cotangents.
-        np.testing.assert_allclose(g, g_ref, rtol=0, atol=0.05 * 8)
+        # Without vma typing the transpose is the compressed (ring) sum of the cotangents, every
+        # rank's being `weights`: the ring's bound for 8 copies of it (was: atol 0.4).
+        err, bound = ring_bound(np.tile(np.asarray(weights), (8, 1)), g[0], config)
+        assert np.all(err <= bound), float(np.max(err - bound))
         for i in range(1, 8):
             assert_same_bits(g[i], g[0], f"replica {i}")
 

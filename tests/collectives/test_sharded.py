@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from bitwise import assert_same_bits
+from codec_cases import bucket_scales
 from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
@@ -40,9 +41,9 @@ def _data(shape, seed=0):
 
 
 def _scales(values: np.ndarray, config) -> np.ndarray:
-    """The scale of the bucket holding each value of ``values`` (1-D), as the codec computes it."""
-    meta = np.asarray(jax_cgx.quantize(jnp.asarray(values), config.replace(stochastic=False)).meta)
-    return np.repeat(meta[:, 1].astype(np.float64), config.bucket_size)[: values.size]
+    """A bound of the scale of the bucket holding each value of ``values`` (1-D, one block or shard,
+    its buckets from its start), from the data: the bucket's range over 2^bits - 1 levels."""
+    return bucket_scales(values, values.size, config.bucket_size, config.bits)
 
 
 # ----------------------------------------------------------------- bits=32 is lax

@@ -34,5 +34,5 @@ def test_two_processes_two_devices_each(tmp_path):
         key = jax.random.key(3) if config.stochastic else None
         expected, scales, chunk = oracle(xs, config, key)
         assert_same_bits(outs[0], expected, f"{name}: vs the single-program oracle")
-        err, bound = sra_bound(xs, outs[0], scales, chunk, config.bucket_size, config.stochastic)
+        err, bound = sra_bound(xs, outs[0], config)
         assert np.all(err <= bound), name

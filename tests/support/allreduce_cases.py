@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import numpy_oracle
+from codec_cases import flushed, step_bound
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -65,29 +66,6 @@ def oracle(xs, config, key=None, ranks=None, buffer_index=0):
                                   skip_incomplete_buckets=config.skip_incomplete_buckets))
 
 
-def sra_bound(xs, out, scales, chunk, bucket_size, stochastic=False):
-    """|out - exact| per element and the analytic bound of docs/algorithm.md.
-
-    For an element of chunk o: sum over peers r != o of s_r/2 (the owner's own chunk is
-    exact) plus s_sum/2 for the re-quantized sum; stochastic rounding doubles each term.
-    Plus float32 rounding of the W-term sum.
-    """
-    xs = np.asarray(xs, np.float64)
-    w, n = xs.shape
-    exact = xs.sum(0)
-    per_value = np.zeros(w * chunk)
-    q = np.asarray(scales["quantized"], np.float64)  # [owner, rank, bucket]
-    s = np.asarray(scales["summed"], np.float64)  # [owner, bucket]
-    for o in range(w):
-        peers = q[o].sum(0) - q[o, o]
-        per_bucket = peers + s[o]
-        per_value[o * chunk : (o + 1) * chunk] = np.repeat(per_bucket, bucket_size)[:chunk]
-    factor = 1.0 if stochastic else 0.5
-    rounding = 2.0**-22 * (np.abs(xs).sum(0) + np.abs(exact)) * w
-    bound = per_value[:n] * (factor + 1e-4) + rounding
-    return np.abs(np.asarray(out, np.float64) - exact), bound
-
-
 @jax.jit
 def exact_psum(xs):
     """``lax.psum`` over 'd' of row i on device i (the uncompressed reference), from device 0."""
@@ -139,23 +117,170 @@ def ring_oracle(xs, config, key=None, ranks=None, buffer_index=0):
                                    skip_incomplete_buckets=config.skip_incomplete_buckets))
 
 
-def ring_bound(xs, out, scales, chunk, bucket_size, stochastic=False):
-    """|out - exact| per element and the analytic bound of the ring (docs/algorithm.md).
+# ------------------------------------------------------------ bounds from the data
 
-    An element of chunk o went through W quantizations (its first one, the W-2
-    re-quantizations of the partial sum, the final one): the error is at most the sum of
-    their scales / 2 (nearest) or of their scales (stochastic), plus float32 rounding of
-    the W-term sum and of the W decodes.
+
+def _chunk_rule(n: int, world: int, bucket_size: int, whole_buckets: bool) -> int:
+    """Values per chunk, as docs/algorithm.md ("SRA", step 1) documents it (not read from the library):
+    a multiple of the bucket when whole buckets are asked for or every rank holds at least 64
+    buckets, otherwise a multiple of 16."""
+    per_rank = -(-n // world)
+    align = bucket_size if whole_buckets or per_rank >= 64 * bucket_size else 16
+    return -(-per_rank // align) * align
+
+
+def _buckets(starts: np.ndarray, n: int):
+    """Per-element ``(spread, top)`` over the buckets starting at ``starts`` (of ``n`` real values)."""
+    lengths = np.diff(np.append(starts, n))
+
+    def spread(a):
+        return np.repeat(np.maximum.reduceat(a, starts, -1) - np.minimum.reduceat(a, starts, -1), lengths, -1)
+
+    def top(a):
+        return np.repeat(np.maximum.reduceat(a, starts, -1), lengths, -1)
+
+    return spread, top
+
+
+def _windows(bucket_size: int):
+    """Per-element ``(spread, top)`` over the ``2B - 1`` values around each element: a bucket holding
+    an element lies inside that window whatever the buffer, chunk and padding boundaries are."""
+
+    def reduce(a, fn):
+        pad = np.full(a.shape[:-1] + (bucket_size - 1,), np.nan)
+        view = np.lib.stride_tricks.sliding_window_view(np.concatenate([pad, a, pad], -1), 2 * bucket_size - 1, -1)
+        return fn(view, axis=-1)
+
+    return (lambda a: reduce(a, np.nanmax) - reduce(a, np.nanmin)), (lambda a: reduce(a, np.nanmax))
+
+
+def _rounding(x64):
+    """float32 rounding of the W-term sums (a factor 4 of slack, as before)."""
+    return x64.shape[0] * 2.0**-22 * (np.abs(x64).sum(0) + np.abs(x64.sum(0)))
+
+
+def _sra_error(x64, spread, top, owner, bits, stochastic, slack):
+    """docs/algorithm.md, "Error bound": every peer's quantization of the element's bucket plus the
+    re-quantized sum's, each ``factor * scale``; the scales bounded from the data: a peer's from its
+    bucket's range, the sum's from the exact sum's range widened by twice the first stage's error.
+    ``owner``: the rank owning each element's chunk (its values enter exactly), None if unknown
+    (every rank counted). ``slack[W, n]``: how far each rank's input may be from ``x64``."""
+    w, n = x64.shape
+    f = (1.0 if stochastic else 0.5) + 1e-4
+    steps = step_bound(spread(x64) + 2 * top(slack), bits)  # [W, n]
+    peers = steps.sum(0) if owner is None else steps.sum(0) - steps[owner, np.arange(n)]
+    first = f * peers + slack.sum(0) + _rounding(x64)  # |owner's float32 sum - exact|
+    return first + f * step_bound(spread(x64.sum(0)) + 2 * top(first), bits)
+
+
+def _ring_error(x64, spread, top, owner, bits, stochastic, slack):
+    """docs/algorithm.md, "Error bound (ring)": chunk o is quantized by rank o+1, then the partial sum
+    is re-quantized at ranks o+2, ..., o+W = o. Each quantization errs by ``factor * scale``, its
+    scale bounded by the exact partial sum's bucket range widened by twice the error so far."""
+    w, n = x64.shape
+    f = (1.0 if stochastic else 0.5) + 1e-4
+    cols = np.arange(n)
+    partial, err = np.zeros(n), np.zeros(n)
+    for h in range(1, w + 1):
+        r = (owner + h) % w
+        partial = partial + x64[r, cols]
+        err = err + slack[r, cols]
+        err = err + f * step_bound(spread(partial) + 2 * top(err), bits) + 2.0**-23 * (np.abs(partial) + err)
+    return err + _rounding(x64)
+
+
+def _one_buffer_bound(xs, out, config, n, slack, error):
+    x64 = flushed(xs)
+    w, v = x64.shape
+    n = v if n is None else n
+    b = config.bucket_size
+    head = n - n % b if config.skip_incomplete_buckets else n
+    q = min(v, head)  # the quantized values; the rest (skip_incomplete_buckets' tail) is exact
+    slack = np.zeros_like(x64) if slack is None else np.asarray(slack, np.float64)
+    bound = slack.sum(0) + _rounding(x64)  # the exact lane
+    if q and w > 1:
+        c = _chunk_rule(head, w, b, config.skip_incomplete_buckets)
+        starts = np.unique(np.concatenate([o * c + np.arange(0, c, b) for o in range(w)]))
+        spread, top = _buckets(starts[starts < q], q)
+        owner = np.arange(q) // c
+        bound[:q] = error(x64[:, :q], spread, top, owner, config.bits, config.stochastic, slack[:, :q])
+    return _against_exact(x64, out, bound)
+
+
+def sra_bound(xs, out, config, n=None, slack=None):
+    """``|out - exact|`` per element and its bound (docs/algorithm.md, "Error bound") for one buffer
+    reduced by SRA, every scale derived from the inputs and the documented chunking, none read back
+    from the collective or an oracle.
+
+    ``xs[W, v]``: each rank's real values of a buffer of ``n >= v`` values (default ``v``; more when
+    the buffer is a hierarchical shard padded past its real values). ``out[v]``: the result.
+    ``slack[W, v]``: a known uncertainty of each rank's input (default 0).
     """
-    xs = np.asarray(xs, np.float64)
-    w, n = xs.shape
-    exact = xs.sum(0)
-    hops = np.asarray(scales["hops"], np.float64)  # [owner, hop, bucket]
-    per_value = np.repeat(hops.sum(1), bucket_size, axis=1)[:, :chunk].reshape(-1)
-    factor = 1.0 if stochastic else 0.5
-    rounding = 2.0**-22 * (np.abs(xs).sum(0) + np.abs(exact)) * w
-    bound = per_value[:n] * (factor + 1e-4) + rounding
-    return np.abs(np.asarray(out, np.float64) - exact), bound
+    return _one_buffer_bound(xs, out, config, n, slack, _sra_error)
+
+
+def ring_bound(xs, out, config, n=None, slack=None):
+    """:func:`sra_bound` for the ring (docs/algorithm.md, "Error bound (ring)")."""
+    return _one_buffer_bound(xs, out, config, n, slack, _ring_error)
+
+
+def sra_window_bound(xs, out, config):
+    """:func:`sra_bound` where the buffer and chunk boundaries are not worked out
+    (values spanning several fusion buffers): each bucket lies within the ``2B - 1`` values around
+    an element of the stream ``xs[W, N]`` (one dtype's quantized leaves, in tree order), and every
+    rank's quantization is counted (the owner's is not, but which rank owns what is not known)."""
+    x64 = flushed(xs)
+    spread, top = _windows(config.bucket_size)
+    bound = _sra_error(x64, spread, top, None, config.bits, config.stochastic, np.zeros_like(x64))
+    return _against_exact(x64, out, bound)
+
+
+def _against_exact(x64, out, bound):
+    out = np.asarray(out)
+    out64 = np.asarray(out, np.float64)
+    eps = {np.dtype(np.float32): 2.0**-23, np.dtype(jnp.bfloat16): 2.0**-8, np.dtype(np.float16): 2.0**-10}
+    bound = bound + eps[out.dtype] * np.abs(out64)  # the decode's rounding to the output dtype
+    return np.abs(out64 - x64.sum(0)), bound
+
+
+def hierarchical_bound(xs, out, config):
+    """``|out - exact|`` and its bound for a hierarchical reduction of ``xs[nodes, local, n]``: the
+    node sums (float32, up to ``local * 2^-23`` of ``sum |x|`` from exact: the slack of each
+    outer rank's input) cut into ``local`` shards as docs/algorithm.md ("Hierarchical") documents,
+    each reduced over the nodes by SRA or the ring (:func:`sra_bound`, :func:`ring_bound`)."""
+    x64 = flushed(xs)
+    nodes, local, n = x64.shape
+    b = config.bucket_size
+    head = n - n % b if config.skip_incomplete_buckets else n
+    align = local * (b if config.skip_incomplete_buckets else 1)
+    shard = -(-head // align) * align // local
+    node_sums = x64.sum(1)
+    slack = local * 2.0**-23 * np.abs(x64).sum(1)
+    err, bound = np.zeros(n), np.zeros(n)
+    out = np.asarray(out)
+    for j in range(local):
+        real = slice(j * shard, min((j + 1) * shard, head))
+        if real.start < real.stop:
+            outer = ring_bound if config.algorithm == "ring" else sra_bound
+            err[real], bound[real] = outer(node_sums[:, real], out[real], config, n=shard, slack=slack[:, real])
+    tail = slice(head, n)
+    exact = x64.sum((0, 1))
+    err[tail] = np.abs(np.asarray(out[tail], np.float64) - exact[tail])
+    bound[tail] = 2.0**-21 * nodes * local * np.abs(x64[..., tail]).sum((0, 1))
+    return err, bound
+
+
+def half_psum_bound(xs, out, half_dtype):
+    """``bits=16``: every rank's value cast to ``half_dtype`` (half an ulp), summed by psum in that
+    dtype (one rounding per addition, to half an ulp of the partial sum: W-1 of them, plus the
+    final one), then cast back exactly. Bounded in units of ``2^-(mantissa bits + 1)``."""
+    x64 = np.asarray(xs, np.float64)
+    w = x64.shape[0]
+    u = 2.0 ** -(jnp.finfo(half_dtype).nmant + 1)
+    tiny = float(jnp.finfo(half_dtype).smallest_subnormal)
+    magnitude = np.abs(x64).sum(0) * (1 + u) ** w
+    bound = u * np.abs(x64).sum(0) + w * u * magnitude + w * tiny
+    return np.abs(np.asarray(out, np.float64) - x64.sum(0)), bound
 
 
 # ------------------------------------------------------------ error-feedback residuals
