@@ -377,9 +377,114 @@ void test_units(std::mt19937& rng) {
   }
 }
 
+// ------------------------------------------------------------ dump mode
+//
+// `emu_test dump DIR` runs a few cases of the kernel bodies and writes their inputs, seeds and
+// outputs to DIR as raw little-endian files, listed one case a line in DIR/cases.txt, for
+// tests/codec/test_cuda_emulated.py to compare with tests/support/numpy_oracle.py (written from
+// docs/format.md alone: ref.h includes codec_math.h, the code under test).
+
+template <class T>
+void write_raw(const std::string& path, const T* data, size_t count) {
+  FILE* f = std::fopen(path.c_str(), "wb");
+  CHECK(f != nullptr, "cannot write %s", path.c_str());
+  if (f == nullptr) return;
+  if (count) std::fwrite(data, sizeof(T), count, f);
+  std::fclose(f);
+}
+
+template <class E>
+void dump_quantize(std::mt19937& rng, const std::string& dir, FILE* list, int k, int64_t R, int64_t n,
+                   int64_t B, int bits, bool stochastic) {
+  using S = typename E::Storage;
+  const RowLayout l = MakeRowLayout(R, n, B, bits);
+  std::vector<S> x(R * n);
+  for (int64_t r = 0; r < R; ++r) {
+    const std::vector<float> v = make_values(rng, n, B, true);
+    for (int64_t i = 0; i < n; ++i) x[r * n + i] = to_storage<E>(v[i]);
+  }
+  std::vector<uint32_t> seeds(2 * R);
+  for (auto& s : seeds) s = rng();
+  std::vector<int32_t> valid(R);
+  for (int64_t r = 0; r < R; ++r) valid[r] = r == 0 ? static_cast<int32_t>(n) : static_cast<int32_t>(rng() % (n + 1));
+  std::vector<uint8_t> payload(R * l.row_bytes);
+  std::vector<float> meta(2 * R * l.buckets);
+  QuantOut q{payload.data(), meta.data(), seeds.data(), stochastic};
+  q.valid.rows = valid.data();
+  run_quantize(ArrayInput<E, false>{x.data(), n}, NoOutput{}, l, q, 2, 128);
+  const std::string c = dir + "/case" + std::to_string(k) + "_";
+  write_raw(c + "x.bin", x.data(), x.size());
+  write_raw(c + "seeds.bin", seeds.data(), seeds.size());
+  write_raw(c + "valid.bin", valid.data(), valid.size());
+  write_raw(c + "payload.bin", payload.data(), payload.size());
+  write_raw(c + "meta.bin", meta.data(), meta.size());
+  std::fprintf(list, "%d quantize %s %ld %ld %ld %d %d\n", k, type_name(type_of<E>()), (long)R, (long)n, (long)B,
+               bits, stochastic ? 1 : 0);
+}
+
+template <class EA, class EO>
+void dump_sum_requantize(std::mt19937& rng, const std::string& dir, FILE* list, int k, int64_t R, int64_t W,
+                         int64_t m, int64_t B, int bits, bool stochastic) {
+  using SA = typename EA::Storage;
+  using SO = typename EO::Storage;
+  const RowLayout l = MakeRowLayout(R, m, B, bits);
+  const Inputs in = make_inputs(rng, R, W, m, B, bits, true);
+  std::vector<SA> addend(R * m);
+  for (int64_t r = 0; r < R; ++r) {
+    const std::vector<float> v = make_values(rng, m, B, true);
+    for (int64_t i = 0; i < m; ++i) addend[r * m + i] = to_storage<EA>(v[i]);
+  }
+  std::vector<uint32_t> seeds(2 * R);
+  for (auto& s : seeds) s = rng();
+  std::vector<int32_t> valid(R);
+  for (int64_t r = 0; r < R; ++r) valid[r] = r == 0 ? static_cast<int32_t>(m) : static_cast<int32_t>(rng() % (m + 1));
+  std::vector<uint8_t> payload(R * l.row_bytes);
+  std::vector<float> meta(2 * R * l.buckets);
+  std::vector<SO> out(R * m);
+  const SumInput src{in.payload.data(), in.meta.data(), W, addend.data(), type_of<EA>(), false};
+  const ArrayOutput sink{out.data(), type_of<EO>(), false};
+  QuantOut q{payload.data(), meta.data(), seeds.data(), stochastic};
+  q.valid.rows = valid.data();
+  run_quantize(src, sink, l, q, 2, 128);
+  const std::string c = dir + "/case" + std::to_string(k) + "_";
+  write_raw(c + "in_payload.bin", in.payload.data(), in.payload.size());
+  write_raw(c + "in_meta.bin", in.meta.data(), in.meta.size());
+  write_raw(c + "addend.bin", addend.data(), addend.size());
+  write_raw(c + "seeds.bin", seeds.data(), seeds.size());
+  write_raw(c + "valid.bin", valid.data(), valid.size());
+  write_raw(c + "payload.bin", payload.data(), payload.size());
+  write_raw(c + "meta.bin", meta.data(), meta.size());
+  write_raw(c + "out.bin", out.data(), out.size());
+  std::fprintf(list, "%d dsr %s %s %ld %ld %ld %ld %d %d\n", k, type_name(type_of<EA>()), type_name(type_of<EO>()),
+               (long)R, (long)W, (long)m, (long)B, bits, stochastic ? 1 : 0);
+}
+
+int dump(const std::string& dir) {
+  std::mt19937 rng(36);
+  FILE* list = std::fopen((dir + "/cases.txt").c_str(), "w");
+  if (list == nullptr) {
+    std::fprintf(stderr, "cannot write %s/cases.txt\n", dir.c_str());
+    return 1;
+  }
+  int k = 0;
+  for (int bits = 1; bits <= 8; ++bits) {
+    const int64_t B = (bits % 3 == 0) ? 3 : (bits % 3 == 1 ? 64 : 512);
+    const bool st = bits % 2 == 0;
+    dump_quantize<F32Type>(rng, dir, list, k++, 3, 2 * B + 7, B, bits, st);
+    dump_quantize<BF16Type>(rng, dir, list, k++, 2, B + 5, B, bits, !st);
+    dump_quantize<F16Type>(rng, dir, list, k++, 2, 3 * B, B, bits, st);
+    dump_sum_requantize<F32Type, F32Type>(rng, dir, list, k++, 2, 3, 2 * B + 9, B, bits, st);
+    dump_sum_requantize<BF16Type, F16Type>(rng, dir, list, k++, 2, 2, B + 1, B, bits, !st);
+  }
+  std::fclose(list);
+  std::fprintf(stderr, "dump: %d cases in %s, %ld checks, %ld failures\n", k, dir.c_str(), g_checks, g_failures);
+  return g_failures == 0 ? 0 : 1;
+}
+
 // ----------------------------------------------------------------- main
 
 int main(int argc, char** argv) {
+  if (argc > 2 && std::string(argv[1]) == "dump") return dump(argv[2]);
   const bool quick = argc > 1 && std::string(argv[1]) == "quick";
   std::mt19937 rng(12345);
   test_units(rng);

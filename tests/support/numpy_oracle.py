@@ -68,7 +68,8 @@ def flush(x) -> np.ndarray:
 
 def to_dtype(x, dtype) -> np.ndarray:
     """float32 to the output dtype, round to nearest even (float32: unchanged)."""
-    return _f32(x).astype(np.dtype(dtype))
+    with np.errstate(over="ignore"):
+        return _f32(x).astype(np.dtype(dtype))
 
 
 # ------------------------------------------------------------------ random bits
@@ -263,8 +264,9 @@ def dequantize_sum_rows(payload, meta, addend=None, *, bits: int, bucket_size: i
     payload, meta = np.asarray(payload), np.asarray(meta)
     r, w = payload.shape[:2]
     acc = np.zeros((r, m), F32) if addend is None else flush(np.asarray(addend)[:, :m].astype(F32))
-    for i in range(w):
-        acc = flush(acc + dequantize_rows(payload[:, i], meta[:, i], bits=bits, bucket_size=bucket_size, m=m))
+    with np.errstate(over="ignore", invalid="ignore"):  # sums past the largest float: inf; inf + -inf: NaN
+        for i in range(w):
+            acc = flush(acc + dequantize_rows(payload[:, i], meta[:, i], bits=bits, bucket_size=bucket_size, m=m))
     return acc
 
 
@@ -302,8 +304,9 @@ def sum_tails(tails, addend_tail=None) -> np.ndarray:
     """Uncompressed tails summed in float32 with the same flush/add order."""
     tails = np.asarray(tails)
     acc = np.zeros(tails.shape[1:], F32) if addend_tail is None else flush(np.asarray(addend_tail).astype(F32))
-    for t in tails:
-        acc = flush(acc + flush(t.astype(F32)))
+    with np.errstate(over="ignore", invalid="ignore"):
+        for t in tails:
+            acc = flush(acc + flush(t.astype(F32)))
     return acc
 
 
