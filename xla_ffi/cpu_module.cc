@@ -104,8 +104,9 @@ NB_MODULE(_cpu, m) {
       "tcp_segments",
       [](int64_t n, int64_t world, int64_t chunk, int bits, int64_t bucket_size, int64_t elem_bytes,
          int64_t segments) {
-        tcp::Plan plan;
-        const std::string bad = tcp::MakePlan(n, world, chunk, bits, bucket_size, elem_bytes, segments, &plan);
+        jax_cgx::exchange::Plan plan;
+        const std::string bad =
+            tcp::MakeAllreducePlan(n, world, chunk, bits, bucket_size, elem_bytes, segments, &plan);
         if (!bad.empty()) throw std::invalid_argument(bad);
         return plan.segments;
       },

@@ -108,9 +108,9 @@ void DefineNccl(nb::module_& m) {
       "nccl_workspace_bytes",
       [](int64_t n, int64_t world, int64_t chunk, int bits, int64_t bucket_size, int64_t elem_bytes,
          int algorithm, int64_t segments) {
-        auto plan = std::make_unique<cgx::Plan>();
-        Check(cgx::MakePlan(n, world, chunk, bits, bucket_size, elem_bytes,
-                            static_cast<cgx::Algorithm>(algorithm), segments, plan.get()));
+        auto plan = std::make_unique<jax_cgx::exchange::Plan>();
+        Check(cgx::MakeAllreducePlan(n, world, chunk, bits, bucket_size, elem_bytes,
+                                     static_cast<cgx::Algorithm>(algorithm), segments, plan.get()));
         return std::make_tuple(plan->workspace_bytes, plan->segments);
       },
       nb::arg("n"), nb::arg("world"), nb::arg("chunk"), nb::arg("bits"), nb::arg("bucket_size"),
@@ -119,7 +119,7 @@ void DefineNccl(nb::module_& m) {
   m.def(
       "nccl_sharded_workspace_bytes",
       [](int op, int64_t m, int64_t world, int bits, int64_t bucket_size, int64_t elem_bytes, int64_t segments) {
-        auto plan = std::make_unique<cgx::ShardedPlan>();
+        auto plan = std::make_unique<jax_cgx::exchange::Plan>();
         Check(cgx::MakeShardedPlan(static_cast<cgx::ShardedOp>(op), m, world, bits, bucket_size, elem_bytes,
                                    segments, plan.get()));
         return std::make_tuple(plan->workspace_bytes, plan->segments);

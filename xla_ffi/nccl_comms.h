@@ -22,10 +22,12 @@
 #include <utility>
 #include <vector>
 
+#include "xla_ffi/exchange_plan.h"
+
 namespace jax_cgx::nccl {
 
 // Segments a buffer's chunks may be pipelined in (CompressionConfig's bound).
-inline constexpr int kMaxSegments = 64;
+inline constexpr int kMaxSegments = exchange::kMaxSegments;
 
 struct Communicator {
   ncclComm_t comm = nullptr;

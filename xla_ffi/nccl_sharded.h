@@ -22,42 +22,22 @@
 #include <cstdint>
 #include <string>
 
-#include "xla_ffi/cuda_kernels.h"
 #include "xla_ffi/exchange_plan.h"
-#include "xla_ffi/nccl_comms.h"
 
 namespace jax_cgx::nccl {
 
 enum class ShardedOp : int32_t { kReduceScatter = 0, kAllGather = 1 };
 
-// One segment: values [offset, offset + length) of every block (whole buckets
-// of it), with W encoding slots; reduce-scatter uses a second set to receive.
-struct ShardedSegment {
-  int64_t offset = 0;
-  int64_t length = 0;
-  cuda::RowLayout layout;  // one row of `length` values; index_base = offset
-  exchange::Region slots;  // reduce-scatter: sent (slot j for rank j); all-gather: gathered (slot j from rank j)
-  exchange::Region recv;   // reduce-scatter: received (slot j from rank j)
-};
-
-// The schedule of one call, from its shapes and attributes only (the same on
-// every rank); workspace_bytes is the size of the extra result the lowering
-// allocates (jax_cgx._cuda.nccl_sharded_workspace_bytes).
-struct ShardedPlan {
-  ShardedOp op = ShardedOp::kReduceScatter;
-  int64_t m = 0;      // values per block (reduce-scatter) or shard (all-gather)
-  int64_t world = 0;  // W
-  int bits = 0;
-  int64_t elem_bytes = 0;
-  int segments = 0;
-  ShardedSegment segment[kMaxSegments];
-  int64_t workspace_bytes = 0;
-};
-
-// Fills *plan; returns "" or what is wrong with the arguments. `segments` as
-// CompressionConfig.pipeline_segments: 0 picks by size.
+// Fills *plan (xla_ffi/exchange_plan.h) for a call on blocks (reduce-scatter)
+// or shards (all-gather) of m values: the plan of a row of W chunks of m, with
+// per segment W send and W recv slots (reduce-scatter: sent, slot j for rank j;
+// received, slot j from rank j) or W gathered slots (all-gather: slot j from
+// rank j). Its workspace_bytes is the size of the extra result the lowering
+// allocates (jax_cgx._cuda.nccl_sharded_workspace_bytes). `segments` as
+// CompressionConfig.pipeline_segments: 0 picks by size. Returns "" or what is
+// wrong with the arguments.
 std::string MakeShardedPlan(ShardedOp op, int64_t m, int64_t world, int bits, int64_t bucket_size,
-                            int64_t elem_bytes, int64_t segments, ShardedPlan* plan);
+                            int64_t elem_bytes, int64_t segments, exchange::Plan* plan);
 
 }  // namespace jax_cgx::nccl
 

@@ -40,43 +40,20 @@ namespace ffi = xla::ffi;
 
 namespace jax_cgx::tcp {
 
-std::string MakePlan(int64_t n, int64_t world, int64_t chunk, int bits, int64_t bucket_size,
-                     int64_t elem_bytes, int64_t segments, Plan* plan) {
-  const std::string bad = exchange::CheckArguments(n, world, chunk, bits, bucket_size, elem_bytes, segments,
-                                                    kMaxSegments);
-  if (!bad.empty()) return bad;
-  Plan& p = *plan;
-  p = Plan();
-  p.n = n;
-  p.world = world;
-  p.chunk = chunk;
-  p.bucket = bucket_size;
-  p.bits = bits;
-  p.elem_bytes = elem_bytes;
-  p.full_chunks = std::min(world, n / chunk);
-  p.tail_chunks = world - p.full_chunks;
+using exchange::Plan;
+using exchange::Region;
+using exchange::Segment;
 
-  // Segments are runs of whole buckets of a chunk (exchange_plan.h).
-  const exchange::ChunkCut cut = exchange::CutChunk(chunk, bucket_size, elem_bytes, segments, kAutoSegmentBytes,
-                                                    kMaxSegments);
-  p.segments = static_cast<int>(cut.count);
-
-  exchange::WorkspaceLayout workspace(64);
-  p.x_tail = workspace.Take(p.tail_chunks * chunk * elem_bytes);
-  p.out_tail = workspace.Take(p.tail_chunks * chunk * elem_bytes);
-  p.headers = workspace.Take(world * static_cast<int64_t>(sizeof(Header)));
-  for (int s = 0; s < p.segments; ++s) {
-    Segment& seg = p.segment[s];
-    seg.offset = s * cut.values;
-    seg.length = std::min(chunk, seg.offset + cut.values) - seg.offset;
-    seg.buckets = cpu::bucket_count(seg.length, bucket_size);
-    seg.payload_bytes = cpu::payload_bytes(seg.length, bucket_size, bits);
-    seg.send = workspace.TakeRegion(world, seg.payload_bytes, seg.buckets);
-    seg.recv = workspace.TakeRegion(world, seg.payload_bytes, seg.buckets);
-    seg.gathered = workspace.TakeRegion(world, seg.payload_bytes, seg.buckets);
-  }
-  p.workspace_bytes = workspace.Bytes();
-  return "";
+std::string MakeAllreducePlan(int64_t n, int64_t world, int64_t chunk, int bits, int64_t bucket_size,
+                              int64_t elem_bytes, int64_t segments, Plan* plan) {
+  exchange::Shape shape;
+  shape.align = 64;
+  shape.auto_bytes = kAutoSegmentBytes;
+  shape.auto_max = exchange::kMaxSegments;
+  shape.send_slots = shape.recv_slots = shape.gathered_slots = world;
+  shape.header_bytes = sizeof(Header);
+  shape.payload_bytes = cpu::payload_bytes;
+  return exchange::MakePlan(n, world, chunk, bits, bucket_size, elem_bytes, segments, shape, plan);
 }
 
 namespace {
@@ -92,33 +69,13 @@ using ffi_support::Internal;
 using ffi_support::InvalidArgument;
 
 // One call's buffers and the communicator it runs on.
-struct Call {
-  const Plan& plan;
+struct Call : exchange::Buffers {
   Communicator& comm;
   FloatType type;
-  const char* x;
-  char* out;
-  char* ws;
   const uint32_t* seeds;  // [W + 1, 2]
   bool stochastic;
   int64_t valid;  // x's first `valid` values are real, the rest padding
 
-  int64_t Bytes(int64_t values) const { return values * plan.elem_bytes; }
-  // First value of chunk j of the zero-padded input: x itself, or its staged tail.
-  const char* ChunkIn(int64_t j) const {
-    return j < plan.full_chunks ? x + Bytes(j * plan.chunk)
-                                : ws + plan.x_tail + Bytes((j - plan.full_chunks) * plan.chunk);
-  }
-  char* ChunkOut(int64_t j) const {
-    return j < plan.full_chunks ? out + Bytes(j * plan.chunk)
-                                : ws + plan.out_tail + Bytes((j - plan.full_chunks) * plan.chunk);
-  }
-  uint8_t* Payload(const Region& r, const Segment& s, int64_t slot) const {
-    return exchange::SlotPayload(ws, r, s.payload_bytes, slot);
-  }
-  float* Meta(const Region& r, const Segment& s, int64_t slot) const {
-    return exchange::SlotMeta(ws, r, s.buckets, slot);
-  }
   // How many values of segment s of chunk j set their buckets' ranges.
   int32_t Valid(int64_t j, const Segment& s) const {
     return static_cast<int32_t>(std::clamp<int64_t>(valid - (j * plan.chunk + s.offset), 0, s.length));
@@ -150,18 +107,6 @@ void QuantizeChunks(const Call& c, const Segment& s, int64_t a, int64_t b) {
                 c.comm.counts.data() + a, p.bits, p.bucket, c.stochastic, c.Payload(s.send, s, a),
                 c.Meta(s.send, s, a), s.offset);
 }
-
-// Chunks [a, b) except our own, split where x ends and the staged tail begins.
-void QuantizePeers(const Call& c, const Segment& s) {
-  const Plan& p = c.plan;
-  const int64_t me = c.comm.rank;
-  for (const auto& [lo, hi] : {std::pair<int64_t, int64_t>{0, me}, std::pair<int64_t, int64_t>{me + 1, p.world}}) {
-    const int64_t mid = std::clamp(p.full_chunks, lo, hi);
-    if (lo < mid) QuantizeChunks(c, s, lo, mid);
-    if (mid < hi) QuantizeChunks(c, s, mid, hi);
-  }
-}
-
 constexpr uint32_t kHeaderMagic = 0x63677831;  // "cgx1"
 
 Header HeaderOf(const Plan& p, int64_t site) {
@@ -199,32 +144,29 @@ ffi::Error CheckHeader(const Call& c, int peer) {
                            "compressed reductions in different orders");
 }
 
-ffi::Error RunSra(const Call& c, int64_t site) {
-  const Plan& p = c.plan;
-  Communicator& comm = c.comm;
-  const int me = comm.rank;
-  // 0. Every stream starts with the call's header.
-  Header* headers = reinterpret_cast<Header*>(c.ws + p.headers);
-  headers[me] = HeaderOf(p, site);
-  for (int j = 0; j < p.world; ++j) {
-    if (j == me) continue;
-    CGX_RETURN_IF_ERROR(Transport(comm.PostSend(j, &headers[me], sizeof(Header))));
-    CGX_RETURN_IF_ERROR(Transport(comm.PostRecv(j, &headers[j], sizeof(Header))));
-  }
-  // 1. Quantize segment s of every peer's chunk and post its exchange; the
-  //    I/O thread sends it while segment s+1 is quantized.
-  for (int i = 0; i < p.segments; ++i) {
-    const Segment& s = p.segment[i];
-    QuantizePeers(c, s);
-    for (int j = 0; j < p.world; ++j) {
+// The steps of exchange::RunSegments on the handler's thread; the I/O thread
+// moves what they post.
+struct SraSteps {
+  const Call& c;
+
+  // Quantize segment s of every peer's chunk and post its exchange; the I/O
+  // thread sends it while segment s+1 is quantized.
+  ffi::Error Send(int, const Segment& s) const {
+    const int me = c.comm.rank;
+    for (const auto& [a, b] : exchange::PeersOf(c.plan, me)) QuantizeChunks(c, s, a, b);
+    for (int j = 0; j < c.plan.world; ++j) {
       if (j != me) CGX_RETURN_IF_ERROR(Exchange(c, s, s.send, j, s.recv, j));
     }
+    return ffi::Error::Success();
   }
-  // 2. As each segment arrives: sum it with our own chunk in full precision
-  //    (our own slot decodes to +0), re-quantize, and post its all-gather.
-  //    The fused kernel's decoded output is our chunk of the result.
-  for (int i = 0; i < p.segments; ++i) {
-    const Segment& s = p.segment[i];
+
+  // As segment i arrives: sum it with our own chunk in full precision (our
+  // own slot decodes to +0), re-quantize, and post its all-gather. The fused
+  // kernel's decoded output is our chunk of the result.
+  ffi::Error Reduce(int i, const Segment& s) const {
+    const Plan& p = c.plan;
+    Communicator& comm = c.comm;
+    const int me = comm.rank;
     for (int j = 0; j < p.world; ++j) {
       if (j == me) continue;
       if (i == 0) {  // the header first: a peer running another reduction sends other sizes
@@ -243,17 +185,36 @@ ffi::Error RunSra(const Call& c, int64_t site) {
     for (int j = 0; j < p.world; ++j) {
       if (j != me) CGX_RETURN_IF_ERROR(Exchange(c, s, s.gathered, me, s.gathered, j));
     }
+    return ffi::Error::Success();
   }
-  // 3. Decode every peer's reduced chunk as it arrives.
-  for (int i = 0; i < p.segments; ++i) {
-    const Segment& s = p.segment[i];
+
+  // Decode every peer's reduced chunk of segment i as it arrives.
+  ffi::Error Decode(int i, const Segment& s) const {
+    const Plan& p = c.plan;
     for (int j = 0; j < p.world; ++j) {
-      if (j == me) continue;
-      CGX_RETURN_IF_ERROR(Transport(comm.WaitRecvs(j, GatheredBy(p, i))));
+      if (j == c.comm.rank) continue;
+      CGX_RETURN_IF_ERROR(Transport(c.comm.WaitRecvs(j, GatheredBy(p, i))));
       cpu::dequantize(c.Payload(s.gathered, s, j), c.Meta(s.gathered, s, j), 1, s.length, p.bits, p.bucket,
                       c.ChunkOut(j) + c.Bytes(s.offset), c.type);
     }
+    return ffi::Error::Success();
   }
+};
+
+ffi::Error RunSra(const Call& c, int64_t site) {
+  const Plan& p = c.plan;
+  Communicator& comm = c.comm;
+  const int me = comm.rank;
+  // Every stream starts with the call's header.
+  Header* headers = reinterpret_cast<Header*>(c.ws + p.headers);
+  headers[me] = HeaderOf(p, site);
+  for (int j = 0; j < p.world; ++j) {
+    if (j == me) continue;
+    CGX_RETURN_IF_ERROR(Transport(comm.PostSend(j, &headers[me], sizeof(Header))));
+    CGX_RETURN_IF_ERROR(Transport(comm.PostRecv(j, &headers[j], sizeof(Header))));
+  }
+  SraSteps steps{c};
+  CGX_RETURN_IF_ERROR(exchange::RunSegments(p, steps));
   // Our sends read the workspace, which the next call overwrites.
   return Transport(comm.WaitSends());
 }
@@ -349,9 +310,9 @@ ffi::Error PendingCall::Execute() {
     comm.workspace.resize(static_cast<size_t>(plan.workspace_bytes));  // grows once per larger row
   }
   comm.Reset();
-  const Call call{plan, comm, type, x, out, comm.workspace.data(), seeds, stochastic, valid};
+  const Call call{{plan, x, out, comm.workspace.data()}, comm, type, seeds, stochastic, valid};
   // Zero padding: chunks past x's end are read from a staged copy of x's tail.
-  const int64_t rem = plan.n - plan.full_chunks * plan.chunk;
+  const int64_t rem = plan.rem();
   if (plan.tail_chunks > 0) {
     std::memset(call.ws + plan.x_tail, 0, call.Bytes(plan.tail_chunks * plan.chunk));
     if (rem > 0) std::memcpy(call.ws + plan.x_tail, x + call.Bytes(plan.full_chunks * plan.chunk), call.Bytes(rem));
@@ -382,7 +343,8 @@ ffi::Error Prepare(int32_t ordinal, ffi::AnyBuffer x, ffi::AnyBuffer seeds, ffi:
   CGX_RETURN_IF_ERROR(CheckDType(kStartTarget, "out", out->element_type(), x.element_type()));
   CGX_RETURN_IF_ERROR(CheckShape(kStartTarget, "out", out->dimensions(), {n}, "[n] like x"));
   Plan plan;
-  const std::string bad = MakePlan(n, world, chunk, bits, bucket_size, FloatTypeBytes(type), segments, &plan);
+  const std::string bad =
+      MakeAllreducePlan(n, world, chunk, bits, bucket_size, FloatTypeBytes(type), segments, &plan);
   if (!bad.empty()) return InvalidArgument(kStartTarget, bad);
   CGX_RETURN_IF_ERROR(CheckDType(kStartTarget, "seeds", seeds.element_type(), ffi::DataType::U32));
   CGX_RETURN_IF_ERROR(CheckShape(kStartTarget, "seeds", seeds.dimensions(), {world + 1, 2}, "[world + 1, 2]"));

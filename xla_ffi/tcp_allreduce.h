@@ -16,25 +16,8 @@
 
 namespace jax_cgx::tcp {
 
-// The most segments a chunk is cut into (jax_cgx.config.MAX_SEGMENTS).
-inline constexpr int kMaxSegments = 64;
 // Auto segmentation (segments = 0) aims at this many bytes of input per chunk segment.
 inline constexpr int64_t kAutoSegmentBytes = int64_t{1} << 20;
-
-using exchange::Region;  // W encodings of one segment in the workspace
-
-// One segment: values [offset, offset + length) of every chunk (whole buckets
-// of it, so its encoding is a slice of the chunk's), and its encodings.
-struct Segment {
-  int64_t offset = 0;
-  int64_t length = 0;
-  int64_t buckets = 0;
-  int64_t payload_bytes = 0;
-  Region send;      // slot j: chunk j, for rank j
-  Region recv;      // slot j: our chunk, from rank j (our own slot decodes to +0)
-  Region gathered;  // slot j: the re-quantized sum of chunk j, from rank j
-  int64_t meta_bytes() const { return exchange::MetaBytes(buckets); }
-};
 
 // What every call sends each peer first: the peer checks that both run the
 // same reduction, so ranks whose programs differ (or run their reductions in
@@ -50,28 +33,13 @@ struct Header {
   int64_t segments = 0;
 };
 
-// The whole schedule of one call, from its shapes and attributes only (the
-// same on every rank).
-struct Plan {
-  int64_t n = 0;        // values in the row
-  int64_t world = 0;    // W
-  int64_t chunk = 0;    // c: values per chunk (the padded row is W * c)
-  int64_t bucket = 0;
-  int bits = 0;
-  int64_t elem_bytes = 0;
-  int64_t full_chunks = 0;  // chunks entirely inside x: floor(n / c)
-  int64_t tail_chunks = 0;  // W - full_chunks: staged through padded copies
-  int64_t x_tail = 0;       // workspace offset: tail_chunks * c values, x's tail then zeros
-  int64_t out_tail = 0;     // workspace offset: the decoded tail chunks
-  int64_t headers = 0;      // workspace offset: W Headers (slot j: from rank j; ours in our slot)
-  int segments = 0;
-  Segment segment[kMaxSegments];
-  int64_t workspace_bytes = 0;
-};
-
-// Fills *plan; returns "" or what is wrong with the arguments.
-std::string MakePlan(int64_t n, int64_t world, int64_t chunk, int bits, int64_t bucket_size,
-                     int64_t elem_bytes, int64_t segments, Plan* plan);
+// Fills *plan (xla_ffi/exchange_plan.h) for a call: per segment, W slots each
+// of send (slot j: chunk j, for rank j), recv (slot j: our chunk, from rank j;
+// our own slot decodes to +0) and gathered (slot j: the re-quantized sum of
+// chunk j, from rank j); before them the W Headers (slot j: from rank j; ours
+// in our slot). Returns "" or what is wrong with the arguments.
+std::string MakeAllreducePlan(int64_t n, int64_t world, int64_t chunk, int bits, int64_t bucket_size,
+                              int64_t elem_bytes, int64_t segments, exchange::Plan* plan);
 
 }  // namespace jax_cgx::tcp
 

@@ -521,8 +521,8 @@ static void push_reuse_check(int r, int k, cudaStream_t main, uint8_t* ws_r, int
 static void run_case(const Case& c, int calls) {
   const int W = int(c.W);
   const int64_t eb = cuda::FloatTypeBytes(c.t);
-  nccl::Plan plan;
-  std::string bad = nccl::MakePlan(c.n, c.W, c.chunk, c.bits, c.B, eb, nccl::Algorithm(c.alg), c.segs, &plan);
+  exchange::Plan plan;
+  std::string bad = nccl::MakeAllreducePlan(c.n, c.W, c.chunk, c.bits, c.B, eb, nccl::Algorithm(c.alg), c.segs, &plan);
   if (!bad.empty()) { EXPECT(false, "plan: %s", bad.c_str()); return; }
   const int64_t wsb = plan.workspace_bytes;
   std::vector<cudaStream_t> mains = setup_ranks(W);
@@ -650,7 +650,7 @@ static void run_sharded_case(const ShardedCase& c, int calls) {
   const bool scatter = c.op == nccl::ShardedOp::kReduceScatter;
   const int W = int(c.W);
   const int64_t eb = cuda::FloatTypeBytes(c.t);
-  nccl::ShardedPlan plan;
+  exchange::Plan plan;
   const std::string bad = nccl::MakeShardedPlan(c.op, c.m, c.W, c.bits, c.B, eb, c.segs, &plan);
   if (!bad.empty()) { EXPECT(false, "plan: %s", bad.c_str()); return; }
   const int64_t wsb = plan.workspace_bytes;
