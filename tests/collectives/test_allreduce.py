@@ -93,6 +93,28 @@ def test_bits_32_is_exactly_psum_and_bits_16_is_half_psum():
     assert np.all(err <= bound), float(np.max(err - bound))
 
 
+@pytest.mark.parametrize("half", ["float16", "bfloat16"])
+def test_bits_16_half_dtype(half):
+    """bits=16 with half_dtype: lax.psum of the values cast to that dtype, to the bit (which pins the
+    dtype: float16 and bfloat16 sums differ), and within that dtype's rounding bound."""
+    mesh = mesh_1d()
+    xs = rows(300)
+    dtype = jnp.dtype(half)
+    out = psum_1d(per_device(xs, mesh), KEY, CompressionConfig(bits=16, half_dtype=half))
+    assert out.dtype == np.float32
+    assert_replicas_identical(out)
+    body = lambda x: jax.lax.psum(x[0].astype(dtype), "d").astype(jnp.float32)[None]  # noqa: E731
+    ref = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("d"), out_specs=P("d")))(per_device(xs, mesh))
+    assert_same_bits(out, np.asarray(ref), f"bits=16 in {half}")
+    err, bound = half_psum_bound(xs, out[0], dtype)
+    assert np.all(err <= bound), float(np.max(err - bound))
+    # A float16 leaf too: the result keeps the leaf's dtype.
+    out16 = psum_1d(per_device(xs.astype(jnp.float16), mesh), KEY, CompressionConfig(bits=16, half_dtype=half))
+    assert out16.dtype == np.float16
+    err, bound = half_psum_bound(np.asarray(xs.astype(jnp.float16)), out16[0], dtype)
+    assert np.all(err <= bound + 2.0**-11 * np.abs(out16[0].astype(np.float64))), float(np.max(err - bound))
+
+
 def test_deterministic_across_runs():
     xs = rows(5000)
     mesh = mesh_1d()

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from allreduce_cases import half_psum_bound
 from bitwise import assert_same_bits
 from codec_cases import bucket_scales
 from jax import lax
@@ -58,18 +59,24 @@ def test_psum_scatter_bits32_is_lax(tiled, dim, shape):
     ours = _run(lambda v: jax_cgx.compressed_psum_scatter(v, "d", exact, scatter_dimension=dim, tiled=tiled), xs)
     ref = _run(lambda v: lax.psum_scatter(v, "d", scatter_dimension=dim, tiled=tiled), xs)
     assert_same_bits(ours, ref, "bits=32")
-    half = jax_cgx.CompressionConfig(bits=16)
-    ours = _run(lambda v: jax_cgx.compressed_psum_scatter(v, "d", half, scatter_dimension=dim, tiled=tiled), xs)
-    ref = _run(lambda v: lax.psum_scatter(v.astype(jnp.bfloat16), "d", scatter_dimension=dim,
-                                          tiled=tiled).astype(jnp.float32), xs)
-    assert_same_bits(ours, ref, "bits=16")
+    for half_dtype in ("bfloat16", "float16"):
+        half = jax_cgx.CompressionConfig(bits=16, half_dtype=half_dtype)
+        ours = _run(lambda v: jax_cgx.compressed_psum_scatter(v, "d", half, scatter_dimension=dim, tiled=tiled), xs)  # noqa: B023
+        ref = _run(lambda v: lax.psum_scatter(v.astype(half_dtype), "d", scatter_dimension=dim,  # noqa: B023
+                                              tiled=tiled).astype(jnp.float32), xs)
+        assert_same_bits(ours, ref, f"bits=16 in {half_dtype}")
+        if not tiled:  # within the half-precision bound of the exact sum (values far inside float16's range)
+            blocks = np.moveaxis(xs, dim + 1, 1)  # [rank, block, ...]: rank o gets the sum of block o
+            for o in range(W):
+                err, bound = half_psum_bound(blocks[:, o], ours[o], jnp.dtype(half_dtype))
+                assert np.all(err <= bound), (half_dtype, o, float(np.max(err - bound)))
 
 
 @pytest.mark.parametrize("tiled, axis", [(False, 0), (True, 0), (False, 1), (True, 1), (False, 2)])
 def test_all_gather_bits32_is_lax(tiled, axis):
     xs = _data((40, 24))
-    for bits, cast in ((32, jnp.float32), (16, jnp.bfloat16)):
-        cfg = jax_cgx.CompressionConfig(bits=bits)
+    for bits, cast in ((32, jnp.float32), (16, jnp.bfloat16), (16, jnp.float16)):
+        cfg = jax_cgx.CompressionConfig(bits=bits, half_dtype=np.dtype(cast).name if bits == 16 else "bfloat16")
         ours = _run(lambda v: jax_cgx.compressed_all_gather(v, "d", cfg, axis=axis, tiled=tiled), xs)  # noqa: B023
         ref = _run(lambda v: lax.all_gather(v.astype(cast), "d", axis=axis, tiled=tiled).astype(jnp.float32), xs)  # noqa: B023
         assert_same_bits(ours, ref, f"bits={bits}")
