@@ -9,6 +9,7 @@ a few cases of the kernel bodies (inputs, seeds, outputs) for it.
 """
 
 import pathlib
+import re
 import shutil
 import subprocess
 
@@ -46,6 +47,12 @@ def test_cuda_kernels_under_emulation(emu_test):
     assert run.returncode == 0, output[-4000:]
     total = [line for line in output.splitlines() if line.startswith("TOTAL:")]
     assert total and total[-1].endswith(" 0 failures"), output[-4000:]
+    # "0 failures" of 0 checks would pass too: the checks must have run. The quick run made
+    # 1,287,791 unit checks and 3,000 more over its bucket loop (this file's writing).
+    counts = {m[1]: int(m[2]) for m in re.finditer(r"^(units|TOTAL): (\d+) checks, 0 failures$", output, re.M)}
+    assert counts.get("units", 0) >= 1_000_000, f"too few unit checks ran: {counts}\n{output[-4000:]}"
+    assert counts["TOTAL"] - counts["units"] >= 2_500, f"too few kernel checks ran: {counts}\n{output[-4000:]}"
+    assert all(f"B={b} done" in output for b in (1, 3, 8, 13, 64, 100, 257, 1000, 1500)), output[-4000:]
 
 
 def test_cuda_kernels_under_emulation_equal_the_numpy_oracle(emu_test, tmp_path):
