@@ -7,6 +7,10 @@ and meshes are made of FakeDevice GPUs, except where the point is jax's own numb
 import itertools
 import json
 import logging
+import os
+import re
+import shutil
+import subprocess
 import sys
 import types
 
@@ -523,6 +527,35 @@ def test_mpi_exchange_in_one_process(monkeypatch):
     _fake_mpi(monkeypatch, FakeComm(4, lambda obj: [obj]))
     with pytest.raises(nccl.NcclError, match="COMM_WORLD has 4 ranks but jax has 2 processes"):
         nccl.setup(mesh)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.skipif(shutil.which("mpirun") is None, reason="mpirun not installed (Debian: openmpi-bin; .ci/run installs it)")
+def test_mpi_exchange_under_mpirun(tmp_path):
+    """The ids of every group spanning both processes travel by a real MPI allgather (mpi4py, the
+    `test` extra) under `mpirun -np 2`; the key-value store is disabled in the workers."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_CGX_", "XLA_FLAGS"))}
+    run = subprocess.run(
+        ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", "2", sys.executable,
+         str(SUPPORT / "mpi_worker.py"), str(tmp_path)],
+        capture_output=True, text=True, timeout=180, env=env, cwd=tmp_path,
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    results = [json.loads((tmp_path / f"process{i}.json").read_text()) for i in range(2)]
+    uids = []
+    for pid, res in enumerate(results):
+        assert (res["rank"], res["size"], res["launcher"], res["jax"]) == (pid, 2, "openmpi", [pid, 2])
+        process_of = {d: p for d, p, _ in res["devices"]}
+        # mesh: p (2 groups), l (this process's own), p+l; flipped: p+l, p (2 groups)
+        assert len(res["inits"]) == 2 + 1 + 1 + 1 + 2, res["inits"]
+        for call in res["inits"]:
+            first = int(re.search(r"devices \[(\d+)", call["description"])[1])
+            assert bytes.fromhex(call["uid"]).startswith(f"p{process_of[first]}".encode()), call["description"]
+        assert res["destroyed"] == 1 + 1 + 2 + 2 + 2 + 1 + 1  # one communicator per device of this process
+        uids.append({call["description"]: call["uid"] for call in res["inits"]})
+    shared = set(uids[0]) & set(uids[1])
+    assert len(shared) == 6 and all(uids[0][d] == uids[1][d] for d in shared), (uids, shared)
+    assert any(uids[0][d].startswith(b"p1".hex()) for d in shared), "the flipped mesh's ids come from process 1"
 
 
 @pytest.mark.parametrize("value", [float("inf"), float("nan"), -1.0, 0.0, 1e300])
