@@ -58,6 +58,17 @@ def flushed(x) -> np.ndarray:
     return np.where(np.abs(x64) < 2.0**-126, 0.0, x64)
 
 
+def decodes_to_nan(values, bits: int) -> bool:
+    """Whether a bucket of ``values`` decodes to NaN, from the data (docs/format.md, "Metadata"): it
+    holds a NaN, or its infinities leave its distinct finite values no step (``span < 0``, or
+    ``span == 0`` with ``mx > mn``; ``span = 2^bits - 1`` less one per sign of infinity present)."""
+    v = flushed(values)
+    finite = v[np.isfinite(v)]
+    span = (1 << bits) - 1 - int(np.any(v == np.inf)) - int(np.any(v == -np.inf))
+    spread = finite.size > 0 and finite.max() > finite.min()
+    return bool(np.any(np.isnan(v)) or (finite.size and (span < 0 or (span == 0 and spread))))
+
+
 def step_bound(spread, bits: int, span=None):
     """An upper bound of a bucket's scale from the range of its finite values, never from the codec.
 
