@@ -1,5 +1,5 @@
 // What every jax_cgx FFI handler (xla_ffi/cpu_handlers.cc,
-// xla_ffi/cuda_handlers.cc, xla_ffi/nccl_allreduce.cc) needs to check its
+// xla_ffi/cuda_handlers.cc, the nccl and tcp backends' handlers) needs to check its
 // arguments and report errors, in one wording:
 //
 //   "<target>: <buffer> has shape [3, 5], expected [R, 2] = [3, 2]"
@@ -183,6 +183,28 @@ inline ffi::Error CheckPacked(std::string_view target, const char* payload_name,
                                  "[R, W, nb, 2] = " + ShapeString({rows, inputs, nb, 2}) + note));
   return CheckShape(target, payload_name, payload_dims, {rows, inputs, p},
                     "[R, W, P] = " + ShapeString({rows, inputs, p}) + note);
+}
+
+// The row of a whole-exchange all-reduce (jax_cgx_nccl_allreduce,
+// jax_cgx_tcp_allreduce_start): x[n] of a float type and out like it. Sets
+// *type and *n. Their plan checks the attributes next (world >= 2 among them),
+// then CheckRowSeeds checks what is shaped by world.
+inline ffi::Error CheckRow(std::string_view target, const ffi::AnyBuffer& x, const ffi::AnyBuffer& out,
+                           FloatType* type, int64_t* n) {
+  CGX_RETURN_IF_ERROR(CheckFloatType(target, "x", x.element_type(), type));
+  CGX_RETURN_IF_ERROR(CheckShape(target, "x", x.dimensions(), {-1}, "rank 1 [n] (one row)"));
+  *n = x.dimensions()[0];
+  CGX_RETURN_IF_ERROR(CheckDType(target, "out", out.element_type(), x.element_type()));
+  return CheckShape(target, "out", out.dimensions(), {*n}, "[n] like x");
+}
+
+// seeds[W + 1, 2] u32 and valid[1] s32 of such a row.
+inline ffi::Error CheckRowSeeds(std::string_view target, const ffi::AnyBuffer& seeds, const ffi::AnyBuffer& valid,
+                                int64_t world) {
+  CGX_RETURN_IF_ERROR(CheckDType(target, "seeds", seeds.element_type(), ffi::DataType::U32));
+  CGX_RETURN_IF_ERROR(CheckShape(target, "seeds", seeds.dimensions(), {world + 1, 2}, "[world + 1, 2]"));
+  CGX_RETURN_IF_ERROR(CheckDType(target, "valid", valid.element_type(), ffi::DataType::S32));
+  return CheckShape(target, "valid", valid.dimensions(), {1}, "[1] (how many of x's values are real, the rest padding)");
 }
 
 }  // namespace jax_cgx::ffi_support

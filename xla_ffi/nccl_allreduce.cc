@@ -49,9 +49,8 @@ namespace {
 
 constexpr std::string_view kTarget = "jax_cgx_nccl_allreduce";
 
-using ffi_support::CheckDType;
-using ffi_support::CheckFloatType;
-using ffi_support::CheckShape;
+using ffi_support::CheckRow;
+using ffi_support::CheckRowSeeds;
 using ffi_support::InvalidArgument;
 
 // ---------------------------------------------------------------- schedule
@@ -173,22 +172,13 @@ ffi::Error NcclAllreduceImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffe
                              int64_t comm_key, int64_t world, int64_t chunk, int32_t bits,
                              int64_t bucket_size, bool stochastic, int32_t algorithm, int64_t segments) {
   cuda::FloatType type = cuda::FloatType::kF32;
-  CGX_RETURN_IF_ERROR(CheckFloatType(kTarget, "x", x.element_type(), &type));
-  CGX_RETURN_IF_ERROR(CheckShape(kTarget, "x", x.dimensions(), {-1}, "rank 1 [n] (one row)"));
-  const int64_t n = x.dimensions()[0];
-  CGX_RETURN_IF_ERROR(CheckDType(kTarget, "out", out->element_type(), x.element_type()));
-  CGX_RETURN_IF_ERROR(CheckShape(kTarget, "out", out->dimensions(), {n}, "[n] like x"));
-  // The plan checks the attributes (world >= 2 among them) before seeds is
-  // checked against world.
+  int64_t n = 0;
+  CGX_RETURN_IF_ERROR(CheckRow(kTarget, x, *out, &type, &n));
   Plan plan;
   const std::string bad = MakeAllreducePlan(n, world, chunk, bits, bucket_size, cuda::FloatTypeBytes(type),
                                             static_cast<Algorithm>(algorithm), segments, &plan);
   if (!bad.empty()) return InvalidArgument(kTarget, bad);
-  CGX_RETURN_IF_ERROR(CheckDType(kTarget, "seeds", seeds.element_type(), ffi::DataType::U32));
-  CGX_RETURN_IF_ERROR(CheckShape(kTarget, "seeds", seeds.dimensions(), {world + 1, 2}, "[world + 1, 2]"));
-  CGX_RETURN_IF_ERROR(CheckDType(kTarget, "valid", valid.element_type(), ffi::DataType::S32));
-  CGX_RETURN_IF_ERROR(CheckShape(kTarget, "valid", valid.dimensions(), {1},
-                                 "[1] (how many of x's values are real, the rest padding)"));
+  CGX_RETURN_IF_ERROR(CheckRowSeeds(kTarget, seeds, valid, world));
   CGX_RETURN_IF_ERROR(CheckWorkspace(kTarget, *workspace, plan.workspace_bytes));
   const NcclApi* api = nullptr;
   std::shared_ptr<Communicator> comm;

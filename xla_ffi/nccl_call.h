@@ -182,15 +182,9 @@ inline int64_t RowBytes(int64_t m, int64_t bucket_size, int bits) {
 
 // The plan shape (exchange_plan.h) of a nccl call with these encoding slots per segment.
 inline exchange::Shape ShapeOf(int64_t send_slots, int64_t recv_slots, int64_t gathered_slots) {
-  exchange::Shape shape;
-  shape.align = 256;
-  shape.auto_bytes = kAutoSegmentBytes;
-  shape.auto_max = kAutoMaxSegments;
-  shape.send_slots = send_slots;
-  shape.recv_slots = recv_slots;
-  shape.gathered_slots = gathered_slots;
-  shape.payload_bytes = RowBytes;
-  return shape;
+  // Alignment, auto segmentation, the slots, no headers, the kernels' row layout.
+  return exchange::Shape{256, kAutoSegmentBytes, kAutoMaxSegments, send_slots, recv_slots, gathered_slots, 0,
+                         RowBytes};
 }
 
 using exchange::Plan;

@@ -46,13 +46,9 @@ using exchange::Segment;
 
 std::string MakeAllreducePlan(int64_t n, int64_t world, int64_t chunk, int bits, int64_t bucket_size,
                               int64_t elem_bytes, int64_t segments, Plan* plan) {
-  exchange::Shape shape;
-  shape.align = 64;
-  shape.auto_bytes = kAutoSegmentBytes;
-  shape.auto_max = exchange::kMaxSegments;
-  shape.send_slots = shape.recv_slots = shape.gathered_slots = world;
-  shape.header_bytes = sizeof(Header);
-  shape.payload_bytes = cpu::payload_bytes;
+  // Alignment, auto segmentation, W slots of send, recv and gathered, a Header per rank.
+  const exchange::Shape shape{64, kAutoSegmentBytes, exchange::kMaxSegments, world, world, world, sizeof(Header),
+                              cpu::payload_bytes};
   return exchange::MakePlan(n, world, chunk, bits, bucket_size, elem_bytes, segments, shape, plan);
 }
 
@@ -63,7 +59,8 @@ constexpr std::string_view kStartTarget = "jax_cgx_tcp_allreduce_start";
 constexpr std::string_view kDoneTarget = "jax_cgx_tcp_allreduce_done";
 
 using ffi_support::CheckDType;
-using ffi_support::CheckFloatType;
+using ffi_support::CheckRow;
+using ffi_support::CheckRowSeeds;
 using ffi_support::CheckShape;
 using ffi_support::Internal;
 using ffi_support::InvalidArgument;
@@ -337,20 +334,13 @@ ffi::Error Prepare(int32_t ordinal, ffi::AnyBuffer x, ffi::AnyBuffer seeds, ffi:
                    int32_t bits, int64_t bucket_size, bool stochastic, int64_t segments,
                    std::shared_ptr<Communicator>* found, PendingCall** record, int64_t* ticket) {
   FloatType type = FloatType::kF32;
-  CGX_RETURN_IF_ERROR(CheckFloatType(kStartTarget, "x", x.element_type(), &type));
-  CGX_RETURN_IF_ERROR(CheckShape(kStartTarget, "x", x.dimensions(), {-1}, "rank 1 [n] (one row)"));
-  const int64_t n = x.dimensions()[0];
-  CGX_RETURN_IF_ERROR(CheckDType(kStartTarget, "out", out->element_type(), x.element_type()));
-  CGX_RETURN_IF_ERROR(CheckShape(kStartTarget, "out", out->dimensions(), {n}, "[n] like x"));
+  int64_t n = 0;
+  CGX_RETURN_IF_ERROR(CheckRow(kStartTarget, x, *out, &type, &n));
   Plan plan;
   const std::string bad =
       MakeAllreducePlan(n, world, chunk, bits, bucket_size, FloatTypeBytes(type), segments, &plan);
   if (!bad.empty()) return InvalidArgument(kStartTarget, bad);
-  CGX_RETURN_IF_ERROR(CheckDType(kStartTarget, "seeds", seeds.element_type(), ffi::DataType::U32));
-  CGX_RETURN_IF_ERROR(CheckShape(kStartTarget, "seeds", seeds.dimensions(), {world + 1, 2}, "[world + 1, 2]"));
-  CGX_RETURN_IF_ERROR(CheckDType(kStartTarget, "valid", valid.element_type(), ffi::DataType::S32));
-  CGX_RETURN_IF_ERROR(CheckShape(kStartTarget, "valid", valid.dimensions(), {1},
-                                 "[1] (how many of x's values are real, the rest padding)"));
+  CGX_RETURN_IF_ERROR(CheckRowSeeds(kStartTarget, seeds, valid, world));
   std::shared_ptr<Communicator> comm = FindCommunicator(comm_key, ordinal);
   if (comm == nullptr) {
     return Internal(kStartTarget, "device " + std::to_string(ordinal) + " has no jax_cgx tcp communicator for this " +
