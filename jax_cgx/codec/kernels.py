@@ -64,8 +64,15 @@ def batch_rows(prim: Primitive, args, dims, **params):
     """vmap rule: fold the batch axis into the leading row axis of every operand.
 
     Shared by every row-shaped primitive (the codec's and the all-reduce's): rows are
-    independent problems, so a vmapped axis is just more rows.
+    independent problems, so a vmapped axis is just more rows. With no operand batched (a
+    collective under vmap whose inputs do not depend on the mapped axis, e.g. nearest
+    rounding, which ignores the key) every element of the batch is the same: one unbatched
+    result.
     """
+    if all(d is None for d in dims):
+        out = prim.bind(*args, **params)
+        unmapped = batching.not_mapped
+        return (out, [unmapped] * len(out)) if prim.multiple_results else (out, unmapped)
     size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
     flat = []
     for a, d in zip(args, dims):

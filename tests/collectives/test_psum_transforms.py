@@ -319,3 +319,24 @@ def test_custom_vjp_with_vjp_in_backward(bits, shape, mode):
     assert_all(value, size(shape))
     # d(mean)/dw: the cotangent 1/W comes back unchanged with vma types, summed to 1 without.
     assert_all(g, 1 / W if mode == "vma" else 1)
+
+
+def test_vmap_with_no_batched_operand():
+    """vmap over keys with nearest rounding (which ignores the key): no operand is batched, and
+    every element of the batch is the unbatched result (the batching rule raised StopIteration)."""
+    from allreduce_cases import W, mesh_1d, per_device
+    from jax.sharding import PartitionSpec as P
+
+    from jax_cgx import CompressionConfig
+
+    config = CompressionConfig(bits=4, bucket_size=64)
+    mesh = mesh_1d()
+    xs = per_device(jax.random.normal(jax.random.key(0), (W, 1000)), mesh)
+    keys = jax.random.split(jax.random.key(1), 3)
+    per_key = jax.jit(jax.shard_map(
+        lambda x, ks: jax.vmap(lambda k: jax_cgx.compressed_psum(x[0], "d", config, key=k))(ks)[None],
+        mesh=mesh, in_specs=(P("d"), P()), out_specs=P("d")))(xs, keys)
+    once = jax.jit(jax.shard_map(lambda x: jax_cgx.compressed_psum(x[0], "d", config)[None],
+                                 mesh=mesh, in_specs=P("d"), out_specs=P("d")))(xs)
+    for i in range(keys.shape[0]):
+        np.testing.assert_array_equal(np.asarray(per_key[:, i]), np.asarray(once))

@@ -59,7 +59,8 @@ def seed_rows(key, config, world, buffer_index=0, ranks=None):
 
 def oracle(xs, config, key=None, ranks=None, buffer_index=0):
     """SRA over the rows of ``xs[W, n]``, from the documents alone (tests/support/numpy_oracle.py):
-    ``(out, scales, chunk)``, the scales as :func:`sra_bound` reads them."""
+    ``(out, scales, chunk)``: the scales each quantization used (for inspection: the bounds
+    take theirs from the data, :func:`sra_bound`), the chunk length."""
     xs = np.asarray(xs)
     return tuple(numpy_oracle.sra(xs, np.asarray(seed_rows(key, config, xs.shape[0], buffer_index, ranks)),
                                   bits=config.bits, bucket_size=config.bucket_size, stochastic=config.stochastic,
@@ -110,7 +111,8 @@ def reduction_groups(a, names, axes):
 
 def ring_oracle(xs, config, key=None, ranks=None, buffer_index=0):
     """The ring over the rows of ``xs[W, n]``, from the documents alone (tests/support/numpy_oracle.py):
-    ``(out, scales, chunk)``, the scales as :func:`ring_bound` reads them."""
+    ``(out, scales, chunk)``: the scales each hop used (for inspection: the bounds take theirs
+    from the data, :func:`ring_bound`), the chunk length."""
     xs = np.asarray(xs)
     return tuple(numpy_oracle.ring(xs, np.asarray(seed_rows(key, config, xs.shape[0], buffer_index, ranks)),
                                    bits=config.bits, bucket_size=config.bucket_size, stochastic=config.stochastic,
