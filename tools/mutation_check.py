@@ -191,11 +191,14 @@ def make_copy(repo: pathlib.Path, extensions: list[pathlib.Path], mutation: Muta
     return tmp
 
 
-def run_env(tmp: pathlib.Path) -> dict[str, str]:
+def run_env(tmp: pathlib.Path, cache: pathlib.Path | None = None) -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = str(tmp)
     env["JAX_CGX_MUTATION_MODULES"] = str(tmp / "modules.json")
     env.pop("PYTHONSTARTUP", None)
+    if cache:  # XLA compiles each unchanged program once per invocation, not once per run
+        env.update(JAX_COMPILATION_CACHE_DIR=str(cache), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+                   JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
     return env
 
 
@@ -226,9 +229,18 @@ def _junit(path: pathlib.Path) -> tuple[dict[str, int], list[str]]:
     root = ET.parse(path).getroot()
     suites = [root] if root.tag == "testsuite" else list(root.iter("testsuite"))
     counts = {k: sum(int(s.get(k, 0)) for s in suites) for k in ("tests", "failures", "errors", "skipped")}
-    failed = [f"{case.get('classname')}::{case.get('name')}" for case in root.iter("testcase")
+    failed = [_node_id(case.get("classname") or "", case.get("name") or "") for case in root.iter("testcase")
               if case.find("failure") is not None or case.find("error") is not None]
     return counts, failed
+
+
+def _node_id(classname: str, name: str) -> str:
+    """pytest's node id from junit's dotted classname: tests/a/test_b.py::Class::test_c[param]."""
+    parts = classname.split(".")
+    for i in range(len(parts), 0, -1):
+        if parts[i - 1].startswith("test"):
+            return "::".join(["/".join(parts[:i]) + ".py", *parts[i:], name])
+    return f"{classname}::{name}"
 
 
 def run_one(repo, extensions, mutation: Mutation | None, args) -> Result:
@@ -242,7 +254,7 @@ def run_one(repo, extensions, mutation: Mutation | None, args) -> Result:
                "-p", "no:cacheprovider", "-p", "_mutation_guard", "-o", "addopts=", f"--junitxml={junit}"]
         start = time.monotonic()
         try:
-            proc = subprocess.run(cmd, cwd=tmp, env=run_env(tmp), stdout=subprocess.PIPE,
+            proc = subprocess.run(cmd, cwd=tmp, env=run_env(tmp, args.compilation_cache), stdout=subprocess.PIPE,
                                   stderr=subprocess.STDOUT, text=True, timeout=args.timeout)
             rc, output = proc.returncode, proc.stdout
         except subprocess.TimeoutExpired as e:  # its output is bytes, even with text=True
@@ -296,12 +308,21 @@ def _check_imports(tmp: pathlib.Path, mutation: Mutation | None, rc) -> None:
             raise ToolError(f"{mutation.name}: the tests never imported {module}, so the mutation was not run")
 
 
-def render(results: list[Result], title: str) -> None:
+def render(results: list[dict], title: str, markdown: bool = False) -> None:
     headers = ("mutation", "outcome", "detail", "s")
-    rows = [(r.name, r.outcome, r.detail, f"{r.seconds:.0f}") for r in results]
+    rows = [(r["name"], r["outcome"], r["detail"], f"{r['seconds']:.0f}") for r in results]
+    if markdown:
+        print(f"{title}\n")
+        print("| " + " | ".join(headers) + " |\n|" + "---|" * len(headers))
+        for row in rows:
+            print("| " + " | ".join(c.replace("|", "\\|") for c in (row[0], f"**{row[1]}**" if row[1] == "survived"
+                                                                    else row[1], f"`{row[2]}`" if "::" in row[2]
+                                                                    else row[2], row[3])) + " |")
+        return
     try:
         from rich.console import Console
         from rich.table import Table
+        from rich.text import Text
     except ImportError:
         widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(headers)]
         print(title)
@@ -313,8 +334,12 @@ def render(results: list[Result], title: str) -> None:
         table.add_column(h, overflow="fold")
     style = {"survived": "bold red", "inconclusive": "yellow"}
     for r, row in zip(results, rows):
-        table.add_row(*row, style=style.get(r.outcome))
-    Console().print(table)
+        table.add_row(*(Text(c) for c in row), style=style.get(r["outcome"]))  # Text: node ids' [...] are no markup
+    Console(width=None if sys.stdout.isatty() else 160).print(table)
+
+
+def _title(report: dict) -> str:
+    return f"mutations of {report['repo']} (tests: {' '.join(report['tests'])}; -m {report['markers']!r})"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -331,12 +356,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-baseline", action="store_true", help="skip the unmutated run (it must pass)")
     parser.add_argument("--timeout", type=float, default=900, help="seconds per pytest run (default: %(default)s)")
     parser.add_argument("--log-dir", type=pathlib.Path, help="where each run's pytest output goes (default: a temp folder)")
+    parser.add_argument("--compilation-cache", type=pathlib.Path,
+                        help="JAX's persistent compilation cache, shared by the runs (default: a new temporary "
+                             "folder; 'none': no cache)")
     parser.add_argument("--keep", action="store_true", help="keep the temporary copies")
     parser.add_argument("--list", action="store_true", help="list the mutations and exit")
     parser.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
+    parser.add_argument("--markdown", action="store_true", help="print the table as Markdown")
+    parser.add_argument("--from-json", type=pathlib.Path, metavar="FILE",
+                        help="print the table of a saved --json-file report and exit")
     parser.add_argument("--json-file", type=pathlib.Path, help="also write the JSON to this file")
     args = parser.parse_args(argv)
 
+    if args.from_json:
+        report = json.loads(args.from_json.read_text())
+        render(report["results"], _title(report), args.markdown)
+        return 0
     if args.list:
         for m in MUTATIONS:
             print(f"{m.name:24} {m.path:38} {m.description}")
@@ -348,6 +383,10 @@ def main(argv: list[str] | None = None) -> int:
     repo = args.repo.resolve()
     args.log_dir = args.log_dir or pathlib.Path(tempfile.mkdtemp(prefix="jax_cgx_mutation_logs_"))
     args.log_dir.mkdir(parents=True, exist_ok=True)
+    if args.compilation_cache is None:
+        args.compilation_cache = pathlib.Path(tempfile.mkdtemp(prefix="jax_cgx_mutation_cache_"))
+    elif str(args.compilation_cache) == "none":
+        args.compilation_cache = None
     try:
         for m in chosen:  # every mutation must still apply before anything runs
             mutated_text(m, repo)
@@ -379,7 +418,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(report, indent=2))
     else:
-        render(results, f"mutations of {repo} (tests: {' '.join(args.tests)}, -m {args.markers!r})")
+        render(report["results"], _title(report), args.markdown)
     mutated = [r for r in results if r.name != "baseline"]
     return 0 if all(r.outcome.startswith("caught") for r in mutated) else 1
 
