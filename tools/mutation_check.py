@@ -383,10 +383,19 @@ def main(argv: list[str] | None = None) -> int:
     repo = args.repo.resolve()
     args.log_dir = args.log_dir or pathlib.Path(tempfile.mkdtemp(prefix="jax_cgx_mutation_logs_"))
     args.log_dir.mkdir(parents=True, exist_ok=True)
-    if args.compilation_cache is None:
+    own_cache = args.compilation_cache is None
+    if own_cache:
         args.compilation_cache = pathlib.Path(tempfile.mkdtemp(prefix="jax_cgx_mutation_cache_"))
     elif str(args.compilation_cache) == "none":
         args.compilation_cache = None
+    try:
+        return _run(args, chosen, repo)
+    finally:
+        if own_cache:
+            shutil.rmtree(args.compilation_cache, ignore_errors=True)
+
+
+def _run(args, chosen: list[Mutation], repo: pathlib.Path) -> int:
     try:
         for m in chosen:  # every mutation must still apply before anything runs
             mutated_text(m, repo)
