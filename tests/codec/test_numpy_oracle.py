@@ -45,6 +45,9 @@ def data(dtype, seed: int) -> np.ndarray:
     x[2, 700:710] = rng.uniform(-3.4e38, 3.4e38, 10)  # a wide bucket
     x[3, 900:903] = [np.inf, np.inf, np.inf]  # only infinities
     x[3, 1000:1100] = rng.uniform(1e4, 6e4, 100)  # float16's top, where sums overflow to inf
+    # A last bucket (of 512) of values at the flush threshold: subnormals in [2^-127, 2^-126)
+    # become +0, the smallest normals stay (a reference flushing only below 2^-127 survived).
+    x[2, 1024:1100] = rng.choice(np.float32([1e-38, -1e-38, 8e-39, 1.5e-38, -2e-38, 2.0**-126]), 76)
     with np.errstate(over="ignore"):
         return np.array(jnp.asarray(x, dtype))
 
