@@ -71,10 +71,9 @@ def _span(flags, bits: int):
     return max_level(bits) - neg - pos
 
 
-def make_meta(mn, mx, has_nan, bits: int, pos_inf=None, neg_inf=None):
-    """Metadata of buckets whose finite values span ``[mn, mx]`` (``mn > mx``: none)."""
-    pos_inf = jnp.zeros_like(has_nan) if pos_inf is None else pos_inf
-    neg_inf = jnp.zeros_like(has_nan) if neg_inf is None else neg_inf
+def make_meta(mn, mx, has_nan, pos_inf, neg_inf, bits: int):
+    """Metadata of buckets whose finite values span ``[mn, mx]`` (``mn > mx``: none) and which hold
+    a NaN, +inf, -inf (codec_math.h's ``make_meta(BucketRange)``)."""
     any_finite = mn <= mx
     flags = jnp.where(pos_inf, _U32(FLAG_POS_INF), _U32(0)) | jnp.where(neg_inf, _U32(FLAG_NEG_INF), _U32(0))
     span = _span(flags, bits)
@@ -255,7 +254,7 @@ def encode(values, seeds, valid=None, *, bits: int, bucket_size: int, stochastic
         neg_inf = jnp.any(inside & (v < -MAX_FINITE), axis=-1)
         mn = jnp.min(jnp.where(finite, v, _F32(np.inf)), axis=-1)
         mx = jnp.max(jnp.where(finite, v, _F32(-np.inf)), axis=-1)
-        mn, scale = make_meta(mn, mx, has_nan, bits, pos_inf, neg_inf)
+        mn, scale = make_meta(mn, mx, has_nan, pos_inf, neg_inf, bits)
         rnd = random_bits(seeds[:, 0, None, None], seeds[:, 1, None, None], idx) if stochastic else None
         inv = inverse_scale(meta_scale(scale))[..., None]
         levels = flagged_level(v, mn[..., None], inv, meta_flags(scale)[..., None], bits, rnd)
