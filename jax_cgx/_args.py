@@ -4,13 +4,16 @@
   range is an argparse error that names the flag, before anything runs;
 - :func:`check_bool`, the check of every boolean argument of a public function
   (``return_residual``, ``tiled``, ``error_feedback``, ...): only a real bool is accepted;
-- :func:`check_axes`, the axes a data-parallel mean or a sharded optimizer runs over.
+- :func:`check_axes`, the axes a data-parallel mean or a sharded optimizer runs over;
+- :func:`timeout_seconds`, every waiting timeout (nccl and tcp set-up, the cross-process agreement):
+  an argument, else its environment variable, else 300 s.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import os
 from collections.abc import Callable, Hashable
 
 import numpy as np
@@ -74,3 +77,26 @@ def check_axes(fn: str, axis_name) -> tuple:
             raise ValueError(f"{fn}: axis_name must be a mesh axis name (e.g. 'data') or a tuple of them, "
                              f"got {axis_name!r}")
     return result
+
+
+DEFAULT_TIMEOUT_S = 300.0
+# Timeouts become integer milliseconds: anything finite up to ~30 years; inf or 1e300 would overflow.
+MAX_TIMEOUT_S = 1e9
+
+
+def timeout_seconds(timeout_s: float | None, env: str, api: str) -> float:
+    """``timeout_s``, else ``$env``, else 300 s: a number of seconds in (0, MAX_TIMEOUT_S]."""
+    given = f"{api}: the timeout"
+    if timeout_s is None:
+        raw = os.environ.get(env, "")
+        if not raw.strip():
+            return DEFAULT_TIMEOUT_S
+        try:
+            timeout_s = float(raw)
+        except ValueError:
+            raise ValueError(f"{env}={raw!r} is not a number of seconds; use a number > 0 and at most "
+                             f"{MAX_TIMEOUT_S:g}, e.g. 600 (unset: {DEFAULT_TIMEOUT_S:g})") from None
+        given = f"{api}: {env}={raw!r}: the timeout"
+    if not 0 < timeout_s <= MAX_TIMEOUT_S:  # also refuses NaN and inf
+        raise ValueError(f"{given} must be > 0 and at most {MAX_TIMEOUT_S:g} seconds, got {timeout_s!r}")
+    return float(timeout_s)

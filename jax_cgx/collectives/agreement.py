@@ -28,7 +28,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
 import threading
 import time
 
@@ -36,13 +35,12 @@ import jax
 import numpy as np
 from jax.interpreters import mlir
 
+from jax_cgx._args import DEFAULT_TIMEOUT_S, timeout_seconds
 from jax_cgx._compat import context_mesh
 
 __all__ = ["check", "describe", "fields", "participants", "TIMEOUT_ENV"]
 
 TIMEOUT_ENV = "JAX_CGX_AGREE_TIMEOUT_S"
-_DEFAULT_TIMEOUT_S = 300.0
-_MAX_TIMEOUT_S = 1e9  # the store takes integer milliseconds
 _PREFIX = "jax_cgx/agree"
 # The params that change neither the wire nor the program's collectives.
 _SILENT = ("impl", "invariant", "message_cap")
@@ -81,19 +79,8 @@ def describe(pairs: list[list[str]]) -> str:
 
 
 def timeout() -> float:
-    """``$JAX_CGX_AGREE_TIMEOUT_S``, else 300 s: seconds in (0, 1e9], checked as the backends' set-up timeouts."""
-    raw = os.environ.get(TIMEOUT_ENV, "")
-    if not raw.strip():
-        return _DEFAULT_TIMEOUT_S
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ValueError(f"{TIMEOUT_ENV}={raw!r} is not a number of seconds; use a number > 0 and at most "
-                         f"{_MAX_TIMEOUT_S:g}, e.g. 600 (unset: {_DEFAULT_TIMEOUT_S:g})") from None
-    if not 0 < value <= _MAX_TIMEOUT_S:  # also refuses NaN and inf
-        raise ValueError(f"jax_cgx: {TIMEOUT_ENV}={raw!r}: the timeout must be > 0 and at most {_MAX_TIMEOUT_S:g} "
-                         f"seconds, got {value!r}")
-    return value
+    """``$JAX_CGX_AGREE_TIMEOUT_S``, else 300 s, checked as the backends' set-up timeouts."""
+    return timeout_seconds(None, TIMEOUT_ENV, "jax_cgx")
 
 
 def _client():
@@ -185,7 +172,7 @@ def _agree(client, prefix: str, processes: tuple[int, ...], mine: str, where: st
     try:
         wait, bad = timeout(), None
     except ValueError as err:
-        wait, bad = _DEFAULT_TIMEOUT_S, err
+        wait, bad = DEFAULT_TIMEOUT_S, err
         mine = json.dumps([*json.loads(mine), [TIMEOUT_ENV, "malformed"]])
     try:
         _exchange(client, prefix, processes, mine, where, wait)

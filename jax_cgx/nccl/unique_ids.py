@@ -14,36 +14,19 @@ import time
 
 import jax
 
+from jax_cgx._args import DEFAULT_TIMEOUT_S, timeout_seconds
 from jax_cgx.nccl.groups import PlannedGroup
 from jax_cgx.nccl.library import NcclError
 
 __all__ = ["DEFAULT_TIMEOUT_S", "ID_EXCHANGES", "TIMEOUT_ENV", "exchange_ids", "timeout"]
 
 TIMEOUT_ENV = "JAX_CGX_NCCL_TIMEOUT_S"
-DEFAULT_TIMEOUT_S = 300.0
 ID_EXCHANGES = ("auto", "kv", "mpi")
 
 
-# Timeouts become integer milliseconds: anything finite up to ~30 years; inf or 1e300 would overflow.
-MAX_TIMEOUT_S = 1e9
-
-
 def timeout(timeout_s: float | None, env: str = TIMEOUT_ENV, api: str = "jax_cgx.nccl") -> float:
-    """``timeout_s``, else ``$env``, else 300 s: a number of seconds in (0, MAX_TIMEOUT_S]."""
-    given = f"{api}: the timeout"
-    if timeout_s is None:
-        raw = os.environ.get(env, "")
-        if not raw.strip():
-            return DEFAULT_TIMEOUT_S
-        try:
-            timeout_s = float(raw)
-        except ValueError:
-            raise ValueError(f"{env}={raw!r} is not a number of seconds; use a number > 0 and at most "
-                             f"{MAX_TIMEOUT_S:g}, e.g. 600 (unset: {DEFAULT_TIMEOUT_S:g})") from None
-        given = f"{api}: {env}={raw!r}: the timeout"
-    if not 0 < timeout_s <= MAX_TIMEOUT_S:  # also refuses NaN and inf
-        raise ValueError(f"{given} must be > 0 and at most {MAX_TIMEOUT_S:g} seconds, got {timeout_s!r}")
-    return float(timeout_s)
+    """``timeout_s``, else ``$env``, else 300 s (:func:`jax_cgx._args.timeout_seconds`)."""
+    return timeout_seconds(timeout_s, env, api)
 
 
 def exchange_ids(binding, plan: list[PlannedGroup], process: int, id_exchange: str,
