@@ -83,15 +83,10 @@ import optax
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from jax_cgx._compat import all_gather_invariant
 from jax_cgx.optax import _checks
+from jax_cgx.optax._topk_exchange import LeafPlan, ceil_count, exchange, leaf_plan
 
 __all__ = ["TopKState", "topk_mean", "topk_bytes", "topk_state_specs"]
-
-# DGC's threshold adaptation (dgc/compression.py defaults).
-_LOWER_BOUND = 0.8
-_UPPER_BOUND = 1.3
-_MAX_ADAPTATION_ITERS = 10
 
 
 class TopKState(NamedTuple):
@@ -122,28 +117,6 @@ def _momentum_dtype(dtype):
     if jnp.issubdtype(dtype, jnp.complexfloating):
         return jnp.complex64
     return jnp.float32 if jnp.issubdtype(dtype, jnp.floating) else None
-
-
-def _ceil(r: float, n: int) -> int:
-    return min(n, max(1, math.ceil(round(r * n, 6))))  # round: 0.07 * 100 is 7, not 8
-
-
-class _LeafPlan(NamedTuple):
-    """Static sizes of one compressed leaf."""
-
-    n: int
-    k_table: tuple  # k_t per phase
-    num_samples: int  # s; == n: exact threshold
-    ks_table: tuple  # top-k of the samples per phase
-
-
-def _plan(n: int, ratios: tuple, sample_ratio: float) -> _LeafPlan:
-    k_table = tuple(_ceil(r, n) for r in ratios)
-    # DGC: at least ceil(2 / ratio) samples, so the sample's top-k has >= 2 elements.
-    s = max(math.ceil(sample_ratio * n), max(math.ceil(2.0 / r) for r in ratios))
-    s = n if s >= n else s
-    ks_table = tuple(_ceil(r, s) for r in ratios)
-    return _LeafPlan(n, k_table, s, ks_table)
 
 
 def topk_mean(
@@ -251,7 +224,7 @@ def topk_mean(
         out, new_u, new_v = [], [], []
         for i, (g, u, v) in enumerate(zip(leaves, us, vs)):
             if _is_compressed(g, min_size):
-                plan = _plan(int(np.prod(g.shape)), ratios, sample_ratio)
+                plan = leaf_plan(int(np.prod(g.shape)), ratios, sample_ratio)
                 leaf_key = jax.random.fold_in(step_key, i)
                 o, u, v = _compressed_leaf(
                     g, u, v, plan, phase, leaf_key, axes, world, momentum, nesterov, use_momentum
@@ -289,7 +262,7 @@ def _small_leaf(g, u, axes, momentum, nesterov, use_momentum):
     return out.astype(g.dtype), u
 
 
-def _compressed_leaf(g, u, v, plan: _LeafPlan, phase, key, axes, world, momentum, nesterov, use_momentum):
+def _compressed_leaf(g, u, v, plan: LeafPlan, phase, key, axes, world, momentum, nesterov, use_momentum):
     g32 = g.astype(jnp.float32).reshape(-1)
     v = v.reshape(-1)
     if use_momentum:
@@ -302,115 +275,10 @@ def _compressed_leaf(g, u, v, plan: _LeafPlan, phase, key, axes, world, momentum
     # accumulator, not the gradient, is checked: a finite gradient can overflow it (3e38 with
     # momentum), and an inf left unsent would be selected, and poison the mean, ever after.
     bad = ~jnp.all(jnp.isfinite(v))
-
-    # One branch per distinct ratio, each with its own static k: a step sends exactly
-    # ceil(ratio_t * n) slots. All ranks take the same branch (the phase depends on the count).
-    distinct = sorted(set(zip(plan.k_table, plan.ks_table)), reverse=True)
-    branches = [
-        (lambda u, v: _dense_exchange(u, v, axes))
-        if k == plan.n
-        else (lambda u, v, k=k, ks=ks: _select_and_exchange(u, v, bad, plan, k, ks, key, axes, world, use_momentum))
-        for k, ks in distinct
-    ]
-    if len(branches) == 1:
-        mean, u, v = branches[0](u, v)
-    else:
-        branch_of_phase = jnp.asarray([distinct.index(kk) for kk in zip(plan.k_table, plan.ks_table)], jnp.int32)
-        mean, u, v = lax.switch(branch_of_phase[phase], branches, u, v)
+    mean, u, v = exchange(u, v, bad, plan, phase, key, axes, world, use_momentum)
     if use_momentum:
         u = u.reshape(g.shape)
     return mean.reshape(g.shape).astype(g.dtype), u, v.reshape(g.shape)
-
-
-def _dense_exchange(u, v, axes):
-    """Density 1: everything is sent (an exact pmean of v); u is not masked.
-
-    With nothing delayed there is nothing stale to mask, and this makes ``ratio=1`` exactly
-    momentum SGD on the mean (the mean of the ranks' momenta is the momentum of the mean),
-    which is what DGC's reference does with ``compress_ratio=1`` (no compression).
-    """
-    return lax.pmean(v, axes), u, jnp.zeros_like(v)
-
-
-def _select_and_exchange(u, v, bad, plan: _LeafPlan, k: int, ks: int, key, axes, world, use_momentum):
-    """Select up to ``k`` elements of ``v`` (flat), exchange them, mask them: (mean, u, v)."""
-    n = plan.n
-    absv = jnp.abs(v)
-
-    # Threshold from a sample of |v| (exact when the sample is the whole leaf).
-    if plan.num_samples == n:
-        samples = absv
-    else:
-        samples = absv[jax.random.randint(key, (plan.num_samples,), 0, n)]
-    thr = lax.top_k(samples, ks)[0][ks - 1]
-
-    def n_above(t):
-        return jnp.sum((absv >= t) & (absv > 0), dtype=jnp.int32)
-
-    count = n_above(thr)
-    if plan.num_samples < n:
-        # DGC: a sampled threshold that passes too few elements is lowered, at most 10 times.
-        def cond(c):
-            _, cnt, it = c
-            return (cnt < math.ceil(_LOWER_BOUND * k)) & (it < _MAX_ADAPTATION_ITERS)
-
-        def body(c):
-            t, _, it = c
-            t = t * _LOWER_BOUND
-            return t, n_above(t), it + 1
-
-        thr, count, _ = lax.while_loop(cond, body, (thr, count, jnp.zeros((), jnp.int32)))
-
-    def exact_top_k(_):
-        # More than 1.3 k candidates: the exact top-k of |v| (all of them candidates).
-        return lax.top_k(absv, k)[1].astype(jnp.int32)
-
-    def first_candidates(_):
-        mask = (absv >= thr) & (absv > 0)
-        return _first_true(mask, k)
-
-    idx = lax.cond(count > math.floor(_UPPER_BOUND * k), exact_top_k, first_candidates, None)
-    slots = jnp.arange(k, dtype=jnp.int32)
-    valid = slots < jnp.minimum(count, k)  # the top-k branch has count > k
-    idx = jnp.where(valid, idx, n)  # unused slots: index n (dropped by the scatters), value 0
-    vals = jnp.where(valid, v.at[idx].get(mode="fill", fill_value=0.0), 0.0)
-    vals = jnp.where(bad, jnp.nan, vals)
-    idx = jnp.where(bad, slots, idx)
-
-    # Momentum factor masking: what was sent leaves u and v.
-    v = v.at[idx].set(0.0, mode="drop")
-    if use_momentum:
-        u = u.at[idx].set(0.0, mode="drop")
-
-    # One all-gather per leaf: the values' bits and the indices, as int32[2k] per rank.
-    packed = jnp.concatenate([lax.bitcast_convert_type(vals, jnp.int32), idx])
-    gathered = all_gather_invariant(packed, axes)  # [world * 2k], rank-major
-
-    def add_rank(r, dense):
-        sl_v = lax.bitcast_convert_type(lax.dynamic_slice_in_dim(gathered, 2 * r * k, k), jnp.float32)
-        sl_i = lax.dynamic_slice_in_dim(gathered, 2 * r * k + k, k)
-        return dense.at[sl_i].add(sl_v, mode="drop")
-
-    # The sum varies over what the gathered slots vary over (a 2-D mesh's other axis).
-    zeros = _checks.typed_like(jnp.zeros((n,), jnp.float32), gathered, axes, per_rank=False)
-    dense = lax.fori_loop(0, world, add_rank, zeros)
-    return dense / world, u, v
-
-
-def _first_true(mask, k: int, block: int = 1024):
-    """The indices of the first ``k`` True elements of the 1-D ``mask``, padded with ``n``.
-
-    ``jnp.nonzero(mask, size=k, fill_value=n)``, with a two-level prefix sum (rows of
-    ``block``, then the row totals): 3-4x faster than ``jnp.nonzero`` on CPU at 1M elements.
-    """
-    n = mask.shape[0]
-    pad = -n % block
-    rows = jnp.pad(mask, (0, pad)).reshape(-1, block).astype(jnp.int32)
-    within = jnp.cumsum(rows, axis=1)
-    before = jnp.cumsum(within[:, -1]) - within[:, -1]
-    pos = (within + before[:, None]).reshape(-1)[:n] - 1  # rank among the True elements
-    target = jnp.where(mask & (pos < k), pos, k)
-    return jnp.full((k,), n, jnp.int32).at[target].set(jnp.arange(n, dtype=jnp.int32), mode="drop")
 
 
 def topk_state_specs(state, axis_name):
@@ -451,8 +319,8 @@ def topk_bytes(params, world: int, ratio: float = 0.001, min_size: int = 1024) -
     sparse, dense = 0, 0
     for p in jax.tree.leaves(params):
         n = math.prod(jnp.shape(p))
-        if _is_compressed(p, min_size) and _ceil(ratio, n) < n:
-            sparse += (world - 1) * _ceil(ratio, n) * 8
+        if _is_compressed(p, min_size) and ceil_count(ratio, n) < n:
+            sparse += (world - 1) * ceil_count(ratio, n) * 8
         elif _is_compressed(p, min_size):
             dense += n * 4
         else:

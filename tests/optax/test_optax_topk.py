@@ -13,7 +13,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jax_cgx.optax import TopKState, topk_bytes, topk_mean, topk_state_specs
-from jax_cgx.optax._topk import _first_true
+from jax_cgx.optax._topk_exchange import first_true
 
 W = 8
 PARAMS = {
@@ -452,10 +452,10 @@ def test_bfloat16_gradients():
 
 @pytest.mark.parametrize("n,k,density", [(1, 1, 0.5), (1000, 7, 0.01), (3000, 50, 0.5), (5000, 20, 0.001)])
 def test_first_true_is_nonzero(n, k, density):
-    first_true = jax.jit(_first_true, static_argnums=1)
+    jitted = jax.jit(first_true, static_argnums=1)
     for seed in range(3):
         mask = jax.random.uniform(jax.random.key(seed), (n,)) < density
-        assert_same_bits(first_true(mask, k), jnp.nonzero(mask, size=k, fill_value=n)[0].astype(jnp.int32))
+        assert_same_bits(jitted(mask, k), jnp.nonzero(mask, size=k, fill_value=n)[0].astype(jnp.int32))
 
 
 def test_topk_bytes():
