@@ -14,7 +14,8 @@ from jax_cgx import allocator
 # Before anything computes, so that XLA's threads are born on the main arena (jax_cgx/allocator.py).
 allocator.apply_default()
 
-from jax_cgx import distributed, nccl  # noqa: E402
+# nccl and tcp: each registers its backend (jax_cgx.backends) when imported.
+from jax_cgx import distributed, nccl, tcp  # noqa: E402
 from jax_cgx.codec import (  # noqa: E402
     Quantized,
     cuda_extension_available,
@@ -37,9 +38,6 @@ from jax_cgx.collectives import (  # noqa: E402
 )
 from jax_cgx.config import CompressionConfig  # noqa: E402
 from jax_cgx.data_parallel import data_parallel_value_and_grad  # noqa: E402
-from jax_cgx.nccl import lowering as _nccl_lowering  # noqa: E402, F401  (registers the CUDA lowering rule)
-from jax_cgx.nccl import sharded as _nccl_sharded  # noqa: E402, F401  (CUDA rules of the sharded collectives)
-from jax_cgx.tcp import lowering as _tcp_lowering  # noqa: E402, F401  (registers the CPU lowering rule)
 
 __version__ = "0.1.0"
 

@@ -55,7 +55,7 @@ def test_numpy_bools_are_booleans():
 
 
 def test_one_boolean_check():
-    assert _checks.check_bool is _args.check_bool and _checks.axes is _args.check_axes
+    assert _checks.check_bool is _args.check_bool and _checks.check_axes is _args.check_axes
 
 
 def test_data_parallel_needs_an_axis():

@@ -12,16 +12,15 @@
   :mod:`~jax_cgx.collectives.probes` (timing this machine) and
   :mod:`~jax_cgx.collectives.explain` (``jax_cgx.explain``: the plan, printed);
 - :mod:`~jax_cgx.collectives.primitive`: the all-reduce of one buffer as a JAX primitive (its
-  rules, the xla backend's lowering, and :func:`compressed_sum` that binds it);
+  rules, the xla backend's program, and :func:`compressed_sum` that binds it);
 - :mod:`~jax_cgx.collectives.sra`, :mod:`~jax_cgx.collectives.ring`,
   :mod:`~jax_cgx.collectives.hierarchical`: one module per algorithm;
 - :mod:`~jax_cgx.collectives.chunks`: how SRA and the ring cut a buffer, and their shared last step;
-- :mod:`~jax_cgx.collectives.wire`: encodings as byte rows and the collectives that move them;
-- :mod:`~jax_cgx.collectives.agreement`: the processes agree on every compressed reduction they
-  run together when it is lowered (a mismatch is one error on every process, not an abort or hang).
+- :mod:`~jax_cgx.collectives.wire`: encodings as byte rows and the collectives that move them.
 
-Data flows one way: collectives -> codec -> config. The nccl backend's lowering
-(:mod:`jax_cgx.nccl.lowering`) builds on :mod:`~jax_cgx.collectives.primitive`.
+Data flows one way: collectives -> backends, codec -> config. Each reduction's backend is
+chosen once while tracing and carried by its primitive, whose one lowering rule hands it to that
+backend (:mod:`jax_cgx.backends`); nothing here names a transport.
 """
 
 from jax_cgx.collectives.all_gather import compressed_all_gather

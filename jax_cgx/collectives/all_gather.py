@@ -10,9 +10,9 @@ rounding). Moves ``(W - 1)/W`` of the gathered compressed bytes per rank.
 
 The module reads top to bottom: the per-device program on rows, the primitive, its rules
 (differentiation as ``lax.all_gather``: the tangent goes through lax's exact collective, so
-``jax.grad`` gives lax's gradient, a ``psum_scatter``; vmap folds into rows), the lowering
-(every platform, the xla backend; on CUDA :mod:`jax_cgx.nccl.sharded` may run the nccl
-backend's custom call instead, bitwise the same), and the pytree API.
+``jax.grad`` gives lax's gradient, a ``psum_scatter``; vmap folds into rows; lowering through
+the backend chosen while tracing, :mod:`jax_cgx.backends`, whose xla backend runs the program
+above and any other computes the same bits), and the pytree API.
 """
 
 from __future__ import annotations
@@ -82,8 +82,8 @@ def _lax_all_gather(x, axes, axis: int, tiled: bool, invariant: bool):
     return lax.all_gather(x, axes, axis=axis, tiled=tiled)
 
 
-lower_xla = register(compressed_all_gather_p, abstract_eval=_abstract_eval, program=gather_rows, jvp=_jvp, api=API,
-                     lax_name="all_gather", typing_only=("invariant",))
+register(compressed_all_gather_p, abstract_eval=_abstract_eval, program=gather_rows, jvp=_jvp, api=API,
+         op="all_gather", lax_name="all_gather", typing_only=("invariant",))
 
 
 # ------------------------------------------------------------------ the API
@@ -150,7 +150,7 @@ def compressed_all_gather(x, axis_name, config: ConfigSpec = None, *, axis: int 
     compressed, uncompressed = [], set()
     if leaves.groups and world > 1:
         compressed, uncompressed = compressed_buffers(leaves, axes, world, "all_gather", key, 1, API, "all_gather",
-                                                      _TIMED)
+                                                      _TIMED, impl)
     out: list = [None] * len(leaves.leaves)
     for i, (kind, leaf) in enumerate(zip(leaves.lanes, leaves.leaves)):
         # One rank: nothing moves, exact. policy="auto" may leave a buffer's leaves to lax.
@@ -160,7 +160,7 @@ def compressed_all_gather(x, axis_name, config: ConfigSpec = None, *, axis: int 
             half = _compat.ensure_varying(leaf.astype(jnp.dtype(leaves.configs[i].half_dtype)), axes)
             out[i] = _lax_all_gather(half, axes, axes_of[i], tiled, invariant).astype(leaf.dtype)
     if compressed:
-        for group, members, seeds in compressed:
+        for group, members, seeds, backend in compressed:
             cfg = group.config
             flat = [leaves.leaves[i].reshape(-1) for i in members]
             joined = flat[0] if len(flat) == 1 else lax.optimization_barrier(jnp.concatenate(flat))
@@ -168,7 +168,7 @@ def compressed_all_gather(x, axis_name, config: ConfigSpec = None, *, axis: int 
             rows = compressed_all_gather_p.bind(
                 joined[None], seeds[:, 0], axes=axes, world=world, bits=cfg.bits, bucket_size=cfg.bucket_size,
                 stochastic=cfg.stochastic, impl=impl, segments=cfg.pipeline_segments, invariant=invariant,
-                backend=cfg.backend)[0]
+                backend=backend)[0]
             start = 0
             for i, piece in zip(members, flat):
                 shard = rows[:, start:start + piece.size]

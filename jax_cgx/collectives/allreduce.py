@@ -95,7 +95,7 @@ def compressed_psum(
     leaves_with_paths, treedef = jax.tree_util.tree_flatten_with_path(x)
     paths = [p for p, _ in leaves_with_paths]
     leaves = [jnp.asarray(v) for _, v in leaves_with_paths]
-    plan = make_plan(paths, leaves, config, x, world, _inner_world(axes), axes)
+    plan = make_plan(paths, leaves, config, x, world, _inner_world(axes), axes, impl=impl, residual=return_residual)
 
     out: list[jax.Array | None] = [None] * len(leaves)
     res: list[jax.Array | None] = [None] * len(leaves)
@@ -142,7 +142,8 @@ def compressed_psum(
                 buffer_index += 1
                 buf = _assemble(flat, bounds, start, stop)
                 if compress:
-                    result = _reduce_buffer(buf, axes, world, group.config, buf_key, impl, return_residual)
+                    result = _reduce_buffer(buf, axes, world, group.config, buf_key, impl, return_residual,
+                                            backend=plan.backends.get(group, "xla"))
                 else:
                     result = lax.psum(buf, axes)
                     result = (result, jnp.zeros_like(buf)) if return_residual else result
@@ -296,11 +297,12 @@ def _assemble(flat, bounds, start: int, stop: int) -> jax.Array:
     return pieces[0] if len(pieces) == 1 else lax.optimization_barrier(jnp.concatenate(pieces))
 
 
-def _reduce_buffer(buf, axes, world, config: CompressionConfig, key, impl, residual=False):
+def _reduce_buffer(buf, axes, world, config: CompressionConfig, key, impl, residual=False, *, backend: str):
     """One fusion buffer through the compressed primitive (its uncompressed tail, if skipped, through psum).
 
     With ``config.hierarchical`` the compressed part is reduced in two levels
     (:func:`~jax_cgx.collectives.hierarchical.reduce_hierarchical`). With ``residual`` returns ``(sum, residual)``.
+    ``backend``: the one the plan chose for the buffer's compressed exchange.
     """
     if config.hierarchical and len(axes) < 2:
         raise ValueError(
@@ -321,9 +323,9 @@ def _reduce_buffer(buf, axes, world, config: CompressionConfig, key, impl, resid
         # Like psum: a value that is the same on every rank of an axis is summed W times.
         head = _compat.ensure_varying(head, axes)
         if config.hierarchical:
-            result = reduce_hierarchical(head, axes, world, config, key, impl, residual)
+            result = reduce_hierarchical(head, axes, world, config, key, impl, residual, backend=backend)
         else:
-            result = compressed_sum(head, axes, world, config, key, impl, residual)
+            result = compressed_sum(head, axes, world, config, key, impl, residual, backend=backend)
         parts.append(result[0] if residual else result)
         lost.append(result[1] if residual else None)
     if head_n < n:

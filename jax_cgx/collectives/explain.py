@@ -18,7 +18,7 @@ from typing import TextIO
 import jax
 import numpy as np
 
-from jax_cgx import _compat
+from jax_cgx import _compat, backends
 from jax_cgx.collectives import policy, sharded
 from jax_cgx.collectives.plan import ConfigSpec, check_ranks, make_plan
 
@@ -150,7 +150,7 @@ def explain(x, axis_name=None, config: ConfigSpec = None, *, world: int | None =
             d = decisions[k] if decisions else None
             if d is None and world > 1:  # "always": what "auto" would have predicted
                 d = policy.decide(stop - start, group.dtype, world, group.config, inner_world=inner_world,
-                                  backend=policy.running_backend(group.config, axes, world), log=False,
+                                  backend=backends.get(plan.backends.get(group, "xla")).timed_as, log=False,
                                   measure=False)
             figures = figures or (policy.figures(group.config) if world > 1 else None)
             index = len(buffers)

@@ -29,7 +29,7 @@ def hierarchical_shard(n: int, inner_world: int, config: CompressionConfig) -> i
     return -(-n // align) * align // inner_world
 
 
-def reduce_hierarchical(head, axes, world, config: CompressionConfig, key, impl, residual=False):
+def reduce_hierarchical(head, axes, world, config: CompressionConfig, key, impl, residual=False, *, backend: str):
     """Two-level sum over ``axes = (outer..., inner)``, torch_cgx's intra/cross-node split.
 
     An uncompressed reduce-scatter over the inner (intra-node) axis leaves every rank a
@@ -55,7 +55,7 @@ def reduce_hierarchical(head, axes, world, config: CompressionConfig, key, impl,
     shard = lax.psum_scatter(padded, inner, scatter_dimension=0, tiled=True)
     # The last shards may end in padding: tell the compressed exchange where the real values end.
     real = jnp.clip(n - lax.axis_index(inner) * shard_n, 0, shard_n)
-    reduced = compressed_sum(shard, outer, outer_world, config, key, impl, residual, valid=real)
+    reduced = compressed_sum(shard, outer, outer_world, config, key, impl, residual, valid=real, backend=backend)
     if residual:
         reduced, lost = reduced
     if _compat.check_vma_enabled():

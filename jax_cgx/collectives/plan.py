@@ -28,8 +28,10 @@ from typing import Any, Union
 import jax
 import numpy as np
 
+from jax_cgx import backends
 from jax_cgx.codec import SUPPORTED_DTYPES
 from jax_cgx.collectives import policy
+from jax_cgx.collectives.primitive import reduction
 from jax_cgx.config import MAX_FUSION_BUFFERS, CompressionConfig, check_environment
 
 __all__ = ["ConfigSpec", "Group", "Plan", "make_plan", "check_ranks", "leaf_configs", "lane"]
@@ -88,13 +90,16 @@ class Group:
 
 @dataclasses.dataclass
 class Plan:
-    """How each leaf is reduced: its lane, the fusion groups of quantized leaves, and
-    ``policy="auto"``'s decision for each of a group's buffers (None: always compressed)."""
+    """How each leaf is reduced: its lane, the fusion groups of quantized leaves, the backend
+    each group's compressed exchange runs on, and ``policy="auto"``'s decision for each of a
+    group's buffers (None: always compressed)."""
 
     lanes: list[str]
     configs: list[CompressionConfig | None]
     groups: dict[Group, list[int]]
     sizes: list[int]
+    # Chosen once, while tracing inside a mesh (jax_cgx.backends.choose_in_trace); none for one rank (no exchange).
+    backends: dict[Group, str] = dataclasses.field(default_factory=dict)
     decisions: dict[Group, list[policy.Decision | None]] = dataclasses.field(default_factory=dict)
     # policy="auto": the first pricing's losing buffers (group, values, decision, the leaves that
     # moved from them to the auto-psum lane).
@@ -154,13 +159,14 @@ def check_ranks(api: str, world, inner_world=None) -> tuple[int, int | None]:
 
 
 def make_plan(paths, leaves, spec: ConfigSpec, tree, world: int | None = None,
-              inner_world: int | None = None, axes: tuple | None = None, measure: bool = True) -> Plan:
+              inner_world: int | None = None, axes: tuple | None = None, measure: bool = True, *,
+              impl: str = "auto", residual: bool = False) -> Plan:
     """The plan for ``leaves`` (with their ``paths``) of ``tree`` reduced over ``world`` ranks.
 
     ``world`` None or 1: no decisions are taken (nothing moves). ``inner_world``: the inner
     axis's size, for hierarchical configs' cost. ``axes``: the reduction's axis names while
-    tracing inside a mesh (None: outside), which tell the backend that will run it.
-    ``measure=False``: ``policy="auto"`` times no near-tie (timing is collective), using only
+    tracing inside a mesh (None: outside), which choose the backend each group's exchange runs
+    on (with ``impl`` and ``residual``, as :func:`jax_cgx.collectives.compressed_psum` takes them). ``measure=False``: ``policy="auto"`` times no near-tie (timing is collective), using only
     earlier timings; for :func:`jax_cgx.explain` and ``bytes_on_wire``, which one process may call.
     """
     configs = leaf_configs(spec, tree, paths)
@@ -171,10 +177,25 @@ def make_plan(paths, leaves, spec: ConfigSpec, tree, world: int | None = None,
         if kind == "quantized":
             groups.setdefault(Group(np.dtype(leaf.dtype), c), []).append(i)
     plan = Plan(lanes, configs, groups, [int(np.prod(np.shape(leaf))) for leaf in leaves])
-    if world is not None and world > 1:
-        for group in [g for g in groups if g.config.policy == "auto"]:
-            _decide(plan, group, world, inner_world, policy.running_backend(group.config, axes, world), measure)
+    if world is None or world < 2:
+        return plan
+    for group in groups:
+        plan.backends[group] = _backend(group.config, axes, world, inner_world, impl, residual)
+    for group in [g for g in groups if g.config.policy == "auto"]:
+        _decide(plan, group, world, inner_world, backends.get(plan.backends[group]).timed_as, measure)
     return plan
+
+
+def _backend(config: CompressionConfig, axes, world: int, inner_world: int | None, impl: str, residual: bool) -> str:
+    """The backend of a group's compressed exchange: over ``axes``, or a hierarchical config's
+    outer axes (its inner axis is summed by lax); "xla" outside a mesh (``axes`` None)."""
+    if axes is None:
+        return "xla"
+    if config.hierarchical and len(axes) > 1:
+        axes, world = axes[:-1], world // (inner_world or 1)
+        if world < 2:  # one node: an exact psum, no exchange
+            return "xla"
+    return backends.choose_in_trace(config.backend, reduction(axes, world, config, impl, residual))
 
 
 def _decide(plan: Plan, group: Group, world: int, inner_world: int | None, backend: str, measure: bool) -> None:

@@ -53,7 +53,7 @@ from jax_cgx.collectives.cost_model import CodecRates, LinkModel, predict
 from jax_cgx.collectives.probes import ExchangeFit, Timed
 from jax_cgx.config import CompressionConfig, link_gbps_from_env
 
-__all__ = ["Figures", "Decision", "ExchangeFit", "Timed", "calibrate", "figures", "decide", "running_backend",
+__all__ = ["Figures", "Decision", "ExchangeFit", "Timed", "calibrate", "figures", "decide",
            "MIN_SPEEDUP", "TIE_BAND"]
 
 logger = logging.getLogger("jax_cgx")
@@ -278,28 +278,6 @@ def reset() -> None:
         _logged.clear()
 
 
-def running_backend(config: CompressionConfig, axes, world: int, platform: str | None = None) -> str:
-    """The backend a compressed reduction over ``axes`` will run on, as far as tracing can tell.
-
-    "tcp" when the tcp backend will take it (CPU devices, inside a ``shard_map`` whose mesh
-    :func:`jax_cgx.tcp.setup` connected for ``axes``); else "xla", whose exchange the cost
-    model describes (GPU backends are priced as xla too).
-    """
-    platform = platform or jax.default_backend()
-    if platform != "cpu" or axes is None:
-        return "xla"
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty:
-        return "xla"
-    from jax_cgx.tcp.lowering import TcpError, select_backend
-
-    try:
-        choice, _ = select_backend(config.backend, mesh, tuple(axes), algorithm=config.algorithm, world=world)
-    except TcpError:  # backend="tcp" without communicators: its lowering raises this error
-        return "xla"
-    return "tcp" if choice == "tcp" else "xla"
-
-
 def _time_exchange(devices, values: int, dtype, config: CompressionConfig, backend: str,
                    bodies: Timed | None = None) -> tuple[float, float]:
     """:func:`~jax_cgx.collectives.probes.time_exchange`, the slowest process's."""
@@ -350,7 +328,7 @@ def decide(values: int, dtype, world: int, config: CompressionConfig, *, inner_w
 
     ``inner_world``: the inner axis's size for a hierarchical config (its reduce-scatter and
     all-gather run within a node, priced at memory speed). ``backend``: the one that will
-    run the exchange (:func:`running_backend`); near-ties are timed on it, collectively, unless
+    run the exchange (its ``timed_as``, :mod:`jax_cgx.backends`); near-ties are timed on it, collectively, unless
     ``measure=False`` (then only earlier timings are used). The decision is logged once.
 
     ``op``: as :func:`~jax_cgx.collectives.cost_model.predict` takes it; the sharded ones pass

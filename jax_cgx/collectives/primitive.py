@@ -8,10 +8,11 @@ hierarchical shard, whose tail may be padding). Its JAX rules make it behave lik
 differentiation is linear (transpose = ``pvary`` of the cotangent under ``check_vma``,
 the same compressed sum without it), and vmap over a non-reduced axis folds into rows.
 
-It lowers, on every platform, to the xla backend (:func:`lower_xla`): the chosen
-algorithm (:mod:`~jax_cgx.collectives.sra` or :mod:`~jax_cgx.collectives.ring`) written
-with XLA collectives around the codec's kernels. :mod:`jax_cgx.nccl.lowering` registers
-the CUDA rule that may pick the nccl backend instead.
+Its ``backend`` parameter is the backend chosen for it while tracing
+(:func:`jax_cgx.backends.choose_in_trace`); its one lowering rule hands it to that backend
+(:func:`jax_cgx.backends.register_lowering`). The xla backend lowers :data:`XLA_PROGRAM`: the
+chosen algorithm (:mod:`~jax_cgx.collectives.sra` or :mod:`~jax_cgx.collectives.ring`)
+written with XLA collectives around the codec's kernels.
 
 ``compressed_allreduce_residual_p`` runs the same program and also returns each rank's
 share of the compression error, for error feedback (docs/algorithm.md, "Error feedback").
@@ -24,26 +25,36 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.extend.core import Primitive
-from jax.interpreters import ad, batching, mlir
+from jax.interpreters import ad, batching
 
-from jax_cgx import _compat
+from jax_cgx import _compat, backends
 from jax_cgx.codec import batch_rows
-from jax_cgx.collectives import agreement, wire
+from jax_cgx.collectives import wire
 from jax_cgx.collectives.chunks import chunk_length
 from jax_cgx.collectives.ring import ring_rows
 from jax_cgx.collectives.sra import sra_rows
 from jax_cgx.config import CompressionConfig
 
-__all__ = ["compressed_allreduce_p", "compressed_allreduce_residual_p", "compressed_sum", "lower_xla",
-           "lower_residual_xla", "xla_rows", "RESIDUAL_BACKEND_ERROR"]
+__all__ = ["compressed_allreduce_p", "compressed_allreduce_residual_p", "compressed_sum", "reduction",
+           "XLA_PROGRAM", "RESIDUAL_XLA_PROGRAM"]
+
+API = "compressed_psum"
 
 
-def compressed_sum(values, axes, world, config: CompressionConfig, key, impl, residual=False, valid=None):
+def reduction(axes: tuple, world: int, config: CompressionConfig, impl: str = "auto",
+              residual: bool = False) -> backends.Reduction:
+    """The all-reduce of ``config`` over ``axes`` as the backends see it."""
+    return backends.Reduction(API, "psum", tuple(axes), world, config.algorithm, impl, residual)
+
+
+def compressed_sum(values, axes, world, config: CompressionConfig, key, impl, residual=False, valid=None, *,
+                   backend: str):
     """``values[n]`` summed over ``axes`` (``world`` ranks) by the compressed all-reduce primitive.
 
     ``valid`` (int32 scalar, default ``n``): how many of ``values`` are real; the rest is
     padding, which never enters a bucket's range. With ``residual``: ``(sum, residual)``
-    from the primitive with error feedback.
+    from the primitive with error feedback. ``backend``: the one chosen for it
+    (:func:`jax_cgx.backends.choose_in_trace` of :func:`reduction`).
     """
     if key is None:
         seeds = jnp.zeros((1, world + 1, 2), jnp.uint32)
@@ -64,7 +75,7 @@ def compressed_sum(values, axes, world, config: CompressionConfig, key, impl, re
         stochastic=config.stochastic,
         impl=impl,
         algorithm=config.algorithm,
-        backend=config.backend,
+        backend=backend,
         segments=config.pipeline_segments,
     )
     if residual:
@@ -84,41 +95,23 @@ def _abstract_eval(x, seeds, valid, *, axes, **params):
     return out, {_compat.NamedAxisEffect(a) for a in axes}
 
 
-def xla_rows(x, seeds, valid, *, algorithm, backend, **params):
-    """The xla backend: the chosen algorithm written with XLA collectives.
+def _xla_rows(x, seeds, valid, *, platforms, algorithm, **params):
+    """The xla backend's program: the chosen algorithm written with XLA collectives.
 
-    ``residual=True`` (in ``params``) also returns this rank's compression error;
-    ``segments`` and ``message_cap`` say how messages are cut (:mod:`jax_cgx.collectives.wire`).
+    ``residual=True`` (in ``params``) also returns this rank's compression error; ``segments``
+    and the platforms' message cap say how messages are cut (:mod:`jax_cgx.collectives.wire`).
     """
-    del backend
-    if algorithm == "ring":
-        return ring_rows(x, seeds, valid, **params)
-    return sra_rows(x, seeds, valid, **params)
+    rows = ring_rows if algorithm == "ring" else sra_rows
+    return rows(x, seeds, valid, message_cap=wire.message_cap(platforms), **params)
 
 
-def lower_xla(ctx, x, seeds, valid, *, backend, residual=False, **params):
-    """The xla backend's program for either primitive (``residual``: the error-feedback one)."""
-    if backend in ("nccl", "tcp"):
-        if residual:
-            raise NotImplementedError(RESIDUAL_BACKEND_ERROR)
-        platforms = ", ".join(ctx.module_context.platforms)
-        where = "CUDA GPUs" if backend == "nccl" else "CPU devices"
-        raise NotImplementedError(
-            f"compressed_psum: backend={backend!r} runs on {where} only, but this computation is "
-            f"lowered for {platforms}. Use backend='auto' ({backend} where set up, else xla) or "
-            "backend='xla'."
-        )
-    extra = dict(residual=True) if residual else {}
-    agreement.check(ctx, "compressed_psum", "xla", **extra, **params)  # across processes, once per compile
-    cap = wire.message_cap(ctx.module_context.platforms)
-    fun = functools.partial(xla_rows, backend=backend, message_cap=cap, **extra, **params)
-    return mlir.lower_fun(fun, multiple_results=residual)(ctx, x, seeds, valid)
+XLA_PROGRAM = backends.XlaProgram(_xla_rows)
+RESIDUAL_XLA_PROGRAM = backends.XlaProgram(functools.partial(_xla_rows, residual=True), multiple_results=True)
 
 
 compressed_allreduce_p.def_effectful_abstract_eval(_abstract_eval)
 compressed_allreduce_p.def_impl(functools.partial(_compat.apply_primitive, compressed_allreduce_p))
-# Every platform; jax_cgx.nccl.lowering registers the CUDA rule that may pick the nccl backend.
-mlir.register_lowering(compressed_allreduce_p, lower_xla)
+backends.register_lowering(compressed_allreduce_p, API, "psum", XLA_PROGRAM)
 
 
 def _jvp(primals, tangents, **params):
@@ -172,19 +165,9 @@ batching.fancy_primitive_batchers[compressed_allreduce_p] = _batcher(compressed_
 compressed_allreduce_residual_p = Primitive("jax_cgx_compressed_allreduce_residual")
 compressed_allreduce_residual_p.multiple_results = True
 
-RESIDUAL_BACKEND_ERROR = (
-    "compressed_psum(return_residual=True): error feedback residuals are computed by the xla "
-    "backend only; use backend='auto' or 'xla'."
-)
-
-
 def _residual_abstract_eval(x, seeds, valid, *, axes, **params):
     out, effects = _abstract_eval(x, seeds, valid, axes=axes, **params)
     return (out, x), effects  # the residual differs per rank: x's (varying) type
-
-
-def lower_residual_xla(ctx, x, seeds, valid, **params):
-    return lower_xla(ctx, x, seeds, valid, residual=True, **params)
 
 
 def _residual_jvp(primals, tangents, **params):
@@ -199,7 +182,6 @@ def _residual_jvp(primals, tangents, **params):
 
 compressed_allreduce_residual_p.def_effectful_abstract_eval(_residual_abstract_eval)
 compressed_allreduce_residual_p.def_impl(functools.partial(_compat.apply_primitive, compressed_allreduce_residual_p))
-# Every platform; jax_cgx.nccl.lowering registers the CUDA rule (xla, or a clear error for nccl).
-mlir.register_lowering(compressed_allreduce_residual_p, lower_residual_xla)
+backends.register_lowering(compressed_allreduce_residual_p, API, "psum", RESIDUAL_XLA_PROGRAM, residual=True)
 ad.primitive_jvps[compressed_allreduce_residual_p] = _residual_jvp
 batching.fancy_primitive_batchers[compressed_allreduce_residual_p] = _batcher(compressed_allreduce_residual_p)

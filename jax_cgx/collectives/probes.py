@@ -19,10 +19,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_cgx import codec
+from jax_cgx import backends, codec
 from jax_cgx.collectives import wire as _wire
 from jax_cgx.collectives.cost_model import CodecRates, LinkModel, predict
-from jax_cgx.collectives.primitive import compressed_sum  # the primitive: the pytree API would decide again
+from jax_cgx.collectives.primitive import compressed_sum, reduction  # the primitive: the pytree API would decide again
 from jax_cgx.config import CompressionConfig
 
 __all__ = ["ExchangeFit", "Timed", "measure_rates", "measure_link", "time_exchange"]
@@ -136,7 +136,7 @@ def measure_link(devices, rates: CodecRates, share: float) -> tuple[LinkModel, E
 
     compute = []
     for n in sizes:
-        t = timed(lambda v: compressed_sum(v, (_AXIS,), w, config, None, "auto"), n)
+        t = timed(lambda v: compressed_sum(v, (_AXIS,), w, config, None, "auto", backend="xla"), n)
         wire = predict(n, w, config.bits, config.bucket_size, link, rates,
                        message_cap=_wire.message_cap([devices[0].platform]))["wire"]
         compute.append(max(0.0, t - wire))
@@ -148,21 +148,24 @@ def measure_link(devices, rates: CodecRates, share: float) -> tuple[LinkModel, E
 def time_exchange(devices, values: int, dtype, config: CompressionConfig, backend: str,
                   bodies: Timed | None = None) -> tuple[float, float]:
     """Median seconds of the uncompressed collective (``bodies``; default psum) and the compressed
-    one on ``values`` values per device over ``devices``, on ``backend``, on this process."""
-    from jax_cgx import tcp
-
+    one on ``values`` values per device over ``devices``, on ``backend``, on this process. A
+    backend that owns connections connects a mesh of the probe's own for it."""
     mesh = _mesh(devices)
     config = config.replace(policy="always", backend=backend)
+    world = len(devices)
     lax_fn, compressed_fn = bodies or (
-        jax.lax.psum, lambda v, axis, c: compressed_sum(v, (axis,), len(devices), c, None, "auto"))
-    if backend == "tcp":
-        tcp.setup(mesh)
+        jax.lax.psum,
+        lambda v, axis, c: compressed_sum(v, (axis,), world, c, None, "auto", backend=backends.choose_in_trace(
+            c.backend, reduction((axis,), world, c))))
+    owner = backends.get(backend)
+    if owner.families is not None:
+        owner.setup(mesh)
     try:
         psum, exchange = _median_times(
             _over(mesh, lambda v: lax_fn(v, _AXIS), values, dtype),
             _over(mesh, lambda v: compressed_fn(v, _AXIS, config), values, dtype),
             repeats=_SETTLE_REPEATS)
     finally:
-        if backend == "tcp":
-            tcp.teardown(mesh)
+        if owner.families is not None:
+            owner.teardown(mesh)
     return psum, exchange

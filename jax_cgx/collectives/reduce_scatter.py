@@ -18,9 +18,9 @@ bucket holding it; twice that with stochastic rounding), plus float32 rounding. 
 
 The module reads top to bottom: the per-device program on rows, the primitive, its rules
 (differentiation as ``lax.psum_scatter``: the tangent goes through lax's exact collective,
-so ``jax.grad`` gives lax's gradient, an ``all_gather``; vmap folds into rows), the
-lowering (every platform, the xla backend; on CUDA :mod:`jax_cgx.nccl.sharded` may run the
-nccl backend's custom call instead, bitwise the same), and the pytree API.
+so ``jax.grad`` gives lax's gradient, an ``all_gather``; vmap folds into rows; lowering
+through the backend chosen while tracing, :mod:`jax_cgx.backends`, whose xla backend runs the
+program above and any other computes the same bits), and the pytree API.
 """
 
 from __future__ import annotations
@@ -101,8 +101,8 @@ def _jvp(primals, tangents, *, axes, **params):
     return out, lax.psum_scatter(tx, axes, scatter_dimension=1, tiled=False)
 
 
-lower_xla = register(compressed_reduce_scatter_p, abstract_eval=_abstract_eval, program=scatter_rows, jvp=_jvp,
-                     api=API, lax_name="psum_scatter")
+register(compressed_reduce_scatter_p, abstract_eval=_abstract_eval, program=scatter_rows, jvp=_jvp, api=API,
+         op="psum_scatter", lax_name="psum_scatter")
 
 # (x[R, W, m], seeds) -> (out[R, m], residual[R, W, m]): the same program, with error feedback's residual.
 compressed_reduce_scatter_residual_p = Primitive("jax_cgx_compressed_reduce_scatter_residual")
@@ -120,9 +120,9 @@ def _residual_jvp(primals, tangents, **params):
                     "values (error feedback); differentiate without return_residual, or use jax.lax.stop_gradient")
 
 
-lower_residual_xla = register(compressed_reduce_scatter_residual_p, abstract_eval=_residual_abstract_eval,
-                              program=functools.partial(scatter_rows, residual=True), jvp=_residual_jvp, api=API,
-                              lax_name="psum_scatter")
+register(compressed_reduce_scatter_residual_p, abstract_eval=_residual_abstract_eval,
+         program=functools.partial(scatter_rows, residual=True), jvp=_residual_jvp, api=API, op="psum_scatter",
+         lax_name="psum_scatter")
 
 
 # ------------------------------------------------------------------ leaves as blocks and back
@@ -214,7 +214,7 @@ def compressed_psum_scatter(x, axis_name, config: ConfigSpec = None, *, scatter_
     compressed, uncompressed = [], set()
     if leaves.groups and world > 1:
         compressed, uncompressed = compressed_buffers(leaves, axes, world, "psum_scatter", key, world, API,
-                                                      "psum_scatter", _TIMED)
+                                                      "psum_scatter", _TIMED, impl, return_residual)
     out: list = [None] * len(leaves.leaves)
     res: list = [None] * len(leaves.leaves)
     for i, (kind, leaf) in enumerate(zip(leaves.lanes, leaves.leaves)):
@@ -227,13 +227,13 @@ def compressed_psum_scatter(x, axis_name, config: ConfigSpec = None, *, scatter_
             out[i] = lax.psum_scatter(half, axes, scatter_dimension=dims[i], tiled=tiled).astype(leaf.dtype)
             res[i] = (leaf.astype(jnp.float32) - half.astype(jnp.float32)).astype(leaf.dtype)
     if compressed:
-        for group, members, seeds in compressed:
+        for group, members, seeds, backend in compressed:
             cfg = group.config
             blocks = [scatter_blocks(leaves.leaves[i], dims[i], world) for i in members]
             joined = blocks[0] if len(blocks) == 1 else lax.optimization_barrier(jnp.concatenate(blocks, axis=1))
             joined = _compat.ensure_varying(joined, axes)  # like lax: an invariant value is summed W times
             params = dict(axes=axes, world=world, bits=cfg.bits, bucket_size=cfg.bucket_size,
-                          stochastic=cfg.stochastic, impl=impl, segments=cfg.pipeline_segments, backend=cfg.backend)
+                          stochastic=cfg.stochastic, impl=impl, segments=cfg.pipeline_segments, backend=backend)
             if return_residual:
                 summed, lost = compressed_reduce_scatter_residual_p.bind(joined[None], seeds, **params)
                 summed, lost = summed[0], lost[0]

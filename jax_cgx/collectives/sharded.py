@@ -20,12 +20,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.extend.core import Primitive
-from jax.interpreters import ad, batching, mlir
+from jax.interpreters import ad, batching
 
-from jax_cgx import _compat
+from jax_cgx import _compat, backends
 from jax_cgx.codec import batch_rows
 from jax_cgx.codec.quantized import META_BYTES, num_buckets, payload_bytes
-from jax_cgx.collectives import agreement, policy
+from jax_cgx.collectives import policy
 from jax_cgx.collectives import wire as _wire
 from jax_cgx.collectives.chunks import chunk_length
 from jax_cgx.collectives.plan import ConfigSpec, Group, lane, leaf_configs
@@ -73,12 +73,13 @@ def fuse(sizes: Sequence[int], capacity: int) -> list[list[int]]:
 
 
 def compressed_buffers(leaves: Leaves, axes, world: int, op: str, key, seeds_per_buffer: int, api: str,
-                       lax_name: str, bodies: policy.Timed) -> tuple[list[tuple[Group, list[int], jax.Array]], set[int]]:
+                       lax_name: str, bodies: policy.Timed, impl: str = "auto", residual: bool = False
+                       ) -> tuple[list[tuple[Group, list[int], jax.Array, str]], set[int]]:
     """The fusion buffers to compress, each with its seeds ``uint32[1, seeds_per_buffer, 2]``
-    (zeros without a key), and the leaves that ``policy="auto"`` leaves to lax: those of the
-    buffers it prices faster uncompressed (:func:`decide`; ``bodies`` time its near-ties).
-    A buffer's seeds do not depend on the other buffers' decisions. Refuses a vmapped axis,
-    which has no wire to compress."""
+    (zeros without a key) and the backend chosen for it (once, here), and the leaves that
+    ``policy="auto"`` leaves to lax: those of the buffers it prices faster uncompressed
+    (:func:`decide`; ``bodies`` time its near-ties). A buffer's seeds do not depend on the
+    other buffers' decisions. Refuses a vmapped axis, which has no wire to compress."""
     if vmapped := _compat.vmapped_axes(axes):
         raise NotImplementedError(f"{api} over the vmapped axis {vmapped[0]!r} is not supported: vmap has no "
                                   f"wire to compress; use jax.lax.{lax_name} for that axis")
@@ -86,26 +87,27 @@ def compressed_buffers(leaves: Leaves, axes, world: int, op: str, key, seeds_per
     shape = (1, seeds_per_buffer, 2)
     compressed, uncompressed = [], set()
     for (group, members), k in zip(planned, buffer_keys(key, axes, len(planned))):
-        if not decide(leaves, group, members, world, op, bodies=bodies).compress:
+        reduction = backends.Reduction(api, op, tuple(axes), world, "sra", impl, residual)
+        backend = backends.choose_in_trace(group.config.backend, reduction)
+        if not decide(leaves, group, members, world, op, bodies=bodies, backend=backend).compress:
             uncompressed.update(members)
             continue
         seeds = jnp.zeros(shape, jnp.uint32) if k is None else jax.random.bits(k, shape, jnp.uint32)
-        compressed.append((group, members, seeds))
+        compressed.append((group, members, seeds, backend))
     return compressed, uncompressed
 
 
 def decide(leaves: Leaves, group: Group, members: list[int], world: int, op: str, *,
-           bodies: policy.Timed | None = None, measure: bool = True) -> policy.Decision:
+           bodies: policy.Timed | None = None, measure: bool = True, backend: str = "xla") -> policy.Decision:
     """Whether one buffer is compressed: always, unless its config says ``policy="auto"`` and the
     cost model (or, near a tie, a timing) finds ``op`` faster uncompressed. Collective when it
     measures (every process traces the same buffers); ``measure=False`` uses earlier figures only.
-    Priced (and timed) on the xla backend, as the all-reduce prices GPU backends: on CUDA with
-    communicators the nccl backend's custom call runs instead."""
+    Priced (and timed) as ``backend`` asks to be (its ``timed_as``)."""
     if group.config.policy != "auto":
         return policy.Decision(True, 0.0, 0.0)
     values = sum(leaves.leaves[i].size for i in members)  # each rank's input: W blocks, or its shard
     return policy.decide(values, group.dtype, world, group.config, op=op, bodies=bodies, measure=measure,
-                         log=measure, copied=copied(members, world, op))
+                         log=measure, copied=copied(members, world, op), backend=backends.get(backend).timed_as)
 
 
 def copied(members: list[int], world: int, op: str) -> float:
@@ -131,10 +133,6 @@ def check_config(config: CompressionConfig, api: str) -> None:
     """Refuse what these collectives cannot do; say once what they do differently."""
     if config.hierarchical:
         raise ValueError(f"{api}: hierarchical=True applies to all-reduces only; use hierarchical=False here")
-    if config.backend == "tcp":
-        raise NotImplementedError(
-            f"{api}: backend='tcp' runs all-reduces only so far; use backend='auto' or 'xla' (XLA collectives "
-            "around the codec's kernels, on every platform), or 'nccl' on CUDA GPUs")
     notes = []
     if config.algorithm != "sra":
         notes.append(f"algorithm={config.algorithm!r} does not apply: the exchange is one all_to_all or all_gather")
@@ -194,27 +192,18 @@ def wire_bytes(x, world: int, config: ConfigSpec, op: str) -> int:
     return int(round(total))
 
 
-def register(prim: Primitive, *, abstract_eval: Callable, program: Callable, jvp: Callable, api: str,
-             lax_name: str, typing_only: tuple[str, ...] = ()) -> Callable:
-    """Register a row-shaped collective's rules: ``abstract_eval``, the xla backend's lowering
-    of ``program`` (the per-device rows program, given the platform's message cap;
-    ``typing_only`` params and ``backend`` are dropped from it), ``jvp``, the impl, and vmap
-    folding into rows. Returns the lowering, which :mod:`jax_cgx.nccl.sharded`'s CUDA rule
-    falls back to when the nccl backend does not run."""
+def register(prim: Primitive, *, abstract_eval: Callable, program: Callable, jvp: Callable, api: str, op: str,
+             lax_name: str, typing_only: tuple[str, ...] = ()) -> None:
+    """Register a row-shaped collective's rules: ``abstract_eval``, its lowering through the
+    backend chosen for it (:func:`jax_cgx.backends.register_lowering`; the xla backend runs
+    ``program``, the per-device rows program, given the platform's message cap, without the
+    ``typing_only`` params), ``jvp``, the impl, and vmap folding into rows."""
+    multiple = prim.multiple_results
 
-    def lower(ctx, *args, backend: str, **params):
-        if backend == "nccl":
-            platforms = ", ".join(ctx.module_context.platforms)
-            raise NotImplementedError(
-                f"{api}: backend='nccl' runs on CUDA GPUs only, but this computation is lowered for {platforms}. "
-                "Use backend='auto' (nccl where set up, else xla) or backend='xla'.")
-        extra = dict(residual=True) if prim.name.endswith("_residual") else {}
-        agreement.check(ctx, api, "xla", **extra, **params)  # across processes, once per compile
+    def xla_program(*operands, platforms, **params):
         for name in typing_only:
             params.pop(name)
-        cap = _wire.message_cap(ctx.module_context.platforms)
-        return mlir.lower_fun(functools.partial(program, message_cap=cap, **params),
-                              multiple_results=prim.multiple_results)(ctx, *args)
+        return program(*operands, message_cap=_wire.message_cap(platforms), **params)
 
     def batch(axis_data, args, dims, *, axes, **params):
         if axis_data.name is not None and axis_data.name in axes:
@@ -225,7 +214,7 @@ def register(prim: Primitive, *, abstract_eval: Callable, program: Callable, jvp
 
     prim.def_effectful_abstract_eval(abstract_eval)
     prim.def_impl(functools.partial(_compat.apply_primitive, prim))
-    mlir.register_lowering(prim, lower)
+    backends.register_lowering(prim, api, op, backends.XlaProgram(xla_program, multiple),
+                               residual=prim.name.endswith("_residual"))
     ad.primitive_jvps[prim] = jvp
     batching.fancy_primitive_batchers[prim] = batch
-    return lower

@@ -45,20 +45,22 @@ The package, one module per job (each imports only those above it):
 
 =================  ==================================================================
 ``library``        the compiled binding (``jax_cgx._cuda``), loading libnccl, the errors
-``groups``         reduction groups and family keys (pure: reads meshes only)
-``registry``       this process's families; :func:`select_backend` and :func:`lookup`
+``registry``       this process's families and :func:`lookup`
 ``unique_ids``     handing NCCL unique ids to the processes of each group (kv or MPI)
 ``lifecycle``      :func:`setup`, :func:`teardown`, the exit hook
-``lowering``       the CUDA lowering rule of the compressed all-reduce (imports the rest)
-``sharded``        the CUDA lowering rules of the compressed reduce-scatter and all-gather
+``backend``        :class:`~jax_cgx.nccl.backend.NcclBackend`: its custom calls (imports the rest)
 =================  ==================================================================
+
+Reduction groups and family keys (:func:`groups`, :func:`family_key`) are shared with the tcp
+backend (:mod:`jax_cgx.backends.groups`).
 
 The compiled functions are reached only through ``library.binding()``; tests replace
 that function with a fake to exercise everything but real NCCL on CPU.
 """
 
 
-from jax_cgx.nccl.groups import family_key, groups
+from jax_cgx.backends.groups import family_key, groups
+from jax_cgx.nccl import backend as _backend  # noqa: F401  (registers the nccl backend)
 from jax_cgx.nccl.library import (
     DEFAULT_SONAME,
     LIBRARY_ENV,
@@ -68,7 +70,7 @@ from jax_cgx.nccl.library import (
     load,
 )
 from jax_cgx.nccl.lifecycle import Communicators, setup, teardown
-from jax_cgx.nccl.registry import CommunicatorInfo, communicators, lookup, select_backend
+from jax_cgx.nccl.registry import CommunicatorInfo, communicators, lookup
 from jax_cgx.nccl.unique_ids import DEFAULT_TIMEOUT_S, TIMEOUT_ENV
 
 __all__ = [
@@ -86,7 +88,6 @@ __all__ = [
     "library_candidates",
     "load",
     "lookup",
-    "select_backend",
     "setup",
     "teardown",
 ]

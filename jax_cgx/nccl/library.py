@@ -15,6 +15,7 @@ import threading
 from typing import Any
 
 from jax_cgx import _extensions
+from jax_cgx.backends.protocol import BackendError
 
 __all__ = [
     "DEFAULT_SONAME",
@@ -34,7 +35,7 @@ LIBRARY_ENV = "JAX_CGX_NCCL_LIBRARY"
 DEFAULT_SONAME = "libnccl.so.2"
 
 
-class NcclError(RuntimeError):
+class NcclError(BackendError):
     """The NCCL backend cannot do what was asked (setup, lookup or a failed NCCL call)."""
 
 

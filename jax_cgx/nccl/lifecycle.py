@@ -20,8 +20,8 @@ import jax
 import numpy as np
 
 from jax_cgx._args import check_bool
+from jax_cgx.backends.groups import PlannedGroup, families, groups_array, key_of, mesh_ident, mesh_parts
 from jax_cgx.nccl import library, registry
-from jax_cgx.nccl.groups import PlannedGroup, families, groups_array, key_of, mesh_ident, mesh_parts
 from jax_cgx.nccl.library import NcclError
 from jax_cgx.nccl.unique_ids import ID_EXCHANGES, exchange_ids, timeout
 
@@ -93,7 +93,7 @@ def setup(mesh, axes=None, *, id_exchange: str = "auto", timeout_s: float | None
             continue
         wanted[fam] = key_of(ident, fam)
     with registry.lock:
-        have = registry.families_of(ident)
+        have = registry.connected.of(ident)
         new = [fam for fam in wanted if fam not in have]
         if new:
             binding = library.require_binding()
@@ -102,7 +102,7 @@ def setup(mesh, axes=None, *, id_exchange: str = "auto", timeout_s: float | None
             plan: list[PlannedGroup] = []
             for fam in new:
                 key = wanted[fam]
-                gen = registry.generation(key)
+                gen = registry.connected.generation(key)
                 arr = groups_array(devices, names, fam)
                 plan.extend(PlannedGroup(fam, key, gen, i, len(arr), tuple(g)) for i, g in enumerate(arr))
             uids = exchange_ids(binding, plan, process, id_exchange, timeout(timeout_s))
@@ -111,11 +111,11 @@ def setup(mesh, axes=None, *, id_exchange: str = "auto", timeout_s: float | None
                 _atexit_registered = True
             for fam in new:
                 key = wanted[fam]
-                registry.advance_generation(key)
+                registry.connected.advance_generation(key)
                 for g in plan:
                     if g.axes != fam:
                         continue
-                    members = g.members(process)
+                    members = _cuda_members(g, process)
                     if not members:
                         continue
                     try:
@@ -126,9 +126,21 @@ def setup(mesh, axes=None, *, id_exchange: str = "auto", timeout_s: float | None
                             f"jax_cgx.nccl.setup: creating the communicators of {g.description} "
                             f"(members (ordinal, rank) {members} of {g.world}) failed: {err}"
                         ) from err
-                registry.record(ident, fam, key)
+                registry.connected.record(ident, fam, key)
                 log.debug("jax_cgx.nccl: communicators for axes %r (key %#x)", fam, key)
     return Communicators(mesh, types.MappingProxyType(dict(wanted)))
+
+
+def _cuda_members(g: PlannedGroup, process: int) -> list[tuple[int, int]]:
+    """``[(CUDA ordinal, rank)]`` of the group's devices that ``process`` owns."""
+    out = []
+    for rank, d in enumerate(g.devices):
+        if int(d.process_index) == process:
+            ordinal = getattr(d, "local_hardware_id", None)
+            if ordinal is None:
+                raise NcclError(f"jax_cgx.nccl: device {d!r} has no local_hardware_id (CUDA ordinal)")
+            out.append((int(ordinal), rank))
+    return out
 
 
 def _destroy_quietly(binding, key: int) -> None:
@@ -150,15 +162,15 @@ def teardown(mesh=None, *, abort: bool = False) -> int:
         binding = library.binding()
         if mesh is None:
             keys = None
-            found = not registry.empty()
+            found = not registry.connected.empty()
         else:
             devices, names = mesh_parts(mesh)
-            fams = registry.families_of(mesh_ident(devices, names))
+            fams = registry.connected.of(mesh_ident(devices, names))
             keys = sorted(set(fams.values()))
             found = bool(keys)
         if not found or binding is None:
             if mesh is None:
-                registry.forget()
+                registry.connected.forget()
             return 0
         try:
             jax.effects_barrier()
@@ -166,10 +178,10 @@ def teardown(mesh=None, *, abort: bool = False) -> int:
             pass
         if keys is None:
             count = int(binding.nccl_destroy(-1, abort))
-            registry.forget()
+            registry.connected.forget()
         else:
             count = sum(int(binding.nccl_destroy(k, abort)) for k in keys)
-            registry.forget(mesh_ident(devices, names))
+            registry.connected.forget(mesh_ident(devices, names))
         return count
 
 
@@ -180,9 +192,9 @@ def _at_exit() -> None:
     when jax was imported), which clears the backends and shuts jax.distributed down. It
     takes no lock: a daemon thread stuck in :func:`setup` must not block the exit.
     """
-    if registry.empty():
+    if registry.connected.empty():
         return
-    registry.forget()
+    registry.connected.forget()
     binding = library.binding()
     if binding is None:
         return

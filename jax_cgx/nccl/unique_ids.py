@@ -15,7 +15,7 @@ import time
 import jax
 
 from jax_cgx._args import DEFAULT_TIMEOUT_S, timeout_seconds
-from jax_cgx.nccl.groups import PlannedGroup
+from jax_cgx.backends.groups import PlannedGroup
 from jax_cgx.nccl.library import NcclError
 
 __all__ = ["DEFAULT_TIMEOUT_S", "ID_EXCHANGES", "TIMEOUT_ENV", "exchange_ids", "timeout"]
@@ -73,6 +73,14 @@ def _exchange_method(id_exchange: str) -> str:
     )
 
 
+# Key-value store keys of the unique ids: <prefix>/<family key>/<generation>/<group index>.
+KV_PREFIX = "jax_cgx/nccl/uid"
+
+
+def _kv_key(g: PlannedGroup) -> str:
+    return f"{KV_PREFIX}/{g.key:016x}/{g.generation}/{g.index}"
+
+
 def _exchange_kv(local: dict, mine: list[PlannedGroup], process: int, timeout_s: float) -> dict:
     client = _kv_client()
     if client is None:
@@ -86,9 +94,9 @@ def _exchange_kv(local: dict, mine: list[PlannedGroup], process: int, timeout_s:
         if g.root_process == process and len(g.processes) > 1:
             uid = local[g.index, g.key]
             if has_bytes:
-                client.key_value_set_bytes(g.kv_key, uid)
+                client.key_value_set_bytes(_kv_key(g), uid)
             else:
-                client.key_value_set(g.kv_key, base64.b64encode(uid).decode())
+                client.key_value_set(_kv_key(g), base64.b64encode(uid).decode())
     out = dict(local)
     deadline = time.monotonic() + timeout_s
     for g in mine:
@@ -97,13 +105,13 @@ def _exchange_kv(local: dict, mine: list[PlannedGroup], process: int, timeout_s:
         remaining_ms = max(1, int((deadline - time.monotonic()) * 1000))
         try:
             if has_bytes:
-                uid = bytes(client.blocking_key_value_get_bytes(g.kv_key, remaining_ms))
+                uid = bytes(client.blocking_key_value_get_bytes(_kv_key(g), remaining_ms))
             else:
-                uid = base64.b64decode(client.blocking_key_value_get(g.kv_key, remaining_ms))
+                uid = base64.b64decode(client.blocking_key_value_get(_kv_key(g), remaining_ms))
         except Exception as err:
             raise NcclError(
                 f"jax_cgx.nccl.setup: timed out after {timeout_s:g} s waiting for process {g.root_process} "
-                f"to publish the NCCL unique id of {g.description} (key-value store key {g.kv_key!r}). "
+                f"to publish the NCCL unique id of {g.description} (key-value store key {_kv_key(g)!r}). "
                 f"Did process {g.root_process} call jax_cgx.nccl.setup with the same mesh and axes? Every "
                 "process must call it with the same arguments in the same order. A slower peer may need "
                 f"more time: setup(timeout_s=...) or {TIMEOUT_ENV}. ({type(err).__name__}: {err})"

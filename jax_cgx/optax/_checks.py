@@ -27,8 +27,10 @@ import numpy as np
 from jax import lax
 
 from jax_cgx import _compat
-from jax_cgx._args import check_axes as axes  # noqa: F401  (shared with data_parallel)
-from jax_cgx._args import check_bool  # noqa: F401  (the one check of a boolean argument)
+from jax_cgx._args import (
+    check_axes,  # noqa: F401  (shared with data_parallel)
+    check_bool,  # noqa: F401  (the one check of a boolean argument)
+)
 
 PLACEHOLDER_SHAPE = (0,)
 

@@ -179,7 +179,7 @@ def compressed_mean(
             "compressed_mean: config must be a CompressionConfig, a function (path, leaf) -> "
             f"CompressionConfig | None, or None; got {type(config).__name__}"
         )
-    axes = _checks.axes("compressed_mean", axis_name)
+    axes = _checks.check_axes("compressed_mean", axis_name)
 
     leaf_config = layer_filter(config, layer_min_size)
 
@@ -290,7 +290,7 @@ def cast_mean(axis_name, dtype=jnp.bfloat16) -> optax.GradientTransformation:
     if dtype not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
         raise TypeError(f"cast_mean: dtype must be jnp.bfloat16 or jnp.float16 (the 16-bit floating types the sum "
                         f"runs in), got {getattr(dtype, 'name', dtype)!r}; for an exact mean use lax.pmean")
-    axes = _checks.axes("cast_mean", axis_name)
+    axes = _checks.check_axes("cast_mean", axis_name)
 
     def init_fn(params):
         del params

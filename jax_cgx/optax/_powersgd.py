@@ -204,7 +204,7 @@ def powersgd_mean(
     error_feedback = _checks.check_bool(fn, "error_feedback", error_feedback)
     warm_start = _checks.check_bool(fn, "warm_start", warm_start)
     seed = _checks.check_seed(fn, seed)
-    axes = _checks.axes(fn, axis_name)
+    axes = _checks.check_axes(fn, axis_name)
     axis_set = frozenset(axes)
 
     def plan_of(x):

@@ -108,7 +108,7 @@ def sharded(optimizer: optax.GradientTransformation, axis_name, *, grad_config: 
     if not (callable(getattr(optimizer, "init", None)) and callable(getattr(optimizer, "update", None))):
         raise TypeError(f"{fn}: optimizer must be an optax.GradientTransformation (with init and update), "
                         f"got {type(optimizer).__name__}; e.g. sharded(optax.adam(1e-3), 'data')")
-    axes = _checks.axes(fn, axis_name)
+    axes = _checks.check_axes(fn, axis_name)
     error_feedback = _checks.check_bool(fn, "error_feedback", error_feedback)
 
     def world() -> int:

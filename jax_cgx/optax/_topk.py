@@ -179,7 +179,7 @@ def topk_mean(
             _checks.check_real(fn, f"warmup_ratios[{i}]", r, low=0.0, high=1.0, low_open=True)
             for i, r in enumerate(warmup_ratios)
         )
-    axes = _checks.axes(fn, axis_name)
+    axes = _checks.check_axes(fn, axis_name)
     ratios = (warmup_ratios if warmup_steps else ()) + (ratio,)
     use_momentum = momentum != 0.0
 

@@ -19,8 +19,8 @@ first compressed reduction is traced::
 Then ``backend="auto"`` (the default) picks ``tcp`` for reductions over those axes on
 that mesh, and ``backend="tcp"`` insists on it. :func:`setup` blocks until every rank of
 every group has connected, so every process calls it with the same arguments in the
-same order. Reduction groups and family keys are the nccl backend's
-(:mod:`jax_cgx.nccl.groups`); each device of a group gets a *communicator*: a TCP
+same order. Reduction groups and family keys are shared with the nccl backend
+(:mod:`jax_cgx.backends.groups`); each device of a group gets a *communicator*: a TCP
 connection to every other rank of its group and one I/O thread.
 
 Addresses: each device listens on an ephemeral port of the address this process
@@ -40,10 +40,11 @@ backend (``backend="auto"`` picks it and logs why at debug level; ``"tcp"`` rais
 =================  ==================================================================
 ``lifecycle``      :func:`setup`, :func:`teardown`, the families, the exit hook
 ``handshake``      listening, connecting, greetings and who may connect
-``lowering``       the CPU lowering rule of the compressed all-reduce
+``backend``        :class:`~jax_cgx.tcp.backend.TcpBackend`: its custom calls and their order
 =================  ==================================================================
 """
 
+from jax_cgx.tcp import backend as _backend  # noqa: F401  (registers the tcp backend)
 from jax_cgx.tcp.lifecycle import (
     DEFAULT_TIMEOUT_S,
     HOST_ENV,

@@ -41,13 +41,15 @@ import socket
 import struct
 import time
 
+from jax_cgx.backends.protocol import BackendError
+
 __all__ = ["GREETING", "GREETING_TIMEOUT_S", "MAX_PENDING", "GroupHandshake", "Listener", "TcpError", "connect",
            "open_listener", "parse_published"]
 
 log = logging.getLogger("jax_cgx")
 
 
-class TcpError(RuntimeError):
+class TcpError(BackendError):
     """The tcp backend cannot do what was asked (set-up, a missing communicator, a dead peer)."""
 
 

@@ -1,7 +1,7 @@
 """Creating and releasing the tcp backend's communicators: :func:`setup`, :func:`teardown`.
 
-:func:`setup` plans every group of the families asked for (the nccl backend's groups and
-family keys, :mod:`jax_cgx.nccl.groups`), opens a listening socket per local member on
+:func:`setup` plans every group of the families asked for (the groups and family keys the
+nccl backend uses too, :mod:`jax_cgx.backends.groups`), opens a listening socket per local member on
 the address this process publishes, exchanges the addresses and listener keys (the
 ``jax.distributed`` key-value store), connects and authenticates each group
 (:mod:`jax_cgx.tcp.handshake`), hands the sockets to the C++ communicators and records
@@ -24,9 +24,9 @@ import jax
 import numpy as np
 
 from jax_cgx import _extensions
-from jax_cgx.nccl import unique_ids
-from jax_cgx.nccl.groups import Families, PlannedGroup, families, groups_array, key_of, mesh_ident, mesh_parts
-from jax_cgx.nccl.registry import CommunicatorInfo  # (key, ordinal, rank, world, description), as for nccl
+from jax_cgx._args import DEFAULT_TIMEOUT_S, timeout_seconds
+from jax_cgx.backends.groups import Families, PlannedGroup, families, groups_array, key_of, mesh_ident, mesh_parts
+from jax_cgx.backends.protocol import CommunicatorInfo
 from jax_cgx.tcp import handshake
 from jax_cgx.tcp.handshake import GroupHandshake, Listener, TcpError
 
@@ -37,15 +37,14 @@ log = logging.getLogger("jax_cgx")
 
 TIMEOUT_ENV = "JAX_CGX_TCP_TIMEOUT_S"
 HOST_ENV = "JAX_CGX_TCP_HOST"
-DEFAULT_TIMEOUT_S = unique_ids.DEFAULT_TIMEOUT_S
 # Key-value store keys of the addresses ("host:port/listener key in hex", handshake.Listener):
 # <prefix>/<family key>/<generation>/<group index>/<rank>.
 KV_PREFIX = "jax_cgx/tcp/addr"
 
 # The tcp backend's families here and their generations (part of the store keys); set-up and
 # teardown write holding `lock`.
-_families = Families()
-lock = _families.lock
+connected = Families()
+lock = connected.lock
 _atexit_registered = False
 
 
@@ -53,7 +52,7 @@ def timeout(timeout_s: float | None) -> float:
     """``timeout_s``, else ``$JAX_CGX_TCP_TIMEOUT_S``, else 300 s (checked as the nccl backend's)."""
     if timeout_s is not None and (isinstance(timeout_s, bool) or not isinstance(timeout_s, numbers.Real)):
         raise TypeError(f"jax_cgx.tcp.setup: timeout_s must be a number of seconds (or None), got {timeout_s!r}")
-    return unique_ids.timeout(timeout_s, TIMEOUT_ENV, "jax_cgx.tcp")
+    return timeout_seconds(timeout_s, TIMEOUT_ENV, "jax_cgx.tcp")
 
 
 def _check_mesh(mesh) -> None:
@@ -118,7 +117,7 @@ def lookup(mesh, axes) -> int | None:
 
 def find(mesh, axes) -> tuple[int | None, str]:
     """(key or None, why not)."""
-    return _families.find(mesh, axes)
+    return connected.find(mesh, axes)
 
 
 def _check_devices(devices: np.ndarray) -> None:
@@ -256,7 +255,7 @@ def setup(mesh, axes=None, *, timeout_s: float | None = None):
             wanted[fam] = key_of(ident, fam)
     binding = _extensions.cpu()
     with lock:
-        have = _families.of(ident)
+        have = connected.of(ident)
         # In one order on every process, whatever order the caller listed the axes in: connecting
         # walks the families in this order, and two orders would wait on each other until the timeout.
         new = sorted((fam for fam in wanted if fam not in have), key=lambda fam: wanted[fam])
@@ -267,7 +266,7 @@ def setup(mesh, axes=None, *, timeout_s: float | None = None):
         for fam in new:
             key = wanted[fam]
             arr = groups_array(devices, names, fam)
-            plan.extend(PlannedGroup(fam, key, _families.generation(key), i, len(arr), tuple(g))
+            plan.extend(PlannedGroup(fam, key, connected.generation(key), i, len(arr), tuple(g))
                         for i, g in enumerate(arr))
         # (group index, key), rank -> Listener, for this process's members: on the address this
         # process publishes (not every interface), each with a fresh key for this attempt.
@@ -313,8 +312,8 @@ def setup(mesh, axes=None, *, timeout_s: float | None = None):
         for fam in new:
             # A connected generation's addresses stay published: the next set-up of this family
             # (after a teardown) publishes under the next generation.
-            _families.advance_generation(wanted[fam])
-            _families.record(ident, fam, wanted[fam])
+            connected.advance_generation(wanted[fam])
+            connected.record(ident, fam, wanted[fam])
             log.debug("jax_cgx.tcp: communicators for axes %r (key %#x)", fam, wanted[fam])
     return types.MappingProxyType(dict(wanted))
 
@@ -328,11 +327,11 @@ def teardown(mesh=None) -> int:
     binding = _extensions.cpu()
     with lock:
         if mesh is None:
-            keys = [] if _families.empty() else [-1]
-            _families.forget()
+            keys = [] if connected.empty() else [-1]
+            connected.forget()
         else:
             devices, names = mesh_parts(mesh)
-            keys = sorted(set(_families.forget(mesh_ident(devices, names)).values()))
+            keys = sorted(set(connected.forget(mesh_ident(devices, names)).values()))
         if not keys:
             return 0
         try:
@@ -349,9 +348,9 @@ def communicators() -> list[CommunicatorInfo]:
 
 def _at_exit() -> None:
     """Stop what is left after the last effects (no lock: a thread stuck in setup must not block exit)."""
-    if _families.empty():
+    if connected.empty():
         return
-    _families.forget()
+    connected.forget()
     try:
         jax.effects_barrier()
     except Exception:

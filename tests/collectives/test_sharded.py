@@ -217,7 +217,7 @@ def test_errors():
         _run(lambda v: jax_cgx.compressed_all_gather(v, "d", cfg.replace(hierarchical=True)), xs)
     with pytest.raises(NotImplementedError, match="backend='tcp' runs all-reduces only"):
         _run(lambda v: jax_cgx.compressed_all_gather(v, "d", cfg.replace(backend="tcp")), xs)
-    with pytest.raises(NotImplementedError, match="backend='nccl' runs on CUDA GPUs only"):
+    with pytest.raises(jax_cgx.nccl.NcclError, match="backend='nccl' runs on CUDA GPUs only"):
         _run(lambda v: jax_cgx.compressed_psum_scatter(v[:W], "d", cfg.replace(backend="nccl")), xs)
     with pytest.raises(ValueError, match="axis=3 is out of range"):
         _run(lambda v: jax_cgx.compressed_all_gather(v, "d", cfg, axis=3), xs)

@@ -20,7 +20,7 @@ from nccl_gpu_worker import CASES, DTYPES, SHARDED_CASES, SHARDED_TARGETS, input
 from processes import SUPPORT, run_all
 
 import jax_cgx
-from jax_cgx import testing
+from jax_cgx import backends, testing
 from jax_cgx.collectives.chunks import chunk_length
 from jax_cgx.launch import free_port
 
@@ -146,8 +146,9 @@ def test_setup_on_one_gpu_and_errors():
     f = jax.jit(jax.shard_map(lambda v: jax_cgx.compressed_psum(v, "i", cfg), mesh=mesh,
                               in_specs=jax.P(), out_specs=jax.P(), check_vma=False))
     np.testing.assert_array_equal(np.asarray(f(x)), np.asarray(x))  # a sum over one rank is exact
-    assert jax_cgx.nccl.select_backend("auto", "cuda", mesh, ("i",))[0] in ("xla", "nccl")
+    one = backends.Reduction("compressed_psum", "psum", ("i",), 1)
+    assert backends.choose("auto", one, mesh, "cuda")[0] in ("xla", "nccl")
     other = jax.sharding.Mesh(np.array([gpu]), ("j",))
     with pytest.raises(jax_cgx.nccl.NcclError, match="setup"):
-        jax_cgx.nccl.select_backend("nccl", "cuda", other, ("k",))
+        backends.choose("nccl", backends.Reduction("compressed_psum", "psum", ("k",), 1), other, "cuda")
     jax_cgx.nccl.teardown()

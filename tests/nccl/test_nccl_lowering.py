@@ -11,10 +11,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_cgx
-from jax_cgx import CompressionConfig, _extensions, nccl
-from jax_cgx.nccl import lowering as _nccl_lowering
-from jax_cgx.nccl import registry
-from jax_cgx.nccl import sharded as _nccl_sharded
+from jax_cgx import CompressionConfig, _extensions, backends, nccl
+from jax_cgx.nccl import backend as nccl_backend
 
 pytestmark = pytest.mark.skipif(
     not (_extensions.cuda_extension_available() and _extensions.cuda().nccl_compiled()),
@@ -37,12 +35,16 @@ def _lower(config, n=10_001, rows=None, monkeypatch=None, key=None):
 
 
 @pytest.fixture
-def communicators(monkeypatch):
-    """Pretend jax_cgx.nccl.setup ran: lookups find family key 1234."""
-    monkeypatch.setattr(registry, "lookup", lambda mesh, axes: 1234)
-    monkeypatch.setattr(
-        registry, "select_backend", lambda req, plat, mesh, axes: ("xla", "requested") if req == "xla" else ("nccl", "test")
-    )
+def cuda_mesh(monkeypatch):
+    """Pretend the mesh's CPU devices are GPUs: the nccl backend accepts them while tracing
+    (the programs are then cross-lowered for CUDA)."""
+    monkeypatch.setattr(backends.get("nccl"), "platforms", frozenset({"cuda", "cpu"}))
+
+
+@pytest.fixture
+def communicators(cuda_mesh, monkeypatch):
+    """...and pretend jax_cgx.nccl.setup ran for them: every lookup finds family key 1234."""
+    monkeypatch.setattr(nccl_backend.registry.connected, "find", lambda mesh, axes: (1234, ""))
 
 
 def test_nccl_backend_lowers_to_one_custom_call_per_buffer(communicators):
@@ -65,7 +67,7 @@ def test_xla_backend_and_auto_without_communicators_use_collectives(communicator
     assert "jax_cgx_nccl_allreduce" not in hlo and "all_to_all" in hlo
 
 
-def test_auto_without_communicators_is_xla_and_nccl_raises():
+def test_auto_without_communicators_is_xla_and_nccl_raises(cuda_mesh):
     assert "jax_cgx_nccl_allreduce" not in _lower(CompressionConfig(bits=4, backend="auto"))
     with pytest.raises(nccl.NcclError, match=r"jax_cgx\.nccl\.setup"):
         _lower(CompressionConfig(bits=4, backend="nccl"))
@@ -84,17 +86,17 @@ def test_workspace_plan(algorithm):
     # 64 MiB f32 over 4 ranks at 4 bits: every region of the plan fits, segments by size
     n = 16 << 20
     chunk = n // 4
-    ws, segments = _nccl_lowering.workspace_bytes(n, 4, chunk, 4, 512, jnp.float32, algorithm, 0)
+    ws, segments = nccl_backend.workspace_bytes(n, 4, chunk, 4, 512, jnp.float32, algorithm, 0)
     assert segments == 1  # 16 MiB chunks: one 16 MiB segment each
     encoded = chunk // 2 + (chunk // 512) * 8  # payload + metadata of one chunk
     slots = (4 + 4 + 4) if algorithm == "sra" else (2 + 1 + 4)
     assert slots * encoded <= ws <= slots * encoded + 64 * 1024 + 4 * 4 * chunk
-    ws3, s3 = _nccl_lowering.workspace_bytes(n, 4, chunk, 4, 512, jnp.float32, algorithm, 3)
+    ws3, s3 = nccl_backend.workspace_bytes(n, 4, chunk, 4, 512, jnp.float32, algorithm, 3)
     assert s3 == 3
     with pytest.raises(RuntimeError, match="bits must be in 1..8"):
-        _nccl_lowering.workspace_bytes(n, 4, chunk, 9, 512, jnp.float32, algorithm, 0)
+        nccl_backend.workspace_bytes(n, 4, chunk, 9, 512, jnp.float32, algorithm, 0)
     with pytest.raises(RuntimeError, match="does not cut"):
-        _nccl_lowering.workspace_bytes(n, 4, chunk - 1, 4, 512, jnp.float32, algorithm, 0)
+        nccl_backend.workspace_bytes(n, 4, chunk - 1, 4, 512, jnp.float32, algorithm, 0)
 
 
 def test_nccl_library_loads_where_installed():
@@ -145,7 +147,7 @@ def test_sharded_collectives_lower_to_one_custom_call_per_buffer(communicators, 
 
 
 @pytest.mark.parametrize("op", ["psum_scatter", "all_gather"])
-def test_sharded_collectives_without_communicators(op):
+def test_sharded_collectives_without_communicators(cuda_mesh, op):
     assert _TARGETS[op] not in _lower_sharded(op, CompressionConfig(bits=4, backend="auto"))
     with pytest.raises(nccl.NcclError, match=r"jax_cgx\.nccl\.setup"):
         _lower_sharded(op, CompressionConfig(bits=4, backend="nccl"))
@@ -175,11 +177,11 @@ def test_sharded_workspace_plan():
     # 64 MiB f32 reduce-scattered over 4 ranks at 4 bits: W sent and W received slots of a 4 MiB-value block
     m = (16 << 20) // 4
     encoded = m // 2 + (m // 512) * 8
-    ws, segments = _nccl_sharded.workspace_bytes("psum_scatter", m, 4, 4, 512, jnp.float32, 0)
+    ws, segments = nccl_backend.sharded_workspace_bytes("psum_scatter", m, 4, 4, 512, jnp.float32, 0)
     assert segments == 1 and 8 * encoded <= ws <= 8 * encoded + 64 * 1024
-    ws, segments = _nccl_sharded.workspace_bytes("all_gather", m, 4, 4, 512, jnp.float32, 5)
+    ws, segments = nccl_backend.sharded_workspace_bytes("all_gather", m, 4, 4, 512, jnp.float32, 5)
     assert segments == 5 and 4 * encoded <= ws <= 4 * encoded + 64 * 1024
     with pytest.raises(RuntimeError, match="bits must be in 1..8"):
-        _nccl_sharded.workspace_bytes("all_gather", m, 4, 0, 512, jnp.float32, 0)
+        nccl_backend.sharded_workspace_bytes("all_gather", m, 4, 0, 512, jnp.float32, 0)
     with pytest.raises(RuntimeError, match="world must be >= 2"):
-        _nccl_sharded.workspace_bytes("psum_scatter", m, 1, 4, 512, jnp.float32, 0)
+        nccl_backend.sharded_workspace_bytes("psum_scatter", m, 1, 4, 512, jnp.float32, 0)

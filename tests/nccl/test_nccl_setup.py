@@ -1,4 +1,4 @@
-"""jax_cgx.nccl on CPU: groups and keys, and setup/lookup/select_backend over a fake binding.
+"""jax_cgx.nccl on CPU: groups and keys, setup and lookup, and choosing the backend, over a fake binding.
 
 Real NCCL is not needed: jax_cgx.nccl.library.binding is replaced by tests/support/nccl_worker.FakeNccl
 and meshes are made of FakeDevice GPUs, except where the point is jax's own numbering.
@@ -23,7 +23,7 @@ from jax.sharding import PartitionSpec as P
 from nccl_worker import FakeDevice, FakeNccl, fake_mesh  # noqa: E402
 from processes import SUPPORT, run_all
 
-from jax_cgx import nccl
+from jax_cgx import backends, nccl
 from jax_cgx.launch import free_port
 from jax_cgx.nccl import library, lifecycle, registry, unique_ids
 
@@ -33,13 +33,13 @@ WORKER = SUPPORT / "nccl_worker.py"
 @pytest.fixture(autouse=True)
 def clean_state(monkeypatch):
     """Every test starts with no communicators and no loaded library, and leaves none."""
-    registry.reset()
+    registry.connected.reset()
     monkeypatch.setattr(library, "_loaded", None)
     monkeypatch.setattr(lifecycle, "_atexit_registered", True)  # tests register no exit hooks
     monkeypatch.delenv(nccl.LIBRARY_ENV, raising=False)
     monkeypatch.delenv(nccl.TIMEOUT_ENV, raising=False)
     yield
-    registry.reset()
+    registry.connected.reset()
 
 
 @pytest.fixture
@@ -309,15 +309,21 @@ def test_load_without_extension_or_nccl(monkeypatch):
     assert issubclass(nccl.NcclNotFoundError, nccl.NcclError) and issubclass(nccl.NcclError, RuntimeError)
 
 
-# ------------------------------------------------------------- select_backend
+# ------------------------------------------------------------- choosing the nccl backend
 
 
-def test_select_backend_rules(fake, monkeypatch, caplog):
+def _choose(requested, platform, mesh, axes):
+    axes = (axes,) if isinstance(axes, str) else tuple(axes)
+    return backends.choose(requested, backends.Reduction("compressed_psum", "psum", axes, 2), mesh, platform)
+
+
+def test_choosing_the_nccl_backend(fake, monkeypatch, caplog):
     mesh = fake_mesh((2, 4), ("a", "b"))
-    sel = nccl.select_backend
+    sel = _choose
     assert sel("xla", "cuda", mesh, "a") == ("xla", "requested")
     assert sel("xla", "cpu", mesh, "a") == ("xla", "requested")
-    assert sel("auto", "cpu", mesh, "a") == ("xla", "platform is cpu")
+    backend, reason = sel("auto", "cpu", mesh, "a")
+    assert backend == "xla" and "nccl: platform is cpu" in reason
     with pytest.raises(nccl.NcclError, match="CUDA GPUs only.*'cpu'.*backend='auto'"):
         sel("nccl", "cpu", mesh, "a")
     with pytest.raises(ValueError, match="backend"):
@@ -333,7 +339,7 @@ def test_select_backend_rules(fake, monkeypatch, caplog):
     with caplog.at_level(logging.DEBUG, logger="jax_cgx"):
         backend, reason = sel("auto", "cuda", mesh, "a")
     assert backend == "nccl" and "communicators set up for axes 'a'" in reason
-    assert "backend nccl for axes 'a'" in caplog.text
+    assert "backend nccl for axes ('a',)" in caplog.text
     assert sel("nccl", "cuda", mesh, ("a", "b"))[0] == "nccl"
     assert sel("nccl", "cuda", mesh.abstract_mesh, ("a", "b"))[0] == "nccl"
     backend, reason = sel("auto", "cuda", mesh, "b")
@@ -356,9 +362,16 @@ def test_select_backend_rules(fake, monkeypatch, caplog):
     assert backend == "xla" and "cannot tell them apart" in reason
     assert sel("auto", "cuda", mesh, "a")[0] == "nccl"  # a concrete one can
 
+    # Error feedback's residuals: the xla backend's alone.
+    residual = backends.Reduction("compressed_psum", "psum", ("a",), 2, residual=True)
+    assert backends.choose("auto", residual, mesh, "cuda")[0] == "xla"
+    with pytest.raises(NotImplementedError, match=r"compressed_psum\(return_residual=True\).*xla backend only"):
+        backends.choose("nccl", residual, mesh, "cuda")
+
     # An extension without NCCL, or none at all.
     fake.compiled = False
-    assert sel("auto", "cuda", mesh, "a") == ("xla", "jax_cgx's CUDA extension has no NCCL support")
+    backend, reason = sel("auto", "cuda", mesh, "a")
+    assert backend == "xla" and "nccl: jax_cgx's CUDA extension has no NCCL support" in reason
     with pytest.raises(nccl.NcclNotFoundError, match="built without NCCL"):
         sel("nccl", "cuda", mesh, "a")
     monkeypatch.setattr(library, "binding", lambda: None)
@@ -411,7 +424,7 @@ def test_kv_exchange_in_one_process(monkeypatch):
     assert len(kv.store) == 2 + 1  # groups of 'p' (2) and of ('p', 'l') (1) span processes; 'l' ones do not
     assert all(k.startswith("jax_cgx/nccl/uid/") and "/0/" in k for k in kv.store)
 
-    registry.reset()  # a fresh process
+    registry.connected.reset()  # a fresh process
     _as_process(monkeypatch, 1, 2, kv)
     monkeypatch.setattr(library, "binding", lambda: fakes[1])
     nccl.setup(mesh)
@@ -509,7 +522,7 @@ def test_mpi_exchange_in_one_process(monkeypatch):
     nccl.setup(mesh)
     assert len(comm0.sent) == 1  # one collective for every group
 
-    registry.reset()  # a fresh process
+    registry.connected.reset()  # a fresh process
     comm1 = FakeComm(2, lambda obj: [comm0.sent[0], obj])
     _fake_mpi(monkeypatch, comm1)
     _as_process(monkeypatch, 1, 2, None)
@@ -520,7 +533,7 @@ def test_mpi_exchange_in_one_process(monkeypatch):
     assert len(shared) == 3 and all(by_group[0][d] == by_group[1][d] for d in shared)
 
     # jax process indices that are not the MPI ranks, and a world of another size
-    registry.reset()
+    registry.connected.reset()
     _fake_mpi(monkeypatch, FakeComm(2, lambda obj: [obj, (0, {})]))
     with pytest.raises(nccl.NcclError, match=r"MPI ranks 0..1 are jax processes \[1, 0\]"):
         nccl.setup(mesh)

@@ -1,9 +1,9 @@
-"""The CPU lowering of the compressed all-reduce: the tcp backend, or the xla one.
+"""The tcp backend (:class:`TcpBackend`): the compressed all-reduce over jax_cgx's TCP connections on CPU.
 
-On CPU, ``compressed_allreduce_p`` lowers to a pair of custom calls per row
-(xla_ffi/tcp_allreduce.cc) when :func:`select_backend` picks ``tcp`` (communicators exist
-for the mesh and axes being reduced, or ``backend="tcp"`` was asked for), and to the xla
-backend's collectives otherwise:
+Chosen while tracing (:mod:`jax_cgx.backends`) for an all-reduce over axes whose mesh
+:func:`jax_cgx.tcp.setup` connected (``backend="auto"``), or asked for (``backend="tcp"``),
+when it can run it: SRA with the compiled kernels over at least two ranks, no error-feedback
+residual. It lowers the all-reduce to a pair of custom calls per row (xla_ffi/tcp_allreduce.cc):
 
 - ``jax_cgx_tcp_allreduce_start(x, seeds, valid, after) -> (out, ticket)`` checks its
   arguments, queues the all-reduce on the communicator's call thread and returns at once;
@@ -14,9 +14,6 @@ backend's collectives otherwise:
 
 The pair computes the same bytes as the xla backend's program: only the transport and
 the schedule differ.
-
-``compressed_allreduce_residual_p`` (error feedback) always lowers to the xla backend:
-``backend="tcp"`` raises, ``"auto"`` picks xla (logged at debug level).
 
 Order. A custom call's transfers with a peer must pair with the peer's calls in the same
 order, but XLA:CPU runs a program's thunks as a dataflow graph, concurrently where they are
@@ -33,7 +30,6 @@ naming both reductions, never mixing their bytes.)
 
 from __future__ import annotations
 
-import logging
 import threading
 
 import jax
@@ -42,14 +38,11 @@ import numpy as np
 from jax.extend.core import Primitive
 from jax.interpreters import mlir
 
-from jax_cgx._compat import context_mesh
-from jax_cgx.collectives import agreement, primitive
+from jax_cgx import backends
 from jax_cgx.tcp import lifecycle
 from jax_cgx.tcp.lifecycle import TcpError
 
-__all__ = ["select_backend", "tcp_done_p", "tcp_start_p"]
-
-log = logging.getLogger("jax_cgx")
+__all__ = ["TcpBackend", "tcp_done_p", "tcp_start_p"]
 
 # One row: x[n], seeds[W+1, 2], valid int32[1] (x's first valid[0] values are real, the rest
 # padding that never widens a bucket), after (any array, unread: orders the starts)
@@ -135,51 +128,39 @@ def _record_call(ctx, value, aval) -> None:
         calls.last = [c for c in calls.last if c[0] != block] + [(block, value, aval)]
 
 
-def select_backend(requested: str, mesh, axes, *, algorithm: str = "sra", impl: str = "auto",
-                   world: int = 2) -> tuple[str, str]:
-    """Which backend runs a compressed reduction over ``axes`` of ``mesh`` on CPU: ``(backend, reason)``.
+class TcpBackend(backends.Backend):
+    name = "tcp"
+    platforms = frozenset({"cpu"})
+    where = "CPU devices"
+    ops = frozenset({"psum"})
+    timed_as = "tcp"  # policy="auto" times near-ties over a tcp mesh of its own
+    error = TcpError
+    families = lifecycle.connected
+    communicator = "tcp communicator"
+    setup_hint = "jax_cgx.tcp.setup(mesh)"
 
-    ``"auto"`` picks ``tcp`` when :func:`jax_cgx.tcp.setup` connected ``(mesh, axes)``
-    and the reduction is one the custom call runs (SRA with the compiled kernels);
-    ``"tcp"`` raises :class:`TcpError` when it cannot be honoured.
-    """
-    choice = _select(requested, mesh, axes, algorithm, impl, world)
-    log.debug("jax_cgx: backend %s for axes %r on cpu (requested %s): %s", choice[0], axes, requested, choice[1])
-    return choice
+    def unsupported(self, reduction: backends.Reduction) -> str:
+        if reduction.algorithm != "sra":
+            return "the ring algorithm runs on the xla backend only"
+        if reduction.impl == "reference":
+            return "impl='reference' runs on the xla backend only"
+        return "one rank" if reduction.world < 2 else ""
 
+    def setup(self, mesh, axes=None, **options):
+        return lifecycle.setup(mesh, axes, **options)
 
-def _select(requested, mesh, axes, algorithm, impl, world) -> tuple[str, str]:
-    if requested not in ("auto", "tcp"):
-        return requested, "requested"
-    key, why = lifecycle.find(mesh, axes)
-    if key is None:
-        if requested == "tcp":
-            raise TcpError(
-                f"jax_cgx: backend='tcp': no tcp communicator for axes {axes!r} of mesh {mesh!r} ({why}); call "
-                "jax_cgx.tcp.setup(mesh) (on every process, before the first call of the compiled function), "
-                "or use backend='auto' or 'xla'."
-            )
-        return "xla", f"{why}; call jax_cgx.tcp.setup(mesh) to use tcp"
-    unsupported = ("the ring algorithm runs on the xla backend only" if algorithm != "sra" else
-                   "impl='reference' runs on the xla backend only" if impl == "reference" else
-                   "one rank" if world < 2 else "")
-    if unsupported:
-        if requested == "tcp":
-            raise TcpError(f"jax_cgx: backend='tcp' cannot run this reduction: {unsupported}; use backend='auto'")
-        return "xla", unsupported
-    return "tcp", f"communicators set up for axes {axes!r} on this mesh"
+    def teardown(self, mesh=None) -> int:
+        return lifecycle.teardown(mesh)
+
+    def lower(self, ctx, op, operands, params, program):
+        del op, program
+        return _lower_rows(ctx, *operands, key=self.key(ctx, params["axes"]), **params)
 
 
-def _lower_cpu(ctx, x, seeds, valid, *, backend, axes, world, chunk, bits, bucket_size, stochastic, impl,
-               algorithm, segments):
-    mesh = context_mesh(ctx)
-    choice, _ = select_backend(backend, mesh, axes, algorithm=algorithm, impl=impl, world=world)
-    params = dict(axes=axes, world=world, chunk=chunk, bits=bits, bucket_size=bucket_size,
-                  stochastic=stochastic, impl=impl, algorithm=algorithm, segments=segments)
-    if choice != "tcp":
-        return primitive.lower_xla(ctx, x, seeds, valid, backend=choice, **params)
-    agreement.check(ctx, "compressed_psum", "tcp", **params)  # across processes, once per compile
-    key = lifecycle.lookup(mesh, axes)
+def _lower_rows(ctx, x, seeds, valid, *, key, axes, world, chunk, bits, bucket_size, stochastic, impl, algorithm,
+                segments):
+    """Each row's start and done calls, each start chained after the previous one of its block."""
+    del axes, impl, algorithm
 
     def rows(x, seeds, valid, *previous):
         after = previous[0] if previous else jnp.zeros((0,), jnp.uint8)
@@ -204,17 +185,4 @@ def _lower_cpu(ctx, x, seeds, valid, *, backend, axes, world, chunk, bits, bucke
     return [out]
 
 
-# Not cacheable: a cached lowering is emitted once as a private function that every identical
-# call site calls, out of the block the calls are chained in.
-mlir.register_lowering(primitive.compressed_allreduce_p, _lower_cpu, platform="cpu", cacheable=False)
-
-
-def _lower_cpu_residual(ctx, x, seeds, valid, *, backend, axes, **params):
-    """Error-feedback residuals: the xla backend's program (the custom call computes no residual)."""
-    if backend == "auto" and lifecycle.lookup(context_mesh(ctx), axes) is not None:
-        log.debug("jax_cgx: compressed_psum(return_residual=True) over axes %r uses the xla backend: error "
-                  "feedback residuals are computed by the xla backend only", axes)
-    return primitive.lower_residual_xla(ctx, x, seeds, valid, backend=backend, axes=axes, **params)
-
-
-mlir.register_lowering(primitive.compressed_allreduce_residual_p, _lower_cpu_residual, platform="cpu")
+backends.register(TcpBackend())

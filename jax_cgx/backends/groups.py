@@ -2,7 +2,9 @@
 
 A *reduction group* of a reduction over mesh axes ``axes`` is the set of devices that
 share all other mesh coordinates; a *family* is all groups of one ``(mesh, axes)``, named
-by one :func:`family_key`. Everything here is pure: it reads meshes, never NCCL.
+by one :func:`family_key`. The backends that own connections (nccl, tcp) plan their
+communicators with these and keep the families they set up in a :class:`Families`. Everything
+here reads meshes only, never a transport.
 """
 
 from __future__ import annotations
@@ -17,10 +19,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jax_cgx.nccl.library import NcclError
-
 __all__ = [
-    "KV_PREFIX",
     "PlannedGroup",
     "families",
     "family_key",
@@ -33,21 +32,17 @@ __all__ = [
     "normalize_axes",
 ]
 
-# Key-value store keys of the unique ids: <prefix>/<family key>/<generation>/<group index>.
-KV_PREFIX = "jax_cgx/nccl/uid"
-
-
 def mesh_parts(mesh) -> tuple[np.ndarray, tuple[str, ...]]:
     """A concrete mesh's device array and axis names (anything with ``devices``/``axis_names``)."""
     if isinstance(mesh, jax.sharding.AbstractMesh):
         raise TypeError(
-            f"jax_cgx.nccl: {mesh!r} is an AbstractMesh, which has no devices; pass the concrete "
+            f"jax_cgx: {mesh!r} is an AbstractMesh, which has no devices; pass the concrete "
             "jax.sharding.Mesh the program runs on"
         )
     devices = np.asarray(mesh.devices, dtype=object)
     names = tuple(mesh.axis_names)
     if devices.ndim != len(names):
-        raise ValueError(f"jax_cgx.nccl: mesh devices of shape {devices.shape} do not match axes {names}")
+        raise ValueError(f"jax_cgx: mesh devices of shape {devices.shape} do not match axes {names}")
     return devices, names
 
 
@@ -55,12 +50,12 @@ def normalize_axes(axes, names: tuple[str, ...]) -> tuple[str, ...]:
     """``axes`` (a name or names) as a tuple of ``names``' axes, each once, or ValueError."""
     tup = (axes,) if isinstance(axes, str) else tuple(axes)
     if not tup:
-        raise ValueError("jax_cgx.nccl: a reduction needs at least one mesh axis; got ()")
+        raise ValueError("jax_cgx: a reduction needs at least one mesh axis; got ()")
     unknown = [a for a in tup if a not in names]
     if unknown:
-        raise ValueError(f"jax_cgx.nccl: axes {unknown} are not axes of the mesh (its axes: {names})")
+        raise ValueError(f"jax_cgx: axes {unknown} are not axes of the mesh (its axes: {names})")
     if len(set(tup)) != len(tup):
-        raise ValueError(f"jax_cgx.nccl: axes {tup} name an axis twice")
+        raise ValueError(f"jax_cgx: axes {tup} name an axis twice")
     return tup
 
 
@@ -94,6 +89,7 @@ def key_of(ident: tuple, axes: tuple[str, ...]) -> int:
     ids, names, shape = ident
     blob = json.dumps({"devices": list(ids), "names": list(names), "shape": list(shape), "axes": list(axes)},
                       separators=(",", ":"))
+    # The salt keeps its first user's name: keys stay what they were for both backends.
     digest = hashlib.blake2b(blob.encode(), digest_size=8, person=b"jax_cgx.nccl").digest()
     return int.from_bytes(digest, "little") & ((1 << 63) - 1)
 
@@ -215,7 +211,7 @@ class Families:
 
 @dataclasses.dataclass(frozen=True)
 class PlannedGroup:
-    """One group of a family :func:`jax_cgx.nccl.setup` is about to create."""
+    """One group of a family that a backend's ``setup`` is about to connect."""
 
     axes: tuple[str, ...]
     key: int
@@ -240,18 +236,3 @@ class PlannedGroup:
     def description(self) -> str:
         ids = [int(d.id) for d in self.devices]
         return f"jax_cgx axes={self.axes!r} group {self.index} of {self.count}, devices {ids}"
-
-    @property
-    def kv_key(self) -> str:
-        return f"{KV_PREFIX}/{self.key:016x}/{self.generation}/{self.index}"
-
-    def members(self, process: int) -> list[tuple[int, int]]:
-        """``[(CUDA ordinal, rank)]`` of this group's devices that ``process`` owns."""
-        out = []
-        for rank, d in enumerate(self.devices):
-            if int(d.process_index) == process:
-                ordinal = getattr(d, "local_hardware_id", None)
-                if ordinal is None:
-                    raise NcclError(f"jax_cgx.nccl: device {d!r} has no local_hardware_id (CUDA ordinal)")
-                out.append((int(ordinal), rank))
-        return out

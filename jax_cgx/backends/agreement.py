@@ -4,9 +4,9 @@ Two processes that run different compressed reductions at the same point of a pr
 bits, bucket size, algorithm, dtype, fusion-buffer size, backend, axes) exchange messages of
 different sizes: gloo aborts the process ("Received data size doesn't match expected size"),
 other transports hang. So each compressed reduction that crosses processes is described when it
-is lowered (:func:`check`, called by every backend's lowering rule: the xla one in
-:mod:`~jax_cgx.collectives.primitive` and :mod:`~jax_cgx.collectives.sharded`, the tcp and nccl
-ones where they emit their custom calls), and the descriptions are compared across the
+is lowered (:func:`check`, called by the one lowering rule every collective's primitive
+registers, :func:`jax_cgx.backends.register_lowering`, before it hands the reduction to its backend),
+and the descriptions are compared across the
 processes through the ``jax.distributed`` key-value store: every process other than the first
 publishes its description, the first reads them and publishes a verdict, and every process
 raises the same :class:`ValueError`, naming both settings, when they differ (or when a process
