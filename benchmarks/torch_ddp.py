@@ -76,7 +76,7 @@ def process_group():
     else:
         from jax._src import distributed
 
-        from jax_cgx.tcp.lifecycle import host_address
+        from jax_cgx.tcp import host_address
 
         client = distributed.global_state.client
         if rank == 0:

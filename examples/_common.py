@@ -27,8 +27,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_cgx
-from jax_cgx._compat import varying_axes
-from jax_cgx.collectives import bytes_on_wire
+from jax_cgx import bytes_on_wire
+from jax_cgx._src.compat import varying_axes  # JAX's varying-axes type, across jax versions
 
 AXIS = "data"
 COMPRESSORS = ("none", "maxmin", "cast", "powersgd", "topk")
@@ -183,11 +183,11 @@ def wire_bytes(args, params, world: int) -> int:
 
         return bytes_on_wire(params, world, layer_filter(_maxmin_config(args), args.layer_min_size))
     if args.compressor == "powersgd":
-        from jax_cgx.optax._powersgd import powersgd_bytes
+        from jax_cgx.optax import powersgd_bytes
 
         return powersgd_bytes(params, world, rank=args.rank)
     if args.compressor == "topk":
-        from jax_cgx.optax._topk import topk_bytes
+        from jax_cgx.optax import topk_bytes
 
         return topk_bytes(params, world, ratio=args.ratio)
     raise ValueError(f"unknown compressor {args.compressor!r}")

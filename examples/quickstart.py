@@ -51,8 +51,8 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jax_cgx  # noqa: E402
-from jax_cgx.collectives import bytes_on_wire, policy  # noqa: E402
-from jax_cgx.collectives.cost_model import LinkModel, predict  # noqa: E402
+from jax_cgx import bytes_on_wire  # noqa: E402
+from jax_cgx.cost_model import LinkModel, figures, predict  # noqa: E402
 
 
 def report(*args) -> None:
@@ -168,11 +168,11 @@ def between_machines(params, batch, world: int, config) -> None:
         jax.block_until_ready(local(params, x, y))
         times.append(time.perf_counter() - t0)
     compute = sorted(times)[2]
-    rates = policy.figures(config.replace(link_gbps=1.0)).rates  # this machine's codec, measured once
+    rates = figures(config.replace(link_gbps=1.0)).rates  # this machine's codec, measured once
     nbytes = sum(v.size * v.dtype.itemsize for v in jax.tree.leaves(params))
     report(f"\nThese {world} devices are simulated in one process: no byte crosses a network, so the times above\n"
            "are compute and memory traffic, and compression only adds its codec's work. With each device on a\n"
-           "machine of its own, the cost model (jax_cgx/collectives/cost_model.py) predicts, from this machine's\n"
+           "machine of its own, the cost model (jax_cgx.cost_model) predicts, from this machine's\n"
            f"codec (quantize {rates.quantize / 1e9:.1f} GB/s, dequantize {rates.dequantize / 1e9:.1f} GB/s), "
            f"one device's gradient ({compute * 1e3:.1f} ms) and {LATENCY_S * 1e6:.0f} us per message:")
     report(f"{'link':>12}  {'pmean step':>12}  {f'{config.bits}-bit step':>12}  speedup")

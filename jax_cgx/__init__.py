@@ -14,9 +14,9 @@ from jax_cgx import allocator
 # Before anything computes, so that XLA's threads are born on the main arena (jax_cgx/allocator.py).
 allocator.apply_default()
 
-# nccl and tcp: each registers its backend (jax_cgx.backends) when imported.
+# nccl and tcp: each registers its backend (jax_cgx._src.backends) when imported.
 from jax_cgx import distributed, nccl, tcp  # noqa: E402
-from jax_cgx.codec import (  # noqa: E402
+from jax_cgx._src.codec import (  # noqa: E402
     Quantized,
     cuda_extension_available,
     dequantize,
@@ -26,7 +26,7 @@ from jax_cgx.codec import (  # noqa: E402
     payload_bytes,
     quantize,
 )
-from jax_cgx.collectives import (  # noqa: E402
+from jax_cgx._src.collectives import (  # noqa: E402
     bytes_on_wire,
     calibrate,
     compressed_all_gather,
@@ -36,8 +36,8 @@ from jax_cgx.collectives import (  # noqa: E402
     explain,
     reduce_in_backward,
 )
-from jax_cgx.config import CompressionConfig  # noqa: E402
-from jax_cgx.data_parallel import data_parallel_value_and_grad  # noqa: E402
+from jax_cgx._src.config import CompressionConfig  # noqa: E402
+from jax_cgx._src.data_parallel import data_parallel_value_and_grad  # noqa: E402
 
 __version__ = "0.1.0"
 
@@ -61,6 +61,7 @@ __all__ = [
     "payload_bytes",
     "cuda_extension_available",
     "allocator",
+    "cost_model",
     "distributed",
     "nccl",
     "optax",
@@ -68,7 +69,7 @@ __all__ = [
 ]
 
 # Imported on first use: importing optax costs time that users of the collectives alone need not pay.
-_LAZY_SUBMODULES = ("optax",)
+_LAZY_SUBMODULES = ("cost_model", "optax")
 
 
 def __getattr__(name: str):

@@ -29,7 +29,7 @@ from typing import Any
 
 import jax
 
-from jax_cgx._args import check_bool
+from jax_cgx._src.arguments import check_bool
 
 __all__ = ["ProcessInfo", "detect", "initialize"]
 

@@ -44,7 +44,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from jax_cgx._args import integer
+from jax_cgx._src.arguments import integer
 from jax_cgx.distributed import COORDINATOR_VARIABLE, RANK_VARIABLES
 
 

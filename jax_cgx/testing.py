@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from jax_cgx import codec
-from jax_cgx.collectives.chunks import chunk_valid
+from jax_cgx._src import codec
+from jax_cgx._src.exchange.chunks import chunk_valid
 
 __all__ = ["simulate", "simulate_ring"]
 

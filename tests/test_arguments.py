@@ -1,5 +1,5 @@
 """Arguments of the public functions: booleans are real booleans (one shared check,
-jax_cgx/_args.py), and jax_cgx.optax.sharded checks what it is given when it is built."""
+jax_cgx/_src/arguments.py), and jax_cgx.optax.sharded checks what it is given when it is built."""
 
 import jax
 import jax.numpy as jnp
@@ -9,8 +9,8 @@ import pytest
 
 import jax_cgx
 import jax_cgx.optax as cgx_optax
-from jax_cgx import _args
-from jax_cgx.optax import _checks
+from jax_cgx._src import arguments
+from jax_cgx._src.optax import checks
 
 NOT_BOOLS = ["False", "True", 0, 1, None, "no"]
 X = {"w": jnp.ones((8,), jnp.float32)}
@@ -50,12 +50,12 @@ def test_boolean_arguments_take_only_booleans(call, value):
 
 
 def test_numpy_bools_are_booleans():
-    assert _args.check_bool("f", "x", np.bool_(True)) is True
-    assert _args.check_bool("f", "x", False) is False
+    assert arguments.check_bool("f", "x", np.bool_(True)) is True
+    assert arguments.check_bool("f", "x", False) is False
 
 
 def test_one_boolean_check():
-    assert _checks.check_bool is _args.check_bool and _checks.check_axes is _args.check_axes
+    assert checks.check_bool is arguments.check_bool and checks.check_axes is arguments.check_axes
 
 
 def test_data_parallel_needs_an_axis():

@@ -57,7 +57,7 @@ def test_replace_validates():
 
 
 def test_fusion_buffer_bounds():
-    from jax_cgx.config import MIN_FUSION_BUFFER_MB
+    from jax_cgx._src.config import MIN_FUSION_BUFFER_MB
 
     assert MIN_FUSION_BUFFER_MB == 2**-10
     assert CompressionConfig(fusion_buffer_mb=MIN_FUSION_BUFFER_MB).fusion_buffer_bytes == 1024

@@ -1,5 +1,5 @@
 """jax_cgx.data_parallel_value_and_grad: a plain jax.jit step with compressed gradient averaging
-(jax_cgx/data_parallel.py); and jax_cgx.optax reachable after ``import jax_cgx``."""
+(jax_cgx/_src/data_parallel.py); and jax_cgx.optax reachable after ``import jax_cgx``."""
 
 import subprocess
 import sys

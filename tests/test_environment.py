@@ -14,9 +14,10 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import jax_cgx
-from jax_cgx import CompressionConfig, _extensions, config
+from jax_cgx import CompressionConfig
+from jax_cgx._src import config, extensions
+from jax_cgx._src.nccl import unique_ids
 from jax_cgx.distributed import detect
-from jax_cgx.nccl import unique_ids
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TREE = {"w": jax.ShapeDtypeStruct((4096,), jnp.float32)}
@@ -38,7 +39,7 @@ def test_cpu_isa_takes_only_the_variants_names(value):
     # The C++ took an unknown name for auto without a word (AVX2 ran avx512).
     with pytest.raises(ValueError, match=rf"JAX_CGX_CPU_ISA={value!r} is not a CPU kernel variant: use one of "
                                          "auto, avx512, avx2, baseline"):
-        _extensions.choose_isa({"JAX_CGX_CPU_ISA": value})
+        extensions.choose_isa({"JAX_CGX_CPU_ISA": value})
 
 
 def test_cpu_isa_the_cpu_lacks_is_an_error(monkeypatch):
@@ -49,20 +50,20 @@ def test_cpu_isa_the_cpu_lacks_is_an_error(monkeypatch):
         def kernel_info(self):
             return {"isa_supported": ["avx2", "baseline"]}
 
-    monkeypatch.setattr(_extensions, "_cpu", OldCpu())
+    monkeypatch.setattr(extensions, "_cpu", OldCpu())
     with pytest.raises(ValueError, match="JAX_CGX_CPU_ISA='avx512': this CPU cannot run the avx512 kernels; it runs "
                                          "avx2, baseline"):
-        _extensions.choose_isa({"JAX_CGX_CPU_ISA": "avx512"})
-    assert _extensions.choose_isa({"JAX_CGX_CPU_ISA": ""}) == "auto"
+        extensions.choose_isa({"JAX_CGX_CPU_ISA": "avx512"})
+    assert extensions.choose_isa({"JAX_CGX_CPU_ISA": ""}) == "auto"
 
 
 def test_cpu_isa_chosen_sets_the_kernels():
     try:
-        assert _extensions.choose_isa({"JAX_CGX_CPU_ISA": "baseline"}) == "baseline"
-        assert _extensions.cpu().kernel_info()["isa"] == "baseline"
+        assert extensions.choose_isa({"JAX_CGX_CPU_ISA": "baseline"}) == "baseline"
+        assert extensions.cpu().kernel_info()["isa"] == "baseline"
     finally:
-        _extensions.choose_isa({})
-    assert _extensions.cpu().kernel_info()["isa"] == _extensions.cpu().kernel_info()["isa_supported"][0]
+        extensions.choose_isa({})
+    assert extensions.cpu().kernel_info()["isa"] == extensions.cpu().kernel_info()["isa_supported"][0]
 
 
 def test_a_bad_cpu_isa_stops_the_import():

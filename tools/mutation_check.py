@@ -69,53 +69,53 @@ class Mutation:
 
 MUTATIONS = (
     Mutation(
-        "requant-nearest", "jax_cgx/codec/rows.py",
+        "requant-nearest", "jax_cgx/_src/codec/rows.py",
         "stochastic=stochastic, m=m, dtype=np.dtype(dtype))",
         "stochastic=False, m=m, dtype=np.dtype(dtype))",
         "the owner's re-quantization of the sum rounds to nearest under stochastic rounding "
         "(dequantize_sum_requantize_rows ignores stochastic=True)"),
     Mutation(
-        "same-buffer-stream", "jax_cgx/collectives/allreduce.py",
+        "same-buffer-stream", "jax_cgx/_src/collectives/psum.py",
         "jax.random.fold_in(rank_key, buffer_index)",
         "jax.random.fold_in(rank_key, 0)",
         "every fusion buffer of compressed_psum draws buffer 0's random stream"),
     Mutation(
-        "same-rank-stream", "jax_cgx/collectives/allreduce.py",
+        "same-rank-stream", "jax_cgx/_src/collectives/psum.py",
         "else jax.random.fold_in(key, lax.axis_index(axes))",
         "else key",
         "compressed_psum no longer folds the rank into the key: every rank rounds alike"),
     Mutation(
-        "chunk-valid-plus-one", "jax_cgx/collectives/chunks.py",
+        "chunk-valid-plus-one", "jax_cgx/_src/exchange/chunks.py",
         "valid[:, None].astype(jnp.int32) - starts, 0, chunk)",
         "valid[:, None].astype(jnp.int32) - starts + 1, 0, chunk)",
         "chunk padding: one padding value per chunk counted as real (it may widen a bucket)"),
     Mutation(
-        "own-chunk-quantized", "jax_cgx/collectives/sra.py",
+        "own-chunk-quantized", "jax_cgx/_src/exchange/sra.py",
         "sent_real = jnp.where(jnp.arange(w) == me, 0, real)",
         "sent_real = real",
         "SRA: the owner's own chunk is also sent encoded, so it enters its sum twice"),
     Mutation(
-        "scatter-wrong-block", "jax_cgx/collectives/reduce_scatter.py",
+        "scatter-wrong-block", "jax_cgx/_src/collectives/reduce_scatter.py",
         "own = lax.dynamic_index_in_dim(padded, me, axis=1, keepdims=False)",
         "own = lax.dynamic_index_in_dim(padded, (me + 1) % w, axis=1, keepdims=False)",
         "compressed_psum_scatter: the owner adds its next neighbour's block instead of its own"),
     Mutation(
-        "pmean-world-minus-one", "jax_cgx/collectives/allreduce.py",
+        "pmean-world-minus-one", "jax_cgx/_src/collectives/psum.py",
         'world = _world_size(axes, "compressed_pmean")',
         'world = _world_size(axes, "compressed_pmean") - 1',
         "compressed_pmean divides the sum by W - 1"),
     Mutation(
-        "skipped-tail-unsummed", "jax_cgx/collectives/allreduce.py",
+        "skipped-tail-unsummed", "jax_cgx/_src/collectives/psum.py",
         "parts.append(lax.psum(tail, axes))",
         "parts.append(tail)",
         "skip_incomplete_buckets: the uncompressed tail is this rank's own values, not their sum"),
     Mutation(
-        "wire-meta-bytes", "jax_cgx/collectives/chunks.py",
+        "wire-meta-bytes", "jax_cgx/_src/exchange/chunks.py",
         "num_buckets(c, bucket_size) * META_BYTES",
         "num_buckets(c, bucket_size) * (META_BYTES - 4)",
         "bytes_on_wire counts 4 metadata bytes per bucket instead of 8"),
     Mutation(
-        "reference-flush", "jax_cgx/codec/reference.py",
+        "reference-flush", "jax_cgx/_src/codec/reference.py",
         "return jnp.where(jnp.abs(x) < MIN_NORMAL, _F32(0), x)",
         "return jnp.where(jnp.abs(x) < MIN_NORMAL / 2, _F32(0), x)",
         "the pure-JAX reference flushes only subnormals below 2^-127 to zero (the kernels all of them)"),

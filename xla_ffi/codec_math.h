@@ -2,7 +2,7 @@
 //
 // This header is the single definition of the codec's arithmetic. The CPU
 // kernels, the CUDA kernels and (transcribed op for op) the pure-JAX reference
-// in jax_cgx/codec/reference.py all follow it, and docs/format.md explains it. Every
+// in jax_cgx/_src/codec/reference.py all follow it, and docs/format.md explains it. Every
 // function here is written so that its result does not depend on:
 //   * FMA contraction: the only product that feeds an addition
 //     (level * scale in decode) is exact, because `scale` carries at most 16

@@ -226,7 +226,7 @@ ffi::Error DequantizeSumRequantizeImpl(cudaStream_t stream, ffi::AnyBuffer paylo
 }  // namespace
 }  // namespace jax_cgx::cuda
 
-// Attributes as jax_cgx/codec/kernels.py passes them: bits and bucket_size everywhere,
+// Attributes as jax_cgx/_src/codec/kernels.py passes them: bits and bucket_size everywhere,
 // stochastic only for the two quantizing targets (XLA rejects extra or missing
 // attributes).
 XLA_FFI_DEFINE_HANDLER_SYMBOL(CudaQuantize, jax_cgx::cuda::QuantizeImpl,

@@ -17,7 +17,7 @@
 
 namespace jax_cgx::exchange {
 
-// The most segments a chunk is cut into (jax_cgx.config.MAX_SEGMENTS).
+// The most segments a chunk is cut into (jax_cgx._src.config.MAX_SEGMENTS).
 inline constexpr int kMaxSegments = 64;
 
 inline int64_t CeilDiv(int64_t a, int64_t b) { return a / b + (a % b != 0 ? 1 : 0); }

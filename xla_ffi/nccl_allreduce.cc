@@ -89,7 +89,7 @@ ffi::Error ReduceInto(const Call& c, const Segment& s, const Region& in, int64_t
                     "dequantize_sum_requantize");
 }
 
-// SRA (jax_cgx/collectives/sra.py) as the steps of exchange::RunSegments:
+// SRA (jax_cgx/_src/exchange/sra.py) as the steps of exchange::RunSegments:
 // every rank quantizes its W chunks, chunk j goes to rank j, the owner sums
 // the W encodings (its own with zeroed metadata) plus its chunk in full
 // precision and re-quantizes; then all-gather and decode.
@@ -124,7 +124,7 @@ ffi::Error RingHop(const Call& c, const Segment& s, int64_t slot, cudaEvent_t re
   return ffi::Error::Success();
 }
 
-// Ring (jax_cgx/collectives/ring.py): rank r quantizes chunk r-1 (seed row 0) and sends
+// Ring (jax_cgx/_src/exchange/ring.py): rank r quantizes chunk r-1 (seed row 0) and sends
 // it on; at hop t it receives chunk r-t-2, adds its own copy in full precision
 // and re-quantizes (seed row t+1), and at the last hop (t = W-2, chunk r) uses
 // seed row W, giving the final encoding of chunk r; then all-gather, decode.

@@ -2,7 +2,7 @@
 // fusion-buffer row, jax_cgx_nccl_allreduce (see xla_ffi/README.md).
 //
 // It computes exactly what the xla backend's lowering of the same primitive
-// computes (jax_cgx/collectives/sra.py for SRA, jax_cgx/collectives/ring.py for the ring), with the
+// computes (jax_cgx/_src/exchange/sra.py for SRA, jax_cgx/_src/exchange/ring.py for the ring), with the
 // same kernels on the same bytes, so results are bitwise equal; only the
 // transport (NCCL point-to-point and all-gather on jax_cgx's communicators)
 // and the scheduling (segment pipelining) differ.

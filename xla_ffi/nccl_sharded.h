@@ -10,7 +10,7 @@
 //       every rank decodes all W of them, its own included.
 //
 // Each computes exactly what the xla backend's program computes
-// (jax_cgx/collectives/reduce_scatter.py scatter_rows, all_gather.py gather_rows)
+// (jax_cgx/_src/collectives/reduce_scatter.py scatter_rows, all_gather.py gather_rows)
 // with the same kernels, so results are bitwise equal. The xla backend pads each
 // block to an aligned length and marks the padding invalid; here a block is
 // encoded at its own length, which gives the same metadata and levels for every

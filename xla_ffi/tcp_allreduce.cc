@@ -2,7 +2,7 @@
 // CPU custom call over jax_cgx's own TCP connections (xla_ffi/tcp_comms.h).
 //
 // It computes what the xla backend's lowering of the same primitive computes
-// (jax_cgx/collectives/sra.py), with the same CPU kernels on the same
+// (jax_cgx/_src/exchange/sra.py), with the same CPU kernels on the same
 // values, so results are bitwise equal; only the transport and the schedule
 // differ. Each chunk is cut into segments of whole buckets; the handler's
 // thread runs the codec on one segment while the communicator's I/O thread
@@ -439,7 +439,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(CpuTcpAllreduceStart, jax_cgx::tcp::TcpStartImpl,
                                   .Arg<ffi::AnyBuffer>()  // x[n]
                                   .Arg<ffi::AnyBuffer>()  // seeds[W + 1, 2]
                                   .Arg<ffi::AnyBuffer>()  // valid[1]
-                                  .Arg<ffi::AnyBuffer>()  // after: the previous start's ticket (tcp/lowering.py)
+                                  .Arg<ffi::AnyBuffer>()  // after: the previous start's ticket (_src/tcp/backend.py)
                                   .Ret<ffi::AnyBuffer>()  // out[n], filled by the call thread
                                   .Ret<ffi::AnyBuffer>()  // ticket s32[1]
                                   .Attr<int64_t>("comm_key")

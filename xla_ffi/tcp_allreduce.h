@@ -2,7 +2,7 @@
 // fusion-buffer row on CPU, jax_cgx_tcp_allreduce (see xla_ffi/README.md).
 //
 // It computes exactly what the xla backend's SRA lowering computes
-// (jax_cgx/collectives/sra.py), with the same CPU kernels on the same bytes,
+// (jax_cgx/_src/exchange/sra.py), with the same CPU kernels on the same bytes,
 // so results are bitwise equal; the transport (jax_cgx's TCP connections,
 // xla_ffi/tcp_comms.h) and the schedule (segments pipelined between the codec
 // and the wire) differ.
@@ -25,7 +25,7 @@ inline constexpr int64_t kAutoSegmentBytes = int64_t{1} << 20;
 struct Header {
   uint32_t magic = 0;
   uint32_t bits = 0;
-  int64_t site = 0;  // which call of the program (jax_cgx/tcp/lowering.py numbers them)
+  int64_t site = 0;  // which call of the program (jax_cgx/_src/tcp/backend.py numbers them)
   int64_t n = 0;
   int64_t chunk = 0;
   int64_t bucket = 0;

@@ -153,7 +153,7 @@ struct Member {
 
 // Registers the communicators of this process's members of one group of
 // `world` ranks under `key`, over sockets connected and authenticated by the
-// set-up handshake (jax_cgx/tcp/handshake.py: every member connects to the
+// set-up handshake (jax_cgx/_src/tcp/handshake.py: every member connects to the
 // ranks below it and accepts the ranks above it; each connection's greeting
 // is checked there, in Python). Takes ownership of every socket: they are
 // made non-blocking with TCP_NODELAY, or closed on an error.

@@ -2,7 +2,7 @@
 
 import argparse
 
-from jax_cgx.bench import allreduce, codec, cost_model, phases
+from jax_cgx.bench import allreduce, codec, model, phases
 
 
 def main(argv=None) -> None:
@@ -17,9 +17,9 @@ def main(argv=None) -> None:
     allreduce.add_arguments(p)
     p.set_defaults(run=allreduce.main)
     p = sub.add_parser("model", help="predicted all-reduce times on a slow link (cost model)",
-                       description=cost_model.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    cost_model.add_arguments(p)
-    p.set_defaults(run=cost_model.main)
+                       description=model.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    model.add_arguments(p)
+    p.set_defaults(run=model.main)
     p = sub.add_parser("phases", help="each phase of one compressed all-reduce timed alone",
                        description=phases.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     phases.add_arguments(p)

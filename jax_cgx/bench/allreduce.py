@@ -15,7 +15,7 @@ Every row times both reductions of the same float32 buffer (one per device) in t
 same process, blocking on each call (many in-flight collectives on virtual CPU
 devices can deadlock XLA's rendezvous). ``wire MiB`` is what one device sends: a
 bandwidth-optimal all-reduce moves ``2(W-1)/W`` of the buffer; SRA moves ``W-1`` packed
-chunks out and ``W-1`` back (jax_cgx.collectives.bytes_on_wire). On simulated CPU
+chunks out and ``W-1`` back (jax_cgx._src.collectives.bytes_on_wire). On simulated CPU
 devices there is no wire, so the time shows the cost of the codec, not the benefit of
 moving fewer bytes; docs/results.md says which is which.
 
@@ -47,9 +47,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_cgx
-from jax_cgx._args import BITS, integer, number
+from jax_cgx._src.arguments import BITS, integer, number
+from jax_cgx._src.collectives import bytes_on_wire
 from jax_cgx.bench._table import print_table, save
-from jax_cgx.collectives import bytes_on_wire
 
 
 def median_time(fn, x, repeats: int, warmup: int = 1) -> float:

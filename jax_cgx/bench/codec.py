@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_cgx
-from jax_cgx._args import BITS, integer, number
+from jax_cgx._src.arguments import BITS, integer, number
 from jax_cgx.bench._table import print_table, save
 
 _CALLS = 20  # calls per timed batch on a GPU

@@ -27,12 +27,12 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_cgx
-from jax_cgx import codec
+from jax_cgx._src import codec
+from jax_cgx._src.codec.quantized import META_BYTES
+from jax_cgx._src.exchange import wire as _wire
+from jax_cgx._src.exchange.chunks import chunk_length, row_plan
 from jax_cgx.bench._table import print_table, save
 from jax_cgx.bench.allreduce import median_time
-from jax_cgx.codec.quantized import META_BYTES
-from jax_cgx.collectives import wire as _wire
-from jax_cgx.collectives.chunks import chunk_length, row_plan
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

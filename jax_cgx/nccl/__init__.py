@@ -48,20 +48,20 @@ The package, one module per job (each imports only those above it):
 ``registry``       this process's families and :func:`lookup`
 ``unique_ids``     handing NCCL unique ids to the processes of each group (kv or MPI)
 ``lifecycle``      :func:`setup`, :func:`teardown`, the exit hook
-``backend``        :class:`~jax_cgx.nccl.backend.NcclBackend`: its custom calls (imports the rest)
+``backend``        :class:`~jax_cgx._src.nccl.backend.NcclBackend`: its custom calls (imports the rest)
 =================  ==================================================================
 
 Reduction groups and family keys (:func:`groups`, :func:`family_key`) are shared with the tcp
-backend (:mod:`jax_cgx.backends.groups`).
+backend (:mod:`jax_cgx._src.backends.groups`).
 
 The compiled functions are reached only through ``library.binding()``; tests replace
 that function with a fake to exercise everything but real NCCL on CPU.
 """
 
 
-from jax_cgx.backends.groups import family_key, groups
-from jax_cgx.nccl import backend as _backend  # noqa: F401  (registers the nccl backend)
-from jax_cgx.nccl.library import (
+from jax_cgx._src.backends.groups import family_key, groups
+from jax_cgx._src.nccl import backend as _backend  # noqa: F401  (registers the nccl backend)
+from jax_cgx._src.nccl.library import (
     DEFAULT_SONAME,
     LIBRARY_ENV,
     NcclError,
@@ -69,9 +69,9 @@ from jax_cgx.nccl.library import (
     library_candidates,
     load,
 )
-from jax_cgx.nccl.lifecycle import Communicators, setup, teardown
-from jax_cgx.nccl.registry import CommunicatorInfo, communicators, lookup
-from jax_cgx.nccl.unique_ids import DEFAULT_TIMEOUT_S, TIMEOUT_ENV
+from jax_cgx._src.nccl.lifecycle import Communicators, setup, teardown
+from jax_cgx._src.nccl.registry import CommunicatorInfo, communicators, lookup
+from jax_cgx._src.nccl.unique_ids import DEFAULT_TIMEOUT_S, TIMEOUT_ENV
 
 __all__ = [
     "DEFAULT_SONAME",

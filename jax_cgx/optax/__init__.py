@@ -35,7 +35,7 @@ try:
 except ImportError as err:  # pragma: no cover - optional dependency
     raise ImportError("jax_cgx.optax needs optax: pip install optax (or jax_cgx[optax])") from err
 
-from jax_cgx.optax._mean import (
+from jax_cgx._src.optax.mean import (
     CastMeanState,
     CompressedMeanState,
     cast_mean,
@@ -43,9 +43,9 @@ from jax_cgx.optax._mean import (
     compressed_mean_state_specs,
     layer_filter,
 )
-from jax_cgx.optax._powersgd import PowerSGDState, powersgd_bytes, powersgd_mean
-from jax_cgx.optax._sharded import ShardedOptimizer, ShardedState, sharded
-from jax_cgx.optax._topk import TopKState, topk_bytes, topk_mean, topk_state_specs
+from jax_cgx._src.optax.powersgd import PowerSGDState, powersgd_bytes, powersgd_mean
+from jax_cgx._src.optax.topk import TopKState, topk_bytes, topk_mean, topk_state_specs
+from jax_cgx._src.optax.zero import ShardedOptimizer, ShardedState, sharded
 
 __all__ = [
     "compressed_mean",

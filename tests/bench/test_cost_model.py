@@ -1,12 +1,12 @@
-"""The all-reduce cost model (jax_cgx/bench/cost_model.py): units and limits."""
+"""The all-reduce cost model (jax_cgx/bench/model.py): units and limits."""
 
 import argparse
 import json
 
 import pytest
 
-from jax_cgx.bench.cost_model import CodecRates, LinkModel, encoded_chunk_bytes, parse_rate, predict
-from jax_cgx.collectives.chunks import wire_bytes_per_rank
+from jax_cgx._src.exchange.chunks import wire_bytes_per_rank
+from jax_cgx.bench.model import CodecRates, LinkModel, encoded_chunk_bytes, parse_rate, predict
 
 RATES = CodecRates(quantize=2e9, dequantize=3e9, add=5e9)
 

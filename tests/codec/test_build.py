@@ -10,7 +10,8 @@ import jax.numpy as jnp
 import pytest
 
 import jax_cgx
-from jax_cgx import CompressionConfig, _extensions
+from jax_cgx import CompressionConfig
+from jax_cgx._src import extensions
 
 
 def test_import_needs_no_gpu_and_no_nccl(tmp_path):
@@ -25,11 +26,11 @@ def test_import_needs_no_gpu_and_no_nccl(tmp_path):
 
 
 def test_missing_cuda_extension_is_a_clear_error(monkeypatch):
-    monkeypatch.setattr(_extensions, "_cuda", None)
-    monkeypatch.setattr(_extensions, "_cuda_error", ImportError("not built"))
+    monkeypatch.setattr(extensions, "_cuda", None)
+    monkeypatch.setattr(extensions, "_cuda_error", ImportError("not built"))
     assert not jax_cgx.cuda_extension_available()
     with pytest.raises(RuntimeError, match="built without its CUDA extension.*JAX_CGX_CUDA=ON"):
-        _extensions.require_cuda_extension()
+        extensions.require_cuda_extension()
 
 
 def test_cpu_lowering_is_the_ffi_custom_call():

@@ -91,19 +91,19 @@ def test_rows_encode_their_first_m_values(bits, m):
     x = jnp.asarray(np.array([[0, 1, 2, 3, 0, 1, 100, -100, 5, 5]], np.float32))
     seeds = jnp.zeros((1, 2), jnp.uint32)
     args = dict(bits=bits, bucket_size=4, stochastic=False, m=m)
-    want = jax_cgx.codec.quantize_rows(x[:, :m], seeds, impl="reference", **args)
+    want = jax_cgx._src.codec.quantize_rows(x[:, :m], seeds, impl="reference", **args)
     for impl in ("kernel", "reference"):
-        for a, b in zip(jax_cgx.codec.quantize_rows(x, seeds, impl=impl, **args), want, strict=True):
+        for a, b in zip(jax_cgx._src.codec.quantize_rows(x, seeds, impl=impl, **args), want, strict=True):
             assert_same_bits(a, b, f"{impl} m={m}")
 
 
 @pytest.mark.parametrize("args", [(-5, 4, 4), (10, -3, 4), (10, 4, 0), (10, 4, 16), (10.0, 4, 4), (10, 4.5, 4)])
 def test_size_helpers_refuse_what_is_not_a_size(args):
     with pytest.raises(ValueError, match="payload_bytes: needs integers m >= 0, bucket_size >= 1 and bits in 1..8"):
-        jax_cgx.codec.payload_bytes(*args)
+        jax_cgx._src.codec.payload_bytes(*args)
     if args[2] == 4:
         with pytest.raises(ValueError, match="num_buckets: needs integers"):
-            jax_cgx.codec.num_buckets(*args[:2])
+            jax_cgx._src.codec.num_buckets(*args[:2])
 
 
 @pytest.mark.parametrize("impl", ["kernel", "reference"])
@@ -221,7 +221,7 @@ def test_reference_reciprocal_is_correctly_rounded():
     """The reference's 1/scale is IEEE division's bits, by integer arithmetic (XLA:GPU's f32
     divide is PTX div.full, off by an ulp at times): every exponent of a scale, random and
     extreme significands."""
-    from jax_cgx.codec import reference
+    from jax_cgx._src.codec import reference
 
     rng = np.random.default_rng(5)
     exponent = rng.integers(-100, 126, 200_000)  # scales lie in [2**-100, 2**126]

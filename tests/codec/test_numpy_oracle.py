@@ -18,7 +18,8 @@ import pytest
 from bitwise import assert_same_bits
 
 import jax_cgx
-from jax_cgx import CompressionConfig, codec
+from jax_cgx import CompressionConfig
+from jax_cgx._src import codec
 
 DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16, "f16": jnp.float16}
 BUCKETS = (3, 64, 512)

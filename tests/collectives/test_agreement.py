@@ -1,4 +1,4 @@
-"""jax_cgx.backends.agreement in one process: descriptions, which reductions are checked, and
+"""jax_cgx._src.backends.agreement in one process: descriptions, which reductions are checked, and
 the verdict every process acts on (with a stand-in for the jax.distributed store). The processes
 themselves: test_agreement_processes.py."""
 
@@ -13,7 +13,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_cgx
-from jax_cgx.backends import agreement
+from jax_cgx._src.backends import agreement
 
 
 def _pairs(bits=4, bucket_size=64, n=1000):

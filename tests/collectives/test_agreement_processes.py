@@ -1,6 +1,6 @@
 """Two processes that run different compressed reductions at the same point fail on every
 process with one clear error naming both settings, on the xla and the tcp backend: no abort
-inside gloo, no hang; matching ones run, agreeing once per compile (jax_cgx.backends.agreement).
+inside gloo, no hang; matching ones run, agreeing once per compile (jax_cgx._src.backends.agreement).
 One run of tests/support/agreement_worker.py serves every test here."""
 
 import json

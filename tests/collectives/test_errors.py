@@ -13,8 +13,8 @@ from jax.sharding import PartitionSpec as P
 
 import jax_cgx
 from jax_cgx import CompressionConfig
-from jax_cgx.collectives import bytes_on_wire
-from jax_cgx.config import MAX_FUSION_BUFFERS, MIN_FUSION_BUFFER_MB
+from jax_cgx._src.collectives import bytes_on_wire
+from jax_cgx._src.config import MAX_FUSION_BUFFERS, MIN_FUSION_BUFFER_MB
 
 
 def _spec(shape, dtype=jnp.float32):

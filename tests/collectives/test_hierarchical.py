@@ -11,8 +11,8 @@ from jax.sharding import PartitionSpec as P
 
 import jax_cgx
 from jax_cgx import CompressionConfig
-from jax_cgx.collectives import bytes_on_wire
-from jax_cgx.collectives.hierarchical import hierarchical_shard
+from jax_cgx._src.collectives import bytes_on_wire
+from jax_cgx._src.exchange.hierarchical import hierarchical_shard
 
 KEY = jax.random.key(5)
 NAMES = ("node", "local")

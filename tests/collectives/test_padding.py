@@ -27,10 +27,10 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_cgx
-from jax_cgx import codec
-from jax_cgx.codec import reference as _reference
-from jax_cgx.codec.quantized import num_buckets
-from jax_cgx.collectives.chunks import chunk_length
+from jax_cgx._src import codec
+from jax_cgx._src.codec import reference as _reference
+from jax_cgx._src.codec.quantized import num_buckets
+from jax_cgx._src.exchange.chunks import chunk_length
 
 # ----------------------------------------------------------------- the codec
 

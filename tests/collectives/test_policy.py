@@ -1,5 +1,5 @@
 """policy="auto": decisions from the cost model, static under jit, logged once, agreed by every
-process; jax_cgx.explain; JAX_CGX_POLICY / JAX_CGX_LINK_GBPS (jax_cgx/collectives/policy.py)."""
+process; jax_cgx.explain; JAX_CGX_POLICY / JAX_CGX_LINK_GBPS (jax_cgx/_src/policy/pricing.py)."""
 
 import io
 import json
@@ -20,7 +20,8 @@ from jax.sharding import PartitionSpec as P
 from processes import SUPPORT, run_all
 
 import jax_cgx
-from jax_cgx.collectives import bytes_on_wire, cost_model, policy
+from jax_cgx._src.collectives import bytes_on_wire
+from jax_cgx._src.policy import cost_model, pricing
 from jax_cgx.launch import free_port
 
 W = 8
@@ -29,9 +30,9 @@ BIG = 1 << 18  # values per device of the large leaf: 1 MiB of float32
 
 @pytest.fixture(autouse=True)
 def fresh_policy():
-    policy.reset()
+    pricing.reset()
     yield
-    policy.reset()
+    pricing.reset()
 
 
 def _tree():
@@ -97,9 +98,9 @@ def test_buffers_decided_one_by_one(monkeypatch):
 
     def fake(values, dtype, world, config, **kw):
         calls.append(values)
-        return policy.Decision(values == 16384, 1.0, 1.0)
+        return pricing.Decision(values == 16384, 1.0, 1.0)
 
-    monkeypatch.setattr(policy, "decide", fake)
+    monkeypatch.setattr(pricing, "decide", fake)
     key = jax.random.key(7)
     mesh = Mesh(np.array(jax.devices()[:W]), ("d",))
 
@@ -138,18 +139,18 @@ def test_measured_figures_on_virtual_devices_choose_psum():
     x = _tree()
     fn = _psum_fn(jax_cgx.CompressionConfig(bits=4, policy="auto"))
     assert not _uses_compression(fn, x)
-    fig = policy.figures()
+    fig = pricing.figures()
     assert fig.link_source == f"measured over {len(jax.devices())} devices"
     assert fig.link.bandwidth > 0 and fig.link.latency >= 0
     assert fig.share >= 1
-    assert policy.figures() is not fig and policy.figures() == fig  # cached: measured once
+    assert pricing.figures() is not fig and pricing.figures() == fig  # cached: measured once
 
 
 def _tie_on_measured_link(monkeypatch, psum_s: float, exchange_s: float) -> list:
     """Every prediction a near-tie, on a measured link, and the timing of a buffer faked:
     returns the list of ``(values, backend)`` timed."""
-    monkeypatch.setattr(policy, "TIE_BAND", math.inf)
-    monkeypatch.setattr(policy, "_SETTLE_MAX_S", math.inf)
+    monkeypatch.setattr(pricing, "TIE_BAND", math.inf)
+    monkeypatch.setattr(pricing, "_SETTLE_MAX_S", math.inf)
     timed = []
 
     def fake(devices, values, dtype, config, backend, bodies=None):
@@ -157,7 +158,7 @@ def _tie_on_measured_link(monkeypatch, psum_s: float, exchange_s: float) -> list
         timed.append((values, backend))
         return psum_s, exchange_s
 
-    monkeypatch.setattr(policy, "_time_exchange", fake)
+    monkeypatch.setattr(pricing, "_time_exchange", fake)
     return timed
 
 
@@ -212,7 +213,7 @@ def test_explain_and_bytes_on_wire_never_time(monkeypatch, caplog):
     report = jax_cgx.explain(jax.tree.map(lambda v: v[0], _tree()), world=W, config=config, file=None)
     bytes_on_wire(jax.tree.map(lambda v: v[0], _tree()), W, config)
     assert timed == [] and all(b.priced == "model" for b in report.buffers)
-    monkeypatch.setattr(policy, "_SETTLE_MAX_BUFFERS", 0)  # and past the cap, the model decides
+    monkeypatch.setattr(pricing, "_SETTLE_MAX_BUFFERS", 0)  # and past the cap, the model decides
     with caplog.at_level(logging.INFO, logger="jax_cgx"):
         assert not _uses_compression(_psum_fn(config), _tree())
     assert timed == [] and "buffer sizes timed already; the cost model decides" in caplog.text
@@ -220,20 +221,20 @@ def test_explain_and_bytes_on_wire_never_time(monkeypatch, caplog):
 
 def test_timing_a_buffer_over_tcp_leaves_no_communicators():
     devices = jax.devices()[:W]
-    psum_s, exchange_s = policy._time_exchange(devices, 4096, np.float32, jax_cgx.CompressionConfig(bits=4), "tcp")
+    psum_s, exchange_s = pricing._time_exchange(devices, 4096, np.float32, jax_cgx.CompressionConfig(bits=4), "tcp")
     assert psum_s > 0 and exchange_s > 0
     assert jax_cgx.tcp.communicators() == []
 
 
 def test_link_from_environment(monkeypatch):
     monkeypatch.setenv("JAX_CGX_LINK_GBPS", "2.5")
-    fig = policy.figures(jax_cgx.CompressionConfig(policy="auto"))
+    fig = pricing.figures(jax_cgx.CompressionConfig(policy="auto"))
     assert fig.link.bandwidth == 2.5e9 / 8 and fig.link_source == "JAX_CGX_LINK_GBPS"
-    fig = policy.figures(jax_cgx.CompressionConfig(policy="auto", link_gbps=10.0))  # the config wins
+    fig = pricing.figures(jax_cgx.CompressionConfig(policy="auto", link_gbps=10.0))  # the config wins
     assert fig.link.bandwidth == 10e9 / 8 and fig.link_source == "CompressionConfig.link_gbps"
     monkeypatch.setenv("JAX_CGX_LINK_GBPS", "fast")
     with pytest.raises(ValueError, match="JAX_CGX_LINK_GBPS='fast' is not a number"):
-        policy.figures(jax_cgx.CompressionConfig(policy="auto"))
+        pricing.figures(jax_cgx.CompressionConfig(policy="auto"))
 
 
 @pytest.mark.parametrize("value, message", [
@@ -290,7 +291,7 @@ def test_explain_prints_every_leaf():
     assert how == {"['w']": "psum (auto)", "['n']": "exact", "['h']": "half"}
     (buf,) = report.buffers
     assert [r.buffers for r in report.leaves] == [(), (), (0,)]  # h, n: their own lanes; w: the dissolved buffer
-    assert not buf.compressed and buf.psum_ms < buf.compressed_ms * policy.MIN_SPEEDUP and buf.values == BIG
+    assert not buf.compressed and buf.psum_ms < buf.compressed_ms * pricing.MIN_SPEEDUP and buf.values == BIG
     assert "psum (auto)" in text.getvalue() and "unlimited" in text.getvalue()
     always = jax_cgx.explain(x, config=jax_cgx.CompressionConfig(bits=4, link_gbps=0.1), world=W, file=None)
     assert [r.how for r in always.leaves] == ["compressed", "exact", "compressed"]  # h, n, w
@@ -377,12 +378,12 @@ def test_a_malformed_link_rate_on_one_process_fails_everywhere(tmp_path):
 def test_bytes_on_wire_alone_never_measures_collectively(monkeypatch):
     """bytes_on_wire may run on one process: with several processes and nothing measured yet,
     policy='auto' would start a collective probe the others never join (a hang): a clear error."""
-    policy.reset()
-    monkeypatch.setattr(policy.jax, "process_count", lambda: 2)
+    pricing.reset()
+    monkeypatch.setattr(pricing.jax, "process_count", lambda: 2)
     tree = {"w": jax.ShapeDtypeStruct((1 << 16,), jnp.float32)}
     auto = jax_cgx.CompressionConfig(bits=4, policy="auto")
     for op in ("psum", "psum_scatter", "all_gather"):
         with pytest.raises(RuntimeError, match="one process cannot do it alone. Call jax_cgx.calibrate"):
             bytes_on_wire(tree, 8, auto, op=op)
     assert bytes_on_wire(tree, 8, jax_cgx.CompressionConfig(bits=4)) > 0  # "always" needs no figures
-    policy.reset()
+    pricing.reset()

@@ -31,8 +31,8 @@ from jax.sharding import PartitionSpec as P
 
 import jax_cgx
 from jax_cgx import CompressionConfig
-from jax_cgx.codec import kernels as _ffi
-from jax_cgx.collectives.hierarchical import hierarchical_shard
+from jax_cgx._src.codec import kernels
+from jax_cgx._src.exchange.hierarchical import hierarchical_shard
 
 KEY = jax.random.key(23)
 
@@ -330,7 +330,7 @@ def test_nccl_backend_raises_on_cpu():
         residual_grid(rows(100), mesh_1d(), "d", config)
 
 
-@pytest.mark.skipif(not _ffi.cuda_extension_available(), reason="CUDA extension not built")
+@pytest.mark.skipif(not kernels.cuda_extension_available(), reason="CUDA extension not built")
 def test_cuda_lowering_is_xla_and_nccl_raises(caplog):
     """Cross-lowered for CUDA: backend='auto' runs the xla program (and says why); 'nccl' raises."""
     mesh = jax.make_mesh((4,), ("d",), devices=jax.devices()[:4])

@@ -22,7 +22,7 @@ from jax.sharding import PartitionSpec as P
 
 import jax_cgx
 from jax_cgx import CompressionConfig
-from jax_cgx.collectives import bytes_on_wire
+from jax_cgx._src.collectives import bytes_on_wire
 
 KEY = jax.random.key(11)
 

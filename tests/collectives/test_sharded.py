@@ -1,4 +1,4 @@
-"""compressed_psum_scatter and compressed_all_gather (jax_cgx/collectives/{reduce_scatter,all_gather}.py):
+"""compressed_psum_scatter and compressed_all_gather (jax_cgx/_src/collectives/{reduce_scatter,all_gather}.py):
 bits=32 is lax to the bit, the error stays within the analytic bound from the data's own buckets,
 all_gather's replicas are identical, gradients are lax's, vmap and jit/scan, bytes_on_wire."""
 
@@ -226,9 +226,9 @@ def test_errors():
 
 
 def test_settings_that_do_not_apply_are_logged_once(caplog, monkeypatch):
-    from jax_cgx.collectives import sharded
+    from jax_cgx._src.collectives import scatter_gather
 
-    monkeypatch.setattr(sharded, "_logged", set())  # whatever earlier tests logged
+    monkeypatch.setattr(scatter_gather, "_logged", set())  # whatever earlier tests logged
     xs = _data((W, 100))
     cfg = jax_cgx.CompressionConfig(bits=4, bucket_size=BUCKET, algorithm="ring", skip_incomplete_buckets=True)
     with caplog.at_level("INFO", logger="jax_cgx"):
@@ -320,11 +320,11 @@ _SHARDED_OPS = {
 
 @pytest.fixture
 def fresh_policy():
-    from jax_cgx.collectives import policy
+    from jax_cgx._src.policy import pricing
 
-    policy.reset()
-    yield policy
-    policy.reset()
+    pricing.reset()
+    yield pricing
+    pricing.reset()
 
 
 def _traced(fn, xs) -> str:
@@ -362,10 +362,10 @@ def test_policy_auto_times_a_sharded_near_tie_with_its_own_collectives(op, fresh
     """On a measured link a near-tie is timed, with the collective's own lax and compressed
     programs (they run here for real), and the timing decides."""
     ours, _, shape, primitive = _SHARDED_OPS[op]
-    policy = fresh_policy
-    monkeypatch.setattr(policy, "TIE_BAND", float("inf"))
-    monkeypatch.setattr(policy, "_SETTLE_MAX_S", float("inf"))
-    real, timed = policy._time_exchange, []
+    pricing = fresh_policy
+    monkeypatch.setattr(pricing, "TIE_BAND", float("inf"))
+    monkeypatch.setattr(pricing, "_SETTLE_MAX_S", float("inf"))
+    real, timed = pricing._time_exchange, []
 
     def timing(devices, values, dtype, config, backend, bodies=None):
         timed.append((values, backend))
@@ -373,7 +373,7 @@ def test_policy_auto_times_a_sharded_near_tie_with_its_own_collectives(op, fresh
         assert lax_s > 0 and compressed_s > 0
         return 1.0, 0.01  # compressing wins by far
 
-    monkeypatch.setattr(policy, "_time_exchange", timing)
+    monkeypatch.setattr(pricing, "_time_exchange", timing)
     config = jax_cgx.CompressionConfig(bits=4, bucket_size=BUCKET, policy="auto")
     assert primitive in _traced(lambda v: ours(v, config), _data(shape))
     assert timed == [(shape[0], "xla")]

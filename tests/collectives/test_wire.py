@@ -1,4 +1,4 @@
-"""The xla backend's messages cut into segments (jax_cgx.collectives.wire): same bytes, same results."""
+"""The xla backend's messages cut into segments (jax_cgx._src.exchange.wire): same bytes, same results."""
 
 import re
 
@@ -13,34 +13,34 @@ from jax.sharding import PartitionSpec as P
 
 import jax_cgx
 from jax_cgx import CompressionConfig
-from jax_cgx.collectives import wire as _wire
+from jax_cgx._src.exchange import wire
 
 KEY = jax.random.key(5)
 
 
 def test_count_rules():
-    assert _wire.count(0, 10 * 2**20, None) == 1  # no cap: one message
-    assert _wire.count(0, 256 * 1024, 256 * 1024) == 1
-    assert _wire.count(0, 256 * 1024 + 1, 256 * 1024) == 2
-    assert _wire.count(0, 2**30, 256 * 1024) == _wire.MAX_SEGMENTS
-    assert _wire.count(5, 2**20, None) == 5  # asked for: exactly, cap or not
-    assert _wire.count(5, 3, 256 * 1024) == 3  # never an empty message
-    assert _wire.count(7, 0, None) == 1
+    assert wire.count(0, 10 * 2**20, None) == 1  # no cap: one message
+    assert wire.count(0, 256 * 1024, 256 * 1024) == 1
+    assert wire.count(0, 256 * 1024 + 1, 256 * 1024) == 2
+    assert wire.count(0, 2**30, 256 * 1024) == wire.MAX_SEGMENTS
+    assert wire.count(5, 2**20, None) == 5  # asked for: exactly, cap or not
+    assert wire.count(5, 3, 256 * 1024) == 3  # never an empty message
+    assert wire.count(7, 0, None) == 1
 
 
 @pytest.mark.parametrize("length,k", [(10, 1), (10, 3), (7, 7), (1000, 64)])
 def test_cuts_cover_the_row(length, k):
-    cuts = _wire._cuts(length, k)
+    cuts = wire._cuts(length, k)
     assert len(cuts) == k and cuts[0][0] == 0 and cuts[-1][1] == length
     assert all(a < b for a, b in cuts) and all(b == a2 for (_, b), (a2, _) in zip(cuts, cuts[1:]))
 
 
 def test_message_cap_by_platform(monkeypatch):
-    assert _wire.message_cap(["cuda"]) is None
-    assert _wire.message_cap(["cpu"]) is None  # one process: virtual devices share memory
+    assert wire.message_cap(["cuda"]) is None
+    assert wire.message_cap(["cpu"]) is None  # one process: virtual devices share memory
     monkeypatch.setattr(jax, "process_count", lambda: 2)
-    assert _wire.message_cap(["cpu"]) == _wire.CPU_MESSAGE_BYTES
-    assert _wire.message_cap(["cpu", "cuda"]) is None
+    assert wire.message_cap(["cpu"]) == wire.CPU_MESSAGE_BYTES
+    assert wire.message_cap(["cpu", "cuda"]) is None
 
 
 @pytest.mark.parametrize("k", [1, 2, 5])
@@ -53,9 +53,9 @@ def test_segmented_collectives_move_the_same_bytes(k):
     def body(v):
         v = v[0]
         return (
-            _wire.all_to_all(v, "a", k)[None],
-            _wire.all_gather(v[:, 0], "a", k)[None],
-            _wire.ppermute(v, "a", perm, k)[None],
+            wire.all_to_all(v, "a", k)[None],
+            wire.all_gather(v[:, 0], "a", k)[None],
+            wire.ppermute(v, "a", perm, k)[None],
         )
 
     spec = P(("a", "b"))

@@ -20,8 +20,9 @@ from nccl_gpu_worker import CASES, DTYPES, SHARDED_CASES, SHARDED_TARGETS, input
 from processes import SUPPORT, run_all
 
 import jax_cgx
-from jax_cgx import backends, testing
-from jax_cgx.collectives.chunks import chunk_length
+from jax_cgx import testing
+from jax_cgx._src import backends
+from jax_cgx._src.exchange.chunks import chunk_length
 from jax_cgx.launch import free_port
 
 WORKER = SUPPORT / "nccl_gpu_worker.py"

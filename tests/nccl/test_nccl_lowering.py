@@ -11,11 +11,12 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_cgx
-from jax_cgx import CompressionConfig, _extensions, backends, nccl
-from jax_cgx.nccl import backend as nccl_backend
+from jax_cgx import CompressionConfig, nccl
+from jax_cgx._src import backends, extensions
+from jax_cgx._src.nccl import backend as nccl_backend
 
 pytestmark = pytest.mark.skipif(
-    not (_extensions.cuda_extension_available() and _extensions.cuda().nccl_compiled()),
+    not (extensions.cuda_extension_available() and extensions.cuda().nccl_compiled()),
     reason="CUDA extension with the nccl backend not built",
 )
 

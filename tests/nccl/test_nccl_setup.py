@@ -1,6 +1,6 @@
 """jax_cgx.nccl on CPU: groups and keys, setup and lookup, and choosing the backend, over a fake binding.
 
-Real NCCL is not needed: jax_cgx.nccl.library.binding is replaced by tests/support/nccl_worker.FakeNccl
+Real NCCL is not needed: jax_cgx._src.nccl.library.binding is replaced by tests/support/nccl_worker.FakeNccl
 and meshes are made of FakeDevice GPUs, except where the point is jax's own numbering.
 """
 
@@ -23,9 +23,10 @@ from jax.sharding import PartitionSpec as P
 from nccl_worker import FakeDevice, FakeNccl, fake_mesh  # noqa: E402
 from processes import SUPPORT, run_all
 
-from jax_cgx import backends, nccl
+from jax_cgx import nccl
+from jax_cgx._src import backends
+from jax_cgx._src.nccl import library, lifecycle, registry, unique_ids
 from jax_cgx.launch import free_port
-from jax_cgx.nccl import library, lifecycle, registry, unique_ids
 
 WORKER = SUPPORT / "nccl_worker.py"
 
@@ -573,7 +574,7 @@ def test_mpi_exchange_under_mpirun(tmp_path):
 
 @pytest.mark.parametrize("value", [float("inf"), float("nan"), -1.0, 0.0, 1e300])
 def test_nccl_timeouts_are_checked_as_tcps_are(value, monkeypatch):
-    from jax_cgx.nccl import unique_ids
+    from jax_cgx._src.nccl import unique_ids
 
     with pytest.raises(ValueError, match="jax_cgx.nccl: the timeout must be > 0 and at most 1e\\+09 seconds"):
         unique_ids.timeout(value)

@@ -12,7 +12,7 @@ from jax.sharding import PartitionSpec as P
 
 import jax_cgx
 from jax_cgx import CompressionConfig
-from jax_cgx.optax._mean import (
+from jax_cgx._src.optax.mean import (
     CastMeanState,
     CompressedMeanState,
     cast_mean,

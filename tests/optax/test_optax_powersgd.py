@@ -15,9 +15,9 @@ from bitwise import assert_same_bits
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jax_cgx._src.optax import powersgd
+from jax_cgx._src.optax.powersgd import powersgd_bytes
 from jax_cgx.optax import PowerSGDState, TopKState, powersgd_mean
-from jax_cgx.optax import _powersgd as psgd
-from jax_cgx.optax._powersgd import powersgd_bytes
 
 W = 8
 AUTO = jax.sharding.AxisType.Auto
@@ -146,7 +146,7 @@ def check_step(tx_kwargs, grads, state_in, upd, state_out, fresh_q=None):
         for r in range(1, W):  # every rank got the same result
             np.testing.assert_array_equal(out[r], out[0], err_msg=k)
         out = out[0].astype(np.float64)
-        plan = psgd._plan(shape, dtype, rank, tx_kwargs.get("min_compression_rate", 2.0))
+        plan = powersgd._plan(shape, dtype, rank, tx_kwargs.get("min_compression_rate", 2.0))
         if plan is None or not compressing:
             np.testing.assert_allclose(out, np.mean(np.asarray(grads[k], np.float64), 0), **tol(dtype), err_msg=k)
             np.testing.assert_array_equal(np.asarray(state_out.q[k]), np.asarray(state_in.q[k]), err_msg=k)
@@ -223,9 +223,9 @@ def test_warm_start_off_and_no_error_feedback():
         grads = rank_grads(20 + t)
         upd, new_state = step(grads, state)
         # the compressed leaves in flatten (sorted key) order, one draw for all of them
-        names = [k for k in sorted(SHAPES) if psgd._plan(*SHAPES[k], 2, 2.0)]
-        sizes = tuple(psgd._plan(*SHAPES[k], 2, 2.0)[1:] for k in names)
-        fresh = dict(zip(names, psgd._fresh_qs(int(state.count), seed=0, sizes=sizes, epsilon=0.0)))
+        names = [k for k in sorted(SHAPES) if powersgd._plan(*SHAPES[k], 2, 2.0)]
+        sizes = tuple(powersgd._plan(*SHAPES[k], 2, 2.0)[1:] for k in names)
+        fresh = dict(zip(names, powersgd._fresh_qs(int(state.count), seed=0, sizes=sizes, epsilon=0.0)))
         check_step(kw, grads, state, upd, new_state, fresh_q=fresh)
         state = new_state
 
@@ -305,11 +305,11 @@ def test_small_and_1d_leaves_are_pmean_bitwise():
 def test_min_compression_rate_is_strict_like_pytorch():
     # 4x4, r=1: 16 / (1 * 8) = 2 exactly -> not compressed (torch: 8 * 2 < 16 is False).
     # 5x5, r=1: 25 / 10 = 2.5 -> compressed at rate 2, not at rate 2.5.
-    assert psgd._plan((4, 4), jnp.float32, 1, 2.0) is None
-    assert psgd._plan((5, 5), jnp.float32, 1, 2.0) == (5, 5, 1)
-    assert psgd._plan((5, 5), jnp.float32, 1, 2.5) is None
-    assert psgd._plan((5, 5), jnp.float32, 9, 0.4) == (5, 5, 5)  # r = min(rank, n, m)
-    assert psgd._plan((3, 0), jnp.float32, 1, 0.0) is None  # empty
+    assert powersgd._plan((4, 4), jnp.float32, 1, 2.0) is None
+    assert powersgd._plan((5, 5), jnp.float32, 1, 2.0) == (5, 5, 1)
+    assert powersgd._plan((5, 5), jnp.float32, 1, 2.5) is None
+    assert powersgd._plan((5, 5), jnp.float32, 9, 0.4) == (5, 5, 5)  # r = min(rank, n, m)
+    assert powersgd._plan((3, 0), jnp.float32, 1, 0.0) is None  # empty
     shapes = {"a": ((4, 4), jnp.float32), "b": ((5, 5), jnp.float32)}
     for rate, compressed in ((2.0, {"b"}), (2.5, set())):
         tx = powersgd_mean("d", start_iter=0, min_compression_rate=rate)
@@ -344,12 +344,12 @@ def test_error_feedback_telescopes():
 
 def test_orthogonalize():
     x = jax.random.normal(jax.random.key(0), (50, 4))
-    p = np.asarray(psgd._orthogonalize(x, 0.0))
+    p = np.asarray(powersgd._orthogonalize(x, 0.0))
     np.testing.assert_allclose(p.T @ p, np.eye(4), atol=1e-5)
     np.testing.assert_allclose(p, ref_orthogonalize(x, 0.0), atol=1e-5)
-    np.testing.assert_allclose(np.asarray(psgd._orthogonalize(x, 0.5)), ref_orthogonalize(x, 0.5), atol=1e-5)
+    np.testing.assert_allclose(np.asarray(powersgd._orthogonalize(x, 0.5)), ref_orthogonalize(x, 0.5), atol=1e-5)
     # a zero column stays zero (no NaN) with epsilon 0
-    z = np.asarray(psgd._orthogonalize(x.at[:, 1].set(0.0), 0.0))
+    z = np.asarray(powersgd._orthogonalize(x.at[:, 1].set(0.0), 0.0))
     assert np.isfinite(z).all() and not z[:, 1].any()
     np.testing.assert_allclose(z[:, [0, 2, 3]].T @ z[:, [0, 2, 3]], np.eye(3), atol=1e-5)
 
@@ -461,7 +461,7 @@ def test_composes_with_chain_multisteps_apply_if_finite(mapper):
     for i, (a, b) in ((1, (g[0], g[1])), (4, (g[2], g[3]))):
         for k in small:
             avg = (np.asarray(a[k], np.float32) + np.asarray(b[k], np.float32)) / 2
-            plan = psgd._plan(*small[k], kw["rank"], 2.0)
+            plan = powersgd._plan(*small[k], kw["rank"], 2.0)
             if i == 1 or plan is None:
                 ref = avg.mean(0)
             else:

@@ -12,8 +12,8 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jax_cgx._src.optax.topk_exchange import first_true
 from jax_cgx.optax import TopKState, topk_bytes, topk_mean, topk_state_specs
-from jax_cgx.optax._topk_exchange import first_true
 
 W = 8
 PARAMS = {

@@ -1,5 +1,5 @@
 """jax_cgx.optax.sharded: an optimizer with its state sharded over the devices (ZeRO-1/2), the
-gradients reduce-scattered and the parameters all-gathered (jax_cgx/optax/_sharded.py)."""
+gradients reduce-scattered and the parameters all-gathered (jax_cgx/_src/optax/zero.py)."""
 
 import jax
 import jax.numpy as jnp

@@ -21,7 +21,7 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jax_cgx  # noqa: E402
-from jax_cgx.backends import agreement  # noqa: E402
+from jax_cgx._src.backends import agreement  # noqa: E402
 
 N = 4096
 

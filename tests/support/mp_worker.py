@@ -25,7 +25,7 @@ CASES = {
     "bits4": jax_cgx.CompressionConfig(bits=4, bucket_size=64),
     "bits8": jax_cgx.CompressionConfig(bits=8, bucket_size=64),
     "bits4_stochastic": jax_cgx.CompressionConfig(bits=4, bucket_size=64, stochastic=True),
-    # Messages cut into many collectives in flight in one program (jax_cgx.collectives.wire): the same bytes.
+    # Messages cut into many collectives in flight in one program (jax_cgx._src.exchange.wire): the same bytes.
     "bits4_segments7": jax_cgx.CompressionConfig(bits=4, bucket_size=64, pipeline_segments=7),
     "bits3_stochastic_segments64": jax_cgx.CompressionConfig(bits=3, bucket_size=64, stochastic=True,
                                                             pipeline_segments=64),

@@ -24,7 +24,7 @@ def main(out_dir: str) -> None:
     from nccl_worker import FakeDevice, FakeNccl, fake_mesh
 
     from jax_cgx import distributed, nccl
-    from jax_cgx.nccl import unique_ids
+    from jax_cgx._src.nccl import library, unique_ids
 
     comm = MPI.COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()
@@ -37,7 +37,7 @@ def main(out_dir: str) -> None:
 
     unique_ids._exchange_kv = no_kv
     fake = FakeNccl(uid_prefix=f"p{rank}".encode())
-    nccl.library.binding = lambda: fake
+    library.binding = lambda: fake
     devices = [FakeDevice(d.id, d.process_index, d.local_hardware_id) for d in jax.devices()]
     world = len(devices)
     mesh = fake_mesh((size, world // size), ("p", "l"), devices)  # every group rooted on process 0

@@ -112,9 +112,10 @@ def main() -> None:
     from jax._src import distributed
 
     from jax_cgx import nccl
+    from jax_cgx._src.nccl import library
 
     fake = FakeNccl(uid_prefix=f"p{pid}".encode())
-    nccl.library.binding = lambda: fake
+    library.binding = lambda: fake
     devices = [FakeDevice(d.id, d.process_index, d.local_hardware_id) for d in jax.devices()]
     world = len(devices)
     mesh = fake_mesh((nproc, world // nproc), ("p", "l"), devices)  # rank 0 of every group on process 0

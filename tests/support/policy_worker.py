@@ -9,7 +9,7 @@ the agreed figures, the decision on a buffer the slow link makes worth compressi
 jaxpr's primitives, this device's result, and a near-tie's timing over the tcp backend
 (each process times its own; they agree on the slowest). ``--figures-only``: only the
 figures, or the error that computing them raised; ``--calibrate-only``: the same through
-``jax_cgx.calibrate()``, then ``policy.figures``.
+``jax_cgx.calibrate()``, then ``pricing.figures``.
 """
 
 import dataclasses
@@ -26,7 +26,7 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jax_cgx  # noqa: E402
-from jax_cgx.collectives import policy, probes  # noqa: E402
+from jax_cgx._src.policy import pricing, probes  # noqa: E402
 
 
 def main() -> None:
@@ -44,7 +44,7 @@ def main() -> None:
         try:
             if sys.argv[5] == "--calibrate-only":
                 jax_cgx.calibrate()
-            record = dict(figures=repr(policy.figures(jax_cgx.CompressionConfig(policy="auto"))))
+            record = dict(figures=repr(pricing.figures(jax_cgx.CompressionConfig(policy="auto"))))
         except ValueError as e:
             record = dict(error=str(e))
         _write(out_dir, pid, record)
@@ -59,9 +59,9 @@ def main() -> None:
                               mesh=mesh, in_specs=P("d"), out_specs=P("d")))
     jaxpr = str(f.trace(x).jaxpr)
     out = np.asarray(f(x).addressable_shards[0].data)[0]
-    fig = policy.figures(config)
-    slow = policy.decide(1 << 24, np.float32, len(devices), config.replace(link_gbps=0.01), log=False)
-    timed = policy._time_exchange(devices, 1 << 16, np.float32, config, "tcp")
+    fig = pricing.figures(config)
+    slow = pricing.decide(1 << 24, np.float32, len(devices), config.replace(link_gbps=0.01), log=False)
+    timed = pricing._time_exchange(devices, 1 << 16, np.float32, config, "tcp")
     record = dict(figures=repr(fig), quantize=fig.rates.quantize, slow_link_compresses=slow.compress,
                   compressed_in_jaxpr="compressed_allreduce" in jaxpr, result=out.tolist(), timed=list(timed),
                   tcp_left=len(jax_cgx.tcp.communicators()))

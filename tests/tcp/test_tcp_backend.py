@@ -13,7 +13,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_cgx
-from jax_cgx import CompressionConfig, _extensions
+from jax_cgx import CompressionConfig
+from jax_cgx._src import extensions
 from jax_cgx.tcp import TcpError
 
 TARGET = "jax_cgx_tcp_allreduce"
@@ -185,7 +186,7 @@ def test_a_call_after_teardown_fails_instead_of_hanging():
 
 
 def test_segments_by_size_and_bad_arguments():
-    segments = _extensions.cpu().tcp_segments
+    segments = extensions.cpu().tcp_segments
     # 4 MiB of float32 input per chunk: 1 MiB segments; a tiny chunk: one.
     assert segments(8 << 20, 2, 4 << 20, 4, 512, 4, 0) == 16
     assert segments(1000, 2, 512, 4, 512, 4, 0) == 1
@@ -245,7 +246,7 @@ def test_a_loopback_route_to_the_coordinator_is_not_published(monkeypatch):
     other hosts cannot reach that: the default route's interface is published instead."""
     from jax._src import distributed as jax_distributed
 
-    from jax_cgx.tcp import lifecycle
+    from jax_cgx._src.tcp import lifecycle
 
     monkeypatch.delenv("JAX_CGX_TCP_HOST", raising=False)
     monkeypatch.setattr(lifecycle.jax, "process_count", lambda: 2)

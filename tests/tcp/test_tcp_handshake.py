@@ -22,7 +22,8 @@ from processes import run_all
 
 import jax_cgx
 from jax_cgx import CompressionConfig
-from jax_cgx.tcp import TcpError, handshake, lifecycle
+from jax_cgx._src.tcp import handshake, lifecycle
+from jax_cgx.tcp import TcpError
 
 WORLD = 8
 
@@ -222,7 +223,7 @@ os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
 import jax, numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 import jax_cgx
-from jax_cgx.tcp import handshake, lifecycle
+from jax_cgx._src.tcp import handshake, lifecycle
 logging.basicConfig(level=logging.WARNING, stream=sys.stdout)
 me, other, folder = sys.argv[1], sys.argv[2], pathlib.Path(sys.argv[3])
 original = lifecycle._addresses

@@ -1,0 +1,24 @@
+"""The xla backend: each collective's own program, XLA collectives around the codec's kernels.
+
+It runs every compressed collective on every platform, needs no connections of its own, and
+is what ``backend="auto"`` falls back to. The programs are the collectives' (the all-reduce's
+SRA or ring, the reduce-scatter's all-to-all, the all-gather's all-gather); this backend only
+lowers the one it is given.
+"""
+
+from __future__ import annotations
+
+from jax_cgx._src.backends.protocol import Backend, lower_program, register
+
+__all__ = ["XlaBackend"]
+
+
+class XlaBackend(Backend):
+    name = "xla"
+
+    def lower(self, ctx, op, operands, params, program):
+        del op
+        return lower_program(ctx, operands, params, program)
+
+
+register(XlaBackend())

@@ -1,0 +1,100 @@
+"""``reduce_in_backward``: a gradient is averaged as soon as the backward pass produces it.
+
+PyTorch DDP reduces a layer's gradient while backward still runs for the layers below it.
+In JAX, the same comes from marking each layer's parameters where the forward pass uses
+them::
+
+    def apply(params, x):
+        for layer in params:
+            layer = jax_cgx.reduce_in_backward(layer, "data", config)   # identity forward
+            x = jax.nn.relu(x @ layer["w"] + layer["b"])
+        return x
+
+``reduce_in_backward`` is the identity going forward. Its transpose, which runs the moment
+the layer's cotangent is complete (after the layer's own backward, before the layers
+below), is ``compressed_pmean`` of that cotangent: the gradient that comes out of
+``jax.grad`` is already averaged, one reduction per marked subtree, issued in backward
+order. What this buys depends on the platform:
+
+- **GPU**: the reductions sit in the program between the backward layers, and XLA's
+  latency-hiding scheduler may run a layer's exchange while computing the next layer's
+  gradients (the xla backend's collectives are asynchronous there; the nccl backend's
+  custom call runs on the compute stream, so it orders rather than overlaps).
+- **CPU**: XLA:CPU runs a process's work in order (one thunk after another), so nothing
+  overlaps; the reductions only move earlier. docs/performance.md has the measurement.
+
+Gradients are those of ``compressed_pmean`` applied to each marked subtree's gradient after
+``jax.grad`` (bitwise: tests/collectives/test_backward.py). Marking the whole parameter tree
+once is exactly ``compressed_pmean(jax.grad(...))``. Under ``shard_map(check_vma=True)`` the
+forward also types replicated parameters as varying over the axis (what
+``lax.pcast(params, axis, to="varying")`` does in the README's recipe), so that the gradient
+reaching the transpose is this rank's own, not one JAX has summed already.
+
+Error feedback needs the residual of each step carried into the next, which a transpose
+cannot return: use :func:`jax_cgx.optax.compressed_mean` for it.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from jax_cgx._src import compat
+from jax_cgx._src.codec import Impl, check_impl
+from jax_cgx._src.collectives.plan import ConfigSpec
+from jax_cgx._src.collectives.psum import compressed_pmean
+
+__all__ = ["reduce_in_backward"]
+
+
+def reduce_in_backward(tree, axis_name, config: ConfigSpec = None, *, key: jax.Array | None = None,
+                       impl: Impl = "auto"):
+    """The identity on ``tree``, whose gradient is ``compressed_pmean``'d over ``axis_name``.
+
+    Args:
+      tree: a pytree of arrays, typically one layer's parameters, where the forward pass
+        uses them.
+      axis_name: the mapped axis name(s) to average over, as for :func:`compressed_pmean`.
+      config: as for :func:`compressed_pmean` (a config, a pytree of them, a function of
+        the leaf's path, or None for the environment's).
+      key: a PRNG key for stochastic rounding; give each marked subtree its own (e.g.
+        ``jax.random.fold_in(step_key, layer_index)``), the same on every rank.
+      impl: the codec implementation, as for :func:`compressed_pmean`.
+
+    Returns:
+      ``tree`` unchanged (typed as varying over ``axis_name`` under ``check_vma``).
+    """
+    check_impl(impl)
+    compat.check_prng_key(key, "reduce_in_backward")
+    axes = compat.axes_tuple(axis_name)
+    compat.check_axis_names(axes, "reduce_in_backward")
+    leaves, treedef = jax.tree.flatten(tree)
+    varying = [compat.is_varying(jax.typeof(v), axes) for v in leaves] if compat.check_vma_enabled() else None
+    out = _identity(axes, config, impl, treedef, tuple(varying) if varying is not None else None, key, *leaves)
+    return treedef.unflatten(out)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4))
+def _identity(axes, config, impl, treedef, varying, key, *leaves):
+    return tuple(compat.ensure_varying(v, axes) for v in leaves) if varying is not None else tuple(leaves)
+
+
+def _identity_fwd(axes, config, impl, treedef, varying, key, *leaves):
+    return _identity(axes, config, impl, treedef, varying, key, *leaves), key
+
+
+def _identity_bwd(axes, config, impl, treedef, varying, key, cotangents):
+    # Integer and bool leaves (a step counter in a marked layer state) have float0 cotangents:
+    # no gradient, nothing to reduce. They stay out (None), the paths of the others unchanged.
+    none = [jnp.result_type(c) == jax.dtypes.float0 for c in cotangents]
+    real = [None if n else compat.ensure_varying(c, axes) for c, n in zip(cotangents, none)]
+    reduced = compressed_pmean(treedef.unflatten(real), axes, config, key=key, impl=impl)
+    mean = [c if n else m for c, m, n in zip(cotangents, treedef.flatten_up_to(reduced), none)]
+    if varying is not None:  # a leaf that came in varying gets a varying cotangent back
+        mean = [compat.ensure_varying(m, axes) if v and not n else m for m, v, n in zip(mean, varying, none)]
+    return (None, *mean)
+
+
+_identity.defvjp(_identity_fwd, _identity_bwd)

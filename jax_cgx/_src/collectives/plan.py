@@ -1,0 +1,251 @@
+"""How ``compressed_psum`` reduces each leaf of a pytree: its lane, its fusion buffer, and
+whether that buffer is compressed.
+
+Leaves go through three lanes:
+
+- **exact**: integer leaves, leaves smaller than ``min_size``, leaves whose config
+  is ``None`` or has ``bits=32``: a plain ``lax.psum``;
+- **half**: ``bits=16``: a ``lax.psum`` in bfloat16 (or float16);
+- **quantized**: ``bits`` 1..8: leaves of one dtype and config form a :class:`Group`,
+  whose values are cut into fusion buffers of at most ``fusion_buffer_mb``.
+
+Under ``policy="always"`` every buffer is compressed. Under ``policy="auto"`` each buffer is
+priced (:func:`jax_cgx._src.policy.pricing.decide`). Leaves that lie only in buffers that lose
+leave the group for the **auto-psum** lane, a ``psum`` leaf by leaf, as without jax_cgx (no
+fusion-buffer copies); the rest are fused again and their buffers priced once more (one
+that still loses, e.g. a small last buffer, is ``psum``'d as a buffer). The plan is pure
+Python, built while tracing from shapes and configs: the same on every rank, static under
+``jit``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+from typing import Any, Union
+
+import jax
+import numpy as np
+
+from jax_cgx._src import backends
+from jax_cgx._src.codec import SUPPORTED_DTYPES
+from jax_cgx._src.config import MAX_FUSION_BUFFERS, CompressionConfig, check_environment
+from jax_cgx._src.exchange.all_reduce import reduction
+from jax_cgx._src.policy import pricing
+
+__all__ = ["ConfigSpec", "Group", "Plan", "make_plan", "check_ranks", "leaf_configs", "lane"]
+
+# A config for every leaf, a pytree of configs (None = reduce exactly), or a function
+# of the leaf's path and value (torch_cgx's layer-wise hook).
+ConfigSpec = Union[
+    CompressionConfig, None, Callable[[tuple, jax.Array], "CompressionConfig | None"], Any
+]
+
+
+def leaf_configs(spec: ConfigSpec, tree, paths: Sequence[tuple], api: str = "compressed_psum"
+                 ) -> list[CompressionConfig | None]:
+    check_environment(spec is not None, api)  # a malformed variable raises even where a config is given
+    if spec is None:
+        return [CompressionConfig.from_env()] * len(paths)
+    if isinstance(spec, CompressionConfig):
+        return [spec] * len(paths)
+    leaves = jax.tree.leaves(tree)
+    if callable(spec):
+        configs = [spec(path, leaf) for path, leaf in zip(paths, leaves)]
+    else:
+        is_cfg = lambda c: c is None or isinstance(c, CompressionConfig)  # noqa: E731
+        try:
+            configs = jax.tree.leaves(
+                jax.tree.map(lambda c, sub: [c] * len(jax.tree.leaves(sub)), spec, tree, is_leaf=is_cfg),
+                is_leaf=lambda v: isinstance(v, list),
+            )
+            configs = [c for group in configs for c in group]
+        except ValueError as err:
+            raise ValueError(
+                f"{api}: the config pytree must match the structure of the values "
+                f"(or be a prefix of it): {err}"
+            ) from None
+    for path, c in zip(paths, configs):
+        if c is not None and not isinstance(c, CompressionConfig):
+            raise TypeError(
+                f"{api}: config for leaf {jax.tree_util.keystr(path)} must be a "
+                f"CompressionConfig or None, got {type(c).__name__}"
+            )
+    return configs
+
+
+@dataclasses.dataclass(frozen=True)
+class Group:
+    """Leaves reduced together: same dtype, same codec settings."""
+
+    dtype: np.dtype
+    config: CompressionConfig
+
+    @property
+    def capacity(self) -> int:
+        """Values per fusion buffer."""
+        return max(1, self.config.fusion_buffer_bytes // self.dtype.itemsize)
+
+
+@dataclasses.dataclass
+class Plan:
+    """How each leaf is reduced: its lane, the fusion groups of quantized leaves, the backend
+    each group's compressed exchange runs on, and ``policy="auto"``'s decision for each of a
+    group's buffers (None: always compressed)."""
+
+    lanes: list[str]
+    configs: list[CompressionConfig | None]
+    groups: dict[Group, list[int]]
+    sizes: list[int]
+    # Chosen once, while tracing inside a mesh (jax_cgx._src.backends.choose_in_trace); none for one rank (no exchange).
+    backends: dict[Group, str] = dataclasses.field(default_factory=dict)
+    decisions: dict[Group, list[pricing.Decision | None]] = dataclasses.field(default_factory=dict)
+    # policy="auto": the first pricing's losing buffers (group, values, decision, the leaves that
+    # moved from them to the auto-psum lane).
+    dissolved: list[tuple[Group, int, pricing.Decision, tuple[int, ...]]] = dataclasses.field(default_factory=list)
+
+    def buffers(self, group: Group) -> list[tuple[int, int]]:
+        """``(start, stop)`` of each fusion buffer over the group's concatenated values."""
+        total = sum(self.sizes[i] for i in self.groups[group])
+        return [(start, min(start + group.capacity, total)) for start in range(0, total, group.capacity)]
+
+    def compressed(self, group: Group) -> list[bool]:
+        """Whether each of the group's buffers is compressed."""
+        return [d is None or d.compress for d in self.decisions.get(group, [None] * len(self.buffers(group)))]
+
+    def check_buffer_count(self) -> None:
+        """Raise a clear error when the quantized leaves need more than ``MAX_FUSION_BUFFERS`` buffers."""
+        count, total_bytes = 0, 0
+        for group, members in self.groups.items():
+            n = sum(self.sizes[i] for i in members)
+            count += -(-n // group.capacity)
+            total_bytes += n * group.dtype.itemsize
+        if count <= MAX_FUSION_BUFFERS:
+            return
+        mbs = sorted({g.config.fusion_buffer_mb for g in self.groups})
+        given = f"fusion_buffer_mb={mbs[0]}" if len(mbs) == 1 else f"fusion_buffer_mb in {mbs}"
+        groups = len(self.groups)
+        if groups < MAX_FUSION_BUFFERS:
+            # A power of two with at most MAX - groups buffers for all groups together.
+            need = 2.0 ** math.ceil(math.log2(total_bytes / ((MAX_FUSION_BUFFERS - groups) * 2**20)))
+            fix = (
+                f"set fusion_buffer_mb >= {need:g} (CGX_FUSION_BUFFER_SIZE_MB with config=None), "
+                "or reduce the values in several calls"
+            )
+        else:
+            fix = (
+                f"the values form {groups} fusion groups (leaves of different dtypes or configs "
+                "are never fused): use fewer distinct configs, or reduce them in several calls"
+            )
+        raise ValueError(
+            f"compressed_psum: {given} cuts {total_bytes / 2**20:.4g} MiB of quantized values into "
+            f"{count} fusion buffers, more than the {MAX_FUSION_BUFFERS} allowed per reduction "
+            f"(each buffer is a separate exchange and compile time grows with their number); {fix}"
+        )
+
+
+def check_ranks(api: str, world, inner_world=None) -> tuple[int, int | None]:
+    """``world`` (and ``inner_world``, the inner axis of a hierarchical sum, which must divide
+    it) as ints; a ``ValueError`` unless they are integers >= 1."""
+    for name, value in (("world", world), ("inner_world", inner_world)):
+        if name == "inner_world" and value is None:
+            continue
+        if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or value < 1:
+            raise ValueError(f"{api}: {name} must be a positive int (a number of ranks), got {value!r}")
+    if inner_world is not None and world % inner_world:
+        raise ValueError(f"{api}: inner_world={inner_world} must divide world={world}")
+    return int(world), None if inner_world is None else int(inner_world)
+
+
+def make_plan(paths, leaves, spec: ConfigSpec, tree, world: int | None = None,
+              inner_world: int | None = None, axes: tuple | None = None, measure: bool = True, *,
+              impl: str = "auto", residual: bool = False) -> Plan:
+    """The plan for ``leaves`` (with their ``paths``) of ``tree`` reduced over ``world`` ranks.
+
+    ``world`` None or 1: no decisions are taken (nothing moves). ``inner_world``: the inner
+    axis's size, for hierarchical configs' cost. ``axes``: the reduction's axis names while
+    tracing inside a mesh (None: outside), which choose the backend each group's exchange runs
+    on (with ``impl`` and ``residual``, as :func:`jax_cgx._src.collectives.compressed_psum` takes them). ``measure=False``: ``policy="auto"`` times no near-tie (timing is collective), using only
+    earlier timings; for :func:`jax_cgx.explain` and ``bytes_on_wire``, which one process may call.
+    """
+    configs = leaf_configs(spec, tree, paths)
+    lanes, groups = [], {}
+    for i, (path, leaf, c) in enumerate(zip(paths, leaves, configs)):
+        kind = lane(path, leaf, c)
+        lanes.append(kind)
+        if kind == "quantized":
+            groups.setdefault(Group(np.dtype(leaf.dtype), c), []).append(i)
+    plan = Plan(lanes, configs, groups, [int(np.prod(np.shape(leaf))) for leaf in leaves])
+    if world is None or world < 2:
+        return plan
+    for group in groups:
+        plan.backends[group] = _backend(group.config, axes, world, inner_world, impl, residual)
+    for group in [g for g in groups if g.config.policy == "auto"]:
+        _decide(plan, group, world, inner_world, backends.get(plan.backends[group]).timed_as, measure)
+    return plan
+
+
+def _backend(config: CompressionConfig, axes, world: int, inner_world: int | None, impl: str, residual: bool) -> str:
+    """The backend of a group's compressed exchange: over ``axes``, or a hierarchical config's
+    outer axes (its inner axis is summed by lax); "xla" outside a mesh (``axes`` None)."""
+    if axes is None:
+        return "xla"
+    if config.hierarchical and len(axes) > 1:
+        axes, world = axes[:-1], world // (inner_world or 1)
+        if world < 2:  # one node: an exact psum, no exchange
+            return "xla"
+    return backends.choose_in_trace(config.backend, reduction(axes, world, config, impl, residual))
+
+
+def _decide(plan: Plan, group: Group, world: int, inner_world: int | None, backend: str, measure: bool) -> None:
+    """Price the group's buffers; move leaves only in losing buffers to the auto-psum lane."""
+
+    def price() -> list[pricing.Decision]:
+        return [pricing.decide(stop - start, group.dtype, world, group.config, inner_world=inner_world,
+                              backend=backend, measure=measure)
+                for start, stop in plan.buffers(group)]
+
+    decisions = price()
+    if all(d.compress for d in decisions):
+        plan.decisions[group] = decisions
+        return
+    members = plan.groups[group]
+    bounds = np.cumsum([0] + [plan.sizes[i] for i in members])
+    spans = plan.buffers(group)
+    # The buffers each leaf lies in.
+    within = {i: [k for k, (a, b) in enumerate(spans) if a < bounds[j + 1] and b > bounds[j]]
+              for j, i in enumerate(members)}
+    wins = {i: any(decisions[k].compress for k in within[i]) for i in members}
+    keep = [i for i in members if wins[i]]
+    moved = [i for i in members if not wins[i]]
+    for i in moved:
+        plan.lanes[i] = "auto-psum"
+    plan.dissolved += [
+        (group, b - a, d, tuple(i for i in moved if k in within[i]))
+        for k, ((a, b), d) in enumerate(zip(spans, decisions)) if not d.compress
+    ]
+    if keep:
+        plan.groups[group] = keep
+        plan.decisions[group] = price()
+    else:
+        del plan.groups[group]
+
+
+def lane(path, leaf, config: CompressionConfig | None, api: str = "compressed_psum") -> str:
+    """"exact" (psum), "half" (psum in 16 bits) or "quantized" (compressed, fused by dtype and config;
+    :func:`make_plan` may move it to "auto-psum")."""
+    if config is None or not config.enabled:
+        return "exact"
+    dtype = np.dtype(leaf.dtype)
+    if dtype.kind in "iub":
+        return "exact"
+    if leaf.size == 0 or leaf.size < config.min_size:  # nothing to compress (min_size may be 0)
+        return "exact"
+    if dtype not in SUPPORTED_DTYPES:
+        raise TypeError(
+            f"{api}: leaf {jax.tree_util.keystr(path)} has dtype {dtype}, which cannot "
+            "be compressed (float32, bfloat16 and float16 can). Give it config=None to reduce "
+            "it exactly, or cast it."
+        )
+    return "half" if config.bits == 16 else "quantized"

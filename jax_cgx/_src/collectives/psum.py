@@ -1,0 +1,338 @@
+"""compressed_psum / compressed_pmean: ``lax.psum`` / ``lax.pmean`` that move fewer bytes.
+
+A pytree goes through three lanes, leaf by leaf (:mod:`jax_cgx._src.collectives.plan`): exact
+(``lax.psum``), half (a ``psum`` in 16 bits) and quantized: leaves of one dtype and config
+are fused into buffers of at most ``fusion_buffer_mb`` and each buffer is reduced by the
+compressed primitive (:mod:`jax_cgx._src.exchange.all_reduce`), or, under ``policy="auto"``
+where the cost model predicts no gain, by ``psum`` (:mod:`jax_cgx._src.policy.pricing`).
+
+With ``skip_incomplete_buckets`` the last ``n mod bucket_size`` values of a buffer
+take the exact lane, as in torch_cgx.
+
+``return_residual=True`` also returns each rank's share of the compression error, for
+error feedback (docs/algorithm.md, "Error feedback").
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jax_cgx._src import compat
+from jax_cgx._src.arguments import check_bool
+from jax_cgx._src.codec import Impl, check_impl
+from jax_cgx._src.collectives import scatter_gather
+from jax_cgx._src.collectives.plan import ConfigSpec, check_ranks, make_plan
+from jax_cgx._src.config import CompressionConfig
+from jax_cgx._src.exchange.all_reduce import compressed_sum
+from jax_cgx._src.exchange.chunks import wire_bytes_per_rank
+from jax_cgx._src.exchange.hierarchical import hierarchical_wire_bytes, reduce_hierarchical
+from jax_cgx._src.policy import pricing
+
+__all__ = ["compressed_psum", "compressed_pmean", "bytes_on_wire", "ConfigSpec"]
+
+def _inner_world(axes: tuple) -> int | None:
+    """The inner (last) axis's size: what a hierarchical config sums within a node."""
+    return lax.axis_size(axes[-1]) if len(axes) > 1 else None
+
+
+def _world_size(axes: tuple, api: str) -> int:
+    compat.check_axis_names(axes, api)
+    return math.prod(lax.axis_size(a) for a in axes)
+
+
+def compressed_psum(
+    x,
+    axis_name,
+    config: ConfigSpec = None,
+    *,
+    key: jax.Array | None = None,
+    impl: Impl = "auto",
+    return_residual: bool = False,
+):
+    """Sum a pytree over mapped axes, moving quantized bytes instead of full-precision ones.
+
+    Use it wherever ``jax.lax.psum`` works: inside ``jax.shard_map`` (``check_vma``
+    on or off) or ``jax.pmap``, under ``jit``, ``grad`` (it differentiates like
+    ``psum``), ``vmap`` over other axes, ``scan`` and ``cond``.
+
+    Args:
+      x: a pytree of arrays.
+      axis_name: a mapped axis name, or a tuple of them.
+      config: a :class:`CompressionConfig` for every leaf; ``None`` for
+        ``CompressionConfig.from_env()`` (torch_cgx's variables; compression is off
+        unless ``CGX_COMPRESSION_QUANTIZATION_BITS`` is set); a pytree of configs
+        matching ``x`` (``None`` entries are reduced exactly); or a function
+        ``(path, leaf) -> CompressionConfig | None``.
+      key: a PRNG key, required when any leaf uses stochastic rounding. Every rank
+        folds in its axis index, so ranks round independently.
+      impl: codec implementation: ``"auto"``, ``"kernel"`` or ``"reference"``.
+      return_residual: also return this rank's compression error, for error feedback.
+
+    Returns:
+      A pytree like ``x``: the sum, bitwise identical on every rank. With
+      ``return_residual=True``, ``(sum, residual)``: ``sum`` is bitwise the same as
+      without it, and ``residual`` is a pytree like ``x`` (same dtypes, different on
+      every rank) such that, summed over the ranks of the reduction,
+      ``sum_r residual_r == sum_r x_r - sum`` up to float32 rounding (and the rounding of
+      the residual to the leaf's dtype, for bfloat16/float16 leaves): every rank holds
+      exactly the compression error attributable to it. Per lane: exact leaves and the
+      uncompressed tail of ``skip_incomplete_buckets``: zeros; ``bits=16``: the local cast
+      error ``x - cast(x)`` (the rounding of the half-precision sum itself is not
+      attributable to a rank and is not included); quantized: what each quantization
+      this rank ran lost (see docs/algorithm.md, "Error feedback"); a single rank:
+      zeros. Residuals are computed by the ``xla`` backend only (``backend="nccl"`` or
+      ``"tcp"`` raises); they cannot be differentiated.
+    """
+    return_residual = check_bool("compressed_psum", "return_residual", return_residual)
+    check_impl(impl)
+    compat.check_prng_key(key, "compressed_psum")
+    axes = compat.axes_tuple(axis_name)
+    world = _world_size(axes, "compressed_psum")
+    leaves_with_paths, treedef = jax.tree_util.tree_flatten_with_path(x)
+    paths = [p for p, _ in leaves_with_paths]
+    leaves = [jnp.asarray(v) for _, v in leaves_with_paths]
+    plan = make_plan(paths, leaves, config, x, world, _inner_world(axes), axes, impl=impl, residual=return_residual)
+
+    out: list[jax.Array | None] = [None] * len(leaves)
+    res: list[jax.Array | None] = [None] * len(leaves)
+    # The uncompressed lanes in one psum each, as lax.psum of a pytree does: one all-reduce of
+    # many operands instead of one per leaf (each costs a collective's fixed cost; on gloo
+    # about 2 ms, which made policy="auto" 5% slower than pmean with every leaf psum'd).
+    exact = [i for i, lane in enumerate(plan.lanes) if lane in ("exact", "auto-psum")]
+    for i, total in zip(exact, lax.psum([leaves[i] for i in exact], axes) if exact else []):
+        out[i] = total
+        if return_residual:
+            res[i] = jnp.zeros_like(leaves[i])
+    halves = {i: leaves[i].astype(jnp.dtype(plan.configs[i].half_dtype))
+              for i, lane in enumerate(plan.lanes) if lane == "half"}
+    for (i, half), total in zip(halves.items(), lax.psum(list(halves.values()), axes) if halves else []):
+        out[i] = total.astype(leaves[i].dtype)
+        if return_residual:  # the local cast error; the half-precision sum's rounding is no rank's
+            res[i] = (leaves[i].astype(jnp.float32) - half.astype(jnp.float32)).astype(leaves[i].dtype)
+
+    if plan.groups:
+        if vmapped := compat.vmapped_axes(axes):
+            # The primitive's batching rule says the same; under check_vma jax's pvary would
+            # fail first with a bare AssertionError.
+            raise NotImplementedError(
+                f"compressed_psum over the vmapped axis {vmapped[0]!r} is not supported: vmap "
+                "has no wire to compress. Sum the batch dimension outside the vmap (e.g. "
+                "x.sum(axis=0)) and pass only mesh axes as axis_name, or map that axis with "
+                "jax.shard_map / jax.pmap."
+            )
+        plan.check_buffer_count()
+        if any(g.config.stochastic for g in plan.groups) and key is None:
+            raise ValueError(
+                "compressed_psum: stochastic rounding needs a PRNG key; pass "
+                "key=jax.random.key(...) (the same on every rank; each rank folds in its index)"
+            )
+        rank_key = None if key is None else jax.random.fold_in(key, lax.axis_index(axes))
+        buffer_index = 0
+        for group, members in plan.groups.items():
+            spans = plan.buffers(group)
+            flat = [leaves[i].reshape(-1) for i in members]
+            bounds = np.cumsum([0] + [plan.sizes[i] for i in members])
+            reduced, lost = [], []
+            for (start, stop), compress in zip(spans, plan.compressed(group)):
+                buf_key = None if rank_key is None else jax.random.fold_in(rank_key, buffer_index)
+                buffer_index += 1
+                buf = _assemble(flat, bounds, start, stop)
+                if compress:
+                    result = _reduce_buffer(buf, axes, world, group.config, buf_key, impl, return_residual,
+                                            backend=plan.backends.get(group, "xla"))
+                else:
+                    result = lax.psum(buf, axes)
+                    result = (result, jnp.zeros_like(buf)) if return_residual else result
+                reduced.append(result[0] if return_residual else result)
+                lost.append(result[1] if return_residual else None)
+            for j, i in enumerate(members):
+                out[i] = _take(reduced, spans, bounds[j], bounds[j + 1]).reshape(leaves[i].shape)
+                if return_residual:
+                    res[i] = _take(lost, spans, bounds[j], bounds[j + 1]).reshape(leaves[i].shape)
+    if return_residual:
+        return treedef.unflatten(out), treedef.unflatten(res)
+    return treedef.unflatten(out)
+
+
+def _join(parts):
+    return jnp.concatenate(parts) if len(parts) > 1 else parts[0]
+
+
+def _pieces(parts, spans, lo: int, hi: int) -> list[jax.Array]:
+    """The slices of ``parts`` (part ``k`` holds values ``spans[k]`` of one concatenation) that
+    together hold values ``[lo, hi)``, in order."""
+    return [part[max(lo, a) - a : min(hi, b) - a] for part, (a, b) in zip(parts, spans) if a < hi and b > lo]
+
+
+def _take(parts, spans, lo: int, hi: int) -> jax.Array:
+    """Values ``[lo, hi)`` of the concatenation of ``parts`` (part ``k`` holds ``spans[k]``).
+
+    Slices the one or two buffers a leaf lies in, rather than joining all buffers first:
+    a leaf inside one buffer is a slice of it, with no copy of the whole (measured: a
+    64 MiB join cost 15 ms per step of docs/performance.md's MLP).
+    """
+    pieces = _pieces(parts, spans, lo, hi)
+    if not pieces:
+        return parts[0][:0]
+    return pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces)
+
+
+WIRE_OPS = ("psum", "psum_scatter", "all_gather")
+
+
+def bytes_on_wire(x, world: int, config: ConfigSpec = None, *, inner_world: int | None = None,
+                  op: str = "psum") -> int:
+    """Bytes one rank sends to reduce the pytree ``x`` (arrays or ShapeDtypeStructs) over ``world`` ranks.
+
+    ``op``: ``"psum"`` (:func:`compressed_psum`, described below), ``"psum_scatter"``
+    (:func:`~jax_cgx.compressed_psum_scatter` of ``x``: ``W-1`` of its ``W`` blocks,
+    packed when quantized) or ``"all_gather"`` (:func:`~jax_cgx.compressed_all_gather` of the
+    shard ``x``: ``W-1`` copies of it, packed when quantized).
+
+    One process may call it alone: it runs nothing collective. So under ``policy="auto"`` in
+    a multi-process job it needs the figures measured first (:func:`jax_cgx.calibrate` on every
+    process, or a step that compresses), and raises a ``RuntimeError`` otherwise.
+
+    Uncompressed lanes are counted as a bandwidth-optimal all-reduce, ``2(W-1)/W`` times
+    the array's bytes; a quantized buffer as the compressed exchange: ``W-1`` packed
+    chunks out in the all_to_all (SRA) or around the ring (``algorithm="ring"``, the
+    same bytes) and ``W-1`` in the all_gather (payload plus 8 bytes per bucket).
+
+    Args:
+      x: the pytree.
+      world: the number of ranks the sum runs over (all reduced axes together).
+      config: as for :func:`compressed_psum`.
+      inner_world: for ``hierarchical`` configs, the size of the inner (last, intra-node)
+        axis; required by them, ignored otherwise. A hierarchical buffer is counted as an
+        uncompressed reduce-scatter plus all-gather of the (padded) buffer over the inner
+        axis, ``2(Wi-1)/Wi`` times its bytes, plus the compressed exchange of one shard
+        over the ``world / inner_world`` outer ranks.
+    """
+    if op not in WIRE_OPS:
+        raise ValueError(f"bytes_on_wire: op must be one of {', '.join(map(repr, WIRE_OPS))}, got {op!r}")
+    world, inner_world = check_ranks("bytes_on_wire", world, inner_world)
+    if op != "psum":
+        with pricing.one_process_alone():  # one process may call it: nothing collective
+            return scatter_gather.wire_bytes(x, world, config, op)
+    leaves_with_paths = jax.tree_util.tree_flatten_with_path(x)[0]
+    paths = [p for p, _ in leaves_with_paths]
+    leaves = [v for _, v in leaves_with_paths]
+    with pricing.one_process_alone():  # one process may call it: nothing collective
+        plan = make_plan(paths, leaves, config, x, world, inner_world, measure=False)
+    if world <= 1:
+        return 0
+    ring = 2 * (world - 1) / world
+    total = 0.0
+    for leaf, lane, c in zip(leaves, plan.lanes, plan.configs):
+        if lane in ("exact", "auto-psum"):
+            total += ring * leaf.size * np.dtype(leaf.dtype).itemsize
+        elif lane == "half":
+            total += ring * leaf.size * 2
+    for group in plan.groups:
+        cfg = group.config
+        if cfg.hierarchical and inner_world is None:
+            raise ValueError(
+                "bytes_on_wire: hierarchical configs need inner_world= (the size of the inner, "
+                "intra-node axis)"
+            )
+        for (start, stop), compress in zip(plan.buffers(group), plan.compressed(group)):
+            n = stop - start
+            if not compress:
+                total += ring * n * group.dtype.itemsize
+                continue
+            head = (n // cfg.bucket_size) * cfg.bucket_size if cfg.skip_incomplete_buckets else n
+            if cfg.hierarchical:
+                total += hierarchical_wire_bytes(head, world, inner_world, cfg, group.dtype.itemsize)
+            else:
+                total += wire_bytes_per_rank(
+                    head, world, cfg.bits, cfg.bucket_size, cfg.skip_incomplete_buckets
+                )
+            total += ring * (n - head) * group.dtype.itemsize
+    return int(round(total))
+
+
+def compressed_pmean(
+    x,
+    axis_name,
+    config: ConfigSpec = None,
+    *,
+    key: jax.Array | None = None,
+    impl: Impl = "auto",
+    return_residual: bool = False,
+):
+    """The mean of a pytree over mapped axes: :func:`compressed_psum` divided by the axis size.
+
+    With ``return_residual=True`` returns ``(mean, residual)`` where ``residual`` is
+    :func:`compressed_psum`'s: the residual **of the sum**, in the units of the inputs
+    (``sum_r residual_r == sum_r x_r - W * mean``), not divided by ``W``. That is what
+    error feedback adds to the next step's inputs (:func:`jax_cgx.optax.compressed_mean`).
+    """
+    return_residual = check_bool("compressed_pmean", "return_residual", return_residual)
+    compat.check_prng_key(key, "compressed_pmean")
+    axes = compat.axes_tuple(axis_name)
+    world = _world_size(axes, "compressed_pmean")
+    summed = compressed_psum(x, axes, config, key=key, impl=impl, return_residual=return_residual)
+    if return_residual:
+        summed, residual = summed
+        return jax.tree.map(lambda s: s / world, summed), residual
+    return jax.tree.map(lambda s: s / world, summed)
+
+
+def _assemble(flat, bounds, start: int, stop: int) -> jax.Array:
+    """Values ``[start, stop)`` of the concatenation of ``flat``, written into one buffer.
+
+    One ``concatenate`` behind an ``optimization_barrier``: one copy of each value, at
+    memory speed. Without the barrier XLA:CPU fuses a many-operand concatenate into the
+    consumers of the buffer and runs it ~10x slower than a copy (400 ms instead of 30 ms
+    per step for 6 leaves of 5 MiB on 8 virtual devices); a chain of
+    ``dynamic_update_slice``s into zeros became a slow pad fusion once the algorithm's own
+    padding followed it (the comm-bound MLP step of docs/performance.md: 148 ms of copies
+    per step, 25 ms with this).
+    """
+    pieces = _pieces(flat, list(zip(bounds[:-1], bounds[1:])), start, stop)
+    return pieces[0] if len(pieces) == 1 else lax.optimization_barrier(jnp.concatenate(pieces))
+
+
+def _reduce_buffer(buf, axes, world, config: CompressionConfig, key, impl, residual=False, *, backend: str):
+    """One fusion buffer through the compressed primitive (its uncompressed tail, if skipped, through psum).
+
+    With ``config.hierarchical`` the compressed part is reduced in two levels
+    (:func:`~jax_cgx._src.exchange.hierarchical.reduce_hierarchical`). With ``residual`` returns ``(sum, residual)``.
+    ``backend``: the one the plan chose for the buffer's compressed exchange.
+    """
+    if config.hierarchical and len(axes) < 2:
+        raise ValueError(
+            "compressed_psum: hierarchical=True needs a reduction over (cross-node axes..., "
+            "intra-node axis), e.g. axis_name=('node', 'local') on a 2-D mesh, but got "
+            f"axis_name={axes[0]!r}. The last axis is summed uncompressed within a node and the "
+            "others exchange compressed bytes; set hierarchical=False (JAX_CGX_HIERARCHICAL=0) "
+            "to compress over a single axis."
+        )
+    if world == 1:
+        # A sum over one rank moves nothing: exact.
+        return (buf, jnp.zeros_like(buf)) if residual else buf
+    n = buf.size
+    head_n = (n // config.bucket_size) * config.bucket_size if config.skip_incomplete_buckets else n
+    parts, lost = [], []
+    if head_n:
+        head = buf[:head_n]
+        # Like psum: a value that is the same on every rank of an axis is summed W times.
+        head = compat.ensure_varying(head, axes)
+        if config.hierarchical:
+            result = reduce_hierarchical(head, axes, world, config, key, impl, residual, backend=backend)
+        else:
+            result = compressed_sum(head, axes, world, config, key, impl, residual, backend=backend)
+        parts.append(result[0] if residual else result)
+        lost.append(result[1] if residual else None)
+    if head_n < n:
+        tail = buf[head_n:]
+        parts.append(lax.psum(tail, axes))
+        lost.append(jnp.zeros_like(tail) if residual else None)  # the exact lane loses nothing
+    if residual:
+        return _join(parts), _join(lost)
+    return _join(parts)

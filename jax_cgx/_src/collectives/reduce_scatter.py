@@ -1,0 +1,251 @@
+"""``compressed_psum_scatter``: ``lax.psum_scatter`` with each contribution quantized once.
+
+The reduce-scatter of sharded training (FSDP, ZeRO): rank ``j`` ends with the sum over the
+ranks of block ``j`` of their inputs. Compressed, it is SRA's first half (docs/algorithm.md):
+
+1. every rank quantizes its ``W`` blocks (each with its own seed; the kernels' ``valid``
+   counts keep the alignment padding out of every bucket, and mark its own block as
+   holding nothing real: its encoding is zeros, metadata (0, 0), which the CPU kernel writes
+   without reading the block) and
+   ``all_to_all``\\ s the bytes, so rank ``j`` receives the ``W`` encodings of block ``j``;
+2. the owner decodes the ``W - 1`` blocks from its peers and adds them to its own block in
+   full precision (its own encoding decodes to +0), accumulating in float32, in one kernel.
+
+Each contribution is quantized once, and the owner's own not at all: the error of a value
+of block ``o`` is at most ``sum over r != o of s_r / 2`` (``s_r`` the scale of rank ``r``'s
+bucket holding it; twice that with stochastic rounding), plus float32 rounding. Moves
+``(W - 1)/W`` of the compressed buffer per rank, as lax's ring moves of the float one.
+
+The module reads top to bottom: the per-device program on rows, the primitive, its rules
+(differentiation as ``lax.psum_scatter``: the tangent goes through lax's exact collective,
+so ``jax.grad`` gives lax's gradient, an ``all_gather``; vmap folds into rows; lowering
+through the backend chosen while tracing, :mod:`jax_cgx._src.backends`, whose xla backend runs the
+program above and any other computes the same bits), and the pytree API.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.extend.core import Primitive
+from jax.interpreters import ad
+
+from jax_cgx._src import codec, compat
+from jax_cgx._src.arguments import check_bool
+from jax_cgx._src.codec import Impl, check_impl
+from jax_cgx._src.collectives.plan import ConfigSpec
+from jax_cgx._src.collectives.scatter_gather import Leaves, check_key, compressed_buffers, register, timing_key
+from jax_cgx._src.exchange import wire
+from jax_cgx._src.exchange.chunks import chunk_length, row_plan
+
+__all__ = ["compressed_psum_scatter", "compressed_reduce_scatter_p", "compressed_reduce_scatter_residual_p",
+           "scatter_rows", "scatter_blocks", "unscatter_block", "unscatter_blocks"]
+
+API = "compressed_psum_scatter"
+
+
+# ------------------------------------------------------------------ the per-device program
+
+def scatter_rows(x, seeds, *, axes, world, bits, bucket_size, stochastic, impl, segments, message_cap=None,
+                 residual=False):
+    """``x[R, W, m]`` (block ``j`` of each row goes to rank ``j``), ``seeds[R, W, 2]`` ->
+    ``[R, m]``: this rank's block summed over the ranks, in ``x.dtype``.
+
+    ``residual=True``: ``(out, residual[R, W, m])``, what quantizing each block sent to a peer
+    lost (``x - decode(encode(x))``; zero for the rank's own block, which enters exactly). Summed
+    over the ranks, the residuals of block ``o`` are ``sum_r x_r[o] - out_o`` (error feedback)."""
+    r, w, m = x.shape
+    c = chunk_length(w * m, w, bucket_size, False)  # m, aligned for the kernels' vector loads
+    padded = x if c == m else lax.dynamic_update_slice(jnp.zeros((r, w, c), x.dtype), x, (0, 0, 0))
+    p, nb, codec_args, k = row_plan(c, bits, bucket_size, impl, segments, message_cap)
+    me = lax.axis_index(axes)
+    # Our own block enters in full precision: encoded with nothing real, it adds exactly +0.
+    real = jnp.tile(jnp.where(jnp.arange(w) == me, 0, m).astype(jnp.int32), r)
+    payload, meta = codec.quantize_rows(padded.reshape(r * w, c), seeds.reshape(r * w, 2), stochastic=stochastic,
+                                        valid=real, **codec_args)
+    received = wire.all_to_all(wire.to_wire(payload.reshape(r, w, p), meta.reshape(r, w, nb, 2)), axes, k)
+    recv_payload, recv_meta = wire.from_wire(received, p, nb)
+    own = lax.dynamic_index_in_dim(padded, me, axis=1, keepdims=False)
+    out = codec.dequantize_sum_rows(recv_payload, recv_meta, own, dtype=x.dtype, **codec_args)[:, :m]
+    if not residual:
+        return out
+    sent = codec.dequantize_rows(payload, meta, dtype=jnp.float32, **codec_args).reshape(r, w, c)
+    lost = padded.astype(jnp.float32) - sent
+    lost = lax.dynamic_update_index_in_dim(lost, jnp.zeros((r, 1, c), jnp.float32), me, axis=1)
+    return out, lost[:, :, :m].astype(x.dtype)
+
+
+# ------------------------------------------------------------------ the primitive and its rules
+
+compressed_reduce_scatter_p = Primitive("jax_cgx_compressed_reduce_scatter")
+
+
+def _abstract_eval(x, seeds, *, axes, **params):
+    del seeds, params
+    compat.check_axis_names(axes, API)
+    # Each rank holds a different block: the result stays varying over the axes, as lax's does.
+    return x.update(shape=(x.shape[0], x.shape[2])), {compat.NamedAxisEffect(a) for a in axes}
+
+
+def _jvp(primals, tangents, *, axes, **params):
+    x, seeds = primals
+    out = compressed_reduce_scatter_p.bind(x, seeds, axes=axes, **params)
+    tx = tangents[0]
+    if type(tx) is ad.Zero:
+        return out, ad.Zero.from_primal_value(out)
+    # Quantization is the identity to differentiation: lax's exact, linear psum_scatter.
+    return out, lax.psum_scatter(tx, axes, scatter_dimension=1, tiled=False)
+
+
+register(compressed_reduce_scatter_p, abstract_eval=_abstract_eval, program=scatter_rows, jvp=_jvp, api=API,
+         op="psum_scatter", lax_name="psum_scatter")
+
+# (x[R, W, m], seeds) -> (out[R, m], residual[R, W, m]): the same program, with error feedback's residual.
+compressed_reduce_scatter_residual_p = Primitive("jax_cgx_compressed_reduce_scatter_residual")
+compressed_reduce_scatter_residual_p.multiple_results = True
+
+
+def _residual_abstract_eval(x, seeds, **params):
+    out, effects = _abstract_eval(x, seeds, **params)
+    return (out, x), effects  # the residual differs per rank: x's (varying) type
+
+
+def _residual_jvp(primals, tangents, **params):
+    del primals, tangents, params
+    raise TypeError(f"{API}(return_residual=True) cannot be differentiated: the residual is meant for gradient "
+                    "values (error feedback); differentiate without return_residual, or use jax.lax.stop_gradient")
+
+
+register(compressed_reduce_scatter_residual_p, abstract_eval=_residual_abstract_eval,
+         program=functools.partial(scatter_rows, residual=True), jvp=_residual_jvp, api=API, op="psum_scatter",
+         lax_name="psum_scatter")
+
+
+# ------------------------------------------------------------------ leaves as blocks and back
+
+def _check_shape(name: str, shape: tuple, dim: int, tiled: bool, world: int) -> int:
+    """``dim`` normalized; raises like lax when the leaf cannot be scattered over ``world`` ranks."""
+    if not -len(shape) <= dim < len(shape):
+        raise ValueError(f"{API}: scatter_dimension={dim} is out of range for leaf {name} of shape {shape}")
+    dim %= len(shape)
+    if tiled and shape[dim] % world:
+        raise ValueError(f"{API}: leaf {name} has {shape[dim]} entries along scatter_dimension {dim}, not divisible "
+                         f"by the {world} ranks (tiled=True)")
+    if not tiled and shape[dim] != world:
+        raise ValueError(f"{API}: leaf {name} has {shape[dim]} entries along scatter_dimension {dim}; with "
+                         f"tiled=False it must equal the number of ranks, {world}")
+    return dim
+
+
+def scatter_blocks(leaf, dim: int, world: int):
+    """``[W, m]``: row ``j`` is the block rank ``j`` receives, flattened (tiled or not)."""
+    return jnp.moveaxis(leaf, dim, 0).reshape(world, -1)
+
+
+def unscatter_blocks(blocks, shape: tuple, dim: int):
+    """The inverse of :func:`scatter_blocks`: ``[W, m]`` back in the leaf's (input) shape."""
+    moved = (shape[dim],) + shape[:dim] + shape[dim + 1:]
+    return jnp.moveaxis(blocks.reshape(moved), 0, dim)
+
+
+def unscatter_block(block, shape: tuple, dim: int, tiled: bool, world: int):
+    """A received block ``[m]`` in the leaf's output shape: ``dim`` dropped, or divided by ``world`` (tiled)."""
+    moved = (shape[dim] // world,) if tiled else ()
+    rest = shape[:dim] + shape[dim + 1:]
+    out = block.reshape(moved + rest)
+    return jnp.moveaxis(out, 0, dim) if tiled else out
+
+
+# ------------------------------------------------------------------ the API
+
+# What policy="auto" times a near-tie with (jax_cgx._src.policy.pricing.Timed); any key will do.
+_TIMED = (functools.partial(lax.psum_scatter, tiled=True),
+          lambda v, axis, config: compressed_psum_scatter(v, axis, config, tiled=True, key=timing_key(config)))
+
+
+def compressed_psum_scatter(x, axis_name, config: ConfigSpec = None, *, scatter_dimension: int = 0,
+                            tiled: bool = False, key: jax.Array | None = None, impl: Impl = "auto",
+                            return_residual: bool = False):
+    """``jax.lax.psum_scatter`` of a pytree, compressed: each contribution quantized at most once.
+
+    The semantics, shapes and conventions of ``lax.psum_scatter``: with ``tiled=False`` every
+    leaf's ``scatter_dimension`` has one entry per rank and is removed from the result; with
+    ``tiled=True`` it is a multiple of the number of ranks and is divided by it. Leaves take
+    the lanes of :func:`~jax_cgx.compressed_psum`: ``bits=32`` (or a ``None`` config, integer
+    and small leaves) is exactly ``lax.psum_scatter``, ``bits=16`` the same in ``half_dtype``,
+    and the quantized leaves of one dtype and config are fused into buffers of whole leaves
+    of at most ``fusion_buffer_mb``. With ``policy="auto"`` a buffer the cost model finds
+    faster uncompressed goes to ``lax.psum_scatter`` instead (logged once).
+
+    Args:
+      x: a pytree of arrays (inside ``shard_map`` or ``pmap``).
+      axis_name: the mapped axis name(s) to reduce over.
+      config: a :class:`~jax_cgx.CompressionConfig`, a pytree of them (or ``None`` per leaf),
+        a function ``(path, leaf) -> config``, or ``None`` (the environment's).
+      scatter_dimension: the dimension each leaf is split along.
+      tiled: as for ``lax.psum_scatter``.
+      key: a PRNG key for stochastic rounding, the same on every rank (each folds in its index).
+      impl: the codec implementation: "auto", "kernel" or "reference" (bitwise the same).
+      return_residual: also return this rank's share of the compression error, shaped like
+        ``x``: what quantizing its blocks lost (zero for its own block and the exact lanes; the
+        cast error in the 16-bit lane). Summed over the ranks, the residuals of block ``o`` are
+        ``sum_r x_r[o] - out_o`` up to the rounding of the leaf's dtype (float32 for float32
+        leaves): what error feedback adds to the next step's input.
+
+    Returns:
+      The pytree of this rank's blocks, summed over ``axis_name`` (with ``return_residual``,
+      ``(sums, residuals)``); the error of a compressed value is bounded by the scales of its
+      peers' buckets (module docstring).
+    """
+    tiled, return_residual = check_bool(API, "tiled", tiled), check_bool(API, "return_residual", return_residual)
+    check_impl(impl)
+    compat.check_prng_key(key, API)
+    axes = compat.axes_tuple(axis_name)
+    compat.check_axis_names(axes, API)
+    world = int(np.prod([lax.axis_size(a) for a in axes]))
+    leaves = Leaves(x, config, API)
+    dims = [_check_shape(leaves.name(i), leaf.shape, scatter_dimension, tiled, world)
+            for i, leaf in enumerate(leaves.leaves)]
+    check_key(leaves, key, API)
+    compressed, uncompressed = [], set()
+    if leaves.groups and world > 1:
+        compressed, uncompressed = compressed_buffers(leaves, axes, world, "psum_scatter", key, world, API,
+                                                      "psum_scatter", _TIMED, impl, return_residual)
+    out: list = [None] * len(leaves.leaves)
+    res: list = [None] * len(leaves.leaves)
+    for i, (kind, leaf) in enumerate(zip(leaves.lanes, leaves.leaves)):
+        # One rank: nothing moves, exact. policy="auto" may leave a buffer's leaves to lax.
+        if kind == "exact" or (kind == "quantized" and (world == 1 or i in uncompressed)):
+            out[i] = lax.psum_scatter(leaf, axes, scatter_dimension=dims[i], tiled=tiled)
+            res[i] = jnp.zeros_like(leaf)
+        elif kind == "half":
+            half = leaf.astype(jnp.dtype(leaves.configs[i].half_dtype))
+            out[i] = lax.psum_scatter(half, axes, scatter_dimension=dims[i], tiled=tiled).astype(leaf.dtype)
+            res[i] = (leaf.astype(jnp.float32) - half.astype(jnp.float32)).astype(leaf.dtype)
+    if compressed:
+        for group, members, seeds, backend in compressed:
+            cfg = group.config
+            blocks = [scatter_blocks(leaves.leaves[i], dims[i], world) for i in members]
+            joined = blocks[0] if len(blocks) == 1 else lax.optimization_barrier(jnp.concatenate(blocks, axis=1))
+            joined = compat.ensure_varying(joined, axes)  # like lax: an invariant value is summed W times
+            params = dict(axes=axes, world=world, bits=cfg.bits, bucket_size=cfg.bucket_size,
+                          stochastic=cfg.stochastic, impl=impl, segments=cfg.pipeline_segments, backend=backend)
+            if return_residual:
+                summed, lost = compressed_reduce_scatter_residual_p.bind(joined[None], seeds, **params)
+                summed, lost = summed[0], lost[0]
+            else:
+                summed = compressed_reduce_scatter_p.bind(joined[None], seeds, **params)[0]
+            start = 0
+            for i, block in zip(members, blocks):
+                m, shape = block.shape[1], leaves.leaves[i].shape
+                out[i] = unscatter_block(summed[start:start + m], shape, dims[i], tiled, world)
+                if return_residual:
+                    res[i] = unscatter_blocks(lost[:, start:start + m], shape, dims[i])
+                start += m
+    if return_residual:
+        return leaves.treedef.unflatten(out), leaves.treedef.unflatten(res)
+    return leaves.treedef.unflatten(out)

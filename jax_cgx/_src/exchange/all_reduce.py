@@ -1,0 +1,176 @@
+"""The compressed all-reduce of one buffer as a JAX primitive: its rules and lowering.
+
+``compressed_allreduce_p`` takes rows ``x[R, n]`` (vmapped examples become rows),
+``seeds[R, W+1, 2]`` (one seed per chunk plus one for the re-quantization) and
+``valid[R]`` int32: how many of each row's values are real (``n`` except for a
+hierarchical shard, whose tail may be padding). Its JAX rules make it behave like
+``psum``: abstract evaluation drops the reduced axes from the varying-axes type,
+differentiation is linear (transpose = ``pvary`` of the cotangent under ``check_vma``,
+the same compressed sum without it), and vmap over a non-reduced axis folds into rows.
+
+Its ``backend`` parameter is the backend chosen for it while tracing
+(:func:`jax_cgx._src.backends.choose_in_trace`); its one lowering rule hands it to that backend
+(:func:`jax_cgx._src.backends.register_lowering`). The xla backend lowers :data:`XLA_PROGRAM`: the
+chosen algorithm (:mod:`~jax_cgx._src.exchange.algorithms`) written with XLA collectives around
+the codec's kernels.
+
+``compressed_allreduce_residual_p`` runs the same program and also returns each rank's
+share of the compression error, for error feedback (docs/algorithm.md, "Error feedback").
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.extend.core import Primitive
+from jax.interpreters import ad, batching
+
+from jax_cgx._src import backends, compat
+from jax_cgx._src.codec import batch_rows
+from jax_cgx._src.config import CompressionConfig
+from jax_cgx._src.exchange.algorithms import xla_rows
+from jax_cgx._src.exchange.chunks import chunk_length
+
+__all__ = ["compressed_allreduce_p", "compressed_allreduce_residual_p", "compressed_sum", "reduction",
+           "XLA_PROGRAM", "RESIDUAL_XLA_PROGRAM"]
+
+API = "compressed_psum"
+
+
+def reduction(axes: tuple, world: int, config: CompressionConfig, impl: str = "auto",
+              residual: bool = False) -> backends.Reduction:
+    """The all-reduce of ``config`` over ``axes`` as the backends see it."""
+    return backends.Reduction(API, "psum", tuple(axes), world, config.algorithm, impl, residual)
+
+
+def compressed_sum(values, axes, world, config: CompressionConfig, key, impl, residual=False, valid=None, *,
+                   backend: str):
+    """``values[n]`` summed over ``axes`` (``world`` ranks) by the compressed all-reduce primitive.
+
+    ``valid`` (int32 scalar, default ``n``): how many of ``values`` are real; the rest is
+    padding, which never enters a bucket's range. With ``residual``: ``(sum, residual)``
+    from the primitive with error feedback. ``backend``: the one chosen for it
+    (:func:`jax_cgx._src.backends.choose_in_trace` of :func:`reduction`).
+    """
+    if key is None:
+        seeds = jnp.zeros((1, world + 1, 2), jnp.uint32)
+    else:
+        seeds = jax.random.bits(key, (1, world + 1, 2), jnp.uint32)
+    chunk = chunk_length(values.size, world, config.bucket_size, config.skip_incomplete_buckets)
+    prim = compressed_allreduce_residual_p if residual else compressed_allreduce_p
+    valid = jnp.full((1,), values.size, jnp.int32) if valid is None else jnp.reshape(valid, (1,))
+    reduced = prim.bind(
+        values[None],
+        seeds,
+        valid.astype(jnp.int32),
+        axes=axes,
+        world=world,
+        chunk=chunk,
+        bits=config.bits,
+        bucket_size=config.bucket_size,
+        stochastic=config.stochastic,
+        impl=impl,
+        algorithm=config.algorithm,
+        backend=backend,
+        segments=config.pipeline_segments,
+    )
+    if residual:
+        return reduced[0][0], reduced[1][0]
+    return reduced[0]
+
+
+compressed_allreduce_p = Primitive("jax_cgx_compressed_allreduce")
+
+
+def _abstract_eval(x, seeds, valid, *, axes, **params):
+    del seeds, valid, params
+    compat.check_axis_names(axes, "compressed_psum")
+    out = x
+    if compat.check_vma_enabled():
+        out = compat.remove_varying(x, axes)
+    return out, {compat.NamedAxisEffect(a) for a in axes}
+
+
+# What the xla backend lowers (each backend computes the same bytes).
+XLA_PROGRAM = backends.XlaProgram(xla_rows)
+RESIDUAL_XLA_PROGRAM = backends.XlaProgram(functools.partial(xla_rows, residual=True), multiple_results=True)
+
+
+compressed_allreduce_p.def_effectful_abstract_eval(_abstract_eval)
+compressed_allreduce_p.def_impl(functools.partial(compat.apply_primitive, compressed_allreduce_p))
+backends.register_lowering(compressed_allreduce_p, API, "psum", XLA_PROGRAM)
+
+
+def _jvp(primals, tangents, **params):
+    x, seeds, valid = primals
+    tx = tangents[0]
+    out = compressed_allreduce_p.bind(x, seeds, valid, **params)
+    if type(tx) is ad.Zero:
+        return out, ad.Zero.from_primal_value(out)
+    return out, compressed_allreduce_p.bind(tx, seeds, valid, **params)
+
+
+def _transpose(ct, x, seeds, valid, *, axes, **params):
+    assert ad.is_undefined_primal(x) and not ad.is_undefined_primal(seeds)
+    if type(ct) is ad.Zero:
+        return ad.Zero(x.aval), None, None
+    if compat.is_varying(x.aval, axes):
+        # check_vma: the sum is invariant over `axes`; like psum, send the cotangent back as varying.
+        return compat.pvary(ct, axes), None, None
+    return compressed_allreduce_p.bind(ct, seeds, valid, axes=axes, **params), None, None
+
+
+ad.primitive_jvps[compressed_allreduce_p] = _jvp
+ad.primitive_transposes[compressed_allreduce_p] = _transpose
+
+
+def _batcher(prim):
+    """vmap over a non-reduced axis folds into rows; over a reduced axis there is no wire."""
+
+    def batch(axis_data, args, dims, *, axes, **params):
+        if axis_data.name is not None and axis_data.name in axes:
+            raise NotImplementedError(
+                f"compressed_psum over the vmapped axis {axis_data.name!r} is not supported: vmap "
+                "has no wire to compress. Reduce it with jax.lax.psum, or map that axis with "
+                "jax.shard_map / jax.pmap."
+            )
+        return batch_rows(prim, args, dims, axes=axes, **params)
+
+    return batch
+
+
+batching.fancy_primitive_batchers[compressed_allreduce_p] = _batcher(compressed_allreduce_p)
+
+
+# ------------------------------------------ the primitive with error feedback
+
+# (x[R, n], seeds[R, W+1, 2]) -> (out[R, n], residual[R, n]), the same params as
+# compressed_allreduce_p. `out` is bitwise what compressed_allreduce_p computes; `residual`
+# is this rank's share of the compression error: summed over the ranks of the reduction,
+# sum_r residual_r == sum_r x_r - out (up to float32 rounding). A separate primitive, so
+# that the plain all-reduce's rules, lowerings and programs stay as they are.
+compressed_allreduce_residual_p = Primitive("jax_cgx_compressed_allreduce_residual")
+compressed_allreduce_residual_p.multiple_results = True
+
+def _residual_abstract_eval(x, seeds, valid, *, axes, **params):
+    out, effects = _abstract_eval(x, seeds, valid, axes=axes, **params)
+    return (out, x), effects  # the residual differs per rank: x's (varying) type
+
+
+def _residual_jvp(primals, tangents, **params):
+    del primals, tangents, params
+    raise TypeError(
+        "compressed_psum(return_residual=True) cannot be differentiated: the error-feedback "
+        "residual is meant for gradient values (see jax_cgx.optax.compressed_mean). "
+        "Differentiate compressed_psum without return_residual, or wrap the values in "
+        "jax.lax.stop_gradient."
+    )
+
+
+compressed_allreduce_residual_p.def_effectful_abstract_eval(_residual_abstract_eval)
+compressed_allreduce_residual_p.def_impl(functools.partial(compat.apply_primitive, compressed_allreduce_residual_p))
+backends.register_lowering(compressed_allreduce_residual_p, API, "psum", RESIDUAL_XLA_PROGRAM, residual=True)
+ad.primitive_jvps[compressed_allreduce_residual_p] = _residual_jvp
+batching.fancy_primitive_batchers[compressed_allreduce_residual_p] = _batcher(compressed_allreduce_residual_p)

@@ -1,0 +1,85 @@
+"""Hierarchical all-reduce: uncompressed within a node, compressed across nodes.
+
+torch_cgx's intra/cross-node split (docs/algorithm.md, "Hierarchical"): an uncompressed
+reduce-scatter over the inner (intra-node) axis, the compressed all-reduce of each shard
+over the outer axes, an all-gather over the inner axis.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax import lax
+
+from jax_cgx._src import compat
+from jax_cgx._src.config import CompressionConfig
+from jax_cgx._src.exchange.all_reduce import compressed_sum
+from jax_cgx._src.exchange.chunks import check_buffer_values, wire_bytes_per_rank
+
+__all__ = ["reduce_hierarchical", "hierarchical_shard", "hierarchical_wire_bytes"]
+
+
+def hierarchical_shard(n: int, inner_world: int, config: CompressionConfig) -> int:
+    """Values per intra-node shard: ``n`` padded to a multiple of ``inner_world``.
+
+    With ``skip_incomplete_buckets`` (``n`` is whole buckets) to a multiple of
+    ``inner_world`` buckets, so that no bucket mixes values and padding.
+    """
+    check_buffer_values(n)  # the shards' real-value counts start from n, in int32
+    align = inner_world * (config.bucket_size if config.skip_incomplete_buckets else 1)
+    return -(-n // align) * align // inner_world
+
+
+def reduce_hierarchical(head, axes, world, config: CompressionConfig, key, impl, residual=False, *, backend: str):
+    """Two-level sum over ``axes = (outer..., inner)``, torch_cgx's intra/cross-node split.
+
+    An uncompressed reduce-scatter over the inner (intra-node) axis leaves every rank a
+    shard of the node's sum; the shards are reduced by the compressed primitive over
+    the outer axes (each rank with the ranks that hold the same shard on other nodes),
+    and an all-gather over the inner axis reassembles the buffer.
+
+    With ``residual``: ``(sum, residual)``; the compressed exchange's residual sits at this
+    rank's shard positions of the buffer, zeros elsewhere (the inner reduce-scatter and
+    all-gather are exact up to float32 rounding).
+    """
+    inner, outer = axes[-1], axes[:-1]
+    inner_world = lax.axis_size(inner)
+    outer_world = world // inner_world
+    if outer_world == 1:
+        # One node: nothing is compressed, an exact sum.
+        return (lax.psum(head, axes), jnp.zeros_like(head)) if residual else lax.psum(head, axes)
+    n = head.size
+    shard_n = hierarchical_shard(n, inner_world, config)
+    padded = head
+    if shard_n * inner_world != n:
+        padded = lax.dynamic_update_slice(jnp.zeros((shard_n * inner_world,), head.dtype), head, (0,))
+    shard = lax.psum_scatter(padded, inner, scatter_dimension=0, tiled=True)
+    # The last shards may end in padding: tell the compressed exchange where the real values end.
+    real = jnp.clip(n - lax.axis_index(inner) * shard_n, 0, shard_n)
+    reduced = compressed_sum(shard, outer, outer_world, config, key, impl, residual, valid=real, backend=backend)
+    if residual:
+        reduced, lost = reduced
+    if compat.check_vma_enabled():
+        # The shard varies over the inner axis; the gathered sum does not (like psum's), and
+        # its transpose hands each rank its own shard of the cotangent.
+        full = compat.all_gather_invariant(reduced, inner)
+    else:
+        full = lax.all_gather(reduced, inner, axis=0, tiled=True)
+    if not residual:
+        return full[:n]
+    # psum_scatter hands shard i to inner rank i: our residual covers those positions.
+    placed = lax.dynamic_update_slice(jnp.zeros_like(padded), lost, (lax.axis_index(inner) * shard_n,))
+    return full[:n], placed[:n]
+
+
+def hierarchical_wire_bytes(n: int, world: int, inner_world: int, cfg: CompressionConfig, itemsize: int):
+    """Bytes one rank sends for ``n`` values reduced by :func:`_reduce_hierarchical`."""
+    outer_world = world // inner_world
+    if n == 0:
+        return 0
+    if outer_world == 1:
+        return 2 * (world - 1) / world * n * itemsize  # an exact psum
+    shard_n = hierarchical_shard(n, inner_world, cfg)
+    inner = 2 * (inner_world - 1) * shard_n * itemsize  # reduce-scatter + all-gather
+    return inner + wire_bytes_per_rank(
+        shard_n, outer_world, cfg.bits, cfg.bucket_size, cfg.skip_incomplete_buckets
+    )

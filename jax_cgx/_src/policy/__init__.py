@@ -1,0 +1,15 @@
+"""``policy="auto"``: whether each fusion buffer is worth compressing on this machine.
+
+- :mod:`~jax_cgx._src.policy.pricing`: the figures agreed across processes (``calibrate``,
+  ``figures``) and each buffer's :class:`Decision` (``decide``): the model, and near a tie a
+  timing of the buffer itself;
+- :mod:`~jax_cgx._src.policy.cost_model`: the predicted seconds of a psum and of the
+  compressed exchange;
+- :mod:`~jax_cgx._src.policy.probes`: timing this machine (codec rates, the link, one buffer's
+  two collectives side by side).
+
+The collectives call it through :func:`~jax_cgx._src.policy.pricing.decide` while they trace;
+it is the one path that runs collectives while tracing (its probes, collectively on every
+process), kept here, apart. It sits below the collectives and above the all-reduce's exchange
+(:mod:`jax_cgx._src.exchange`), which its probes time.
+"""

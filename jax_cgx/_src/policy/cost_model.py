@@ -1,0 +1,149 @@
+"""A cost model of compressed_psum and psum on a bandwidth-limited link.
+
+Predicts the time of one all-reduce of ``n`` values per rank over ``W`` ranks, each rank's
+link limited to ``B`` bytes/s in each direction, from measured codec throughput. Used by
+``policy="auto"`` (:mod:`jax_cgx._src.policy.pricing`) to decide, fusion buffer by fusion
+buffer, whether compressing pays, and by ``python -m jax_cgx.bench model`` to compare
+predictions with measurements. ``S`` below is the buffer's bytes in its own dtype, ``F =
+4n`` its bytes as float32 (the codec's throughput is measured in float32 bytes):
+
+* psum (a bandwidth-optimal ring, as gloo's and NCCL's): every rank sends and receives
+  ``2(W-1)/W * S`` and adds ``(W-1)/W * S`` bytes::
+
+      t_psum = 2(W-1)/W * S / B  +  (W-1)/W * S / copy_rate  +  2(W-1) * latency
+
+* compressed SRA (docs/algorithm.md): a rank quantizes its ``W`` chunks, sends ``W-1``
+  encoded chunks in the all_to_all and ``W-1`` in the all_gather (``E = n/W * bits/8 +
+  8 * ceil(n/W / bucket_size)`` bytes each), decodes ``W`` encodings of its chunk and
+  re-quantizes their sum, and decodes the ``W`` gathered chunks::
+
+      t_sra = F/quantize_rate                       (quantize)
+            + (W-1) * E / B + k * latency           (all_to_all)
+            + F/reduce_rate                         (fused dequantize-sum-requantize)
+            + (W-1) * E / B + k * (W-1) * latency   (all_gather: gloo's ring, W-1 steps)
+            + F/dequantize_rate                     (decode)
+            + (9 * W * E + S/W) / copy_rate         (copies around the kernels)
+
+  ``k`` is the number of messages each collective is cut into (:mod:`jax_cgx._src.exchange.wire`:
+  by default on multi-process CPU, enough for messages of at most 256 KiB); every message
+  pays the fixed ``latency`` once per step. The copies are those of the xla backend's
+  optimized HLO on CPU: the wire layout (payload || meta), XLA's per-destination slices,
+  the segments' reassembly and the unpacking, about nine passes over the ``W`` encoded
+  chunks in all; and the rank's own chunk, which the fused kernel takes as a separate
+  operand. The ring algorithm moves the same bytes and runs about the same codec work.
+
+Nothing overlaps on the xla backend's CPU path, so the terms add. ``host_cores`` models
+several ranks sharing one machine, as ``benchmarks/netem`` runs them: with ``W`` processes
+on ``host_cores`` cores every compute term takes ``max(1, W / host_cores)`` times longer
+(each kernel runs on one thread). The model assumes the links, not the switch, are the
+bottleneck. Measured against it (docs/results.md, "Cost model"): every median within 25%.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+from jax_cgx._src.exchange import wire as _wire
+
+__all__ = ["CodecRates", "LinkModel", "encoded_chunk_bytes", "predict", "OPS", "WIRE_COPIES"]
+
+
+@dataclasses.dataclass(frozen=True)
+class CodecRates:
+    """Measured throughput, bytes of float32 input per second."""
+
+    quantize: float
+    dequantize: float
+    add: float = 4e9  # memory bandwidth: psum's float32 sums, the copies around the kernels
+    reduce: float | None = None  # the fused step; None: a decode plus 1/W of a quantize
+
+    @classmethod
+    def from_codec_json(cls, path: str, bits: int, size_mib: float | None = None) -> CodecRates:
+        """Rates of ``bits`` from a ``python -m jax_cgx.bench codec --output`` file (largest size by default)."""
+        with open(path) as f:
+            rows = [r for r in json.load(f) if r["bits"] == bits]
+        if not rows:
+            raise ValueError(f"{path} has no rows for bits={bits}")
+        row = max(rows, key=lambda r: r["size_mib"]) if size_mib is None else min(
+            rows, key=lambda r: abs(r["size_mib"] - size_mib))
+        reduce = row.get("reduce_gbps")
+        return cls(quantize=row["quantize_gbps"] * 1e9, dequantize=row["dequantize_gbps"] * 1e9,
+                   add=row["copy_gbps"] * 1e9, reduce=None if reduce is None else reduce * 1e9)
+
+
+@dataclasses.dataclass(frozen=True)
+class LinkModel:
+    """Per-rank link: bandwidth in bytes/s each way (``inf``: unlimited), and a fixed cost per message."""
+
+    bandwidth: float
+    latency: float = 2e-4
+
+
+def encoded_chunk_bytes(size_bytes: float, world: int, bits: int, bucket_size: int) -> float:
+    """Bytes of one rank's encoded chunk of a ``size_bytes`` float32 buffer cut into ``world`` chunks."""
+    values = size_bytes / 4 / world
+    return values * bits / 8 + -(-values // bucket_size) * 8
+
+
+# Passes over the W encoded chunks that the xla backend's program makes besides the
+# kernels and the transport (counted in its optimized HLO on XLA:CPU); the sharded
+# collectives, one collective each, are priced at half.
+WIRE_COPIES = 9
+
+# What predict() prices: the all-reduce, and the two collectives of sharded training (one
+# collective each: the reduce-scatter is SRA's first half, quantizing the W - 1 blocks it
+# sends and decoding W encodings onto its own block; the all-gather quantizes the rank's
+# shard once and decodes all W, ``E`` then being one shard's encoding).
+OPS = ("psum", "psum_scatter", "all_gather")
+
+
+def predict(size_bytes: float, world: int, bits: int, bucket_size: int, link: LinkModel,
+            rates: CodecRates, host_cores: int | None = None, segments: int = 0, *,
+            itemsize: int = 4, message_cap: int | None = _wire.CPU_MESSAGE_BYTES,
+            share: float | None = None, op: str = "psum") -> dict[str, float]:
+    """Predicted seconds: ``psum`` (the uncompressed collective), ``compressed`` and the
+    compressed time's parts.
+
+    ``op``: "psum" (the all-reduce above; ``size_bytes`` is the buffer per rank),
+    "psum_scatter" (``size_bytes`` is each rank's input, ``W`` blocks) or "all_gather"
+    (``size_bytes`` is each rank's shard); see :data:`OPS` for what the two sharded ones do.
+    ``size_bytes``: the buffer's bytes per rank, of ``itemsize``-byte values.
+    ``host_cores``: all ``world`` ranks share one machine with this many cores (compute
+    slows by ``max(1, world / host_cores)``); None: every rank has a core of its own.
+    ``segments``: messages per collective, as ``CompressionConfig.pipeline_segments``
+    (0: by size, each message at most ``message_cap`` bytes; None: one message).
+    ``share``: how many ranks share each core, given directly (overrides ``host_cores``).
+    """
+    if op not in OPS:
+        raise ValueError(f"op must be one of {tuple(OPS)}, got {op!r}")
+    if world < 2:
+        return dict(psum=0.0, compressed=0.0, wire=0.0, codec=0.0, copies=0.0, messages=0, speedup=1.0)
+    s, w, b = float(size_bytes), world, link.bandwidth
+    f = s / itemsize * 4  # the codec's work, in float32 bytes
+    if share is None:
+        share = 1.0 if host_cores is None else max(1.0, w / host_cores)
+    reduce = rates.reduce or 1 / (1 / rates.dequantize + 1 / (w * rates.quantize))
+    if op == "psum":
+        collectives, lax_bytes, added = 2, 2 * (w - 1) / w * s, (w - 1) / w * s
+        enc = encoded_chunk_bytes(f, w, bits, bucket_size)
+        codec = f / rates.quantize + f / reduce + f / rates.dequantize
+        copied = WIRE_COPIES * w * enc + s / w
+    elif op == "psum_scatter":
+        collectives, lax_bytes, added = 1, (w - 1) / w * s, (w - 1) / w * s
+        enc = encoded_chunk_bytes(f, w, bits, bucket_size)
+        codec = (w - 1) / w * f / rates.quantize + f / rates.dequantize  # the peers' blocks; W decoded onto ours
+        copied = WIRE_COPIES / 2 * w * enc + s / w
+    else:
+        collectives, lax_bytes, added = 1, (w - 1) * s, (w - 1) * s  # lax copies the W - 1 received shards
+        enc = encoded_chunk_bytes(f, 1, bits, bucket_size)
+        codec = f / rates.quantize + w * f / rates.dequantize  # our shard; all W decoded
+        copied = WIRE_COPIES / 2 * w * enc
+    psum = lax_bytes / b + share * added / rates.add + collectives * (w - 1) * link.latency
+    messages = _wire.count(segments, int(enc), message_cap)
+    wire = collectives * (w - 1) * enc / b + messages * w * link.latency * collectives / 2
+    codec = share * codec
+    copies = share * copied / rates.add
+    compressed = wire + codec + copies
+    return dict(psum=psum, compressed=compressed, wire=wire, codec=codec, copies=copies, messages=messages,
+                speedup=psum / compressed if compressed > 0 else float("inf"))

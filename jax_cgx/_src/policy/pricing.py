@@ -1,0 +1,381 @@
+"""``policy="auto"``: compress a fusion buffer only where the cost model predicts a gain.
+
+Compression pays on slow links and costs on fast ones (docs/performance.md). With
+``CompressionConfig(policy="auto")`` every fusion buffer is priced twice by
+:mod:`jax_cgx._src.policy.cost_model`, as a plain ``psum`` (or the sharded collectives' lax
+op) and as the compressed exchange, and is compressed only when that is predicted
+:data:`MIN_SPEEDUP` (1.1) times faster; leaves only in losing buffers are reduced by lax,
+exactly as without jax_cgx (:mod:`jax_cgx._src.collectives.plan`, ``sharded``).
+
+The figures the model needs are measured once per process, the first time they are needed
+(or by :func:`calibrate`):
+
+- **the link**: each rank's rate and per-message latency, from a timed ``psum`` of two sizes
+  over all devices (the slope gives the rate, the intercept the latency), unless
+  ``CompressionConfig.link_gbps`` or ``JAX_CGX_LINK_GBPS`` gives the rate (then with no
+  latency term: nothing is measured over the network);
+- **the codec**: quantize, dequantize and copy throughput of this machine's first device.
+
+The model prices clear cases well and near-ties poorly (docs/performance.md). So when the link is
+measured (not given) and the two predictions lie within :data:`TIE_BAND` of each other, the buffer
+is settled by timing a psum and the compressed exchange of exactly its size, over all devices, on
+the backend that will run it (for ``tcp`` the probe connects a mesh of its own), once per process.
+
+Every process must take the same decisions, or their programs would not match. So the figures
+are agreed before anyone uses them: every process measures, the measurements are gathered, and
+all take the slowest (the collective runs at the pace of its slowest rank). Measuring is
+therefore collective: every process has to reach it, as every process reaches the first trace
+of a step that uses ``compressed_psum`` (and ``JAX_CGX_LINK_GBPS``, which skips the link probe,
+must be set on every process or on none: the first calibration checks it, and raises). A
+decision is a Python bool computed while tracing, from shapes and those figures: static under
+``jit``. Each figure set and each distinct decision is logged once at INFO on the ``jax_cgx``
+logger; :func:`jax_cgx.explain` shows them for a pytree. The probes themselves are
+:mod:`jax_cgx._src.policy.probes`.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import dataclasses
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+
+import jax
+import numpy as np
+
+from jax_cgx._src.config import CompressionConfig, link_gbps_from_env
+from jax_cgx._src.exchange import wire as _wire
+from jax_cgx._src.policy import probes
+from jax_cgx._src.policy.cost_model import CodecRates, LinkModel, predict
+from jax_cgx._src.policy.probes import ExchangeFit, Timed
+
+__all__ = ["Figures", "Decision", "ExchangeFit", "Timed", "calibrate", "figures", "decide",
+           "MIN_SPEEDUP", "TIE_BAND"]
+
+logger = logging.getLogger("jax_cgx")
+
+# Compress only where the prediction is this much faster than a psum: a psum is exact, and
+# near a tie the model cannot tell (a small buffer's exchange and its psum both cost a few
+# collectives' fixed costs; at W=2 the model prices them the same).
+MIN_SPEEDUP = 1.1
+# Predictions closer than this factor are settled by timing the buffer itself (measured link only).
+TIE_BAND = 2.0
+# ...unless one timing (psum plus exchange, predicted) would take longer than this.
+_SETTLE_MAX_S = 1.0
+# Distinct buffers timed per process at most (each costs two compiles in the first trace); past
+# it the model decides. A count, not a time budget: every process must take the same decisions.
+_SETTLE_MAX_BUFFERS = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class Figures:
+    """What the cost model knows about this machine, the same on every process."""
+
+    link: LinkModel
+    rates: CodecRates
+    platform: str
+    link_source: str  # "measured over N devices", "JAX_CGX_LINK_GBPS" or "CompressionConfig.link_gbps"
+    share: float = 1.0  # ranks per core: CPU devices of one process share its cores
+    exchange: ExchangeFit = ExchangeFit()
+
+    @property
+    def link_measured(self) -> bool:
+        """The link's figures come from the probe (not from a rate the user gave)."""
+        return self.link_source.startswith("measured")
+
+    def describe(self) -> str:
+        bw = self.link.bandwidth
+        link = "unlimited" if bw == float("inf") else f"{bw * 8 / 1e9:.3g} Gbit/s"
+        return (f"link {link} per rank each way, {self.link.latency * 1e3:.3g} ms per message "
+                f"({self.link_source}); {self.platform} codec: quantize {self.rates.quantize / 1e9:.3g} GB/s, "
+                f"dequantize {self.rates.dequantize / 1e9:.3g} GB/s, copy {self.rates.add / 1e9:.3g} GB/s"
+                + (f", {self.share:g} devices per core" if self.share > 1 else "")
+                + (f"; compressed exchange measured at {self.exchange.overhead * 1e3:.3g} ms + "
+                   f"{self.exchange.rate / 1e9:.3g} GB/s" if self.exchange != ExchangeFit() else ""))
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    """Whether one buffer is compressed, and the two predictions that decided it (seconds)."""
+
+    compress: bool
+    psum_s: float
+    compressed_s: float
+    measured: bool = False  # the two times were measured on this buffer's size, not predicted
+    backend: str = "xla"  # the backend the compressed exchange was priced on
+
+
+_lock = threading.RLock()
+# By platform: what the probe measured over all devices (link, exchange, where it was measured).
+_measured_link: dict[str, tuple[LinkModel, ExchangeFit, str]] = {}
+_measured_rates: dict[str, CodecRates] = {}
+# (platform, values, dtype, config, backend) -> (psum seconds, exchange seconds), agreed.
+_settled: dict[tuple, tuple[float, float]] = {}
+_logged: set = set()
+
+
+def _outside_trace(fn: Callable):
+    """Run ``fn`` on a fresh thread: JAX's trace state is per thread, so what ``fn``
+    computes runs eagerly even when we are called while a step is being traced."""
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jax_cgx_calibrate") as pool:
+        return pool.submit(fn).result()
+
+
+def _agree(values: list[float], slowest: Callable) -> list[float]:
+    """Every process's ``values`` gathered, and reduced by ``slowest`` (min or max) per entry."""
+    if jax.process_count() == 1:
+        return values
+    from jax.experimental import multihost_utils
+
+    gathered = np.asarray(multihost_utils.process_allgather(np.asarray(values, np.float32)))
+    return [float(slowest(gathered[:, i])) for i in range(len(values))]
+
+
+def _cached(platform: str, link_gbps: float | None, source: str | None) -> Figures | None:
+    """The figures if everything they need is measured already."""
+    rates = _measured_rates.get(platform)
+    if rates is None:
+        return None
+    if link_gbps is not None:
+        # A given rate comes without a latency: per-message costs are then not priced at all.
+        exchange = _measured_link[platform][1] if platform in _measured_link else ExchangeFit()
+        return Figures(LinkModel(link_gbps * 1e9 / 8, 0.0), rates, platform, source, _share(platform), exchange)
+    if platform not in _measured_link:
+        return None
+    link, exchange, measured_source = _measured_link[platform]
+    return Figures(link, rates, platform, measured_source, _share(platform), exchange)
+
+
+def _share(platform: str) -> float:
+    """Ranks per core: a process's CPU devices run their kernels on its cores (one thread each)."""
+    if platform != "cpu":
+        return 1.0
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1.0, jax.local_device_count("cpu") / cores)
+
+
+_BAD_ENV = -2.0  # a malformed JAX_CGX_LINK_GBPS, as agreed between processes
+
+
+def _rate_setting(gbps: float) -> str:
+    if gbps == _BAD_ENV:
+        return "a malformed JAX_CGX_LINK_GBPS"
+    return "not given (measured)" if gbps < 0 else f"{gbps:g} Gbit/s"
+
+
+def _env_link() -> tuple[float | None, ValueError | None]:
+    """``JAX_CGX_LINK_GBPS`` and the error a malformed value raises: a process must not raise
+    it before the agreement its peers wait in."""
+    try:
+        return link_gbps_from_env(), None
+    except ValueError as err:
+        return None, err
+
+
+def _calibrate_platform(platform: str, link_gbps: float | None, source: str | None) -> Figures:
+    """Measure what is missing and agree on it with every process; runs on a fresh thread."""
+    t0 = time.perf_counter()
+    if platform not in _measured_rates:
+        r = probes.measure_rates(jax.local_devices(backend=platform)[0])
+        # The link rates given travel with the rates: a process given one would skip the link
+        # probe that the others run collectively, and their programs would no longer match. The
+        # environment's is compared even when this call has its own (or none, as calibrate()):
+        # a later call without one falls back to it.
+        given = -1.0 if link_gbps is None else link_gbps
+        env, bad_env = _env_link()
+        env = _BAD_ENV if bad_env else -1.0 if env is None else env
+        q, d, a, low, neg_high, env_low, neg_env_high = _agree(
+            [r.quantize, r.dequantize, r.add, given, -given, env, -env], np.min)
+        if bad_env:  # raised after the agreement, which the other processes wait in
+            raise bad_env
+        for lo, hi, where in ((low, -neg_high, "the rate each uses here"), (env_low, -neg_env_high, "JAX_CGX_LINK_GBPS")):
+            if lo != hi:
+                raise ValueError(
+                    f"policy='auto': the processes disagree on the link rate ({_rate_setting(lo)} on one, "
+                    f"{_rate_setting(hi)} on another; compared: {where}). Set JAX_CGX_LINK_GBPS "
+                    "(or CompressionConfig.link_gbps) to the same value on every process, or on none.")
+        _measured_rates[platform] = CodecRates(quantize=q, dequantize=d, add=a)
+    if link_gbps is None and platform not in _measured_link:
+        devices = jax.devices(platform)
+        link, fit = probes.measure_link(devices, _measured_rates[platform], _share(platform))
+        # The slowest link, the longest latency, the slowest exchange.
+        bandwidth, neg_latency, neg_overhead, rate = _agree(
+            [link.bandwidth, -link.latency, -fit.overhead, fit.rate], np.min)
+        _measured_link[platform] = (LinkModel(bandwidth, -neg_latency), ExchangeFit(-neg_overhead, rate),
+                                    f"measured over {len(devices)} devices")
+    fig = _cached(platform, link_gbps, source)
+    logger.info("jax_cgx: policy='auto' calibrated in %.2f s: %s", time.perf_counter() - t0, fig.describe())
+    return fig
+
+
+_alone = threading.local()
+
+
+@contextlib.contextmanager
+def one_process_alone():
+    """While in it, figures that would have to be measured (collectively) raise instead: for
+    what one process may call alone (``bytes_on_wire``), where measuring would hang."""
+    _alone.on = True
+    try:
+        yield
+    finally:
+        _alone.on = False
+
+
+def figures(config: CompressionConfig | None = None, platform: str | None = None) -> Figures:
+    """The figures ``config`` is decided with on ``platform`` (default: JAX's default backend).
+
+    The link rate is ``config.link_gbps``, else ``JAX_CGX_LINK_GBPS``, else measured; the
+    codec rates are measured. Measurements run once per process and are collective (every
+    process must call this, directly or through a first trace); later calls are free.
+    """
+    platform = platform or jax.default_backend()
+    link_gbps, source = None, None
+    if config is not None and config.link_gbps is not None:
+        link_gbps, source = config.link_gbps, "CompressionConfig.link_gbps"
+    else:
+        env, bad_env = _env_link()
+        if bad_env and platform in _measured_rates:  # agreed on already: no peer waits for us
+            raise bad_env
+        if env is not None:
+            link_gbps, source = env, "JAX_CGX_LINK_GBPS"
+    with _lock:
+        fig = _cached(platform, link_gbps, source)
+        if fig is None and getattr(_alone, "on", False) and jax.process_count() > 1:
+            raise RuntimeError(
+                "jax_cgx: policy='auto' has not measured this machine yet, and measuring is collective (every "
+                "process takes part): one process cannot do it alone. Call jax_cgx.calibrate() on every "
+                "process first (or run a step that compresses)")
+        if fig is None:
+            fig = _outside_trace(lambda: _calibrate_platform(platform, link_gbps, source))
+    return fig
+
+
+def calibrate(platform: str | None = None) -> Figures:
+    """Measure this machine's link and codec now (collective: call it on every process).
+
+    Optional: ``policy="auto"`` measures on first use, which is in the first trace of a
+    step. Calling it at start-up keeps that time out of the first step and logs the
+    figures. Measures the link even when ``JAX_CGX_LINK_GBPS`` is set; returns the
+    measured figures.
+    """
+    platform = platform or jax.default_backend()
+    with _lock:
+        fig = _cached(platform, None, None)
+        return fig if fig is not None else _outside_trace(lambda: _calibrate_platform(platform, None, None))
+
+
+def reset() -> None:
+    """Forget the measured figures and logged decisions (tests; a changed network)."""
+    with _lock:
+        _measured_link.clear()
+        _measured_rates.clear()
+        _settled.clear()
+        _logged.clear()
+
+
+def _time_exchange(devices, values: int, dtype, config: CompressionConfig, backend: str,
+                   bodies: Timed | None = None) -> tuple[float, float]:
+    """:func:`~jax_cgx._src.policy.probes.time_exchange`, the slowest process's."""
+    return tuple(_agree(list(probes.time_exchange(devices, values, dtype, config, backend, bodies)), np.max))
+
+
+def _names(op: str) -> tuple[str, str]:
+    """Log lines' prefix and uncompressed collective: ("", "psum") or ("psum_scatter: ", "lax.psum_scatter")."""
+    return ("", "psum") if op == "psum" else (f"{op}: ", f"lax.{op}")
+
+
+def _settle(values: int, dtype, world: int, config: CompressionConfig, backend: str, fig: Figures,
+            measure: bool = True, op: str = "psum", bodies: Timed | None = None) -> tuple[float, float] | None:
+    """The measured ``(psum, exchange)`` seconds of this buffer, or None where it cannot be
+    timed alone: the reduction does not span every device, or is hierarchical, or
+    ``_SETTLE_MAX_BUFFERS`` were timed already. ``measure=False``: only what was timed before
+    (timing is collective; :func:`jax_cgx.explain` may run on one process)."""
+    devices = jax.devices(fig.platform)
+    if len(devices) != world or config.hierarchical:
+        return None
+    key = (fig.platform, values, np.dtype(dtype).name, config, backend, op)
+    with _lock:
+        if key not in _settled and not measure:
+            return None
+        if key not in _settled and len(_settled) >= _SETTLE_MAX_BUFFERS:
+            if "settle-cap" not in _logged:
+                _logged.add("settle-cap")
+                logger.info("jax_cgx: policy='auto': %d buffer sizes timed already; the cost model decides "
+                            "the rest", _SETTLE_MAX_BUFFERS)
+            return None
+        if key not in _settled:
+            if op != "psum" and bodies is None:
+                raise ValueError(f"policy: timing a {op} buffer needs its programs (decide(..., bodies=...))")
+            t0 = time.perf_counter()
+            _settled[key] = _outside_trace(lambda: _time_exchange(devices, values, dtype, config, backend, bodies))
+            prefix, lax_name = _names(op)
+            logger.info("jax_cgx: policy='auto': %stimed a %.4g MiB %s buffer over %d ranks in %.2f s (%s %.3g ms, "
+                        "compressed exchange on %s %.3g ms)", prefix, values * np.dtype(dtype).itemsize / 2**20,
+                        np.dtype(dtype).name, world, time.perf_counter() - t0, lax_name, _settled[key][0] * 1e3,
+                        backend, _settled[key][1] * 1e3)
+        return _settled[key]
+
+
+def decide(values: int, dtype, world: int, config: CompressionConfig, *, inner_world: int | None = None,
+           platform: str | None = None, backend: str = "xla", log: bool = True, measure: bool = True,
+           op: str = "psum", bodies: Timed | None = None, copied: float = 2.0) -> Decision:
+    """Whether ``policy="auto"`` compresses a buffer of ``values`` values of ``dtype`` summed over ``world`` ranks.
+
+    ``inner_world``: the inner axis's size for a hierarchical config (its reduce-scatter and
+    all-gather run within a node, priced at memory speed). ``backend``: the one that will
+    run the exchange (its ``timed_as``, :mod:`jax_cgx._src.backends`); near-ties are timed on it, collectively, unless
+    ``measure=False`` (then only earlier timings are used). The decision is logged once.
+
+    ``op``: as :func:`~jax_cgx._src.policy.cost_model.predict` takes it; the sharded ones pass
+    ``bodies`` (:data:`Timed`) to time near-ties with, their :class:`ExchangeFit` is the
+    all-reduce's scaled to their share of its codec work, and ``Decision.psum_s`` is their lax
+    time. ``copied``: buffer sizes of fusion copies charged on top of a timing (2: in and out).
+    """
+    fig = figures(config, platform)
+    itemsize = np.dtype(dtype).itemsize
+    size = values * itemsize
+
+    def model(nbytes: float, ranks: int, of: str = op) -> dict[str, float]:
+        return predict(nbytes, ranks, config.bits, config.bucket_size, fig.link, fig.rates,
+                       segments=config.pipeline_segments, itemsize=itemsize,
+                       message_cap=_wire.message_cap([fig.platform]), share=fig.share, op=of)
+
+    def exchange(nbytes: float, ranks: int) -> float:
+        if ranks < 2:
+            return 0.0
+        p = model(nbytes, ranks)
+        fit = fig.exchange.seconds(nbytes / itemsize * 4)
+        if op != "psum":  # the fit was measured on all-reduces: this collective's share of their compute
+            whole = model(nbytes, ranks, "psum")
+            fit *= (p["codec"] + p["copies"]) / (whole["codec"] + whole["copies"])
+        return p["wire"] + max(p["codec"] + p["copies"], fit)
+
+    psum = model(size, world)["psum"]
+    if config.hierarchical and inner_world and inner_world > 1:
+        inner = fig.share * 2 * (inner_world - 1) / inner_world * size / fig.rates.add
+        compressed = inner + exchange(size / inner_world, world // inner_world)
+    else:
+        compressed = exchange(size, world)
+    measured = None
+    if (fig.link_measured and psum / TIE_BAND < compressed < psum * TIE_BAND
+            and psum + compressed < _SETTLE_MAX_S):
+        measured = _settle(values, dtype, world, config, backend, fig, measure, op, bodies)
+    if measured is not None:
+        # What the step adds to a compressed buffer: its leaves copied in, its result sliced out.
+        psum, compressed = measured[0], measured[1] + fig.share * copied * size / fig.rates.add
+    decision = Decision(compressed * MIN_SPEEDUP < psum, psum, compressed, measured is not None, backend)
+    key = (values, np.dtype(dtype).name, world, inner_world, config, fig, backend, op)
+    if log and key not in _logged:
+        _logged.add(key)
+        prefix, lax_name = _names(op)  # "compress" or "psum (uncompressed)"; "psum_scatter: lax (...)"
+        logger.info("jax_cgx: policy='auto': %s%s a %.4g MiB %s buffer over %d ranks at %d bits "
+                    "(%s %.3g ms compressed on %s, %.3g ms %s)", prefix,
+                    "compress" if decision.compress else lax_name.split(".")[0] + " (uncompressed)", size / 2**20,
+                    np.dtype(dtype).name, world, config.bits, "measured" if decision.measured else "predicted",
+                    compressed * 1e3, backend, psum * 1e3, lax_name)
+    return decision

@@ -1,0 +1,174 @@
+"""Timing this machine for ``policy="auto"`` (:mod:`jax_cgx._src.policy.pricing`).
+
+Three probes: the codec's rates on one device (:func:`measure_rates`), the link and the
+compressed exchange's compute over all devices (:func:`measure_link`), and one buffer's
+uncompressed and compressed collectives side by side (:func:`time_exchange`, for near-ties).
+Each process times its own devices and nothing else; agreeing on the figures across
+processes, and caching them, is the policy's part.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+import time
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_cgx._src import backends, codec
+from jax_cgx._src.config import CompressionConfig
+from jax_cgx._src.exchange import wire as _wire
+from jax_cgx._src.exchange.all_reduce import (  # the primitive: the pytree API would decide again
+    compressed_sum,
+    reduction,
+)
+from jax_cgx._src.policy.cost_model import CodecRates, LinkModel, predict
+
+__all__ = ["ExchangeFit", "Timed", "measure_rates", "measure_link", "time_exchange"]
+
+# The probe's sizes per device: fixed costs dominate the first; the slope between the other two
+# gives the rates (measured: a 4 MiB probe put the loopback at 4.5 Gbit/s, where 64 MiB psums ran at 6.7).
+_PROBE_BYTES = (64 * 1024, 2**20, 16 * 2**20)
+# The codec probe's buffer: large enough to stream from memory, small enough to be quick.
+_CODEC_PROBE_VALUES = 2**20
+_REPEATS = 5
+_AXIS = "jax_cgx_link_probe"
+# Runs of each when timing a buffer: a near-tie needs more than the probe's five.
+_SETTLE_REPEATS = 9
+
+
+@dataclasses.dataclass(frozen=True)
+class ExchangeFit:
+    """The compressed exchange's own cost besides the wire, measured in place over the real
+    devices: ``overhead + F / rate`` seconds for ``F`` bytes of float32 per rank.
+
+    It catches what the codec rates alone miss: XLA's per-collective cost, and on one
+    process's virtual CPU devices the threads' rendezvous (measured there: 14 ms for 4 MiB
+    per device where the codec rates predict 5 ms). Decisions take the larger of the two.
+    """
+
+    overhead: float = 0.0
+    rate: float = math.inf
+
+    def seconds(self, float32_bytes: float) -> float:
+        return self.overhead + float32_bytes / self.rate
+
+
+# What a near-tie times per device: ``(lax_fn(x, axis), compressed_fn(x, axis, config))``; the
+# all-reduce's is built in, the sharded collectives' modules pass theirs.
+Timed = tuple[Callable, Callable]
+
+
+def _median_times(*fns: Callable[[], object], repeats: int = _REPEATS) -> list[float]:
+    """Each function's median seconds, their runs interleaved so that all see the same
+    machine (a neighbour's burst of work slows them alike)."""
+    for fn in fns:
+        jax.block_until_ready(fn())  # compile and warm up
+    times: list[list[float]] = [[] for _ in fns]
+    for _ in range(repeats):
+        for fn, t in zip(fns, times):
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn())
+            t.append(time.perf_counter() - t0)
+    return [statistics.median(t) for t in times]
+
+
+def _median_time(fn: Callable[[], object]) -> float:
+    return _median_times(fn)[0]
+
+
+def measure_rates(device) -> CodecRates:
+    config = CompressionConfig(bits=4)
+    x = jax.device_put(jax.random.normal(jax.random.key(0), (_CODEC_PROBE_VALUES,), jnp.float32), device)
+    quantize = jax.jit(lambda a: codec.quantize(a, config))
+    dequantize = jax.jit(codec.dequantize)
+    copy = jax.jit(lambda a: -a)  # one read and one write of every byte
+    q = quantize(x)
+    nbytes = x.size * 4
+    return CodecRates(quantize=nbytes / _median_time(lambda: quantize(x)),
+                      dequantize=nbytes / _median_time(lambda: dequantize(q)),
+                      add=nbytes / _median_time(lambda: copy(x)))
+
+
+def _mesh(devices) -> jax.sharding.Mesh:
+    return jax.sharding.Mesh(np.array(devices), (_AXIS,))
+
+
+def _over(mesh, body, values: int, dtype) -> Callable[[], jax.Array]:
+    """``body`` (a per-device function) compiled over ``mesh``, ready to run on ``values`` values per device."""
+    spec = jax.sharding.PartitionSpec(_AXIS)
+    fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False))
+    make = jax.jit(lambda: jnp.ones((mesh.size * values,), dtype) * 0.5,
+                   out_shardings=jax.sharding.NamedSharding(mesh, spec))
+    x = make()
+    return lambda: fn(x)
+
+
+def _time_over(mesh, body, values: int, dtype) -> float:
+    """Median seconds of ``body`` (a per-device function) over ``values`` values per device."""
+    return _median_time(_over(mesh, body, values, dtype))
+
+
+def measure_link(devices, rates: CodecRates, share: float) -> tuple[LinkModel, ExchangeFit]:
+    """The link's rate and latency, and the compressed exchange's compute, over ``devices``.
+
+    Times a ``psum`` and a 4-bit compressed sum at three sizes. The psums fit the cost model's
+    ``t(S) = 2(W-1)/W S/B + share (W-1)/W S/add + 2(W-1) latency``; what the compressed sums
+    take beyond their predicted wire time fits :class:`ExchangeFit`. Rates come from the
+    slope between the two larger sizes, fixed costs from the smallest.
+    """
+    w = len(devices)
+    if w < 2:
+        return LinkModel(float("inf"), 0.0), ExchangeFit()
+    mesh = _mesh(devices)
+    config = CompressionConfig(bits=4)
+
+    def timed(body, nbytes: int) -> float:
+        return _time_over(mesh, body, nbytes // 4, np.float32)
+
+    sizes = _PROBE_BYTES
+    psum = [timed(lambda v: jax.lax.psum(v, _AXIS), n) for n in sizes]
+    slope = (psum[2] - psum[1]) / (sizes[2] - sizes[1])
+    wire_slope = slope - share * (w - 1) / w / rates.add  # seconds per byte that the adds do not explain
+    bandwidth = 2 * (w - 1) / w / wire_slope if wire_slope > 0 else float("inf")
+    link = LinkModel(bandwidth, max(0.0, psum[0] - slope * sizes[0]) / (2 * (w - 1)))
+
+    compute = []
+    for n in sizes:
+        t = timed(lambda v: compressed_sum(v, (_AXIS,), w, config, None, "auto", backend="xla"), n)
+        wire = predict(n, w, config.bits, config.bucket_size, link, rates,
+                       message_cap=_wire.message_cap([devices[0].platform]))["wire"]
+        compute.append(max(0.0, t - wire))
+    per_byte = (compute[2] - compute[1]) / (sizes[2] - sizes[1])
+    fit = ExchangeFit(max(0.0, compute[0] - per_byte * sizes[0]), 1 / per_byte if per_byte > 0 else math.inf)
+    return link, fit
+
+
+def time_exchange(devices, values: int, dtype, config: CompressionConfig, backend: str,
+                  bodies: Timed | None = None) -> tuple[float, float]:
+    """Median seconds of the uncompressed collective (``bodies``; default psum) and the compressed
+    one on ``values`` values per device over ``devices``, on ``backend``, on this process. A
+    backend that owns connections connects a mesh of the probe's own for it."""
+    mesh = _mesh(devices)
+    config = config.replace(policy="always", backend=backend)
+    world = len(devices)
+    lax_fn, compressed_fn = bodies or (
+        jax.lax.psum,
+        lambda v, axis, c: compressed_sum(v, (axis,), world, c, None, "auto", backend=backends.choose_in_trace(
+            c.backend, reduction((axis,), world, c))))
+    owner = backends.get(backend)
+    if owner.families is not None:
+        owner.setup(mesh)
+    try:
+        psum, exchange = _median_times(
+            _over(mesh, lambda v: lax_fn(v, _AXIS), values, dtype),
+            _over(mesh, lambda v: compressed_fn(v, _AXIS, config), values, dtype),
+            repeats=_SETTLE_REPEATS)
+    finally:
+        if owner.families is not None:
+            owner.teardown(mesh)
+    return psum, exchange

@@ -1,0 +1,1 @@
+"""The tcp backend's internals; its public face is :mod:`jax_cgx.tcp`."""

@@ -1,0 +1,93 @@
+"""``python -m jax_cgx.bench model``: the all-reduce cost model's predictions, against measurements.
+
+The model itself, its formula and its assumptions are in :mod:`jax_cgx._src.policy.cost_model`
+(``policy="auto"`` decides with it). Rates are bytes per second of the float32 buffer,
+from ``python -m jax_cgx.bench codec`` (``quantize_gbps``, ``dequantize_gbps``,
+``reduce_gbps``, ``copy_gbps``). ``--host-cores`` models several ranks sharing one
+machine, as ``benchmarks/netem`` runs them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+
+import numpy as np
+
+from jax_cgx._src.arguments import BITS, integer, number
+from jax_cgx._src.policy.cost_model import CodecRates, LinkModel, encoded_chunk_bytes, predict
+
+__all__ = ["CodecRates", "LinkModel", "encoded_chunk_bytes", "predict", "parse_rate"]
+
+_RATE_UNITS = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
+
+
+def parse_rate(text: str) -> float:
+    """A tc-style rate ('1gbit', '10gbit', '100mbit', 'unlimited') in bytes per second."""
+    t = text.strip().lower()
+    if t in ("unlimited", "inf", "none"):
+        return float("inf")
+    m = re.fullmatch(r"([0-9.]+)\s*([kmgt]?)(bit|bps|b)?", t)
+    if not m:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a rate (e.g. 1gbit, 10gbit, 125MB, unlimited)")
+    value = float(m.group(1)) * _RATE_UNITS[m.group(2)]
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: a rate must be above 0 (or 'unlimited')")
+    # tc's units: "bit" or a bare number are bits per second; "bps" and "b" bytes per second.
+    return value / 8 if m.group(3) in ("bit", None) else value
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--codec-json", required=True, help="output of `python -m jax_cgx.bench codec --output`")
+    p.add_argument("--link", type=parse_rate, default=parse_rate("1gbit"), help="per-rank rate, e.g. 1gbit")
+    p.add_argument("--latency-ms", type=number(0), default=0.2, help="fixed cost per message and collective step")
+    p.add_argument("--segments", type=integer(0), default=0,
+                   help="messages per collective (pipeline_segments; 0: the xla backend's CPU default)")
+    p.add_argument("--world", type=integer(1), nargs="+", default=[2, 4])
+    p.add_argument("--sizes-mib", type=number(0, above=True), nargs="+", default=[64])
+    p.add_argument("--bits", type=int, choices=BITS, nargs="+", default=[4, 8], metavar="BITS")
+    p.add_argument("--bucket-size", type=integer(1), default=512)
+    p.add_argument("--host-cores", type=int, default=None,
+                   help="all ranks share one machine with this many cores (as benchmarks/netem runs "
+                        "them); default: a core per rank")
+    p.add_argument("--measured", nargs="*", default=[],
+                   help="`bench allreduce --output` JSON files to compare with (rows matched on world/size/bits)")
+
+
+def main(args: argparse.Namespace) -> None:
+    from jax_cgx.bench._table import print_table
+
+    measured: dict[tuple, list[dict]] = {}
+    for path in args.measured:
+        with open(path) as f:
+            for r in json.load(f):
+                measured.setdefault((r["devices"], round(r["size_mib"], 3), r["bits"]), []).append(r)
+    link = LinkModel(args.link, args.latency_ms / 1e3)
+
+    def versus(values: list[float], predicted_ms: float) -> str:
+        """Every run's time, and how far their median is from the prediction."""
+        median = float(np.median(values))
+        runs = " / ".join(f"{v:.1f}" for v in values)
+        return f"{runs} ({median / predicted_ms - 1:+.0%})" if len(values) == 1 else \
+            f"{runs} (median {median:.1f}, {median / predicted_ms - 1:+.0%})"
+
+    rows = []
+    for world in args.world:
+        for mib in args.sizes_mib:
+            for bits in args.bits:
+                rates = CodecRates.from_codec_json(args.codec_json, bits)
+                p = predict(mib * 2**20, world, bits, args.bucket_size, link, rates, args.host_cores, args.segments)
+                runs = measured.get((world, round(mib, 3), bits), [])
+                row = [str(world), f"{mib:g}", str(bits), f"{p['psum'] * 1e3:.1f}", f"{p['compressed'] * 1e3:.1f}",
+                       f"{p['speedup']:.2f}"]
+                if runs:
+                    row += [versus([r["psum_ms"] for r in runs], p["psum"] * 1e3),
+                            versus([r["compressed_ms"] for r in runs], p["compressed"] * 1e3),
+                            " / ".join(f"{r['speedup']:.2f}" for r in runs)]
+                else:
+                    row += ["-", "-", "-"]
+                rows.append(row)
+    print_table(f"cost model: link {args.link * 8 / 1e9:g} Gbit/s per rank, bucket {args.bucket_size}",
+                ["ranks", "MiB", "bits", "psum ms", "cgx ms", "speedup", "measured psum (vs model)",
+                 "measured cgx (vs model)", "measured speedup"], rows)
