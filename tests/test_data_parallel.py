@@ -1,6 +1,7 @@
 """jax_cgx.data_parallel_value_and_grad: a plain jax.jit step with compressed gradient averaging
 (jax_cgx/_src/data_parallel.py); and jax_cgx.optax reachable after ``import jax_cgx``."""
 
+import re
 import subprocess
 import sys
 
@@ -136,9 +137,9 @@ def test_pytree_batch_and_errors():
                                                    config=jax_cgx.CompressionConfig(bits=32))
     loss, _ = grad_fn(params, {"x": x, "y": y})
     np.testing.assert_allclose(loss, _loss(params, x, y), rtol=1e-6)
-    with pytest.raises(ValueError, match=r"batch argument 0\['x'\] has 12 rows, not divisible by the 8 devices"):
+    with pytest.raises(ValueError, match=r"batch argument 0 \(`batch`\)\['x'\] has 12 rows, not divisible by the 8 devices"):
         grad_fn(params, {"x": x[:12], "y": y[:12]})
-    with pytest.raises(ValueError, match=r"batch argument 0\['y'\] is a scalar"):
+    with pytest.raises(ValueError, match=r"batch argument 0 \(`batch`\)\['y'\] is a scalar"):
         grad_fn(params, {"x": x, "y": 1.0})
     with pytest.raises(TypeError, match="needs at least one batch argument"):
         grad_fn(params)
@@ -146,6 +147,51 @@ def test_pytree_batch_and_errors():
         jax_cgx.data_parallel_value_and_grad(_loss, mesh=mesh, axis_name="batch")
     with pytest.raises(TypeError, match="fun must be callable"):
         jax_cgx.data_parallel_value_and_grad(None, mesh=mesh)
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_explicit_mesh_errors_name_the_argument_and_the_fix(jit):
+    # jax.make_mesh's default axes are Explicit, where shard_map refuses an argument whose type has
+    # another sharding than its in_specs; the error must speak of the caller's argument, not of
+    # jax_cgx's shard_map, and its fix must work as written.
+    mesh = jax.make_mesh((W,), ("data",), devices=jax.devices()[:W])
+    assert mesh.axis_types == (AxisType.Explicit,)
+    params, x, y = _problem()
+    grad_fn = jax_cgx.data_parallel_value_and_grad(_loss, mesh=mesh, config=FOUR_BITS)
+    call = jax.jit(grad_fn) if jit else grad_fn
+    placed_params, placed_x, placed_y = _placed(mesh, params, x, y)
+    with pytest.raises(ValueError, match=re.escape(
+            "batch argument 0 (`x`) is float32[32,16] with sharding P(None, None); it must be split along its "
+            "leading dimension over 'data', and along no other. Place it first (in or outside jit): "
+            "jax.device_put(x, NamedSharding(mesh, P('data')))")):
+        call(placed_params, x, placed_y)
+    sideways = jax.device_put(y, NamedSharding(mesh, P(None, None)))
+    with pytest.raises(ValueError, match=re.escape("batch argument 1 (`y`) is float32[32,4] with sharding P(None, None)")):
+        call(placed_params, placed_x, sideways)
+    split_w1 = dict(placed_params, w1=jax.device_put(params["w1"], NamedSharding(mesh, P("data"))))
+    with pytest.raises(ValueError, match=re.escape(
+            "params['w1'] is float32[16@data,64] with sharding P('data', None); it must be replicated over 'data'")):
+        call(split_w1, placed_x, placed_y)
+    # The fix as the message writes it, and the same call on an Auto mesh, give the same bits.
+    fixed = call(placed_params, jax.device_put(x, NamedSharding(mesh, P("data"))), placed_y)
+    auto = _mesh(AxisType.Auto)
+    grad_auto = jax_cgx.data_parallel_value_and_grad(_loss, mesh=auto, config=FOUR_BITS)
+    want = (jax.jit(grad_auto) if jit else grad_auto)(params, x, y)
+    for got, ref in zip(jax.tree.leaves(fixed), jax.tree.leaves(want)):
+        assert_same_bits(np.asarray(got), np.asarray(ref), "explicit mesh, placed vs auto mesh")
+
+
+def test_explicit_partial_mesh_moves_the_batch_itself():
+    # With another mesh axis left to the partitioner, shard_map converts the batch's sharding
+    # itself even on Explicit axes: no argument is refused there.
+    mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Explicit,) * 2, devices=jax.devices()[:W])
+    params, x, y = _problem()
+    grad_fn = jax_cgx.data_parallel_value_and_grad(_loss, mesh=mesh, config=jax_cgx.CompressionConfig(bits=32))
+    loss, grads = jax.jit(grad_fn)(params, x, y)
+    ref_loss, ref = jax.value_and_grad(_loss)(params, x, y)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
+    for k in ref:
+        np.testing.assert_allclose(grads[k], ref[k], rtol=2e-5, atol=1e-7, err_msg=k)
 
 
 def test_optax_subpackage_after_import_jax_cgx():

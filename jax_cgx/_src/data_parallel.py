@@ -30,12 +30,14 @@ run inside ``shard_map`` (docs/training.md has the recipe).
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Callable
 from typing import Any
 
 import jax
 from jax import lax
+from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 from jax_cgx._src.arguments import check_axes, check_bool
@@ -55,10 +57,14 @@ def data_parallel_value_and_grad(fun: Callable[..., Any], *, mesh, axis_name: st
         loss of one device's shard of the batch.
       mesh: the ``jax.sharding.Mesh`` (or ``AbstractMesh``) the batch is sharded over; its axes
         may be ``Auto`` or ``Explicit``. Only ``axis_name``'s axes are mapped by hand; others
-        (a ``"model"`` axis) stay with XLA's partitioner.
+        (a ``"model"`` axis) stay with XLA's partitioner. Where every mesh axis is one of
+        ``axis_name``'s and ``Explicit`` (``jax.make_mesh``'s default), JAX moves no argument
+        between shardings: place the batch with ``jax.device_put(x, NamedSharding(mesh,
+        P(axis_name)))`` and ``params`` replicated; a ``ValueError`` names any argument that is not.
       axis_name: the mesh axis (or axes) the batch's leading dimension is split over.
       config: as for :func:`~jax_cgx.compressed_pmean`: a ``CompressionConfig``, a pytree of
-        them matching ``params``, a function of a leaf's path, or None (the environment's).
+        them matching ``params``, a function of a leaf's path, or None (``CompressionConfig()``'s
+        defaults, 4 bits; torch_cgx's where its ``CGX_*`` variables are set).
       has_aux: ``fun`` returns ``(loss, aux)``; ``aux`` is averaged over the devices like the
         loss (``lax.pmean``).
 
@@ -80,6 +86,12 @@ def data_parallel_value_and_grad(fun: Callable[..., Any], *, mesh, axis_name: st
                          f"(its axes: {names}); pass axis_name= one of them")
     world = math.prod(mesh.shape[a] for a in axes)
     batch_spec = P(axes if len(axes) > 1 else axes[0])
+    # shard_map moves arguments to its in_specs itself, except on a mesh whose axes are all
+    # manual and Explicit: there an argument whose type has another sharding is an error about
+    # a shard_map the caller never wrote. Such arguments are checked here, and named.
+    types = dict(zip(mesh.axis_names, getattr(mesh, "axis_types", ())))
+    explicit = set(names) == set(axes) and all(types.get(a) == AxisType.Explicit for a in axes)
+    arg_names = _argument_names(fun)
 
     def local(params, key, *batch):
         mine = lax.pcast(params, axes, to="varying")
@@ -91,7 +103,9 @@ def data_parallel_value_and_grad(fun: Callable[..., Any], *, mesh, axis_name: st
         if not batch:
             raise TypeError("data_parallel_value_and_grad: grad_fn(params, *batch) needs at least one batch "
                             "argument to split over the devices")
-        _check_batch(batch, axes, world)
+        _check_batch(batch, axes, world, arg_names)
+        if explicit:
+            _check_placement(params, key, batch, mesh, axes, arg_names)
         # Manual over the data axes only: other mesh axes (e.g. "model") stay with the partitioner.
         mapped = jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), *(batch_spec,) * len(batch)),
                                out_specs=P(), axis_names=frozenset(axes))
@@ -100,14 +114,71 @@ def data_parallel_value_and_grad(fun: Callable[..., Any], *, mesh, axis_name: st
     return grad_fn
 
 
-def _check_batch(batch, axes, world: int) -> None:
+def _argument_names(fun) -> list[str]:
+    """The names of ``fun``'s positional parameters (``["params", "x", "y"]``), to name a batch
+    argument in an error as its author wrote it; ``[]`` where there is no signature to read."""
+    try:
+        parameters = inspect.signature(fun).parameters.values()
+    except (TypeError, ValueError):
+        return []
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return [p.name for p in parameters if p.kind in kinds]
+
+
+def _batch_where(i: int, path, names: list[str]) -> str:
+    # grad_fn(params, *batch) passes batch argument i to fun as its argument i + 1.
+    named = f" (`{names[i + 1]}`)" if i + 1 < len(names) else ""
+    return f"batch argument {i}{named}{jax.tree_util.keystr(path)}"
+
+
+def _check_batch(batch, axes, world: int, names: list[str]) -> None:
     for i, arg in enumerate(batch):
         for path, leaf in jax.tree_util.tree_flatten_with_path(arg)[0]:
             shape = getattr(leaf, "shape", None)
-            where = f"batch argument {i}{jax.tree_util.keystr(path)}"
+            where = _batch_where(i, path, names)
             if shape is None or len(shape) == 0:
                 raise ValueError(f"data_parallel_value_and_grad: {where} is a scalar; every batch leaf needs a "
                                  f"leading dimension to split over {axes} (pass constants through fun's closure)")
             if shape[0] % world:
                 raise ValueError(f"data_parallel_value_and_grad: {where} has {shape[0]} rows, not divisible by "
                                  f"the {world} devices along {axes}; use a batch size that is a multiple of {world}")
+
+
+def _check_placement(params, key, batch, mesh, axes, names: list[str]) -> None:
+    """On a mesh of Explicit axes, every batch leaf must be split along its leading dimension over
+    ``axes`` (and nowhere else over them), and ``params`` and ``key`` replicated over them: the
+    types shard_map will not convert. Axes of size 1 split nothing and are left out."""
+    axes = tuple(a for a in axes if mesh.shape[a] > 1)
+    over_axes = repr(axes[0]) if len(axes) == 1 else repr(axes)
+
+    def over(entry) -> tuple:  # the mesh axes ``axes`` among one dimension's spec entry
+        if entry is None or entry is P.UNCONSTRAINED:
+            return ()
+        return tuple(a for a in ((entry,) if isinstance(entry, str) else entry) if a in axes)
+
+    def split(leaf) -> tuple[tuple, ...]:  # per dimension, the axes it is split over
+        aval = jax.typeof(leaf)
+        entries = tuple(aval.sharding.spec) + (None,) * (aval.ndim - len(aval.sharding.spec))
+        return tuple(over(e) for e in entries)
+
+    def refuse(where: str, leaf, wanted: str, name: str, spec: str) -> None:
+        aval = jax.typeof(leaf)
+        raise ValueError(
+            f"data_parallel_value_and_grad: {where} is {aval} with sharding {aval.sharding.spec}; it must be "
+            f"{wanted}. Place it first (in or outside jit): jax.device_put({name}, NamedSharding(mesh, {spec})). "
+            f"On a mesh of Explicit axes (jax.make_mesh's default) JAX moves no argument to another sharding by "
+            f"itself; on a mesh made with axis_types=(AxisType.Auto,) * {len(mesh.axis_names)} it would.")
+
+    for i, arg in enumerate(batch):
+        for path, leaf in jax.tree_util.tree_flatten_with_path(arg)[0]:
+            dims = split(leaf)
+            if dims[0] != axes or any(dims[1:]):
+                name = names[i + 1] if i + 1 < len(names) else "batch"
+                refuse(_batch_where(i, path, names), leaf,
+                       f"split along its leading dimension over {over_axes}, and along no other", name,
+                       f"P({over_axes})")
+    for what, tree in (("params", params), ("key", key)):
+        for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+            if any(split(leaf)):
+                refuse(f"{what}{jax.tree_util.keystr(path)}", leaf,
+                       f"replicated over {over_axes}: every device takes its gradient with all of {what}", what, "P()")
