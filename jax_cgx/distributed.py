@@ -182,8 +182,11 @@ def initialize(
     - an uncaught exception prints its traceback and exits with status 1;
     - ``sys.exit(n)``, ``exit(n)`` or ``quit(n)`` with a non-zero status (also
       ``sys.exit("message")``: status 1, argparse errors: status 2) exits with that status
-      once the ``SystemExit`` reaches the top level uncaught, after the exit hooks that
-      were registered after :func:`initialize` have run.
+      once the ``SystemExit`` reaches the top level uncaught.
+
+    Either way the exit hooks the program registered with :mod:`atexit` after importing
+    jax_cgx (loggers, checkpoint writers) run first, in their usual order; only jax's own
+    hooks, whose barrier would wait for the peers, are skipped.
 
     A zero status (the script ends, or ``sys.exit(0)``) runs jax's normal shutdown, which
     waits for the other processes. The hook sees ``sys.exit``, ``exit`` and ``quit`` as
@@ -255,10 +258,31 @@ def initialize(
 # notes its status when it is released with no Python frame left on the main thread: that
 # is, when the interpreter consumed it at the top level (a caught one is released inside
 # the frame that caught it). An exit hook registered after jax's (so it runs before it)
-# then ends the process with that status.
+# then decides that the process fails with that status.
+#
+# It does not end the process there: the program's own exit hooks (a logger's, a checkpoint
+# writer's) must still run. Exit hooks run last-registered first, so the one that ends the
+# process (_end_failed_process) is registered when jax_cgx is imported, right after jax's:
+# every hook the program registers later runs before it, jax's never.
 
 _hooks_installed = False
 _exit_status: int | None = None  # the status of a recorded SystemExit that reached the top level
+_failed_with: int | None = None  # set when the process fails: its status, once the exit hooks have run
+
+
+def _fail_at_exit(status: int) -> None:
+    """End with ``status`` once the program's exit hooks have run (instead of in jax's barrier)."""
+    global _failed_with
+    if _failed_with is None:
+        _failed_with = status
+
+
+def _end_failed_process() -> None:
+    if _failed_with is not None:
+        _exit_now(_failed_with)
+
+
+atexit.register(_end_failed_process)  # at import: after jax's hooks, before any the program registers
 
 
 def _status(code: object) -> int:
@@ -383,12 +407,15 @@ def _install_exit_hooks(rank: int) -> None:
         ended = _ended_by(outermost) if outermost is not None else None
         if ended == "return":
             return  # the script ran to its end: status 0, jax's normal shutdown
+        if _failed_with is not None:
+            return  # our excepthook saw it fail
         uncaught = getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
         if uncaught is not None and not isinstance(uncaught, SystemExit):
             # Another sys.excepthook (rich.traceback.install(), ...) replaced ours and printed it.
             print(f"jax_cgx: process {rank} failed ({type(uncaught).__name__}); exiting with status 1, "
                   "without waiting for the other processes in jax's shutdown barrier", file=sys.stderr)
-            _exit_now(1)
+            _fail_at_exit(1)
+            return
         status = _exit_status
         if status is None and ended == "exception":
             held = _held_system_exit(outermost)
@@ -396,7 +423,7 @@ def _install_exit_hooks(rank: int) -> None:
         if status:
             print(f"jax_cgx: process {rank} exits with status {status}, without waiting for the "
                   "other processes in jax's shutdown barrier", file=sys.stderr)
-            _exit_now(status)
+            _fail_at_exit(status)
         elif status is None and ended == "exception":
             print(f"jax_cgx: process {rank} is exiting through an exception whose status jax_cgx "
                   "cannot see (a `raise SystemExit(...)` statement, or a sys.exit imported before "
@@ -413,9 +440,12 @@ def _exit_on_uncaught_exception(rank: int) -> None:
     def hook(kind, value, tb):
         if issubclass(kind, KeyboardInterrupt):
             previous(kind, value, tb)
-            _exit_now(128 + 2)  # as Python reports Ctrl-C: the status of SIGINT
+            _fail_at_exit(128 + 2)  # as Python reports Ctrl-C: the status of SIGINT
+            return
         print(f"jax_cgx: process {rank} failed:", file=sys.stderr)
         traceback.print_exception(kind, value, tb)
-        _exit_now(1)  # skip jax's blocking shutdown barrier: let the launcher see the failure now
+        # Skip jax's blocking shutdown barrier, once the program's exit hooks ran: the launcher
+        # sees the failure as soon as this process is gone, not when its peers finish.
+        _fail_at_exit(1)
 
     sys.excepthook = hook

@@ -111,6 +111,7 @@ def test_a_failing_rank_stops_the_job(tmp_path):
     assert run.returncode == 1, run.stdout[-3000:] + run.stderr[-3000:]
     assert "process 1 exited with 1" in run.stderr
     assert "RuntimeError: rank 1 failing on purpose" in run.stdout
+    assert (tmp_path / "hook1").exists(), "the failed rank skipped the program's own exit hook"
     assert time.monotonic() - t0 < 60
     _assert_no_leak(tmp_path, 3)
 
@@ -155,6 +156,7 @@ def test_a_rank_exit_status_reaches_the_launcher_at_once(tmp_path, how, status, 
     exited = float((tmp_path / "exit1").read_text())
     assert ended - exited < 10, f"the launcher took {ended - exited:.1f} s after the exit (jax's barrier waits 30 s+)"
     assert not (tmp_path / "end1").exists(), "rank 1 ran the exit hooks behind jax's barrier"
+    assert (tmp_path / "hook1").exists(), "rank 1 skipped the program's own exit hook"
     _assert_no_leak(tmp_path, 2)
 
 

@@ -20,8 +20,10 @@ SIGTERM; the others then end at once on SIGTERM (jax's own handler only logs it)
 
 Writes, in OUT_DIR: pid<rank> (first thing, for the no-leak checks), child<rank> (the
 grandchild's pid), result<rank>.npy, exit<rank> (time.time() just before an --exit),
-done<rank> (time.time() when the work is done) and end<rank> (time.time() in the last exit
-hook, which runs after jax's shutdown: absent if the process skipped it).
+done<rank> (time.time() when the work is done), hook<rank> (written by an exit hook the program
+registers before initialize(), as a logger or checkpoint writer would: it must run however the
+process ends) and end<rank> (time.time() in the last exit hook, which runs after jax's shutdown:
+absent if the process skipped it).
 """
 
 import argparse
@@ -63,6 +65,7 @@ import jax_cgx.distributed  # noqa: E402  (imports jax)
 
 _rank.append(args.process_id if args.process_id is not None else jax_cgx.distributed.detect().process_index)
 (out / f"pid{_rank[0]}").write_text(str(os.getpid()))
+atexit.register(lambda: (out / f"hook{_rank[0]}").write_text(repr(time.time())))  # the program's own hook
 # First, before anything touches a device; explicit arguments (if any) win over the environment.
 info = jax_cgx.distributed.initialize(args.coordinator, args.num_processes, args.process_id)
 
