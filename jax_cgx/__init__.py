@@ -7,7 +7,7 @@ jax_cgx's own communicators (:mod:`jax_cgx.nccl` on GPUs, :mod:`jax_cgx.tcp` on 
 subpackages are reachable from ``optax``. See README.md and docs/.
 """
 
-import importlib
+import importlib as _importlib
 
 from jax_cgx import allocator
 
@@ -74,9 +74,9 @@ _LAZY_SUBMODULES = ("cost_model", "optax")
 
 def __getattr__(name: str):
     if name in _LAZY_SUBMODULES:
-        return importlib.import_module(f"jax_cgx.{name}")  # binds jax_cgx.<name>: no second call
+        return _importlib.import_module(f"jax_cgx.{name}")  # binds jax_cgx.<name>: no second call
     raise AttributeError(f"module 'jax_cgx' has no attribute {name!r}")
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY_SUBMODULES))
+    return sorted(__all__)  # the public API only (the extensions and _src are internal)
