@@ -23,3 +23,16 @@ def test_quickstart_tells_what_simulated_devices_measure():
     speedups = [float(r[3]) for r in rows]
     assert speedups == sorted(speedups, reverse=True)  # compression pays most on the slowest link
     assert "benchmarks/netem/run.py" in text  # how to measure it for real
+    assert "expected at 4 bits" in text  # what the printed error means
+    assert "Next, in your own training step" in text and "data_parallel_value_and_grad" in text
+
+
+def test_under_the_launcher_it_says_the_same_next_step():
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    out = subprocess.run([sys.executable, "-m", "jax_cgx.launch", "-n", "2", str(QUICKSTART), "--steps", "2",
+                          "--width", "64"], capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    text = out.stdout
+    assert "(2 process(es))" in text and "expected at 4 bits" in text
+    assert text.count("Next, in your own training step") == 1, text  # once: process 0 reports
+    assert "Measured, not predicted" in text
