@@ -15,6 +15,11 @@ of ``jax.lax.pmean(grads, axis_name)``, typically first in an ``optax.chain``::
                        gradients reduce-scattered, the parameters all-gathered, both
                        optionally compressed (not a GradientTransformation: it returns
                        the parameters)
+``state_specs``        the ``shard_map`` specs of any optax state holding the above's
+                       (``chain``, ``named_chain``, ``inject_hyperparams``, ``MultiSteps``):
+                       per-device leaves ``P(axis)``, the rest ``P()``
+                       (``compressed_mean_state_specs``, ``topk_state_specs``: the same
+                       function under its earlier names)
 =====================  ============================================================
 
 Every factory returns an ``optax.GradientTransformation`` with a NamedTuple state whose
@@ -40,11 +45,11 @@ from jax_cgx._src.optax.mean import (
     CompressedMeanState,
     cast_mean,
     compressed_mean,
-    compressed_mean_state_specs,
     layer_filter,
 )
 from jax_cgx._src.optax.powersgd import PowerSGDState, powersgd_bytes, powersgd_mean
-from jax_cgx._src.optax.topk import TopKState, topk_bytes, topk_mean, topk_state_specs
+from jax_cgx._src.optax.specs import compressed_mean_state_specs, state_specs, topk_state_specs
+from jax_cgx._src.optax.topk import TopKState, topk_bytes, topk_mean
 from jax_cgx._src.optax.zero import ShardedOptimizer, ShardedState, sharded
 
 __all__ = [
@@ -61,6 +66,7 @@ __all__ = [
     "TopKState",
     "topk_bytes",
     "topk_state_specs",
+    "state_specs",
     "sharded",
     "ShardedOptimizer",
     "ShardedState",

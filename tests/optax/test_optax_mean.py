@@ -17,8 +17,8 @@ from jax_cgx._src.optax.mean import (
     CompressedMeanState,
     cast_mean,
     compressed_mean,
-    compressed_mean_state_specs,
 )
+from jax_cgx.optax import compressed_mean_state_specs
 
 FOUR = CompressionConfig(bits=4, bucket_size=64)
 

@@ -17,10 +17,8 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from jax import lax
-from jax.sharding import PartitionSpec as P
 
 from jax_cgx._src import compat
 from jax_cgx._src.codec import Impl, check_impl
@@ -31,7 +29,6 @@ from jax_cgx._src.optax import checks
 __all__ = [
     "CompressedMeanState",
     "compressed_mean",
-    "compressed_mean_state_specs",
     "CastMeanState",
     "cast_mean",
 ]
@@ -164,7 +161,7 @@ def compressed_mean(
     wrong ``shard_map`` specs). Complex leaves are non-float: averaged exactly. ``init``
     uses no collective (it may run outside ``shard_map``). With error feedback the residual
     differs per rank: under ``jax.pmap`` that is automatic; across ``jax.shard_map`` calls
-    pass the state with the specs of :func:`compressed_mean_state_specs`. Residuals are
+    pass the state with the specs of :func:`jax_cgx.optax.state_specs`. Residuals are
     computed by the ``xla`` backend (``backend="nccl"`` raises with error feedback;
     ``"auto"`` picks ``xla``).
     """
@@ -243,23 +240,6 @@ def compressed_mean(
 def _next_count(count, finite):
     """The count after a step: one more after a finite step, unchanged after a non-finite one."""
     return jnp.where(finite, optax.safe_increment(count), count)
-
-
-def compressed_mean_state_specs(state: CompressedMeanState, axis_name) -> CompressedMeanState:
-    """PartitionSpecs of a :class:`CompressedMeanState` for ``jax.shard_map`` in_specs/out_specs.
-
-    ``count`` and the placeholders are the same on every rank: ``P()``. Each residual leaf is
-    per rank: ``P(axis_name)``, the global array being the ranks' residuals concatenated
-    along axis 0 (so a residual of shape ``(m, ...)`` is a global ``(W * m, ...)`` array).
-    ``state`` may be abstract (``jax.eval_shape(tx.init, params)``). Create the state
-    inside ``shard_map``::
-
-        specs = compressed_mean_state_specs(jax.eval_shape(tx.init, params), "data")
-        state = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs))(params)
-    """
-    per_rank = P(axis_name)
-    residual = jax.tree.map(lambda e: per_rank if np.prod(e.shape) > 0 else P(), state.residual)
-    return CompressedMeanState(P(), residual)
 
 
 def cast_mean(axis_name, dtype=jnp.bfloat16) -> optax.GradientTransformation:

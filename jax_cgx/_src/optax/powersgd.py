@@ -36,7 +36,8 @@ The state is ``PowerSGDState(count, q, error)``:
 Shapes and dtypes never change across steps. ``count`` and ``q`` are replicated; ``error`` is
 per-rank: under ``jax.shard_map`` give it the spec ``P(axis_name)`` (each rank's error is a slice
 of a global array stacked along the leaf's first dimension; ``(0,)`` placeholders stay ``(0,)``)
-and ``count``/``q`` the spec ``P()``; under ``jax.pmap`` every state leaf has the device axis.
+and ``count``/``q`` the spec ``P()``, as :func:`jax_cgx.optax.state_specs` gives them (for this
+state alone or inside any optax state); under ``jax.pmap`` every state leaf has the device axis.
 
 Non-finite steps: an inf or NaN in any rank's gradient makes that step's mean non-finite on
 every rank (a rank whose local matrix is non-finite sends NaN into the all-reduce of P, and its

@@ -81,12 +81,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from jax import lax
-from jax.sharding import PartitionSpec as P
 
 from jax_cgx._src.optax import checks
 from jax_cgx._src.optax.topk_exchange import LeafPlan, ceil_count, exchange, leaf_plan
 
-__all__ = ["TopKState", "topk_mean", "topk_bytes", "topk_state_specs"]
+__all__ = ["TopKState", "topk_mean", "topk_bytes"]
 
 
 class TopKState(NamedTuple):
@@ -156,7 +155,7 @@ def topk_mean(
       seed: seed of the threshold sampling.
 
     The state (:class:`TopKState`) is per rank. Under ``jax.pmap`` that is automatic; across
-    ``jax.shard_map`` calls give it the specs of :func:`topk_state_specs` (or keep the
+    ``jax.shard_map`` calls give it the specs of :func:`jax_cgx.optax.state_specs` (or keep the
     training loop inside one ``shard_map``). ``init`` uses no collective.
     """
     fn = "topk_mean"
@@ -279,28 +278,6 @@ def _compressed_leaf(g, u, v, plan: LeafPlan, phase, key, axes, world, momentum,
     if use_momentum:
         u = u.reshape(g.shape)
     return mean.reshape(g.shape).astype(g.dtype), u, v.reshape(g.shape)
-
-
-def topk_state_specs(state, axis_name):
-    """PartitionSpecs of a :class:`TopKState` for ``jax.shard_map`` in_specs/out_specs.
-
-    ``count`` and the uncompressed leaves' momentum are the same on every rank: ``P()``. The
-    compressed leaves' ``u`` and ``v`` are per rank: ``P(axis_name)``, the global array being
-    the ranks' states concatenated along axis 0. ``state`` may be abstract
-    (``jax.eval_shape(tx.init, params)``). Create the state inside ``shard_map``::
-
-        specs = topk_state_specs(jax.eval_shape(tx.init, params), "data")
-        state = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs))(params)
-    """
-    per_rank = P(axis_name)
-
-    def spec_v(v):
-        return per_rank if np.prod(v.shape) > 0 else P()
-
-    def spec_u(u, v):
-        return per_rank if np.prod(v.shape) > 0 and np.prod(u.shape) > 0 else P()
-
-    return TopKState(P(), jax.tree.map(spec_u, state.u, state.v), jax.tree.map(spec_v, state.v))
 
 
 def topk_bytes(params, world: int, ratio: float = 0.001, min_size: int = 1024) -> int:
