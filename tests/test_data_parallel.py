@@ -130,6 +130,24 @@ def test_aux_is_averaged_like_the_loss():
     assert set(grads) == set(params)
 
 
+def test_keyword_arguments_reach_fun_whole_and_undifferentiated():
+    # On an Explicit mesh, where shard_map cannot close over a placed array: replicated, not split.
+    mesh = _mesh(AxisType.Explicit)
+    placed = _placed(mesh, *_problem())
+    rep = NamedSharding(mesh, P())
+
+    def scaled(params, x, y, *, scale):
+        return scale["by"] * _loss(params, x, y)
+
+    grad_fn = jax.jit(jax_cgx.data_parallel_value_and_grad(scaled, mesh=mesh, config=jax_cgx.CompressionConfig(bits=32)))
+    one = grad_fn(*placed, scale={"by": jax.device_put(jnp.float32(1), rep)})
+    two = grad_fn(*placed, scale={"by": jax.device_put(jnp.float32(2), rep)})
+    for a, b in zip(jax.tree.leaves(one), jax.tree.leaves(two)):  # times 2: exact in float32
+        assert_same_bits(2 * np.asarray(a), np.asarray(b), "scaled")
+    with pytest.raises(ValueError, match=r"scale\['by'\].*replicated"):
+        grad_fn(*placed, scale={"by": jax.device_put(jnp.ones(W), NamedSharding(mesh, P("data")))})
+
+
 def test_pytree_batch_and_errors():
     mesh = _mesh()
     params, x, y = _problem()

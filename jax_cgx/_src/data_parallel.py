@@ -21,7 +21,14 @@ transpose of the implicit broadcast would psum the gradient first).
 ``loss_fn(params, *batch)`` is the loss of one device's shard of the batch (a mean over its
 rows); every batch argument is split along its leading axis over ``axis_name``. With
 ``bits=32`` the result is ``jax.value_and_grad(loss_fn)`` of the whole batch, to float32
-rounding (the mean of the shards' means).
+rounding (the mean of the shards' means), for a loss whose rows do not depend on each other:
+a layer with batch statistics (BatchNorm) sees only its device's rows (docs/flax.md).
+
+Keyword arguments of ``grad_fn`` reach ``loss_fn`` the same on every device and are not
+differentiated: model state (BatchNorm statistics), a PRNG key, a step number. They are
+arguments rather than closures because ``shard_map`` cannot close over values sharded on
+``Explicit`` mesh axes, and they are rebuilt in the trace ``loss_fn`` runs in because a mutable
+pytree node (an NNX ``Variable``) may only be written in the trace that made it.
 
 Optimizer states that differ from device to device (error feedback, top-k and PowerSGD
 residuals: :mod:`jax_cgx.optax`) cannot live in a replicated ``jit`` state; those transforms
@@ -69,11 +76,13 @@ def data_parallel_value_and_grad(fun: Callable[..., Any], *, mesh, axis_name: st
         loss (``lax.pmean``).
 
     Returns:
-      ``grad_fn(params, *batch, key=None)`` returning ``(loss, grads)`` (``((loss, aux), grads)``
-      with ``has_aux``), all replicated. Call it inside ``jax.jit`` or on its own. ``params`` is
-      replicated; each ``batch`` argument is a pytree whose leaves have a leading dimension
-      divisible by the number of devices along ``axis_name``. ``key``: a PRNG key for stochastic
-      rounding, the same on every device.
+      ``grad_fn(params, *batch, key=None, **kwargs)`` returning ``(loss, grads)``
+      (``((loss, aux), grads)`` with ``has_aux``), all replicated. Call it inside ``jax.jit`` or
+      on its own. ``params`` is replicated; each ``batch`` argument is a pytree whose leaves have
+      a leading dimension divisible by the number of devices along ``axis_name``. ``key``: a PRNG
+      key for stochastic rounding, the same on every device (jax_cgx's, not passed to ``fun``).
+      ``kwargs``: pytrees passed on as ``fun(params, *batch, **kwargs)``, replicated (the same
+      on every device, not split) and not differentiated.
     """
     if not callable(fun):
         raise TypeError(f"data_parallel_value_and_grad: fun must be callable, got {type(fun).__name__}")
@@ -93,23 +102,30 @@ def data_parallel_value_and_grad(fun: Callable[..., Any], *, mesh, axis_name: st
     explicit = set(names) == set(axes) and all(types.get(a) == AxisType.Explicit for a in axes)
     arg_names = _argument_names(fun)
 
-    def local(params, key, *batch):
+    def local(params, key, kwargs, *batch):
         mine = lax.pcast(params, axes, to="varying")
-        value, grads = jax.value_and_grad(fun, has_aux=has_aux)(mine, *batch)
+        leaves, treedef = jax.tree.flatten(kwargs)
+
+        def differentiated(params):
+            # kwargs' pytree nodes rebuilt in the trace fun runs in, as jax.jit gives its function
+            # new ones: an NNX Variable (BatchNorm's statistics) may only be written where it was made.
+            return fun(params, *batch, **jax.tree.unflatten(treedef, leaves))
+
+        value, grads = jax.value_and_grad(differentiated, has_aux=has_aux)(mine)
         value = jax.tree.map(lambda v: lax.pmean(v, axes), value)
         return value, compressed_pmean(grads, axes, config, key=key)
 
-    def grad_fn(params, *batch, key: jax.Array | None = None):
+    def grad_fn(params, *batch, key: jax.Array | None = None, **kwargs):
         if not batch:
             raise TypeError("data_parallel_value_and_grad: grad_fn(params, *batch) needs at least one batch "
                             "argument to split over the devices")
         _check_batch(batch, axes, world, arg_names)
         if explicit:
-            _check_placement(params, key, batch, mesh, axes, arg_names)
+            _check_placement(params, key, kwargs, batch, mesh, axes, arg_names)
         # Manual over the data axes only: other mesh axes (e.g. "model") stay with the partitioner.
-        mapped = jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), *(batch_spec,) * len(batch)),
+        mapped = jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), P(), *(batch_spec,) * len(batch)),
                                out_specs=P(), axis_names=frozenset(axes))
-        return mapped(params, key, *batch)
+        return mapped(params, key, kwargs, *batch)
 
     return grad_fn
 
@@ -144,10 +160,11 @@ def _check_batch(batch, axes, world: int, names: list[str]) -> None:
                                  f"the {world} devices along {axes}; use a batch size that is a multiple of {world}")
 
 
-def _check_placement(params, key, batch, mesh, axes, names: list[str]) -> None:
+def _check_placement(params, key, kwargs, batch, mesh, axes, names: list[str]) -> None:
     """On a mesh of Explicit axes, every batch leaf must be split along its leading dimension over
-    ``axes`` (and nowhere else over them), and ``params`` and ``key`` replicated over them: the
-    types shard_map will not convert. Axes of size 1 split nothing and are left out."""
+    ``axes`` (and nowhere else over them), and ``params``, ``key`` and the keyword arguments
+    replicated over them: the types shard_map will not convert. Axes of size 1 split nothing and
+    are left out."""
     axes = tuple(a for a in axes if mesh.shape[a] > 1)
     over_axes = repr(axes[0]) if len(axes) == 1 else repr(axes)
 
@@ -177,7 +194,7 @@ def _check_placement(params, key, batch, mesh, axes, names: list[str]) -> None:
                 refuse(_batch_where(i, path, names), leaf,
                        f"split along its leading dimension over {over_axes}, and along no other", name,
                        f"P({over_axes})")
-    for what, tree in (("params", params), ("key", key)):
+    for what, tree in (("params", params), ("key", key), *kwargs.items()):
         for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
             if any(split(leaf)):
                 refuse(f"{what}{jax.tree_util.keystr(path)}", leaf,
