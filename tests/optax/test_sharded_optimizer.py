@@ -219,3 +219,27 @@ def test_bfloat16_parameters_keep_a_float32_master():
         p, state, _ = step(p, state, x, y)
     assert p["w1"].dtype == jnp.bfloat16
     assert np.any(np.asarray(state.master["w1"]) != start)  # the master moved by what bfloat16 would round away
+
+
+def test_the_readme_recipe_trains():
+    # README's "ZeRO: jax_cgx.optax.sharded" block as written (tests/runtime/test_readme.py runs it
+    # too, in a fresh process), then more steps of its `step`: it trains, and the parameters it
+    # returns, not updates, are bitwise the same on every device.
+    import pathlib
+    import re
+
+    readme = (pathlib.Path(__file__).resolve().parents[2] / "README.md").read_text()
+    section = readme[readme.index("### ZeRO: `jax_cgx.optax.sharded`"):]
+    code = re.search(r"^```python\n(.*?)^```", section, re.M | re.S).group(1)
+    scope = {}
+    exec(compile(code, "README.md (ZeRO block)", "exec"), scope)
+    step, params, state, x, y = (scope[k] for k in ("step", "params", "state", "x", "y"))
+    first = float(scope["loss"])
+    for _ in range(30):
+        params, state, loss = step(params, state, x, y)
+    assert float(loss) < 0.5 * first and int(state.skipped) == 0
+    assert isinstance(state, cgx_optax.ShardedState)
+    for k in params:
+        shards = [np.asarray(s.data) for s in params[k].addressable_shards]
+        for s in shards[1:]:
+            assert_same_bits(s, shards[0], k)

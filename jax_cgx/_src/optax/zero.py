@@ -1,6 +1,15 @@
 """``sharded``: an optax optimizer with its state sharded over the devices (ZeRO-1/2), the
 gradients reduce-scattered and the parameters all-gathered, both optionally compressed.
 
+**Not an optax GradientTransformation**: ``update(grads, state)`` returns the new *parameters*, not
+updates for ``optax.apply_updates``, and takes no parameters. The parameters live in the state (each
+device's full-precision master block of them) and come out of the all-gather of those blocks; the
+ones the step was given play no part. Updates would not carry that: ``params + (new - params)`` is
+not ``new`` in floating point (243 of 30,000 values differ after 30 exact Adam steps of
+tests/optax/test_sharded_optimizer.py's problem), and anything done to updates or parameters
+outside (a further transformation, a checkpoint loaded into the parameters only) would be
+overwritten by the next step's all-gather without a word.
+
 Data-parallel training keeps a full copy of the optimizer state on every device: for Adam,
 twice the parameters. ZeRO shards it: device ``j`` keeps only block ``j`` of every parameter
 (flattened and padded to a multiple of ``W``), in full precision (the *master* shard), and
@@ -66,7 +75,10 @@ class ShardedState(NamedTuple):
 
 class ShardedOptimizer(NamedTuple):
     """``init(params) -> state`` and ``update(grads, state, key=None) -> (params, state)``, both
-    inside ``shard_map``; ``state_specs(params, mesh)`` gives the state's ``PartitionSpec``\\ s."""
+    inside ``shard_map``; ``state_specs(params, mesh)`` gives the state's ``PartitionSpec``\\ s.
+
+    Not an optax ``GradientTransformation``: ``update`` returns the new parameters, not updates
+    (see :func:`sharded`)."""
 
     init: Callable[..., ShardedState]
     update: Callable[..., tuple[Any, ShardedState]]
@@ -79,6 +91,12 @@ _EXACT = CompressionConfig(bits=32)
 def sharded(optimizer: optax.GradientTransformation, axis_name, *, grad_config: ConfigSpec = _EXACT,
             param_config: ConfigSpec = _EXACT, error_feedback: bool = False) -> ShardedOptimizer:
     """``optimizer`` with its state sharded over ``axis_name`` (ZeRO-1/2), for use in ``shard_map``.
+
+    Unlike an optax ``GradientTransformation``, ``update(grads, state)`` returns the new
+    parameters, not updates: the state holds them (each device's full-precision master block),
+    and they come out of an all-gather of it, bitwise the same on every device. Use them as the
+    next step's parameters; the step does not read the ones it was given, so nothing done to
+    them outside survives the next step (module docstring: why updates cannot say the same).
 
     Args:
       optimizer: an elementwise optax transformation (it sees this device's flat shards; see
@@ -101,8 +119,10 @@ def sharded(optimizer: optax.GradientTransformation, axis_name, *, grad_config: 
           def step(params, state, batch):               # in shard_map(in_specs=(P(), specs, P("data")))
               mine = jax.lax.pcast(params, "data", to="varying")
               loss, grads = jax.value_and_grad(loss_fn)(mine, batch)
-              params, state = opt.update(grads, state)
+              params, state = opt.update(grads, state)  # the new parameters, not updates
               return params, state, jax.lax.pmean(loss, "data")
+
+      README.md ("ZeRO: jax_cgx.optax.sharded") has it complete, mesh and data included.
     """
     fn = "jax_cgx.optax.sharded"
     if not (callable(getattr(optimizer, "init", None)) and callable(getattr(optimizer, "update", None))):
