@@ -257,13 +257,10 @@ def initialize(
 # hook has run. So ``sys.exit``, ``exit`` and ``quit`` raise a ``SystemExit`` subclass that
 # notes its status when it is released with no Python frame left on the main thread: that
 # is, when the interpreter consumed it at the top level (a caught one is released inside
-# the frame that caught it). An exit hook registered after jax's (so it runs before it)
-# then decides that the process fails with that status.
-#
-# It does not end the process there: the program's own exit hooks (a logger's, a checkpoint
-# writer's) must still run. Exit hooks run last-registered first, so the one that ends the
-# process (_end_failed_process) is registered when jax_cgx is imported, right after jax's:
-# every hook the program registers later runs before it, jax's never.
+# the frame that caught it). An exit hook registered after jax's (so it runs before it) then
+# marks the process failed. The program's own exit hooks (loggers, checkpoint writers) still run:
+# hooks run last-registered first, and the one that ends the process is registered when jax_cgx
+# is imported, right after jax's, so every hook the program registers later runs before it.
 
 _hooks_installed = False
 _exit_status: int | None = None  # the status of a recorded SystemExit that reached the top level
