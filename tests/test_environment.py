@@ -145,6 +145,53 @@ def test_minimal_size_floor_is_logged(caplog, value):
     assert CompressionConfig.from_env({"CGX_COMPRESSION_MINIMAL_SIZE": "16"}).min_size == 16
 
 
+# --- config=None ------------------------------------------------------------------------------------
+
+
+def test_config_none_is_compression_configs_defaults_without_torch_cgx_variables(monkeypatch):
+    assert config.default_config() == CompressionConfig()  # 4 bits: it compresses
+    monkeypatch.setenv("JAX_CGX_ALGORITHM", "ring")  # jax_cgx's own variables apply on top of them
+    monkeypatch.setenv("JAX_CGX_POLICY", "auto")
+    assert config.default_config() == CompressionConfig(algorithm="ring", policy="auto")
+
+
+@pytest.mark.parametrize("env, want", [
+    ({"CGX_COMPRESSION_QUANTIZATION_BITS": "8", "CGX_COMPRESSION_BUCKET_SIZE": "128"},
+     CompressionConfig(bits=8, bucket_size=128)),
+    # torch_cgx's defaults come with its variables: one set, compression stays off as there.
+    ({"CGX_FUSION_BUFFER_SIZE_MB": "32"}, CompressionConfig(bits=32, fusion_buffer_mb=32)),
+    ({"CGX_CROSS_COMMUNICATOR_TYPE": "MPI", "JAX_CGX_ALGORITHM": "ring"},
+     CompressionConfig(bits=32, backend="xla", algorithm="ring")),
+], ids=["bits_and_bucket", "fusion_only", "communicator_only"])
+def test_torch_cgx_variables_make_config_none_from_env(monkeypatch, env, want):
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert config.default_config() == want == CompressionConfig.from_env()
+
+
+def test_config_none_is_logged_once_naming_its_source(monkeypatch, caplog):
+    def said():
+        return [r.getMessage() for r in caplog.records if "config=None" in r.getMessage()]
+
+    with caplog.at_level(logging.INFO, logger="jax_cgx"):
+        for _ in range(2):
+            jax_cgx.bytes_on_wire(TREE, 4)
+            jax_cgx.explain(TREE, world=4, file=None)
+    assert said() == [f"jax_cgx: bytes_on_wire with config=None uses {CompressionConfig()!r}: CompressionConfig()'s "
+                      "defaults, as no torch_cgx variable (CGX_*) is set. Pass config= to choose "
+                      "(CompressionConfig(bits=32): no compression)"], said()
+    caplog.clear()
+    monkeypatch.setenv("CGX_COMPRESSION_QUANTIZATION_BITS", "32")
+    monkeypatch.setenv("JAX_CGX_BACKEND", "xla")
+    with caplog.at_level(logging.INFO, logger="jax_cgx"):
+        for _ in range(2):
+            jax_cgx.explain(TREE, world=4, file=None)
+    assert said() == [f"jax_cgx: explain with config=None uses {CompressionConfig(bits=32, backend='xla')!r}: "
+                      "torch_cgx's variables (CompressionConfig.from_env(): CGX_COMPRESSION_QUANTIZATION_BITS=32, "
+                      "JAX_CGX_BACKEND=xla). bits=32, torch_cgx's default, reduces exactly: set "
+                      "CGX_COMPRESSION_QUANTIZATION_BITS (1..8), or pass config=, to compress"], said()
+
+
 # --- the others ---------------------------------------------------------------------------------
 
 

@@ -20,7 +20,9 @@ __all__ = [
     "MAX_SEGMENTS",
     "ALGORITHMS",
     "POLICIES",
+    "TORCH_CGX_VARIABLES",
     "check_environment",
+    "default_config",
     "link_gbps_from_env",
     "MIN_FUSION_BUFFER_MB",
     "MAX_FUSION_BUFFERS",
@@ -51,6 +53,8 @@ JAX_CGX_ENV_VARS: Mapping[str, str] = {
 # Every variable from_env reads (torch_cgx's communicator types included).
 CONFIG_VARIABLES = (*ENV_VARS, "CGX_CROSS_COMMUNICATOR_TYPE", "CGX_INNER_COMMUNICATOR_TYPE",
                     "CGX_INTRA_BROADCAST", *JAX_CGX_ENV_VARS)
+# torch_cgx's own: any of them set makes config=None torch_cgx's settings (default_config).
+TORCH_CGX_VARIABLES = tuple(name for name in CONFIG_VARIABLES if name.startswith("CGX_"))
 BACKENDS = ("auto", "xla", "nccl", "tcp")
 ALGORITHMS = ("sra", "ring")
 POLICIES = ("always", "auto")
@@ -395,6 +399,30 @@ def check_environment(config_given: bool = True, api: str = "compressed_psum",
         log.info("jax_cgx: %s given a config: %s set in the environment but unused (they apply where config=None)",
                  api, ", ".join(unused))
     _said.add((config_given, seen))
+
+
+def default_config(api: str = "compressed_psum", environ: Mapping[str, str] | None = None) -> CompressionConfig:
+    """What ``config=None`` means, for every function that takes it: ``CompressionConfig()`` with the
+    ``JAX_CGX_*`` variables applied; where one of torch_cgx's ``CGX_*`` is set, :meth:`from_env
+    <CompressionConfig.from_env>`, torch_cgx's defaults included, so a torch_cgx job runs as there
+    (uncompressed without ``CGX_COMPRESSION_QUANTIZATION_BITS``). Logged once (INFO), naming ``api``."""
+    env = os.environ if environ is None else environ
+    set_here = [f"{name}={env[name].strip()}" for name in CONFIG_VARIABLES if env.get(name, "").strip()]
+    if any(env.get(name, "").strip() for name in TORCH_CGX_VARIABLES):
+        config = CompressionConfig.from_env(env)
+        source = f"torch_cgx's variables (CompressionConfig.from_env(): {', '.join(set_here)})"
+        hint = ("bits=32, torch_cgx's default, reduces exactly: set CGX_COMPRESSION_QUANTIZATION_BITS (1..8), "
+                "or pass config=, to compress" if not config.enabled else "Pass config= to choose")
+    else:
+        config = CompressionConfig(**_execution_from_env(env))
+        source = "CompressionConfig()'s defaults, as no torch_cgx variable (CGX_*) is set"
+        if set_here:
+            source += f", with {', '.join(set_here)}"
+        hint = "Pass config= to choose (CompressionConfig(bits=32): no compression)"
+    if ("default", config, source) not in _said:
+        _said.add(("default", config, source))
+        log.info("jax_cgx: %s with config=None uses %r: %s. %s", api, config, source, hint)
+    return config
 
 
 def link_gbps_from_env(environ: Mapping[str, str] | None = None) -> float | None:

@@ -67,7 +67,7 @@ def test_unlimited_link_reduces_with_plain_psum_and_logs_once(caplog):
         out = fn(x)
         _psum_fn(config)(x)  # a second trace of the same reduction: no second log line
     assert not _uses_compression(fn, x)
-    exact = _psum_fn(None)(x)  # bits=32 from the (empty) environment: psum leaf by leaf
+    exact = _psum_fn(jax_cgx.CompressionConfig(bits=32))(x)  # psum leaf by leaf
     for k in x:
         assert_same_bits(np.asarray(out[k]), np.asarray(exact[k]), k)
     decisions = [r.getMessage() for r in caplog.records if "psum (uncompressed)" in r.getMessage()]
@@ -116,7 +116,7 @@ def test_buffers_decided_one_by_one(monkeypatch):
     assert_same_bits(a[:, :32768], ref[:, :32768], "buffers 0 and 1 compressed")
     exact = np.asarray(x["a"]).sum(axis=0)
     np.testing.assert_allclose(a[0, 32768:], exact[32768:], rtol=1e-5, atol=1e-5)  # psum: float32 rounding only
-    exact_b = _psum_fn(None)({"b": x["b"]})["b"]
+    exact_b = _psum_fn(jax_cgx.CompressionConfig(bits=32))({"b": x["b"]})["b"]
     assert_same_bits(np.asarray(auto["b"]), np.asarray(exact_b), "b: psum leaf by leaf")
     for r in range(1, W):
         assert_same_bits(a[r], a[0], f"rank {r}")

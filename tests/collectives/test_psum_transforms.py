@@ -145,6 +145,14 @@ def _scalar(reduce, x):
 @bits_params
 @pytest.mark.parametrize("mode", ["vma", "novma", "pmap"])
 def test_python_scalar(bits, mode):
+    if mode == "vma" and bits != 32:
+        # With vma types a Python float is invariant: compressing it is refused (check_varying),
+        # where psum would sum W copies; the int alone (exact lane) is psum's, W times it.
+        with pytest.raises(ValueError, match="leaf \\(root\\) is invariant over 'd'.*use jax.lax.psum"):
+            run(_scalar, bits, (), mode)
+        (i,) = run(lambda reduce, x: (reduce(2),), bits, (), mode)
+        assert_all(i, 2 * W)
+        return
     f, i = run(_scalar, bits, (), mode)
     assert f.dtype == np.float32 and i.dtype == np.int32
     assert_all(f, W)
@@ -236,7 +244,9 @@ def test_vjp(bits, shape, mode):
 def _chained(reduce, x):
     def f(v):
         once = reduce(v)
-        twice = reduce(once)  # with vma types: the sum of a value the same on every device, W times it
+        # The sum of a value the same on every device, W times it: with vma types said by a pcast
+        # (compressed_psum refuses an invariant input; lax.psum inserts the same pcast itself).
+        twice = reduce(jax.lax.pcast(once, AXIS, to="varying"))
         return jnp.sum(twice + once)
 
     return jax.value_and_grad(f)(x)
@@ -247,7 +257,7 @@ def _chained(reduce, x):
 def test_chained_under_grad(bits, shape, mode):
     value, g = run(_chained, bits, shape, mode)
     assert_all(value, (W * W + W) * size(shape))
-    # With vma types each reduction hands its cotangent back unchanged, and the pvary in front of
+    # With vma types each reduction hands its cotangent back unchanged, and the pcast in front of
     # the second one (its input is invariant) transposes to a psum: W + 1. Without them every
     # transpose sums: W * W + W.
     assert_all(g, W + 1 if mode == "vma" else W * W + W)
@@ -263,7 +273,9 @@ def _custom_vjp(reduce, x):
 
     def bwd(res, g):
         a, b = res
-        g = reduce(g)  # the backward pass reduces too
+        # The backward pass reduces too. With vma types the cotangent of the (invariant) sum is
+        # invariant: summing its W copies is said with a pcast, as in _chained.
+        g = reduce(jax.lax.pcast(g, AXIS, to="varying"))
         return g * b, g * a
 
     product_sum.defvjp(fwd, bwd)

@@ -262,10 +262,11 @@ def test_typing_sum_invariant_residual_varying():
     out, res = f(per_device(xs, mesh))
     assert out.shape == (640,) and res.shape == (W * 640,)
     assert_identity(xs, np.asarray(out), np.asarray(res).reshape(W, 640))
-    # An input invariant over the axis is summed W times, like psum; its residuals still add up.
+    # An input invariant over the axis, typed varying (compressed_psum refuses it bare), is summed
+    # W times, like psum; its residuals still add up.
     g = jax.jit(
         jax.shard_map(
-            lambda x: jax_cgx.compressed_psum(x, "d", config, return_residual=True),
+            lambda x: jax_cgx.compressed_psum(jax.lax.pcast(x, "d", to="varying"), "d", config, return_residual=True),
             mesh=mesh,
             in_specs=P(),
             out_specs=(P(), P("d")),

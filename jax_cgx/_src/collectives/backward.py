@@ -58,7 +58,8 @@ def reduce_in_backward(tree, axis_name, config: ConfigSpec = None, *, key: jax.A
         uses them.
       axis_name: the mapped axis name(s) to average over, as for :func:`compressed_pmean`.
       config: as for :func:`compressed_pmean` (a config, a pytree of them, a function of
-        the leaf's path, or None for the environment's).
+        the leaf's path, or None: ``CompressionConfig()``'s defaults, or torch_cgx's where its
+        ``CGX_*`` variables are set).
       key: a PRNG key for stochastic rounding; give each marked subtree its own (e.g.
         ``jax.random.fold_in(step_key, layer_index)``), the same on every rank.
       impl: the codec implementation, as for :func:`compressed_pmean`.

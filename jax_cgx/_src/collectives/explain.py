@@ -139,7 +139,7 @@ def explain(x, axis_name=None, config: ConfigSpec = None, *, world: int | None =
         return result
     flat = jax.tree_util.tree_flatten_with_path(x)[0]
     paths, leaves = [p for p, _ in flat], [v for _, v in flat]
-    plan = make_plan(paths, leaves, config, x, world, inner_world, axes, measure=False)
+    plan = make_plan(paths, leaves, config, x, world, inner_world, axes, measure=False, api="explain")
 
     buffers: list[BufferReport] = []
     leaf_buffers: dict[int, list[int]] = {}

@@ -28,13 +28,13 @@ from typing import Any, Union
 import jax
 import numpy as np
 
-from jax_cgx._src import backends
+from jax_cgx._src import backends, compat
 from jax_cgx._src.codec import SUPPORTED_DTYPES
-from jax_cgx._src.config import MAX_FUSION_BUFFERS, CompressionConfig, check_environment
+from jax_cgx._src.config import MAX_FUSION_BUFFERS, CompressionConfig, check_environment, default_config
 from jax_cgx._src.exchange.all_reduce import reduction
 from jax_cgx._src.policy import pricing
 
-__all__ = ["ConfigSpec", "Group", "Plan", "make_plan", "check_ranks", "leaf_configs", "lane"]
+__all__ = ["ConfigSpec", "Group", "Plan", "make_plan", "check_ranks", "leaf_configs", "lane", "check_varying"]
 
 # A config for every leaf, a pytree of configs (None = reduce exactly), or a function
 # of the leaf's path and value (torch_cgx's layer-wise hook).
@@ -47,7 +47,7 @@ def leaf_configs(spec: ConfigSpec, tree, paths: Sequence[tuple], api: str = "com
                  ) -> list[CompressionConfig | None]:
     check_environment(spec is not None, api)  # a malformed variable raises even where a config is given
     if spec is None:
-        return [CompressionConfig.from_env()] * len(paths)
+        return [default_config(api)] * len(paths)
     if isinstance(spec, CompressionConfig):
         return [spec] * len(paths)
     leaves = jax.tree.leaves(tree)
@@ -160,7 +160,7 @@ def check_ranks(api: str, world, inner_world=None) -> tuple[int, int | None]:
 
 def make_plan(paths, leaves, spec: ConfigSpec, tree, world: int | None = None,
               inner_world: int | None = None, axes: tuple | None = None, measure: bool = True, *,
-              impl: str = "auto", residual: bool = False) -> Plan:
+              impl: str = "auto", residual: bool = False, api: str = "compressed_psum") -> Plan:
     """The plan for ``leaves`` (with their ``paths``) of ``tree`` reduced over ``world`` ranks.
 
     ``world`` None or 1: no decisions are taken (nothing moves). ``inner_world``: the inner
@@ -168,8 +168,9 @@ def make_plan(paths, leaves, spec: ConfigSpec, tree, world: int | None = None,
     tracing inside a mesh (None: outside), which choose the backend each group's exchange runs
     on (with ``impl`` and ``residual``, as :func:`jax_cgx._src.collectives.compressed_psum` takes them). ``measure=False``: ``policy="auto"`` times no near-tie (timing is collective), using only
     earlier timings; for :func:`jax_cgx.explain` and ``bytes_on_wire``, which one process may call.
+    ``api``: the public function the plan is for, named in errors and in ``config=None``'s log line.
     """
-    configs = leaf_configs(spec, tree, paths)
+    configs = leaf_configs(spec, tree, paths, api)
     lanes, groups = [], {}
     for i, (path, leaf, c) in enumerate(zip(paths, leaves, configs)):
         kind = lane(path, leaf, c)
@@ -249,3 +250,52 @@ def lane(path, leaf, config: CompressionConfig | None, api: str = "compressed_ps
             "it exactly, or cast it."
         )
     return "half" if config.bits == 16 else "quantized"
+
+
+# The lanes that compress (policy="auto" may send a quantized leaf to psum: it is checked alike,
+# so that whether a program raises never depends on timings).
+COMPRESSED_LANES = ("quantized", "half", "auto-psum")
+
+
+def check_varying(api: str, paths, leaves, lanes, axes: tuple, *, mean: bool = False) -> None:
+    """Refuse a leaf of a compressed lane that ``shard_map(check_vma=True)`` types as invariant
+    over some of ``axes``: the same on every device.
+
+    Summing such a value adds W equal copies and averaging it returns it unchanged: there is
+    nothing to compress, and it is almost always a mistake. The gradient with respect to
+    replicated parameters is such a value, already summed over the axis by JAX (its transpose
+    of the implicit broadcast is a psum), so a mean of it is W times the mean gradient, and
+    quantized. No use needs the compressed lane for it: ``W * x`` (psum) and ``x`` (pmean) are
+    exact and free. ``lax.psum`` itself sums it silently, and leaves that jax_cgx reduces exactly
+    (integer, fewer than ``min_size`` values, a ``None`` config, ``bits=32``) are ``lax.psum`` and
+    keep its meaning. Without ``check_vma`` there is no type to read: nothing is checked.
+    """
+    if not compat.check_vma_enabled():
+        return
+    vmapped = compat.vmapped_axes(axes)  # no vma types (and refused with their own error)
+    bad = []
+    for path, leaf, kind in zip(paths, leaves, lanes):
+        if kind in COMPRESSED_LANES:
+            have = compat.varying_axes(jax.typeof(leaf))
+            if missing := tuple(a for a in axes if a not in have and a not in vmapped):
+                bad.append((path, missing))
+    if not bad:
+        return
+    path, missing = bad[0]
+    axis = repr(missing[0] if len(missing) == 1 else missing)
+    copies = math.prod(jax.lax.axis_size(a) for a in missing)
+    more = "" if len(bad) == 1 else f" (and {len(bad) - 1} other leaf{'' if len(bad) == 2 else 'ves'})"
+    if mean:
+        result, again = "averaging it returns it unchanged, up to the compression error", "the mean gradient"
+        meant = "If the value itself is what you mean, it needs no mean: it is already the same on every device."
+    else:
+        result, again = f"summing it adds {copies} equal copies", "the summed gradient"
+        meant = f"If {copies} times the value is what you mean, use jax.lax.psum (exact)."
+    raise ValueError(
+        f"{api}: leaf {jax.tree_util.keystr(path) or '(root)'}{more} is invariant over {axis}: "
+        f"shard_map(check_vma=True) types it as the same on every device, so {result}. The gradient with "
+        f"respect to replicated parameters is such a value: JAX has already summed it over {axis} (uncompressed), "
+        f"and this would give {copies} times {again}. Differentiate with respect to this device's varying copy "
+        f"instead: jax.grad(loss_fn)(jax.lax.pcast(params, {axis}, to='varying'), batch) "
+        f"(jax_cgx.data_parallel_value_and_grad and jax_cgx.reduce_in_backward do it for you). {meant}"
+    )

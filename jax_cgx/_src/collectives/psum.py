@@ -26,7 +26,7 @@ from jax_cgx._src import compat
 from jax_cgx._src.arguments import check_bool
 from jax_cgx._src.codec import Impl, check_impl
 from jax_cgx._src.collectives import scatter_gather
-from jax_cgx._src.collectives.plan import ConfigSpec, check_ranks, make_plan
+from jax_cgx._src.collectives.plan import ConfigSpec, check_ranks, check_varying, make_plan
 from jax_cgx._src.config import CompressionConfig
 from jax_cgx._src.exchange.all_reduce import compressed_sum
 from jax_cgx._src.exchange.chunks import wire_bytes_per_rank
@@ -64,10 +64,11 @@ def compressed_psum(
       x: a pytree of arrays.
       axis_name: a mapped axis name, or a tuple of them.
       config: a :class:`CompressionConfig` for every leaf; ``None`` for
-        ``CompressionConfig.from_env()`` (torch_cgx's variables; compression is off
-        unless ``CGX_COMPRESSION_QUANTIZATION_BITS`` is set); a pytree of configs
-        matching ``x`` (``None`` entries are reduced exactly); or a function
-        ``(path, leaf) -> CompressionConfig | None``.
+        ``CompressionConfig()``'s defaults (4 bits), or, where torch_cgx's ``CGX_*``
+        variables are set, ``CompressionConfig.from_env()`` (torch_cgx's meaning: compression
+        is off unless ``CGX_COMPRESSION_QUANTIZATION_BITS`` is set); which one is logged once
+        (INFO). A pytree of configs matching ``x`` (``None`` entries are reduced exactly); or
+        a function ``(path, leaf) -> CompressionConfig | None``.
       key: a PRNG key, required when any leaf uses stochastic rounding. Every rank
         folds in its axis index, so ranks round independently.
       impl: codec implementation: ``"auto"``, ``"kernel"`` or ``"reference"``.
@@ -87,16 +88,32 @@ def compressed_psum(
       this rank ran lost (see docs/algorithm.md, "Error feedback"); a single rank:
       zeros. Residuals are computed by the ``xla`` backend only (``backend="nccl"`` or
       ``"tcp"`` raises); they cannot be differentiated.
+
+    Raises:
+      ValueError: under ``shard_map(check_vma=True)``, for a leaf that would be compressed but
+        is typed invariant over ``axis_name`` (the same on every device, such as the gradient
+        with respect to replicated parameters, which JAX has already summed): the message
+        names the fix, ``jax.lax.pcast(params, axis_name, to="varying")`` before
+        differentiating. Leaves reduced exactly are ``lax.psum``'s, which sums such a value
+        ``W`` times.
     """
-    return_residual = check_bool("compressed_psum", "return_residual", return_residual)
+    return _sum(x, axis_name, config, key, impl, return_residual, "compressed_psum")
+
+
+def _sum(x, axis_name, config: ConfigSpec, key, impl: Impl, return_residual: bool, api: str):
+    """:func:`compressed_psum`, for ``api`` (``compressed_psum`` or ``compressed_pmean``: named in
+    its errors, and the invariance check words the mean's result as a mean)."""
+    return_residual = check_bool(api, "return_residual", return_residual)
     check_impl(impl)
-    compat.check_prng_key(key, "compressed_psum")
+    compat.check_prng_key(key, api)
     axes = compat.axes_tuple(axis_name)
-    world = _world_size(axes, "compressed_psum")
+    world = _world_size(axes, api)
     leaves_with_paths, treedef = jax.tree_util.tree_flatten_with_path(x)
     paths = [p for p, _ in leaves_with_paths]
     leaves = [jnp.asarray(v) for _, v in leaves_with_paths]
-    plan = make_plan(paths, leaves, config, x, world, _inner_world(axes), axes, impl=impl, residual=return_residual)
+    plan = make_plan(paths, leaves, config, x, world, _inner_world(axes), axes, impl=impl, residual=return_residual,
+                     api=api)
+    check_varying(api, paths, leaves, plan.lanes, axes, mean=api == "compressed_pmean")
 
     out: list[jax.Array | None] = [None] * len(leaves)
     res: list[jax.Array | None] = [None] * len(leaves)
@@ -120,7 +137,7 @@ def compressed_psum(
             # The primitive's batching rule says the same; under check_vma jax's pvary would
             # fail first with a bare AssertionError.
             raise NotImplementedError(
-                f"compressed_psum over the vmapped axis {vmapped[0]!r} is not supported: vmap "
+                f"{api} over the vmapped axis {vmapped[0]!r} is not supported: vmap "
                 "has no wire to compress. Sum the batch dimension outside the vmap (e.g. "
                 "x.sum(axis=0)) and pass only mesh axes as axis_name, or map that axis with "
                 "jax.shard_map / jax.pmap."
@@ -128,7 +145,7 @@ def compressed_psum(
         plan.check_buffer_count()
         if any(g.config.stochastic for g in plan.groups) and key is None:
             raise ValueError(
-                "compressed_psum: stochastic rounding needs a PRNG key; pass "
+                f"{api}: stochastic rounding needs a PRNG key; pass "
                 "key=jax.random.key(...) (the same on every rank; each rank folds in its index)"
             )
         rank_key = None if key is None else jax.random.fold_in(key, lax.axis_index(axes))
@@ -223,7 +240,7 @@ def bytes_on_wire(x, world: int, config: ConfigSpec = None, *, inner_world: int 
     paths = [p for p, _ in leaves_with_paths]
     leaves = [v for _, v in leaves_with_paths]
     with pricing.one_process_alone():  # one process may call it: nothing collective
-        plan = make_plan(paths, leaves, config, x, world, inner_world, measure=False)
+        plan = make_plan(paths, leaves, config, x, world, inner_world, measure=False, api="bytes_on_wire")
     if world <= 1:
         return 0
     ring = 2 * (world - 1) / world
@@ -271,12 +288,13 @@ def compressed_pmean(
     :func:`compressed_psum`'s: the residual **of the sum**, in the units of the inputs
     (``sum_r residual_r == sum_r x_r - W * mean``), not divided by ``W``. That is what
     error feedback adds to the next step's inputs (:func:`jax_cgx.optax.compressed_mean`).
+
+    A leaf typed invariant over ``axis_name`` raises as in :func:`compressed_psum`: the mean of a
+    gradient JAX has already summed would be ``W`` times the mean gradient.
     """
-    return_residual = check_bool("compressed_pmean", "return_residual", return_residual)
-    compat.check_prng_key(key, "compressed_pmean")
     axes = compat.axes_tuple(axis_name)
-    world = _world_size(axes, "compressed_pmean")
-    summed = compressed_psum(x, axes, config, key=key, impl=impl, return_residual=return_residual)
+    summed = _sum(x, axes, config, key, impl, return_residual, "compressed_pmean")
+    world = math.prod(lax.axis_size(a) for a in axes)
     if return_residual:
         summed, residual = summed
         return jax.tree.map(lambda s: s / world, summed), residual
@@ -320,9 +338,7 @@ def _reduce_buffer(buf, axes, world, config: CompressionConfig, key, impl, resid
     head_n = (n // config.bucket_size) * config.bucket_size if config.skip_incomplete_buckets else n
     parts, lost = [], []
     if head_n:
-        head = buf[:head_n]
-        # Like psum: a value that is the same on every rank of an axis is summed W times.
-        head = compat.ensure_varying(head, axes)
+        head = buf[:head_n]  # varying over axes under check_vma: its leaves are (check_varying)
         if config.hierarchical:
             result = reduce_hierarchical(head, axes, world, config, key, impl, residual, backend=backend)
         else:

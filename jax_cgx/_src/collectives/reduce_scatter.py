@@ -37,7 +37,7 @@ from jax.interpreters import ad
 from jax_cgx._src import codec, compat
 from jax_cgx._src.arguments import check_bool
 from jax_cgx._src.codec import Impl, check_impl
-from jax_cgx._src.collectives.plan import ConfigSpec
+from jax_cgx._src.collectives.plan import ConfigSpec, check_varying
 from jax_cgx._src.collectives.scatter_gather import Leaves, check_key, compressed_buffers, register, timing_key
 from jax_cgx._src.exchange import wire
 from jax_cgx._src.exchange.chunks import chunk_length, row_plan
@@ -184,8 +184,9 @@ def compressed_psum_scatter(x, axis_name, config: ConfigSpec = None, *, scatter_
     Args:
       x: a pytree of arrays (inside ``shard_map`` or ``pmap``).
       axis_name: the mapped axis name(s) to reduce over.
-      config: a :class:`~jax_cgx.CompressionConfig`, a pytree of them (or ``None`` per leaf),
-        a function ``(path, leaf) -> config``, or ``None`` (the environment's).
+      config: as for :func:`~jax_cgx.compressed_psum`: a :class:`~jax_cgx.CompressionConfig`, a
+        pytree of them (or ``None`` per leaf), a function ``(path, leaf) -> config``, or ``None``
+        (``CompressionConfig()``'s defaults, or torch_cgx's where its ``CGX_*`` variables are set).
       scatter_dimension: the dimension each leaf is split along.
       tiled: as for ``lax.psum_scatter``.
       key: a PRNG key for stochastic rounding, the same on every rank (each folds in its index).
@@ -200,6 +201,10 @@ def compressed_psum_scatter(x, axis_name, config: ConfigSpec = None, *, scatter_
       The pytree of this rank's blocks, summed over ``axis_name`` (with ``return_residual``,
       ``(sums, residuals)``); the error of a compressed value is bounded by the scales of its
       peers' buckets (module docstring).
+
+    Raises:
+      ValueError: under ``shard_map(check_vma=True)``, for a leaf that would be compressed but
+        is typed invariant over ``axis_name``, as :func:`~jax_cgx.compressed_psum` does.
     """
     tiled, return_residual = check_bool(API, "tiled", tiled), check_bool(API, "return_residual", return_residual)
     check_impl(impl)
@@ -211,6 +216,7 @@ def compressed_psum_scatter(x, axis_name, config: ConfigSpec = None, *, scatter_
     dims = [_check_shape(leaves.name(i), leaf.shape, scatter_dimension, tiled, world)
             for i, leaf in enumerate(leaves.leaves)]
     check_key(leaves, key, API)
+    check_varying(API, leaves.paths, leaves.leaves, leaves.lanes, axes)
     compressed, uncompressed = [], set()
     if leaves.groups and world > 1:
         compressed, uncompressed = compressed_buffers(leaves, axes, world, "psum_scatter", key, world, API,
@@ -231,7 +237,6 @@ def compressed_psum_scatter(x, axis_name, config: ConfigSpec = None, *, scatter_
             cfg = group.config
             blocks = [scatter_blocks(leaves.leaves[i], dims[i], world) for i in members]
             joined = blocks[0] if len(blocks) == 1 else lax.optimization_barrier(jnp.concatenate(blocks, axis=1))
-            joined = compat.ensure_varying(joined, axes)  # like lax: an invariant value is summed W times
             params = dict(axes=axes, world=world, bits=cfg.bits, bucket_size=cfg.bucket_size,
                           stochastic=cfg.stochastic, impl=impl, segments=cfg.pipeline_segments, backend=backend)
             if return_residual:

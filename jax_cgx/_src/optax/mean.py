@@ -23,7 +23,8 @@ from jax import lax
 from jax_cgx._src import compat
 from jax_cgx._src.codec import Impl, check_impl
 from jax_cgx._src.collectives import compressed_pmean
-from jax_cgx._src.config import CompressionConfig
+from jax_cgx._src.collectives.plan import check_varying, lane
+from jax_cgx._src.config import CompressionConfig, default_config
 from jax_cgx._src.optax import checks
 
 __all__ = [
@@ -99,6 +100,11 @@ def compressed_mean(
 
         tx = optax.chain(compressed_mean("data", CompressionConfig(bits=4)), optax.adam(1e-3))
 
+    The updates are each device's own gradients: under ``shard_map(check_vma=True)`` a
+    compressed leaf typed invariant over ``axis_name`` (the gradient with respect to replicated
+    parameters, which JAX has already summed) raises a ``ValueError`` naming the fix,
+    ``jax.lax.pcast(params, axis_name, to="varying")`` before differentiating.
+
     **Layer filter** (torch_cgx's): leaves with ``ndim <= 1`` (biases, norm scales,
     scalars), fewer than ``layer_min_size`` elements, or a non-float dtype are averaged
     exactly, as ``lax.pmean`` does; the others are compressed with ``config`` (itself
@@ -144,9 +150,10 @@ def compressed_mean(
       axis_name: the mapped axis (or a tuple of axes) to average over.
       config: a :class:`CompressionConfig`; a function ``(path, leaf) -> CompressionConfig |
         None`` (``None``: reduce exactly), applied to the leaves the layer filter keeps; or
-        ``None`` for ``CompressionConfig.from_env()`` (torch_cgx's variables; compression
-        is off unless ``CGX_COMPRESSION_QUANTIZATION_BITS`` is set), read once, when
-        ``compressed_mean`` is called.
+        ``None`` for ``CompressionConfig()``'s defaults (4 bits), or, where torch_cgx's
+        ``CGX_*`` variables are set, ``CompressionConfig.from_env()`` (torch_cgx's meaning:
+        compression is off unless ``CGX_COMPRESSION_QUANTIZATION_BITS`` is set); read once, when
+        ``compressed_mean`` is called, and logged (INFO).
       layer_min_size: leaves with fewer elements are averaged exactly.
       error_feedback: keep and re-inject the compression error (see above).
       seed: seed of the stochastic-rounding keys.
@@ -170,7 +177,7 @@ def compressed_mean(
     error_feedback = checks.check_bool("compressed_mean", "error_feedback", error_feedback)
     seed = checks.check_seed("compressed_mean", seed)
     if config is None:
-        config = CompressionConfig.from_env()
+        config = default_config("compressed_mean")
     if not (isinstance(config, CompressionConfig) or callable(config)):
         raise TypeError(
             "compressed_mean: config must be a CompressionConfig, a function (path, leaf) -> "
@@ -210,6 +217,9 @@ def compressed_mean(
         flat, treedef = jax.tree_util.tree_flatten_with_path(updates)
         configs = {jax.tree_util.keystr(path): leaf_config(path, leaf) for path, leaf in flat}
         spec = lambda path, leaf: configs[jax.tree_util.keystr(path)]  # noqa: E731
+        # Before the residual is added: a per-rank residual would type an already summed gradient varying.
+        check_varying("compressed_mean", [p for p, _ in flat], [g for _, g in flat],
+                      [lane(p, g, spec(p, g), "compressed_mean") for p, g in flat], axes, mean=True)
         key = None
         if any(c is not None and c.stochastic for c in configs.values()):
             key = jax.random.fold_in(jax.random.key(seed), state.count)

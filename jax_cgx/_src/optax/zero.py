@@ -103,8 +103,8 @@ def sharded(optimizer: optax.GradientTransformation, axis_name, *, grad_config: 
         the module docstring).
       axis_name: the data-parallel mesh axis (or axes).
       grad_config: the gradients' reduce-scatter (:func:`~jax_cgx.compressed_psum_scatter`);
-        default exact. A config, a pytree of them, a function of the leaf's path, or None (the
-        environment's).
+        default exact. A config, a pytree of them, a function of the leaf's path, or None (as for
+        :func:`~jax_cgx.compressed_psum`: ``CompressionConfig()``'s defaults unless ``CGX_*`` are set).
       param_config: the parameters' all-gather (:func:`~jax_cgx.compressed_all_gather`),
         default exact; compressing it quantizes the forward pass's weights only.
       error_feedback: carry each device's reduce-scatter residual into its next gradient.
