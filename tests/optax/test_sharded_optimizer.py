@@ -243,3 +243,26 @@ def test_the_readme_recipe_trains():
         shards = [np.asarray(s.data) for s in params[k].addressable_shards]
         for s in shards[1:]:
             assert_same_bits(s, shards[0], k)
+
+
+@pytest.mark.parametrize("error_feedback", [False, True])
+def test_the_gradient_of_replicated_parameters_raises_naming_pcast(error_feedback):
+    # Without pcast JAX has already summed the gradient over "data"; error feedback's per-device
+    # residual must not hide that (it would type the sum varying, and the step would apply W times it).
+    mesh = _mesh()
+    params, x, y = _problem()
+    params = jax.device_put(params, NamedSharding(mesh, P()))
+    x, y = jax.device_put((x, y), NamedSharding(mesh, P("data")))
+    opt = cgx_optax.sharded(optax.sgd(0.1), "data", grad_config=jax_cgx.CompressionConfig(bits=4),
+                            error_feedback=error_feedback)
+    specs = opt.state_specs(params, mesh)
+    state = jax.jit(jax.shard_map(opt.init, mesh=mesh, in_specs=P(), out_specs=specs))(params)
+
+    def local(params, state, x, y):
+        grads = jax.grad(_loss)(params, x, y)  # no pcast: already summed over the devices
+        return opt.update(grads, state)
+
+    step = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(), specs, P("data"), P("data")),
+                                 out_specs=(P(), specs)))
+    with pytest.raises(ValueError, match=r"pcast"):
+        step(params, state, x, y)

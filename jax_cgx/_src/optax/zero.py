@@ -56,7 +56,7 @@ from jax.sharding import PartitionSpec as P
 
 from jax_cgx._src import compat
 from jax_cgx._src.collectives.all_gather import compressed_all_gather
-from jax_cgx._src.collectives.plan import ConfigSpec
+from jax_cgx._src.collectives.plan import ConfigSpec, check_varying, lane, leaf_configs
 from jax_cgx._src.collectives.reduce_scatter import compressed_psum_scatter
 from jax_cgx._src.config import CompressionConfig
 from jax_cgx._src.optax import checks
@@ -173,6 +173,14 @@ def sharded(optimizer: optax.GradientTransformation, axis_name, *, grad_config: 
         keys = (None, None) if key is None else tuple(jax.random.split(key))
         flat = treedef.unflatten([flat_padded(g, w) for g in leaves])
         if error_feedback:
+            # Checked before the residual is added: a per-device residual would type an already
+            # summed gradient (replicated params not pcast) as varying, and hide the mistake.
+            entries = jax.tree_util.tree_flatten_with_path(flat)[0]
+            paths, values = [p for p, _ in entries], [v for _, v in entries]
+            configs = leaf_configs(grad_config, flat, paths, "jax_cgx.optax.sharded")
+            check_varying("jax_cgx.optax.sharded", paths, values,
+                          [lane(p, v, c, "jax_cgx.optax.sharded") for p, v, c in zip(paths, values, configs)], axes,
+                          mean=True)
             flat = jax.tree.map(jnp.add, flat, state.residual)
             summed, residual = compressed_psum_scatter(flat, axes, grad_config, tiled=True, key=keys[0],
                                                        return_residual=True)
