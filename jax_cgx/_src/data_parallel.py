@@ -154,7 +154,8 @@ def _check_batch(batch, axes, world: int, names: list[str]) -> None:
             where = _batch_where(i, path, names)
             if shape is None or len(shape) == 0:
                 raise ValueError(f"data_parallel_value_and_grad: {where} is a scalar; every batch leaf needs a "
-                                 f"leading dimension to split over {axes} (pass constants through fun's closure)")
+                                 f"leading dimension to split over {axes} (pass a constant as a keyword "
+                                 "argument of grad_fn: it reaches fun whole, on every device)")
             if shape[0] % world:
                 raise ValueError(f"data_parallel_value_and_grad: {where} has {shape[0]} rows, not divisible by "
                                  f"the {world} devices along {axes}; use a batch size that is a multiple of {world}")
