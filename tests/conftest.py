@@ -11,6 +11,9 @@ import sys
 
 # Must happen before jax initializes its backends.
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # Two workers (pyproject.toml's addopts) may share one GPU: neither takes 75% of its memory up front.
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import jax  # noqa: E402
 import pytest  # noqa: E402

@@ -124,8 +124,10 @@ stage_profile_codec() {
   done
 }
 
-stage_tests_codec_gpu() { step tests_codec_gpu pytest tests/codec -m gpu -q; }
-stage_tests_nccl_gpu() { step tests_nccl_gpu pytest tests/nccl -m gpu -v; }
+# One pytest process (-o addopts=-ra drops pyproject.toml's two xdist workers): the GPU tests own the GPU,
+# and the device machine may not have pytest-xdist.
+stage_tests_codec_gpu() { step tests_codec_gpu pytest -o addopts=-ra tests/codec -m gpu -q; }
+stage_tests_nccl_gpu() { step tests_nccl_gpu pytest -o addopts=-ra tests/nccl -m gpu -v; }
 
 stage_bench_codec() {
   step bench_codec_gpu python -m jax_cgx.bench codec --platform gpu --sizes-mib 16 64 256 --bits 2 4 8 \
@@ -196,7 +198,7 @@ stage_train_step() {
     --profile "$out/train_step_profile" --output "$out/train_step_gpu_w2.json"
 }
 
-stage_tests_cpu() { step tests_cpu pytest tests -q -m "not gpu"; }
+stage_tests_cpu() { step tests_cpu pytest -o addopts=-ra tests -q -m "not gpu"; }
 
 for s in "${stages[@]}"; do
   if [[ $s != build ]] && ! built; then stage_build; fi
