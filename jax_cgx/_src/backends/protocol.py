@@ -32,6 +32,7 @@ from typing import Any, NamedTuple
 import jax
 from jax.interpreters import mlir
 
+from jax_cgx._src import compat
 from jax_cgx._src.backends import agreement
 from jax_cgx._src.backends.groups import Families
 from jax_cgx._src.config import BACKENDS
@@ -89,6 +90,7 @@ class Backend:
     platforms: frozenset[str] | None = None  # where it runs; None: everywhere
     where: str = ""  # the platforms in words, for messages: "CUDA GPUs"
     ops: frozenset[str] = frozenset({"psum", "psum_scatter", "all_gather"})
+    residuals: bool = False  # computes error feedback's residuals (return_residual=True)
     timed_as: str = "xla"  # the backend policy="auto" times this one's near-ties on
     error: type[Exception] = BackendError
     families: Families | None = None  # the meshes connected here (None: needs none)
@@ -132,14 +134,12 @@ class Backend:
             return refuse(f"{name} runs {_ops_text(self.ops)} only", NotImplementedError(
                 f"{reduction.api}: backend={name!r} runs {_ops_text(self.ops)} only so far; use backend='auto' or "
                 "'xla' (XLA collectives around the codec's kernels, on every platform)"))
-        if reduction.residual and name != "xla":
+        if reduction.residual and not self.residuals:
             return refuse("error feedback residuals are computed by the xla backend only", NotImplementedError(
                 f"{reduction.api}(return_residual=True): error feedback residuals are computed by the xla backend "
                 "only; use backend='auto' or 'xla'."))
         if self.platforms is not None and platform not in self.platforms:
-            return refuse(f"platform is {platform}", self.error(
-                f"jax_cgx: backend={name!r} runs on {self.where} only, but this computation is lowered for "
-                f"{platform!r}. Use backend='auto' ({name} where set up, else xla) or backend='xla'."))
+            return refuse(f"platform is {platform}", self.wrong_platform("jax_cgx", repr(platform)))
         if why := self.unavailable(requested):
             return why
         if self.families is not None:
@@ -154,10 +154,15 @@ class Backend:
                                           "backend='auto'"))
         return ""
 
+    def wrong_platform(self, api: str, lowered_for: str) -> Exception:
+        """This backend's error for a computation lowered for a platform it does not run on."""
+        return self.error(
+            f"{api}: backend={self.name!r} runs on {self.where} only, but this computation is lowered for "
+            f"{lowered_for}. Use backend='auto' ({self.name} where set up, else xla) or backend='xla'.")
+
     def key(self, ctx, axes: tuple[str, ...]) -> int:
         """The family key of the mesh being lowered and ``axes``: which communicators run the call."""
-        mesh = getattr(ctx.module_context.axis_context, "mesh", None)
-        key, why = self.families.find(mesh, axes)
+        key, why = self.families.find(compat.context_mesh(ctx), axes)
         if key is None:  # there were some when the reduction was traced
             raise self.error(
                 f"jax_cgx: backend {self.name!r} was chosen for axes {_axes_text(axes)} while tracing, but has no "
@@ -252,9 +257,7 @@ def register_lowering(prim, api: str, op: str, program: XlaProgram, *, residual:
         chosen = get(backend)
         platforms = tuple(ctx.module_context.platforms)
         if chosen.platforms is not None and not set(platforms) <= chosen.platforms:
-            raise chosen.error(
-                f"{api}: backend={backend!r} runs on {chosen.where} only, but this computation is lowered for "
-                f"{', '.join(platforms)}. Use backend='auto' ({backend} where set up, else xla) or backend='xla'.")
+            raise chosen.wrong_platform(api, ", ".join(platforms))
         extra = {"residual": True} if residual else {}
         agreement.check(ctx, api, backend, **extra, **params)  # across processes, once per compile
         return chosen.lower(ctx, op, operands, params, program)

@@ -15,6 +15,7 @@ __all__ = ["XlaBackend"]
 
 class XlaBackend(Backend):
     name = "xla"
+    residuals = True
 
     def lower(self, ctx, op, operands, params, program):
         del op

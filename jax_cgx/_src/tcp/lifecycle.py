@@ -112,12 +112,7 @@ def host_address() -> str:
 
 def lookup(mesh, axes) -> int | None:
     """The family key when :func:`setup` connected ``(mesh, axes)`` here, else None."""
-    return find(mesh, axes)[0]
-
-
-def find(mesh, axes) -> tuple[int | None, str]:
-    """(key or None, why not)."""
-    return connected.find(mesh, axes)
+    return connected.find(mesh, axes)[0]
 
 
 def _check_devices(devices: np.ndarray) -> None:
