@@ -46,7 +46,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--model", choices=("mlp", "charlm"), default="mlp", help="(default: %(default)s)")
     p.add_argument("--compressors", nargs="+", default=["none", "maxmin:4", "maxmin:8", "cast", "powersgd:2"],
                    help="none, maxmin:BITS[+auto][+backward][+tcp], cast, powersgd:RANK (+auto: policy='auto'; "
-                        "+backward: reduce_in_backward; +tcp: the tcp backend), and PyTorch DDP in the same "
+                        "+backward: reduce_in_backward; +tcp: the tcp backend), onecall:BITS[+after] (the README's "
+                        "plain jax.jit step with data_parallel_value_and_grad, in backward or +after it), and "
+                        "PyTorch DDP in the same "
                         "processes: ddp:none, ddp:fp16, ddp:powersgd:RANK "
                         "(default: %(default)s)")
     p.add_argument("--steps", type=int, default=30, help="steps per compressor (default: %(default)s)")
@@ -213,6 +215,67 @@ class Trainer:
                     steps=self.ex.steps, batch=self.ex.batch, wire_bytes=wire)
 
 
+class OneCallTrainer(Trainer):
+    """``onecall:BITS[+after]``: the README's plain ``jax.jit`` step, as a user writes it:
+    ``data_parallel_value_and_grad`` (its default: in backward; ``+after``: ``in_backward=False``)
+    with ``CompressionConfig(bits=BITS)``, then Adam, on a mesh from ``jax.make_mesh``."""
+
+    def __init__(self, spec: str, model: Model, args: argparse.Namespace):
+        import jax
+        import optax
+        from jax.sharding import NamedSharding
+        from jax.sharding import PartitionSpec as P
+
+        import jax_cgx
+
+        bits, *options = spec.partition(":")[2].split("+")
+        if not bits.isdigit() or not set(options) <= {"after"}:
+            sys.exit(f"train_step: {spec!r} is not onecall:BITS[+after]")
+        self.spec, self.model, self.in_backward = spec, model, not options
+        self.ex = example_args("none", args, jax.device_count())  # the same steps, batch and schedule
+        self.config = jax_cgx.CompressionConfig(bits=int(bits))
+        mesh = jax.make_mesh((jax.device_count(),), ("data",))
+        self.sharded = NamedSharding(mesh, P("data"))
+        optimizer = optax.adam(optax.cosine_decay_schedule(self.ex.lr, self.ex.steps))
+        grad_fn = jax_cgx.data_parallel_value_and_grad(model.loss_fn, mesh=mesh, config=self.config,
+                                                       in_backward=self.in_backward)
+
+        @jax.jit
+        def train_step(params, opt_state, *batch):
+            loss, grads = grad_fn(params, *batch)
+            updates, opt_state = optimizer.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state, loss
+
+        self.params = jax.device_put(model.init(), NamedSharding(mesh, P()))
+        self.state = optimizer.init(self.params)
+        self.world = jax.device_count()
+        self.dp = self  # Trainer.step calls self.dp.shard and self.dp.step
+        self._step = train_step
+        self.rng = np.random.default_rng(0)
+        self.times, self.losses = [], []
+
+    def shard(self, *arrays):
+        import jax
+
+        return tuple(jax.device_put(np.asarray(a), self.sharded) for a in arrays)
+
+    def step(self, params=None, state=None, batch=None):
+        if params is None:  # Trainer.step's call on the trainer
+            return Trainer.step(self)
+        return self._step(params, state, *batch)
+
+    def facts(self) -> dict:
+        import jax
+
+        import jax_cgx
+
+        where = "in backward" if self.in_backward else "after backward"
+        return dict(compressor=self.spec, description=f"data_parallel_value_and_grad {self.config.bits}-bit, {where}",
+                    devices=self.world, platform=jax.devices()[0].platform,
+                    parameters=int(sum(v.size for v in jax.tree.leaves(self.params))), steps=self.ex.steps,
+                    batch=self.ex.batch, wire_bytes=int(jax_cgx.bytes_on_wire(self.params, self.world, self.config)))
+
+
 def record(trainer, warmup: int) -> dict:
     """A trainer's row: its facts, the step times without the first ``warmup`` steps, every step's
     time (``steps_ms``) and the mean loss of the last 10 steps (JAX and PyTorch trainers alike)."""
@@ -255,7 +318,9 @@ def main(argv=None) -> list[dict]:
     lead = jax.process_index() == 0
     model = Model(args)
     lr = example_args("none", args, 1).lr
-    trainers = [torch_ddp.DdpTrainer(spec, model, args, lr) if spec.startswith("ddp:") else Trainer(spec, model, args)
+    kinds = {"ddp": lambda spec: torch_ddp.DdpTrainer(spec, model, args, lr),
+             "onecall": lambda spec: OneCallTrainer(spec, model, args)}
+    trainers = [kinds.get(spec.partition(":")[0], lambda spec: Trainer(spec, model, args))(spec)
                 for spec in ["compute", *args.compressors]]
     # Round robin, one step of each compressor in turn: every compressor sees the same load on the
     # machine and the link over the run, so the ratios are measured side by side.

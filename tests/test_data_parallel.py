@@ -15,6 +15,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_cgx
+from jax_cgx._src.data_parallel import buckets
 
 W = 8
 ROWS = 4 * W  # rows of the global batch
@@ -73,13 +74,23 @@ def test_bits32_is_value_and_grad_of_the_whole_batch(axis_type):
 
 
 @pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit], ids=["auto", "explicit"])
-def test_compressed_is_the_shard_map_recipe_bitwise(axis_type):
-    # The helper is the README's recipe written once: pcast, value_and_grad, compressed_pmean.
+@pytest.mark.parametrize("bucket_mb", [None, 4.0, 0.001], ids=["after-backward", "one-bucket", "two-buckets"])
+def test_compressed_is_the_shard_map_recipe_bitwise(axis_type, bucket_mb):
+    # The helper is the README's recipe written once: pcast, value_and_grad, then compressed_pmean of
+    # the whole tree (in_backward=False) or of each bucket (in backward, the default), with the
+    # bucket's key fold_in(key, b). 0.001 MiB: w1 (4096 bytes) alone, then b1 and w2 (1280 bytes).
     mesh = _mesh(axis_type)
     params, x, y = _placed(mesh, *_problem())
     key = jax.random.key(3)
     config = FOUR_BITS.replace(stochastic=True)
-    grad_fn = jax_cgx.data_parallel_value_and_grad(_loss, mesh=mesh, config=config)
+    in_backward = bucket_mb is not None
+    options = {"in_backward": False} if not in_backward else {"bucket_mb": bucket_mb}
+    grad_fn = jax_cgx.data_parallel_value_and_grad(_loss, mesh=mesh, config=config, **options)
+    leaves, treedef = jax.tree.flatten(params)
+    nbytes = [leaf.nbytes for leaf in leaves]
+    groups = buckets(nbytes, int(bucket_mb * 2**20)) if in_backward else None
+    if bucket_mb == 0.001:
+        assert groups == [(1,), (0, 2)]  # (b1, w1, w2): w1 alone, then b1 with w2
 
     @jax.jit
     def step(params, x, y, key):
@@ -87,7 +98,15 @@ def test_compressed_is_the_shard_map_recipe_bitwise(axis_type):
 
     def recipe(params, x, y, key):
         loss, grads = jax.value_and_grad(_loss)(jax.lax.pcast(params, "data", to="varying"), x, y)
-        return jax.lax.pmean(loss, "data"), jax_cgx.compressed_pmean(grads, "data", config, key=key)
+        if not in_backward:
+            return jax.lax.pmean(loss, "data"), jax_cgx.compressed_pmean(grads, "data", config, key=key)
+        flat = treedef.flatten_up_to(grads)
+        for b, members in enumerate(groups):
+            mean = jax_cgx.compressed_pmean([flat[i] for i in members], "data", config,
+                                            key=jax.random.fold_in(key, b))
+            for i, m in zip(members, mean):
+                flat[i] = m
+        return jax.lax.pmean(loss, "data"), treedef.unflatten(flat)
 
     loss, grads = step(params, x, y, key)
     ref_loss, ref_grads = jax.jit(jax.shard_map(recipe, mesh=mesh, in_specs=(P(), P("data"), P("data"), P()),
@@ -96,6 +115,24 @@ def test_compressed_is_the_shard_map_recipe_bitwise(axis_type):
     for k in grads:
         assert_same_bits(np.asarray(grads[k]), np.asarray(ref_grads[k]), k)
     _assert_replicated(grads)
+
+
+def test_buckets_take_leaves_last_first():
+    mib = 2**20
+    # A model's layers (bias, weight) in tree order; backward produces the last layer first.
+    sizes = [8, 16 * mib, 8, 16 * mib, 8, 2 * mib, 8, 3 * mib]
+    # 3 MiB + 8 + 2 MiB fill one bucket; each 16 MiB weight is its own; the other biases end it.
+    assert buckets(sizes, 4 * mib) == [(5, 6, 7), (3,), (1,), (0, 2, 4)]
+    assert buckets(sizes, 64 * mib) == [tuple(range(8))]
+    assert buckets([], 4 * mib) == []
+    assert buckets([5 * mib], 4 * mib) == [(0,)]
+
+
+def test_bucket_mb_is_checked():
+    mesh = _mesh()
+    for bad in (0, -1.0, float("nan"), float("inf"), True, "4"):
+        with pytest.raises(ValueError, match="bucket_mb must be a positive number of MiB"):
+            jax_cgx.data_parallel_value_and_grad(_loss, mesh=mesh, bucket_mb=bad)
 
 
 def test_compressed_gradient_within_the_bound():

@@ -30,6 +30,16 @@ arguments rather than closures because ``shard_map`` cannot close over values sh
 ``Explicit`` mesh axes, and they are rebuilt in the trace ``loss_fn`` runs in because a mutable
 pytree node (an NNX ``Variable``) may only be written in the trace that made it.
 
+By default each gradient is averaged **in the backward pass**, as PyTorch DDP does: the
+parameters' leaves are gathered, last first (the order backward produces them), into buckets of
+about ``bucket_mb`` (a leaf at least that large is a bucket of its own, with no copy into a fusion
+buffer), and each bucket is :func:`~jax_cgx.compressed_pmean`'d as soon as the backward pass has
+produced all of its gradients (:func:`~jax_cgx.reduce_in_backward` on each bucket). The result is
+bitwise that of ``compressed_pmean`` applied to each bucket (leaves in their tree order, bucket
+``b``'s key ``fold_in(key, b)``); ``in_backward=False`` averages the whole tree in one
+``compressed_pmean`` after the backward pass instead. The two differ only in how the values are cut
+into exchanges (within the same error bound); docs/performance.md has what each costs.
+
 Optimizer states that differ from device to device (error feedback, top-k and PowerSGD
 residuals: :mod:`jax_cgx.optax`) cannot live in a replicated ``jit`` state; those transforms
 run inside ``shard_map`` (docs/training.md has the recipe).
@@ -39,23 +49,31 @@ from __future__ import annotations
 
 import inspect
 import math
-from collections.abc import Callable
+import numbers
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from jax import lax
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 from jax_cgx._src.arguments import check_axes, check_bool
-from jax_cgx._src.collectives.plan import ConfigSpec
+from jax_cgx._src.collectives.backward import reduce_in_backward
+from jax_cgx._src.collectives.plan import ConfigSpec, leaf_configs
 from jax_cgx._src.collectives.psum import compressed_pmean
 
-__all__ = ["data_parallel_value_and_grad"]
+__all__ = ["data_parallel_value_and_grad", "buckets", "DEFAULT_BUCKET_MB"]
+
+# DDP's default bucket is 25 MB. Ours is smaller: a bucket of many leaves is copied into a fusion
+# buffer, and a leaf of at least this size needs no copy (docs/performance.md).
+DEFAULT_BUCKET_MB = 4.0
 
 
 def data_parallel_value_and_grad(fun: Callable[..., Any], *, mesh, axis_name: str | tuple[str, ...] = "data",
-                                 config: ConfigSpec = None, has_aux: bool = False) -> Callable[..., Any]:
+                                 config: ConfigSpec = None, has_aux: bool = False, in_backward: bool = True,
+                                 bucket_mb: float = DEFAULT_BUCKET_MB) -> Callable[..., Any]:
     """``jax.value_and_grad(fun)`` over a batch sharded along ``axis_name``, the gradient
     averaged over the devices with :func:`~jax_cgx.compressed_pmean`.
 
@@ -74,6 +92,10 @@ def data_parallel_value_and_grad(fun: Callable[..., Any], *, mesh, axis_name: st
         defaults, 4 bits; torch_cgx's where its ``CGX_*`` variables are set).
       has_aux: ``fun`` returns ``(loss, aux)``; ``aux`` is averaged over the devices like the
         loss (``lax.pmean``).
+      in_backward: average each bucket of gradients as soon as the backward pass has produced it
+        (the default), or the whole tree after it (``False``).
+      bucket_mb: with ``in_backward``, the size (MiB) buckets of small leaves are filled to;
+        a leaf of at least this size is a bucket of its own.
 
     Returns:
       ``grad_fn(params, *batch, key=None, **kwargs)`` returning ``(loss, grads)``
@@ -87,6 +109,8 @@ def data_parallel_value_and_grad(fun: Callable[..., Any], *, mesh, axis_name: st
     if not callable(fun):
         raise TypeError(f"data_parallel_value_and_grad: fun must be callable, got {type(fun).__name__}")
     has_aux = check_bool("data_parallel_value_and_grad", "has_aux", has_aux)
+    in_backward = check_bool("data_parallel_value_and_grad", "in_backward", in_backward)
+    bucket_bytes = _bucket_bytes(bucket_mb)
     axes = check_axes("data_parallel_value_and_grad", axis_name)
     names = tuple(getattr(mesh, "axis_names", ()))
     missing = [a for a in axes if a not in names]
@@ -103,17 +127,23 @@ def data_parallel_value_and_grad(fun: Callable[..., Any], *, mesh, axis_name: st
     arg_names = _argument_names(fun)
 
     def local(params, key, kwargs, *batch):
-        mine = lax.pcast(params, axes, to="varying")
         leaves, treedef = jax.tree.flatten(kwargs)
 
         def differentiated(params):
+            # Each device's own gradient: with respect to params typed as varying (as the
+            # transpose of the implicit broadcast of replicated params would psum it), averaged in
+            # backward by the marks, which type them so themselves.
+            mine = _marked(params, axes, config, key, bucket_bytes) if in_backward else params
             # kwargs' pytree nodes rebuilt in the trace fun runs in, as jax.jit gives its function
             # new ones: an NNX Variable (BatchNorm's statistics) may only be written where it was made.
-            return fun(params, *batch, **jax.tree.unflatten(treedef, leaves))
+            return fun(mine, *batch, **jax.tree.unflatten(treedef, leaves))
 
-        value, grads = jax.value_and_grad(differentiated, has_aux=has_aux)(mine)
-        value = jax.tree.map(lambda v: lax.pmean(v, axes), value)
-        return value, compressed_pmean(grads, axes, config, key=key)
+        if in_backward:
+            value, grads = jax.value_and_grad(differentiated, has_aux=has_aux)(params)
+        else:
+            value, grads = jax.value_and_grad(differentiated, has_aux=has_aux)(lax.pcast(params, axes, to="varying"))
+            grads = compressed_pmean(grads, axes, config, key=key)
+        return jax.tree.map(lambda v: lax.pmean(v, axes), value), grads
 
     def grad_fn(params, *batch, key: jax.Array | None = None, **kwargs):
         if not batch:
@@ -128,6 +158,56 @@ def data_parallel_value_and_grad(fun: Callable[..., Any], *, mesh, axis_name: st
         return mapped(params, key, kwargs, *batch)
 
     return grad_fn
+
+
+def _bucket_bytes(bucket_mb) -> int:
+    if isinstance(bucket_mb, bool) or not isinstance(bucket_mb, numbers.Real) or not bucket_mb > 0 \
+            or not math.isfinite(bucket_mb):
+        raise ValueError(f"data_parallel_value_and_grad: bucket_mb must be a positive number of MiB, got {bucket_mb!r}")
+    return max(1, int(bucket_mb * 2**20))
+
+
+def buckets(nbytes: Sequence[int], bucket_bytes: int) -> list[tuple[int, ...]]:
+    """The leaves (indices into ``nbytes``, each leaf's size in bytes) averaged together in the
+    backward pass, in the order their last gradient is expected.
+
+    Leaves are taken last first, the order backward produces a model's layers in. A leaf of at
+    least ``bucket_bytes`` is a bucket of its own: its exchange starts as soon as it exists and
+    needs no copy into a fusion buffer (on the step of docs/performance.md, fusing the 16 MiB
+    weights cost more in copies than a bucket's extra exchange). Smaller leaves (biases,
+    normalization scales, a small model's layers) fill a bucket until it holds ``bucket_bytes``.
+    Within a bucket, leaves keep their tree order.
+    """
+    out, pending, filled = [], [], 0
+    for i in reversed(range(len(nbytes))):
+        if nbytes[i] >= bucket_bytes:
+            out.append((i,))
+            continue
+        pending.append(i)
+        filled += nbytes[i]
+        if filled >= bucket_bytes:
+            out.append(tuple(sorted(pending)))
+            pending, filled = [], 0
+    if pending:
+        out.append(tuple(sorted(pending)))
+    return out
+
+
+def _marked(params, axes: tuple, config: ConfigSpec, key, bucket_bytes: int):
+    """``params`` with each bucket of leaves marked by :func:`reduce_in_backward`, its config the
+    leaves' own (a config pytree or function is resolved on the whole tree, with its paths)."""
+    with_paths, treedef = jax.tree_util.tree_flatten_with_path(params)
+    paths, leaves = [p for p, _ in with_paths], [v for _, v in with_paths]
+    configs = leaf_configs(config, params, paths, "data_parallel_value_and_grad")
+    nbytes = [math.prod(jnp.shape(v)) * jnp.result_type(v).itemsize for v in leaves]
+    out = list(leaves)
+    for b, members in enumerate(buckets(nbytes, bucket_bytes)):
+        bucket_key = None if key is None else jax.random.fold_in(key, b)
+        marked = reduce_in_backward(tuple(leaves[i] for i in members), axes, tuple(configs[i] for i in members),
+                                    key=bucket_key)
+        for i, leaf in zip(members, marked):
+            out[i] = leaf
+    return treedef.unflatten(out)
 
 
 def _argument_names(fun) -> list[str]:
