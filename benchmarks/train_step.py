@@ -26,6 +26,7 @@ JSON (or CSV), each with every step's time (``steps_ms``, compilation included).
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 import time
 from pathlib import Path
@@ -72,6 +73,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--batch-per-device must be at least 1, got {args.batch_per_device}")
     if args.link_gbps is not None and not args.link_gbps > 0:
         p.error(f"--link-gbps must be positive, got {args.link_gbps}")
+    for spec in args.compressors:
+        if spec.startswith("onecall") and not re.fullmatch(r"onecall:\d+(\+after)?", spec):
+            p.error(f"{spec!r} is not onecall:BITS[+after]")
     ddp = [spec for spec in args.compressors if spec.startswith("ddp:")]
     for spec in ddp:
         try:
@@ -228,9 +232,7 @@ class OneCallTrainer(Trainer):
 
         import jax_cgx
 
-        bits, *options = spec.partition(":")[2].split("+")
-        if not bits.isdigit() or not set(options) <= {"after"}:
-            sys.exit(f"train_step: {spec!r} is not onecall:BITS[+after]")
+        bits, *options = spec.partition(":")[2].split("+")  # checked by parse_args
         self.spec, self.model, self.in_backward = spec, model, not options
         self.ex = example_args("none", args, jax.device_count())  # the same steps, batch and schedule
         self.config = jax_cgx.CompressionConfig(bits=int(bits))
