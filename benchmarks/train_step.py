@@ -26,6 +26,7 @@ JSON (or CSV), each with every step's time (``steps_ms``, compilation included).
 from __future__ import annotations
 
 import argparse
+import functools
 import re
 import sys
 import time
@@ -242,7 +243,7 @@ class OneCallTrainer(Trainer):
         grad_fn = jax_cgx.data_parallel_value_and_grad(model.loss_fn, mesh=mesh, config=self.config,
                                                        in_backward=self.in_backward)
 
-        @jax.jit
+        @functools.partial(jax.jit, donate_argnums=(0, 1))  # as the README writes it
         def train_step(params, opt_state, *batch):
             loss, grads = grad_fn(params, *batch)
             updates, opt_state = optimizer.update(grads, opt_state, params)

@@ -14,11 +14,18 @@ slow and uneven steps (docs/performance.md).
 ``MALLOC_MMAP_THRESHOLD_=1073741824 MALLOC_TRIM_THRESHOLD_=2147483648 MALLOC_ARENA_MAX=1``
 would (``x * 2`` of 64 MiB under jit: 16384 page faults and 25-40 ms per call before; after, once the
 heap holds enough freed space (about 9 calls), none and 6-7 ms). ``import
-jax_cgx`` calls it once, which is early enough when jax_cgx is imported before the first
-computation (threads that already have their own arena keep it). The cost: the process
-keeps up to 2 GiB of freed memory instead of returning it to the system, and all threads
-share one arena. Opt out with ``JAX_CGX_REUSE_ALLOCATIONS=0`` in the environment; elsewhere
-than glibc nothing happens.
+jax_cgx`` calls it once. That is early enough only before other threads exist: a thread that
+has malloc'd has its own arena, which it keeps, and threads born later are spread over the
+arenas that exist, whose heaps hold at most 64 MiB, so larger buffers are fresh ``mmap``s
+there whatever the threshold. ``jax.distributed.initialize()`` starts 15 such threads (its RPC
+client): a 64 MiB 4-bit ``compressed_pmean`` written with ``import jax_cgx`` after it ran 1.5x
+slower at 1 Gbit/s (docs/performance.md). So ``import jax_cgx`` warns once, with the fix, when
+it comes after ``jax.distributed.initialize()`` or after JAX made its devices, and
+``python -m jax_cgx.launch`` starts every process with :data:`ENVIRONMENT` (glibc's own
+variables for the same settings, read at process start: no import order matters); under
+``mpirun`` pass them with ``-x``. The cost: the process keeps up to 2 GiB of freed memory
+instead of returning it to the system, and all threads share one arena. Opt out with
+``JAX_CGX_REUSE_ALLOCATIONS=0`` in the environment; elsewhere than glibc nothing happens.
 """
 
 from __future__ import annotations
@@ -27,8 +34,9 @@ import ctypes
 import ctypes.util
 import logging
 import os
+import sys
 
-__all__ = ["ENV", "apply_default", "applied", "reuse_large_allocations"]
+__all__ = ["ENV", "ENVIRONMENT", "apply_default", "applied", "reuse_large_allocations"]
 
 log = logging.getLogger("jax_cgx")
 
@@ -38,6 +46,10 @@ _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
 _M_ARENA_MAX = -8
 _applied = False
+
+# What reuse_large_allocations() sets, as glibc's environment variables (read once, at process
+# start, before any thread exists).
+ENVIRONMENT = {"MALLOC_ARENA_MAX": "1", "MALLOC_MMAP_THRESHOLD_": str(1 << 30), "MALLOC_TRIM_THRESHOLD_": str(2 << 30)}
 
 
 def reuse_large_allocations(limit_bytes: int = 1 << 30) -> bool:
@@ -83,4 +95,26 @@ def apply_default(environ=None) -> bool:
         return False
     ok = reuse_large_allocations()
     log.debug("jax_cgx: large allocations reused: %s", ok)
+    if ok and env.get("MALLOC_ARENA_MAX") != "1" and (late := _jax_started()):
+        log.warning(
+            "jax_cgx was imported after %s: threads started before keep malloc arenas of their own, where every "
+            "buffer of 64 MiB or more is a fresh mmap, page-faulted on each call (a 64 MiB compressed_pmean ran 1.5x "
+            "slower). Import jax_cgx before it (jax_cgx.distributed.initialize() does), or start the processes with "
+            "MALLOC_ARENA_MAX=1 in their environment (python -m jax_cgx.launch does; mpirun -x MALLOC_ARENA_MAX=1); "
+            "%s=0 silences this", late, ENV)
     return ok
+
+
+def _jax_started() -> str | None:
+    """What JAX started before jax_cgx was imported that has threads of its own, or None.
+
+    Reads jax's private state (absent attributes read as not started): there is no public
+    "initialized" query for either."""
+    if "jax" not in sys.modules:
+        return None
+    distributed = sys.modules.get("jax._src.distributed")
+    if getattr(getattr(distributed, "global_state", None), "client", None) is not None:
+        return "jax.distributed.initialize()"
+    if getattr(sys.modules.get("jax._src.xla_bridge"), "_backends", None):
+        return "JAX made its devices (jax.devices(), or a first computation)"
+    return None

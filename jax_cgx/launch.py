@@ -44,6 +44,7 @@ import threading
 import time
 from collections.abc import Callable
 
+from jax_cgx import allocator
 from jax_cgx._src.arguments import integer
 from jax_cgx.distributed import COORDINATOR_VARIABLE, RANK_VARIABLES
 
@@ -62,6 +63,10 @@ BIND_VARIABLE = "JAX_COORDINATOR_BIND_ADDRESS"  # where jax's coordinator servic
 
 def _environment(rank: int, n: int, port: int, devices: int | None) -> dict[str, str]:
     env = dict(os.environ)
+    if env.get(allocator.ENV, "1").strip().lower() not in ("0", "false"):
+        # glibc reads these at process start: large buffers are reused whatever the script imports first.
+        for name, value in allocator.ENVIRONMENT.items():
+            env.setdefault(name, value)
     env.update(zip(RANK_VARIABLES, (str(rank), str(n), str(rank), str(n))))
     # One host: the coordinator is reached on loopback, so it listens there only (jax's
     # default, [::]:port, is every interface).

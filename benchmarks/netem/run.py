@@ -429,8 +429,10 @@ def annotate(path: Path, plan: Plan) -> list[dict] | None:
 
 
 def summary(records: list[dict]) -> str:
-    """A few columns of the results: the all-reduce benchmark's, or benchmarks/train_step.py's or
-    allreduce_phases.py's."""
+    """A few columns of the results: the all-reduce benchmark's, or benchmarks/train_step.py's,
+    allreduce_phases.py's or as_written.py's."""
+    if records and "of_harness" in records[0]:  # benchmarks/as_written.py --compare
+        return "\n".join(f"{r['run']:>14} {r['median_ms']:>9.1f} ms {r['of_harness']:>5.2f}x the harness's" for r in records)
     if records and "phase" in records[0]:
         return "\n".join(f"{r['phase']:>26} {r['ms']:>9.1f} ms" for r in records)
     if records and "step_ms" in records[0]:

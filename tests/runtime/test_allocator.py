@@ -59,6 +59,47 @@ def test_import_reuses_large_buffers():
     assert faults > PAGES / 2, f"only {faults} page faults per call with {allocator.ENV}=0: is the probe valid?"
 
 
+LATE = """
+import socket, sys
+import jax
+with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+jax.distributed.initialize(f"127.0.0.1:{port}", 1, 0)   # 15 threads, each with a malloc arena of its own
+""" + PROBE  # then `import jax_cgx` and the probe
+
+
+def _late(extra: dict[str, str]):
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", allocator.ENV, *allocator.ENVIRONMENT)}
+    out = subprocess.run([sys.executable, "-c", LATE], capture_output=True, text=True, env={**env, **extra},
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    applied, faults = out.stdout.split()
+    return float(faults), out.stderr
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's allocator")
+def test_imported_after_jax_distributed_it_warns_and_the_launcher_environment_fixes_it():
+    if not _glibc():
+        pytest.skip("not glibc")
+    faults, stderr = _late({})
+    assert faults > PAGES / 2, f"only {faults} page faults per call imported late: is the probe valid?"
+    assert "jax_cgx was imported after jax.distributed.initialize()" in stderr and "MALLOC_ARENA_MAX=1" in stderr
+    # What python -m jax_cgx.launch gives every process: glibc's settings from the start, whatever the order.
+    fixed, stderr = _late(allocator.ENVIRONMENT)
+    assert "jax_cgx was imported after" not in stderr
+    assert fixed < PAGES / 8, f"{fixed} page faults per call with {allocator.ENVIRONMENT} ({PAGES} pages of output)"
+    _, stderr = _late({allocator.ENV: "0"})
+    assert "jax_cgx was imported after" not in stderr
+
+
+def test_the_launcher_starts_processes_with_the_settings():
+    from jax_cgx import launch
+
+    env = launch._environment(0, 2, 4321, None)
+    assert all(env[k] == v for k, v in allocator.ENVIRONMENT.items() if k not in os.environ)
+
+
 def test_bad_environment_value_names_the_variable():
     with pytest.raises(ValueError, match=r"JAX_CGX_REUSE_ALLOCATIONS='sometimes' must be 1 .* or 0"):
         allocator.apply_default({allocator.ENV: "sometimes"})
