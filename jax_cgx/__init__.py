@@ -60,6 +60,7 @@ __all__ = [
     "num_buckets",
     "payload_bytes",
     "cuda_extension_available",
+    "adaptive",
     "allocator",
     "cost_model",
     "distributed",
@@ -69,7 +70,7 @@ __all__ = [
 ]
 
 # Imported on first use: importing optax costs time that users of the collectives alone need not pay.
-_LAZY_SUBMODULES = ("cost_model", "optax")
+_LAZY_SUBMODULES = ("adaptive", "cost_model", "optax")
 
 
 def __getattr__(name: str):

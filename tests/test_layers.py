@@ -36,9 +36,11 @@ ALLOWED: dict[str, set[str]] = {
     "tcp": BASE | {"extensions", "backends"},
     "optax": BASE | {"codec", "collectives", "exchange"},
     "data_parallel": BASE | {"codec", "collectives"},
+    # Bit widths per leaf: reads the plan's lanes.
+    "adaptive": BASE | {"collectives"},
     "testing": BASE | {"codec", "collectives", "exchange"},
     "distributed": BASE,
-    "launch": BASE | {"distributed"},
+    "launch": BASE | {"distributed", "allocator"},  # starts processes with the allocator's settings
     "cost_model": {"policy"},
     # The public face and the tools on top of it may use anything.
     "__init__": None,

@@ -18,7 +18,7 @@ def test_every_public_name_resolves_and_dir_shows_only_them():
     for name in jax_cgx.__all__:
         assert getattr(jax_cgx, name) is not None, name
     assert dir(jax_cgx) == sorted(jax_cgx.__all__)
-    for module in (jax_cgx.optax, jax_cgx.nccl, jax_cgx.tcp, jax_cgx.cost_model):
+    for module in (jax_cgx.optax, jax_cgx.nccl, jax_cgx.tcp, jax_cgx.cost_model, jax_cgx.adaptive):
         for name in module.__all__:
             assert hasattr(module, name), f"{module.__name__}.{name}"
 

@@ -1,0 +1,222 @@
+"""Per-leaf bit widths under a byte budget: :func:`choose_bits`.
+
+Uniform widths leave quality on the table: a leaf whose buckets span a wide range loses more at
+4 bits than a smooth one at 2. :func:`choose_bits` gives each leaf the width that minimizes the
+total expected quantization error of the tree, with the bytes on the wire no more than a uniform
+``budget_bits`` would send.
+
+**The error model.** Max-min quantization of a bucket spanning ``[m, m + R]`` to ``b`` bits puts
+each value on a grid of step ``s = R / (2^b - 1)``. A value a fraction ``f`` of a step above a grid
+point errs by ``s min(f, 1 - f)`` under nearest rounding, and by ``s^2 f (1 - f)`` in expected square
+under stochastic rounding. :func:`expected_errors` sums that over every value of a leaf, for every
+candidate width: computed on the leaves' devices from the values themselves (one fused pass per
+leaf and width), so heavy-tailed buckets, where most values sit in one grid cell, are weighed as
+they are; the host receives one small array. (It leaves out the codec's rounding of each
+bucket's scale to 16 bits, a relative change below ``2^-7`` per bucket, and the encoding of buckets
+beyond ``2^125``.) A leaf sent exact (``None``: ``lax.psum`` in float32) has no error.
+
+**The bytes.** A quantized leaf of ``N`` values sends ``N b / 8`` bytes of payload and 8 per bucket;
+an exact one ``4 N``. Every exchange (the SRA all_to_all and all_gather, or a ring all-reduce) moves
+``2 (W - 1) / W`` times those bytes, so the comparison is the same for any number of ranks and
+:func:`choose_bits` needs none.
+
+**The solver** is exact: a dynamic program over the leaves keeping, after each leaf, every plan so far
+that no other beats in both bytes and error (a Pareto frontier, with numpy), bytes counted in units
+of ``1 / 65536`` of the budget, rounded up (so a plan never exceeds the budget; for budgets under
+64 KiB the unit is one byte and the optimum is exact). Its plan is compared with the uniform
+``budget_bits`` plan (where that is a candidate) and the better one returned. Ties go to the plan
+found first, in the leaves' order: the same errors give the same plan on every process.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_cgx._src.collectives.plan import lane
+from jax_cgx._src.config import CompressionConfig
+
+__all__ = ["LeafPlan", "choose_bits", "describe", "expected_errors"]
+
+EXACT = 32  # a leaf sent exact (config None), in a plan's "bits"
+_META_BYTES = 8  # per bucket: its minimum and scale
+
+
+class LeafPlan(NamedTuple):
+    """One leaf's choice: its path, values, bits (``EXACT`` = 32: sent exact), predicted error and bytes."""
+
+    path: str
+    size: int
+    bits: int
+    error: float
+    bytes: int
+
+
+def _check(budget_bits, candidates) -> tuple[float, tuple[int, ...]]:
+    if isinstance(budget_bits, bool) or not isinstance(budget_bits, (int, float)) or not math.isfinite(budget_bits):
+        raise ValueError(f"choose_bits: budget_bits must be a number of bits, got {budget_bits!r}")
+    cands = tuple(candidates)
+    if not cands or any(isinstance(b, bool) or not isinstance(b, (int, np.integer)) or not 1 <= b <= 8 for b in cands):
+        raise ValueError(f"choose_bits: candidates must be widths in 1..8, got {candidates!r}")
+    cands = tuple(sorted({int(b) for b in cands}))
+    if budget_bits < cands[0]:
+        raise ValueError(f"choose_bits: budget_bits={budget_bits} is below the narrowest candidate ({cands[0]} bits): "
+                         "no plan fits; raise budget_bits or add a narrower candidate")
+    return float(budget_bits), cands
+
+
+def _leaf_bytes(size: int, bits: int, bucket_size: int) -> int:
+    if bits == EXACT:
+        return 4 * size
+    return -(-size * bits // 8) + _META_BYTES * -(-size // bucket_size)
+
+
+def expected_errors(leaves: Sequence[jax.Array], config: CompressionConfig, widths: Sequence[int]) -> np.ndarray:
+    """``[leaf, width]``: the squared error (expected, for stochastic rounding) of quantizing each
+    leaf to each width with ``config``'s bucket size and rounding (module docstring).
+
+    Computed on the leaves' devices; one float per leaf and width comes to the host.
+    """
+    widths = tuple(int(b) for b in widths)
+    rows = [_errors(leaf, config.bucket_size, config.stochastic, widths) for leaf in leaves]
+    return np.asarray(jax.device_get(jnp.stack(rows)), np.float64) if rows else np.zeros((0, len(widths)))
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3))
+def _errors(leaf, bucket_size: int, stochastic: bool, widths: tuple[int, ...]):
+    x = jnp.ravel(leaf).astype(jnp.float32)
+    n = x.size
+    pad = -n % bucket_size
+    # The last bucket holds n % bucket_size values: padding it with its own first value keeps its range.
+    x = jnp.concatenate([x, jnp.broadcast_to(x[n - (n % bucket_size or bucket_size)], (pad,))]) if pad else x
+    buckets = x.reshape(-1, bucket_size)
+    low = buckets.min(axis=1, keepdims=True)
+    span = buckets.max(axis=1, keepdims=True) - low
+    within = jnp.arange(buckets.size).reshape(buckets.shape) < n  # the padding counts for nothing
+    out = []
+    for b in widths:
+        step = span / (2**b - 1)
+        t = jnp.where(step > 0, (buckets - low) / jnp.where(step > 0, step, 1), 0.0)
+        f = t - jnp.floor(t)
+        per_value = f * (1 - f) if stochastic else jnp.minimum(f, 1 - f) ** 2
+        out.append(jnp.sum(jnp.where(within, per_value * step * step, 0.0)))
+    return jnp.stack(out)
+
+
+def choose_bits(grads, *, budget_bits: float = 4.0, candidates: Sequence[int] = (2, 3, 4, 5, 6, 8),
+                config: CompressionConfig | None = None, exact: bool = True, return_plan: bool = False):
+    """Bit widths per leaf minimizing the expected quantization error within uniform ``budget_bits``' bytes.
+
+    Args:
+      grads: a pytree of arrays (a reduced gradient: the same on every process, so every process
+        chooses the same plan; concrete, not traced: a plan is a static config).
+      budget_bits: the uniform width whose bytes the plan may not exceed (bucket metadata counted).
+      candidates: the widths a leaf may get, 1..8.
+      config: every other setting (bucket size, rounding, backend, policy, ...); None:
+        ``CompressionConfig()``. Leaves it would not compress (integers, fewer than ``min_size``
+        values) keep it and stay outside the budget.
+      exact: a leaf may be sent exact (config ``None``) where that is worth its bytes.
+      return_plan: also return one :class:`LeafPlan` per leaf.
+
+    Returns:
+      A pytree like ``grads`` of ``CompressionConfig`` (``config`` with ``bits`` set) or ``None``,
+      usable wherever jax_cgx takes a config pytree; with ``return_plan``, ``(configs, plans)``.
+
+    Raises:
+      ValueError: bad arguments, ``budget_bits`` below every candidate, or a leaf that is not
+        finite (its error cannot be weighed: choose from a finite gradient).
+    """
+    budget_bits, cands = _check(budget_bits, candidates)
+    base = CompressionConfig() if config is None else config
+    if not isinstance(base, CompressionConfig):
+        raise TypeError(f"choose_bits: config must be a CompressionConfig or None, got {type(base).__name__}")
+    with_paths, treedef = jax.tree_util.tree_flatten_with_path(grads)
+    paths = [p for p, _ in with_paths]
+    leaves = [v for _, v in with_paths]
+    for path, leaf in zip(paths, leaves):
+        if isinstance(leaf, jax.core.Tracer):
+            raise TypeError(f"choose_bits: leaf {jax.tree_util.keystr(path)} is traced; call it outside jit on the "
+                            "reduced gradient (a plan is a static config)")
+    chosen = [i for i, (p, v) in enumerate(zip(paths, leaves)) if lane(p, v, base, "choose_bits") == "quantized"]
+    widths = list(cands) + ([EXACT] if exact else [])
+    quantized = [b for b in widths if b != EXACT]
+    errors = expected_errors([leaves[i] for i in chosen], base, quantized)
+    for i, row in zip(chosen, errors):
+        if not np.all(np.isfinite(row)):
+            raise ValueError(f"choose_bits: leaf {jax.tree_util.keystr(paths[i])} is not finite (its buckets' spans are "
+                             "inf or nan); choose from a finite gradient")
+    sizes = [int(np.size(leaves[i])) for i in chosen]
+    options = [_all(n, dict(zip(quantized, row)), widths, base) for n, row in zip(sizes, errors)]
+    budget = sum(math.ceil(n * budget_bits / 8) + _META_BYTES * -(-n // base.bucket_size) for n in sizes)
+    picks = _solve(options, budget)
+    if int(budget_bits) == budget_bits and int(budget_bits) in cands:
+        uniform = [next(o for o in opts if o[2] == int(budget_bits)) for opts in options]
+        if sum(o[1] for o in uniform) < sum(o[1] for o in picks):
+            picks = uniform
+    out: list[CompressionConfig | None] = []
+    plans = []
+    by_leaf = dict(zip(chosen, picks))
+    for i, (path, leaf) in enumerate(zip(paths, leaves)):
+        if i not in by_leaf:
+            out.append(base)
+            continue
+        nbytes, err, bits = by_leaf[i]
+        out.append(None if bits == EXACT else base.replace(bits=bits))
+        plans.append(LeafPlan(jax.tree_util.keystr(path), int(np.size(leaf)), bits, err, nbytes))
+    configs = treedef.unflatten(out)
+    return (configs, plans) if return_plan else configs
+
+
+def _all(n: int, errors: dict[int, float], widths, base: CompressionConfig) -> list[tuple[int, float, int]]:
+    """A leaf's options: (bytes, error, bits) for each width."""
+    return [(_leaf_bytes(n, b, base.bucket_size), 0.0 if b == EXACT else float(errors[b]), b) for b in widths]
+
+
+def _solve(options: list[list[tuple[int, float, int]]], budget: float) -> list[tuple[int, float, int]]:
+    """The option per leaf minimizing the total error with the total bytes within ``budget``."""
+    if not options:
+        return []
+    unit = max(1.0, budget / 65536)
+    limit = math.floor(budget / unit + 1e-9)
+    costs = [np.array([math.ceil(o[0] / unit - 1e-9) for o in opts], np.int64) for opts in options]
+    errors = [np.array([o[1] for o in opts], np.float64) for opts in options]
+    rest = np.cumsum([0] + [int(c.min()) for c in costs[::-1]])[::-1]  # the least the leaves after i cost
+    cost, err = np.zeros(1, np.int64), np.zeros(1, np.float64)
+    steps = []  # per leaf: (the frontier point each new point extends, the option it takes)
+    for i, (c, e) in enumerate(zip(costs, errors)):
+        k = len(c)
+        total = (cost[:, None] + c[None, :]).ravel()
+        error = (err[:, None] + e[None, :]).ravel()
+        parent = np.repeat(np.arange(len(cost)), k)
+        pick = np.tile(np.arange(k), len(cost))
+        ok = total + rest[i + 1] <= limit
+        total, error, parent, pick = total[ok], error[ok], parent[ok], pick[ok]
+        order = np.lexsort((np.arange(len(total)), error, total))  # by bytes, then error, then first found
+        total, error, parent, pick = total[order], error[order], parent[order], pick[order]
+        best_before = np.concatenate([[np.inf], np.minimum.accumulate(error)[:-1]])
+        keep = error < best_before  # the Pareto frontier: each kept point has less error than any cheaper
+        cost, err = total[keep], error[keep]
+        steps.append((parent[keep], pick[keep]))
+    j = int(np.argmin(err))  # the first of the least errors
+    chosen = []
+    for parent, pick in reversed(steps):
+        chosen.append(int(pick[j]))
+        j = int(parent[j])
+    return [opts[k] for opts, k in zip(options, reversed(chosen))]
+
+
+def describe(plans: Sequence[LeafPlan]) -> str:
+    """A table of a plan: per leaf its bits, predicted error and bytes, and the totals."""
+    rows = [f"{'leaf':<40} {'values':>10} {'bits':>5} {'pred. error':>12} {'bytes':>10}"]
+    for p in plans:
+        bits = "exact" if p.bits == EXACT else str(p.bits)
+        rows.append(f"{p.path:<40} {p.size:>10} {bits:>5} {p.error:>12.4g} {p.bytes:>10}")
+    rows.append(f"{'total':<40} {sum(p.size for p in plans):>10} {'':>5} {sum(p.error for p in plans):>12.4g} "
+                f"{sum(p.bytes for p in plans):>10}")
+    return "\n".join(rows)

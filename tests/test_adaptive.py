@@ -1,0 +1,132 @@
+"""jax_cgx.adaptive.choose_bits: bit widths per leaf within a uniform width's bytes (jax_cgx/_src/adaptive.py).
+
+The error model against the codec itself, the solver against exhaustive search, the budget, and
+the plan used as a config where jax_cgx takes one.
+"""
+
+import itertools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from bitwise import assert_same_bits
+from jax.sharding import PartitionSpec as P
+
+import jax_cgx
+from jax_cgx.adaptive import EXACT, choose_bits, describe, expected_errors
+
+BASE = jax_cgx.CompressionConfig()
+
+
+def _leaves(seed: int, count: int = 4) -> list[np.ndarray]:
+    r = np.random.default_rng(seed)
+    return [(r.standard_normal(int(r.integers(600, 5000))) * float(r.choice([0.01, 1.0, 30.0]))).astype(np.float32)
+            for _ in range(count)]
+
+
+def _budget(sizes, bits: float, bucket: int = 512) -> int:
+    return sum(math.ceil(n * bits / 8) + 8 * -(-n // bucket) for n in sizes)
+
+
+def _bytes(n: int, bits: int, bucket: int = 512) -> int:
+    return 4 * n if bits == EXACT else -(-n * bits // 8) + 8 * -(-n // bucket)
+
+
+@pytest.mark.parametrize("stochastic", [False, True], ids=["nearest", "stochastic"])
+def test_predicted_error_is_the_codecs(stochastic):
+    # Nearest rounding: exactly the codec's squared error (but for the scale's rounding to 16 bits);
+    # stochastic: its expectation, checked against the mean of 16 draws (within 4 standard errors).
+    r = np.random.default_rng(0)
+    config = BASE.replace(stochastic=stochastic)
+    widths = (1, 2, 4, 8)
+    for x in (r.standard_normal(70001), r.standard_cauchy(1 << 14), r.uniform(-1, 1, 1 << 14)):
+        x = jnp.asarray(x, jnp.float32)
+        predicted = expected_errors([x], config, widths)[0]
+        for b, p in zip(widths, predicted):
+            draws = [float(jnp.sum((jax_cgx.dequantize(jax_cgx.quantize(
+                x, config.replace(bits=b), key=jax.random.key(k) if stochastic else None)) - x) ** 2))
+                for k in range(16 if stochastic else 1)]
+            if stochastic:
+                assert abs(np.mean(draws) - p) <= 4 * np.std(draws) / 4 + 1e-3 * p, (b, np.mean(draws), p)
+            else:
+                assert draws[0] == pytest.approx(p, rel=2e-2), (b, draws[0], p)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_the_plan_is_the_best_within_the_budget(seed):
+    # Exhaustive search over every combination of widths (and exact): the same least error.
+    leaves = _leaves(seed)
+    sizes = [x.size for x in leaves]
+    candidates = (2, 3, 4, 8)
+    widths = (*candidates, EXACT)
+    errors = expected_errors(leaves, BASE, candidates)
+    for budget_bits in (2.5, 3.0, 4.0, 5.3):
+        configs, plans = choose_bits(leaves, budget_bits=budget_bits, candidates=candidates, return_plan=True)
+        budget = _budget(sizes, budget_bits)
+        assert sum(p.bytes for p in plans) <= budget
+        best = min(
+            sum(0.0 if b == EXACT else errors[i][candidates.index(b)] for i, b in enumerate(combo))
+            for combo in itertools.product(widths, repeat=len(leaves))
+            if sum(_bytes(n, b) for n, b in zip(sizes, combo)) <= budget
+        )
+        assert sum(p.error for p in plans) == pytest.approx(best, rel=1e-12)
+        for c, p in zip(configs, plans):  # the configs say what the plan says
+            assert (c is None) == (p.bits == EXACT) and (c is None or c.bits == p.bits)
+
+
+def test_wide_leaves_get_the_bits_and_the_budget_holds():
+    r = np.random.default_rng(1)
+    tree = {"wide": (r.standard_cauchy(1 << 14) * 10).astype(np.float32),
+            "narrow": (r.standard_normal(1 << 14) * 1e-3).astype(np.float32),
+            "step": np.int32(3), "bias": np.ones(8, np.float32)}  # kept as they are: not compressed
+    configs, plans = choose_bits(tree, budget_bits=4, return_plan=True)
+    assert configs["step"] == BASE and configs["bias"] == BASE  # int, and fewer than min_size values
+    by_path = {p.path: p for p in plans}
+    assert by_path["['wide']"].bits > by_path["['narrow']"].bits
+    assert sum(p.bytes for p in plans) <= _budget([1 << 14, 1 << 14], 4)
+    uniform = expected_errors([tree["wide"], tree["narrow"]], BASE, (4,)).sum()
+    assert sum(p.error for p in plans) < uniform / 4  # far below uniform 4-bit's error, at its bytes
+    assert "total" in describe(plans) and "['wide']" in describe(plans)
+
+
+def test_the_plan_is_a_config_jax_cgx_takes():
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:8])
+    r = np.random.default_rng(2)
+    grads = {"a": r.standard_normal((8, 4096)).astype(np.float32), "b": r.standard_cauchy((8, 4096)).astype(np.float32)}
+    configs = choose_bits(jax.tree.map(lambda g: g.mean(0), grads), budget_bits=3.0, candidates=(2, 3, 4))
+    configs["b"] = None  # and an exact leaf beside them
+
+    def mean(g):
+        return jax_cgx.compressed_pmean(jax.tree.map(lambda v: v[0], g), "data", configs)
+
+    out = jax.jit(jax.shard_map(mean, mesh=mesh, in_specs=P("data"), out_specs=P()))(grads)
+    exact = jax.jit(jax.shard_map(lambda g: jax.tree.map(lambda v: jax.lax.pmean(v[0], "data"), g), mesh=mesh,
+                                  in_specs=P("data"), out_specs=P()))(grads)
+    assert_same_bits(np.asarray(out["b"]), np.asarray(exact["b"]), "exact leaf")
+    assert 0 < float(jnp.max(jnp.abs(out["a"] - exact["a"]))) < 1.0
+
+
+def test_the_same_gradient_gives_the_same_plan():
+    leaves = _leaves(3, 6)
+    first = choose_bits(leaves, budget_bits=3.5, return_plan=True)[1]
+    assert choose_bits([x.copy() for x in leaves], budget_bits=3.5, return_plan=True)[1] == first
+
+
+def test_bad_arguments_say_what_was_wrong():
+    x = {"w": np.ones(4096, np.float32)}
+    with pytest.raises(ValueError, match="below the narrowest candidate"):
+        choose_bits(x, budget_bits=1.5)
+    for bad in ((), (0, 4), (9,), (True,), (2.5,)):
+        with pytest.raises(ValueError, match="candidates must be widths in 1..8"):
+            choose_bits(x, candidates=bad)
+    for bad in (float("nan"), "4", True):
+        with pytest.raises(ValueError, match="budget_bits must be a number"):
+            choose_bits(x, budget_bits=bad)
+    with pytest.raises(TypeError, match="config must be a CompressionConfig"):
+        choose_bits(x, config={"bits": 4})
+    with pytest.raises(ValueError, match=r"leaf \['w'\] is not finite"):
+        choose_bits({"w": np.array([1.0, np.inf] * 2048, np.float32)})
+    with pytest.raises(TypeError, match="is traced"):
+        jax.jit(lambda g: choose_bits(g))(x)
