@@ -1,7 +1,8 @@
 """Adaptive per-leaf bit widths: :func:`choose_bits` gives each leaf of a gradient the width that
 minimizes the expected quantization error of the whole tree within a uniform width's bytes
-(CGX's adaptive compression; the model and the solver: ``jax_cgx/_src/adaptive.py``)."""
+(CGX's adaptive compression; the model and the solver: ``jax_cgx/_src/adaptive/choose.py``);
+:class:`Planner` re-plans during training with bounded recompilation (``.../replanning.py``)."""
 
-from jax_cgx._src.adaptive import EXACT, LeafPlan, choose_bits, describe, expected_errors
+from jax_cgx._src.adaptive import EXACT, LeafPlan, Planner, choose_bits, describe, expected_errors
 
-__all__ = ["EXACT", "LeafPlan", "choose_bits", "describe", "expected_errors"]
+__all__ = ["EXACT", "LeafPlan", "Planner", "choose_bits", "describe", "expected_errors"]

@@ -1,4 +1,4 @@
-"""jax_cgx.adaptive.choose_bits: bit widths per leaf within a uniform width's bytes (jax_cgx/_src/adaptive.py).
+"""jax_cgx.adaptive.choose_bits: bit widths per leaf within a uniform width's bytes (jax_cgx/_src/adaptive/).
 
 The error model against the codec itself, the solver against exhaustive search, the budget, and
 the plan used as a config where jax_cgx takes one.
@@ -130,3 +130,45 @@ def test_bad_arguments_say_what_was_wrong():
         choose_bits({"w": np.array([1.0, np.inf] * 2048, np.float32)})
     with pytest.raises(TypeError, match="is traced"):
         jax.jit(lambda g: choose_bits(g))(x)
+
+
+def test_the_planner_replans_with_bounded_compilations(caplog):
+    r = np.random.default_rng(4)
+    like = {"a": np.zeros(1 << 13, np.float32), "b": np.zeros(1 << 13, np.float32)}
+    planner = jax_cgx.adaptive.Planner(like, budget_bits=4, candidates=(2, 3, 4, 6, 8), every=10, min_gain=0.05)
+    assert {c.bits for c in jax.tree.leaves(planner.configs)} == {4} and planner.plans is None
+    made = []
+
+    def make_step(configs):
+        made.append(configs)
+        return lambda: configs
+
+    assert planner.compiled(make_step)() is planner.configs and planner.compilations == 1
+    wide_a = {"a": (r.standard_cauchy(1 << 13) * 100).astype(np.float32), "b": r.standard_normal(1 << 13).astype(np.float32)}
+    with caplog.at_level("INFO", logger="jax_cgx"):
+        assert not planner.observe(5, wide_a)  # not a planning step
+        assert planner.observe(10, wide_a)
+    assert "new bit widths" in caplog.text and "['a']" in caplog.text
+    assert planner.configs["a"] is None or planner.configs["a"].bits > planner.configs["b"].bits
+    planner.compiled(make_step)
+    assert planner.compilations == 2 and planner.changes == 1
+    # The same kind of gradient again: no gain, no change, no compilation.
+    again = {"a": (r.standard_cauchy(1 << 13) * 100).astype(np.float32), "b": r.standard_normal(1 << 13).astype(np.float32)}
+    assert not planner.observe(20, again)
+    planner.compiled(make_step)
+    assert planner.compilations == 2 and len(made) == 2
+    # The other leaf wide now: the plan turns round, and coming back later compiles nothing new.
+    wide_b = {"a": again["b"], "b": again["a"]}
+    assert planner.observe(30, wide_b)
+    planner.compiled(make_step)
+    assert planner.observe(40, again)
+    planner.compiled(make_step)
+    assert planner.compilations == 3 and planner.changes == 3
+
+
+def test_planner_arguments_are_checked():
+    like = {"a": np.zeros(4096, np.float32)}
+    for kwargs, message in (({"every": 0}, "every must be a positive"), ({"min_gain": 1.0}, r"min_gain must be in \[0, 1\)"),
+                            ({"budget_bits": 1}, "below the narrowest"), ({"exact": "yes"}, "exact")):
+        with pytest.raises((ValueError, TypeError), match=message):
+            jax_cgx.adaptive.Planner(like, **kwargs)

@@ -58,15 +58,15 @@ class LeafPlan(NamedTuple):
     bytes: int
 
 
-def _check(budget_bits, candidates) -> tuple[float, tuple[int, ...]]:
+def _check(budget_bits, candidates, api: str = "choose_bits") -> tuple[float, tuple[int, ...]]:
     if isinstance(budget_bits, bool) or not isinstance(budget_bits, (int, float)) or not math.isfinite(budget_bits):
-        raise ValueError(f"choose_bits: budget_bits must be a number of bits, got {budget_bits!r}")
+        raise ValueError(f"{api}: budget_bits must be a number of bits, got {budget_bits!r}")
     cands = tuple(candidates)
     if not cands or any(isinstance(b, bool) or not isinstance(b, (int, np.integer)) or not 1 <= b <= 8 for b in cands):
-        raise ValueError(f"choose_bits: candidates must be widths in 1..8, got {candidates!r}")
+        raise ValueError(f"{api}: candidates must be widths in 1..8, got {candidates!r}")
     cands = tuple(sorted({int(b) for b in cands}))
     if budget_bits < cands[0]:
-        raise ValueError(f"choose_bits: budget_bits={budget_bits} is below the narrowest candidate ({cands[0]} bits): "
+        raise ValueError(f"{api}: budget_bits={budget_bits} is below the narrowest candidate ({cands[0]} bits): "
                          "no plan fits; raise budget_bits or add a narrower candidate")
     return float(budget_bits), cands
 
@@ -132,33 +132,46 @@ def choose_bits(grads, *, budget_bits: float = 4.0, candidates: Sequence[int] = 
       ValueError: bad arguments, ``budget_bits`` below every candidate, or a leaf that is not
         finite (its error cannot be weighed: choose from a finite gradient).
     """
-    budget_bits, cands = _check(budget_bits, candidates)
+    configs, plans, _ = _choose(grads, budget_bits, candidates, config, exact, "choose_bits")
+    return (configs, plans) if return_plan else configs
+
+
+def _choose(grads, budget_bits, candidates, config, exact: bool, api: str, current: Sequence[int] | None = None):
+    """``(configs, plans, error of current)``: :func:`choose_bits`'s plan, and the error the widths
+    ``current`` (one per planned leaf, in order) would have on this gradient (None without them)."""
+    budget_bits, cands = _check(budget_bits, candidates, api)
     base = CompressionConfig() if config is None else config
     if not isinstance(base, CompressionConfig):
-        raise TypeError(f"choose_bits: config must be a CompressionConfig or None, got {type(base).__name__}")
+        raise TypeError(f"{api}: config must be a CompressionConfig or None, got {type(base).__name__}")
     with_paths, treedef = jax.tree_util.tree_flatten_with_path(grads)
     paths = [p for p, _ in with_paths]
     leaves = [v for _, v in with_paths]
     for path, leaf in zip(paths, leaves):
         if isinstance(leaf, jax.core.Tracer):
-            raise TypeError(f"choose_bits: leaf {jax.tree_util.keystr(path)} is traced; call it outside jit on the "
+            raise TypeError(f"{api}: leaf {jax.tree_util.keystr(path)} is traced; call it outside jit on the "
                             "reduced gradient (a plan is a static config)")
-    chosen = [i for i, (p, v) in enumerate(zip(paths, leaves)) if lane(p, v, base, "choose_bits") == "quantized"]
-    widths = list(cands) + ([EXACT] if exact else [])
+    chosen = [i for i, (p, v) in enumerate(zip(paths, leaves)) if lane(p, v, base, api) == "quantized"]
+    widths = sorted(set(cands) | ({EXACT} if exact else set()) | set(current or ()))
     quantized = [b for b in widths if b != EXACT]
     errors = expected_errors([leaves[i] for i in chosen], base, quantized)
     for i, row in zip(chosen, errors):
         if not np.all(np.isfinite(row)):
-            raise ValueError(f"choose_bits: leaf {jax.tree_util.keystr(paths[i])} is not finite (its buckets' spans are "
+            raise ValueError(f"{api}: leaf {jax.tree_util.keystr(paths[i])} is not finite (its buckets' spans are "
                              "inf or nan); choose from a finite gradient")
     sizes = [int(np.size(leaves[i])) for i in chosen]
     options = [_all(n, dict(zip(quantized, row)), widths, base) for n, row in zip(sizes, errors)]
-    budget = sum(math.ceil(n * budget_bits / 8) + _META_BYTES * -(-n // base.bucket_size) for n in sizes)
-    picks = _solve(options, budget)
+    allowed = set(cands) | ({EXACT} if exact else set())
+    picks = _solve([[o for o in opts if o[2] in allowed] for opts in options],
+                   sum(math.ceil(n * budget_bits / 8) + _META_BYTES * -(-n // base.bucket_size) for n in sizes))
     if int(budget_bits) == budget_bits and int(budget_bits) in cands:
         uniform = [next(o for o in opts if o[2] == int(budget_bits)) for opts in options]
         if sum(o[1] for o in uniform) < sum(o[1] for o in picks):
             picks = uniform
+    before = None
+    if current is not None:
+        if len(current) != len(chosen):
+            raise ValueError(f"{api}: the gradient has {len(chosen)} leaves to plan, the current plan {len(current)}")
+        before = sum(next(o[1] for o in opts if o[2] == b) for opts, b in zip(options, current))
     out: list[CompressionConfig | None] = []
     plans = []
     by_leaf = dict(zip(chosen, picks))
@@ -169,8 +182,7 @@ def choose_bits(grads, *, budget_bits: float = 4.0, candidates: Sequence[int] = 
         nbytes, err, bits = by_leaf[i]
         out.append(None if bits == EXACT else base.replace(bits=bits))
         plans.append(LeafPlan(jax.tree_util.keystr(path), int(np.size(leaf)), bits, err, nbytes))
-    configs = treedef.unflatten(out)
-    return (configs, plans) if return_plan else configs
+    return treedef.unflatten(out), plans, before
 
 
 def _all(n: int, errors: dict[int, float], widths, base: CompressionConfig) -> list[tuple[int, float, int]]:

@@ -1,0 +1,103 @@
+"""Re-planning bit widths during training: :class:`Planner`.
+
+A plan from :func:`~jax_cgx.adaptive.choose_bits` is a static config: a step compiled for it
+compiles again for another. So the planner re-plans only every ``every`` steps, adopts a new plan
+only when it predicts at least ``min_gain`` less error than the current one on the same gradient
+(plans that differ by noise are not worth a compilation), and keeps every step it compiled: a plan
+that comes back costs nothing. :attr:`Planner.compilations` counts them.
+
+    planner = jax_cgx.adaptive.Planner(params, budget_bits=4, every=100)
+    for step in range(steps):
+        train_step = planner.compiled(make_step)        # make_step(configs) -> a jitted step
+        params, opt_state, loss, grads = train_step(params, opt_state, x, y)
+        planner.observe(step, grads)                    # the averaged gradient, the same everywhere
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+
+from jax_cgx._src.adaptive.choose import LeafPlan, _check, _choose, describe
+from jax_cgx._src.arguments import check_bool
+from jax_cgx._src.collectives.plan import lane
+from jax_cgx._src.config import CompressionConfig
+
+__all__ = ["Planner"]
+
+log = logging.getLogger("jax_cgx")
+
+
+class Planner:
+    """Bit widths per leaf for a training run, re-planned from the averaged gradient.
+
+    Args:
+      like: a pytree with the gradient's structure, shapes and dtypes (the parameters, or
+        ``jax.ShapeDtypeStruct``s).
+      budget_bits, candidates, config, exact: as for :func:`~jax_cgx.adaptive.choose_bits`.
+      every: re-plan at steps ``0, every, 2 every, ...`` (``observe``'s ``step``).
+      min_gain: adopt a new plan only when its predicted error is at most ``1 - min_gain`` times
+        the current plan's on the same gradient (0: whenever it differs).
+
+    The first plan, before any gradient, is uniform: the widest candidate within ``budget_bits``.
+    """
+
+    def __init__(self, like, *, budget_bits: float = 4.0, candidates: Sequence[int] = (2, 3, 4, 5, 6, 8),
+                 config: CompressionConfig | None = None, exact: bool = True, every: int = 100,
+                 min_gain: float = 0.05):
+        budget, cands = _check(budget_bits, candidates, "Planner")
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise ValueError(f"Planner: every must be a positive number of steps, got {every!r}")
+        if isinstance(min_gain, bool) or not isinstance(min_gain, (int, float)) or not 0 <= min_gain < 1:
+            raise ValueError(f"Planner: min_gain must be in [0, 1), got {min_gain!r}")
+        self.base = CompressionConfig() if config is None else config
+        if not isinstance(self.base, CompressionConfig):
+            raise TypeError(f"Planner: config must be a CompressionConfig or None, got {type(self.base).__name__}")
+        self.budget_bits, self.candidates = budget, cands
+        self.exact = check_bool("Planner", "exact", exact)
+        self.every, self.min_gain = every, float(min_gain)
+        with_paths, self._treedef = jax.tree_util.tree_flatten_with_path(like)
+        planned = [lane(p, v, self.base, "Planner") == "quantized" for p, v in with_paths]
+        uniform = max(b for b in cands if b <= budget)
+        self._configs = self._treedef.unflatten([self.base.replace(bits=uniform) if q else self.base for q in planned])
+        self._bits = tuple(uniform for q in planned if q)
+        self.plans: list[LeafPlan] | None = None  # the adopted plan's table (None: still uniform)
+        self.changes = 0
+        self._compiled: dict[tuple, Any] = {}
+
+    @property
+    def configs(self):
+        """The current plan: a pytree of ``CompressionConfig`` (or ``None``: exact), a static config."""
+        return self._configs
+
+    @property
+    def compilations(self) -> int:
+        """Steps :meth:`compiled` has made, one per distinct plan."""
+        return len(self._compiled)
+
+    def compiled(self, make_step: Callable[[Any], Any]):
+        """``make_step(configs)`` for the current plan, made once per distinct plan and kept."""
+        key = (make_step, self._bits)
+        if key not in self._compiled:
+            self._compiled[key] = make_step(self._configs)
+        return self._compiled[key]
+
+    def observe(self, step: int, grads) -> bool:
+        """At a planning step, plan from ``grads`` (the averaged gradient, as every process has it)
+        and adopt the plan if it gains enough; returns whether the plan changed."""
+        if step % self.every:
+            return False
+        configs, plans, before = _choose(grads, self.budget_bits, self.candidates, self.base, self.exact, "Planner",
+                                         current=self._bits)
+        after = sum(p.error for p in plans)
+        bits = tuple(p.bits for p in plans)
+        if bits == self._bits or after > (1 - self.min_gain) * before:
+            return False
+        self._configs, self._bits, self.plans = configs, bits, plans
+        self.changes += 1
+        log.info("jax_cgx: step %d: new bit widths, predicted error %.4g (the previous plan's: %.4g)\n%s",
+                 step, after, before, describe(plans))
+        return True
