@@ -5,7 +5,11 @@ the plan used as a config where jax_cgx takes one.
 """
 
 import itertools
+import json
 import math
+import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -172,3 +176,37 @@ def test_planner_arguments_are_checked():
                             ({"budget_bits": 1}, "below the narrowest"), ({"exact": "yes"}, "exact")):
         with pytest.raises((ValueError, TypeError), match=message):
             jax_cgx.adaptive.Planner(like, **kwargs)
+
+
+PLAN_ON_EACH_PROCESS = """
+import json, sys
+import jax_cgx
+jax_cgx.distributed.initialize()
+import jax, numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+mesh = jax.make_mesh((jax.device_count(),), ("data",))
+rank = jax.process_index()
+# Each process's own gradient, differently shaped per leaf; the plan comes from their compressed mean.
+r = np.random.default_rng(rank)
+mine = {"emb": r.standard_cauchy((1, 8192)).astype(np.float32), "w": r.standard_normal((1, 20000)).astype(np.float32),
+        "b": (r.standard_normal((1, 4096)) * 1e-3).astype(np.float32)}
+local = jax.tree.map(lambda v: jax.make_array_from_process_local_data(NamedSharding(mesh, P("data")), v), mine)
+mean = jax.jit(jax.shard_map(lambda g: jax_cgx.compressed_pmean(jax.tree.map(lambda v: v[0], g), "data"),
+                             mesh=mesh, in_specs=P("data"), out_specs=P()))(local)
+configs, plans = jax_cgx.adaptive.choose_bits(mean, budget_bits=3.0, return_plan=True)
+print("PLAN", json.dumps([[p.path, p.bits, p.error, p.bytes] for p in plans]))
+"""
+
+
+@pytest.mark.multiprocess
+def test_every_process_chooses_the_same_plan(tmp_path):
+    script = tmp_path / "plan.py"
+    script.write_text(PLAN_ON_EACH_PROCESS)
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one CPU device per process
+    proc = subprocess.run([sys.executable, "-m", "jax_cgx.launch", "-n", "2", str(script)], capture_output=True,
+                          text=True, timeout=300, env=env)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    plans = [line.split("PLAN ", 1)[1] for line in proc.stdout.splitlines() if "PLAN " in line]
+    assert len(plans) == 2 and plans[0] == plans[1], plans  # the same widths, errors and bytes, to the bit
+    assert len({bits for _, bits, _, _ in json.loads(plans[0])}) > 1  # not uniform
