@@ -210,3 +210,28 @@ def test_every_process_chooses_the_same_plan(tmp_path):
     plans = [line.split("PLAN ", 1)[1] for line in proc.stdout.splitlines() if "PLAN " in line]
     assert len(plans) == 2 and plans[0] == plans[1], plans  # the same widths, errors and bytes, to the bit
     assert len({bits for _, bits, _, _ in json.loads(plans[0])}) > 1  # not uniform
+
+
+def test_compressed_mean_takes_the_plan():
+    # jax_cgx.optax.compressed_mean with choose_bits's pytree: the same mean as compressed_pmean with it
+    # (for the leaves the layer filter keeps; 1-D leaves are averaged exactly).
+    optax = pytest.importorskip("optax")
+    del optax
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:8])
+    r = np.random.default_rng(5)
+    grads = {"w": r.standard_normal((8, 64, 64)).astype(np.float32), "e": r.standard_cauchy((8, 32, 64)).astype(np.float32),
+             "b": r.standard_normal((8, 64)).astype(np.float32)}
+    configs = choose_bits(jax.tree.map(lambda g: g.mean(0), grads), budget_bits=3.0, candidates=(2, 3, 4, 6))
+    assert configs["w"].bits != configs["e"].bits
+    tx = jax_cgx.optax.compressed_mean("data", configs, layer_min_size=1024)
+    filtered = {**configs, "b": None}
+
+    def both(g):
+        g = jax.tree.map(lambda v: v[0], g)
+        return tx.update(g, tx.init(g))[0], jax_cgx.compressed_pmean(g, "data", filtered)
+
+    ours, ref = jax.jit(jax.shard_map(both, mesh=mesh, in_specs=P("data"), out_specs=P()))(grads)
+    for k in grads:
+        assert_same_bits(np.asarray(ours[k]), np.asarray(ref[k]), k)
+    with pytest.raises(TypeError, match="a pytree of them"):
+        jax_cgx.optax.compressed_mean("data", {"w": 4})

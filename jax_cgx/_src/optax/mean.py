@@ -23,7 +23,7 @@ from jax import lax
 from jax_cgx._src import compat
 from jax_cgx._src.codec import Impl, check_impl
 from jax_cgx._src.collectives import compressed_pmean
-from jax_cgx._src.collectives.plan import check_varying, lane
+from jax_cgx._src.collectives.plan import check_varying, lane, leaf_configs
 from jax_cgx._src.config import CompressionConfig, default_config
 from jax_cgx._src.optax import checks
 
@@ -54,6 +54,10 @@ class CompressedMeanState(NamedTuple):
 
 class CastMeanState(NamedTuple):
     """State of :func:`cast_mean`: none (an empty NamedTuple)."""
+
+
+def _is_config(c) -> bool:
+    return c is None or isinstance(c, CompressionConfig)
 
 
 def _filtered(leaf, layer_min_size: int) -> bool:
@@ -148,8 +152,10 @@ def compressed_mean(
 
     Args:
       axis_name: the mapped axis (or a tuple of axes) to average over.
-      config: a :class:`CompressionConfig`; a function ``(path, leaf) -> CompressionConfig |
-        None`` (``None``: reduce exactly), applied to the leaves the layer filter keeps; or
+      config: a :class:`CompressionConfig`; a pytree of them matching the updates (or a prefix of
+        them; ``None``: reduce exactly), such as :func:`jax_cgx.adaptive.choose_bits`'s plan; a
+        function ``(path, leaf) -> CompressionConfig | None`` (``None``: reduce exactly); each
+        applied to the leaves the layer filter keeps; or
         ``None`` for ``CompressionConfig()``'s defaults (4 bits), or, where torch_cgx's
         ``CGX_*`` variables are set, ``CompressionConfig.from_env()`` (torch_cgx's meaning:
         compression is off unless ``CGX_COMPRESSION_QUANTIZATION_BITS`` is set); read once, when
@@ -178,14 +184,19 @@ def compressed_mean(
     seed = checks.check_seed("compressed_mean", seed)
     if config is None:
         config = default_config("compressed_mean")
+    tree_config = None
     if not (isinstance(config, CompressionConfig) or callable(config)):
-        raise TypeError(
-            "compressed_mean: config must be a CompressionConfig, a function (path, leaf) -> "
-            f"CompressionConfig | None, or None; got {type(config).__name__}"
-        )
+        if not jax.tree.leaves(config, is_leaf=_is_config) or not all(
+                _is_config(c) for c in jax.tree.leaves(config, is_leaf=_is_config)):
+            raise TypeError(
+                "compressed_mean: config must be a CompressionConfig, a pytree of them (None: exact) matching "
+                "the updates, a function (path, leaf) -> CompressionConfig | None, or None; got "
+                f"{type(config).__name__}"
+            )
+        tree_config = config  # e.g. jax_cgx.adaptive.choose_bits's plan: resolved against the updates' paths
     axes = checks.check_axes("compressed_mean", axis_name)
 
-    leaf_config = layer_filter(config, layer_min_size)
+    leaf_config = layer_filter(config, layer_min_size) if tree_config is None else None
 
     def init_fn(params):
         count = jnp.zeros([], jnp.int32)
@@ -215,7 +226,12 @@ def compressed_mean(
                 "transformation's init, or pass error_feedback=True."
             )
         flat, treedef = jax.tree_util.tree_flatten_with_path(updates)
-        configs = {jax.tree_util.keystr(path): leaf_config(path, leaf) for path, leaf in flat}
+        if tree_config is None:
+            configs = {jax.tree_util.keystr(path): leaf_config(path, leaf) for path, leaf in flat}
+        else:
+            given = leaf_configs(tree_config, updates, [p for p, _ in flat], "compressed_mean")
+            configs = {jax.tree_util.keystr(path): None if _filtered(leaf, layer_min_size) else c
+                       for (path, leaf), c in zip(flat, given)}
         spec = lambda path, leaf: configs[jax.tree_util.keystr(path)]  # noqa: E731
         # Before the residual is added: a per-rank residual would type an already summed gradient varying.
         check_varying("compressed_mean", [p for p, _ in flat], [g for _, g in flat],
