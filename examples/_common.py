@@ -15,6 +15,8 @@ train_digits.py and train_charlm.py define a model, a loss and their data; every
 """
 
 import argparse
+import copy
+import math
 import os
 import sys
 import time
@@ -62,6 +64,11 @@ def add_args(p: argparse.ArgumentParser, *, steps: int, batch: int, lr: float, l
     p.add_argument("--reduce-in-backward", action="store_true",
                    help="maxmin: average each layer's gradient in the backward pass, as soon as it exists "
                         "(jax_cgx.reduce_in_backward), instead of all of them after it (train_digits.py only)")
+    p.add_argument("--adaptive", type=float, metavar="BUDGET_BITS",
+                   help="maxmin: bit widths per layer chosen by jax_cgx.adaptive within the bytes of a uniform "
+                        "BUDGET_BITS (--bits is then the first plan's width), re-planned every --replan-every steps")
+    p.add_argument("--replan-every", type=int, default=100,
+                   help="--adaptive: steps between plans (default: %(default)s)")
     p.add_argument("--error-feedback", action="store_true",
                    help="maxmin: carry each rank's quantization error into its next step")
     p.add_argument("--layer-min-size", type=int, default=1024,
@@ -96,8 +103,9 @@ def _maxmin_config(args) -> jax_cgx.CompressionConfig:
                                      policy=args.policy, backend=args.backend)
 
 
-def make_compressor(args, axis_name: str = AXIS) -> optax.GradientTransformation:
-    """The gradient mean ``--compressor`` names, with its settings."""
+def make_compressor(args, axis_name: str = AXIS, configs=None) -> optax.GradientTransformation:
+    """The gradient mean ``--compressor`` names, with its settings (maxmin: ``configs``, a config
+    pytree such as jax_cgx.adaptive's plan, instead of ``--bits``)."""
     if args.compressor == "none":
         return pmean(axis_name)
     import jax_cgx.optax as cgx_optax  # needs optax, an optional dependency of jax_cgx
@@ -106,7 +114,8 @@ def make_compressor(args, axis_name: str = AXIS) -> optax.GradientTransformation
     if args.compressor == "maxmin" and args.reduce_in_backward:
         return optax.identity()  # the gradients come out of jax.grad averaged (backward_marker)
     if args.compressor == "maxmin":
-        return cgx_optax.compressed_mean(axis_name, _maxmin_config(args), layer_min_size=args.layer_min_size,
+        config = _maxmin_config(args) if configs is None else configs
+        return cgx_optax.compressed_mean(axis_name, config, layer_min_size=args.layer_min_size,
                                          error_feedback=args.error_feedback, seed=seed)
     if args.compressor == "cast":
         return cgx_optax.cast_mean(axis_name, jnp.bfloat16)
@@ -160,6 +169,8 @@ def describe(args) -> str:
                  + (", policy auto" if args.policy == "auto" else "")
                  + (f", {args.backend} backend" if args.backend != "auto" else "")
                  + (", in backward" if args.reduce_in_backward else ""))
+        if getattr(args, "adaptive", None):
+            return f"maxmin adaptive within {args.adaptive:g}-bit bytes, bucket {args.bucket_size}{extra}"
         return f"maxmin {args.bits}-bit, bucket {args.bucket_size}{extra}"
     if args.compressor == "cast":
         return "cast bfloat16"
@@ -181,7 +192,10 @@ def wire_bytes(args, params, world: int) -> int:
     if args.compressor == "maxmin":  # compressed_mean's layer filter: biases, norms, small leaves exact
         from jax_cgx.optax import layer_filter
 
-        return bytes_on_wire(params, world, layer_filter(_maxmin_config(args), args.layer_min_size))
+        config = _maxmin_config(args)
+        if getattr(args, "adaptive", None):  # the plans stay within a uniform width's bytes: those, rounded up
+            config = config.replace(bits=min(8, math.ceil(args.adaptive)))
+        return bytes_on_wire(params, world, layer_filter(config, args.layer_min_size))
     if args.compressor == "powersgd":
         from jax_cgx.optax import powersgd_bytes
 
@@ -223,7 +237,7 @@ class DataParallel:
     """
 
     def __init__(self, loss_fn, compressor: optax.GradientTransformation, optimizer: optax.GradientTransformation,
-                 devices, mark=None, backend: str = "auto"):
+                 devices, mark=None, backend: str = "auto", errors_fn=None):
         self.world = len(devices)
         self.mesh = jax.make_mesh((self.world,), (AXIS,), axis_types=(jax.sharding.AxisType.Explicit,),
                                   devices=devices)
@@ -233,19 +247,23 @@ class DataParallel:
         self.sharded = NamedSharding(self.mesh, P(AXIS))
         self.loss_fn, self.compressor, self.optimizer = loss_fn, compressor, optimizer
         self.mark = mark  # backward_marker's: loss_fn(params, *batch, mark=mark) averages in backward
+        # errors_fn(local_grads) -> a small replicated array the step also returns (jax_cgx.adaptive's
+        # leaf_errors of each device's own gradient, averaged: what the planner chooses from)
+        self.errors_fn = errors_fn
         self.per_device = None  # compressor state: a pytree of bools, True where the leaf is per device
         self._evals = {}
 
     def _compress(self, params, state, batch, per_device):
-        """Inside shard_map: the local loss and the compressed mean of the local gradients."""
+        """Inside shard_map: the local loss, the compressed mean of the local gradients, the compressor's
+        state and the local gradients."""
         state = jax.tree.map(lambda s, d: s[0] if d else s, state, per_device)
         if self.mark is not None:  # reduce_in_backward types the parameters as varying itself
             loss, grads = jax.value_and_grad(lambda p: self.loss_fn(p, *batch, mark=self.mark))(params)
-            return loss, *self.compressor.update(grads, state, params)
+            return loss, *self.compressor.update(grads, state, params), grads
         local = jax.lax.pcast(params, AXIS, to="varying")
         loss, grads = jax.value_and_grad(self.loss_fn)(local, *batch)
         mean, state = self.compressor.update(grads, state, params)
-        return loss, mean, state
+        return loss, mean, state, grads
 
     def _find_per_device(self, params, batch) -> None:
         """Which leaves of the compressor's state vary over the devices: grow the set to a fixed point."""
@@ -265,7 +283,7 @@ class DataParallel:
         while True:
 
             def probe(params, state, batch):
-                _, _, state = self._compress(params, state, batch, per_device)
+                _, _, state, _ = self._compress(params, state, batch, per_device)
                 varies["state"] = varying(state)
                 return jax.tree.map(lambda s: s[None], state)
 
@@ -290,27 +308,49 @@ class DataParallel:
         params = self.replicate(params)
         batch = self.shard(*batch)
         self._find_per_device(params, batch)
-        per_device = self.per_device
-        specs = (jax.tree.map(lambda d: P(AXIS) if d else P(), per_device), P())
+        specs = self._specs()
 
         def init(params):
+            per_device = self.per_device
             state = jax.tree.map(lambda s, d: s[None] if d else s, self.compressor.init(params), per_device)
             return state, self.optimizer.init(params)
 
-        def step(params, state, batch):
+        self._build()
+        state = jax.jit(jax.shard_map(init, mesh=self.mesh, in_specs=P(), out_specs=specs))(params)
+        return params, state
+
+    def _specs(self):
+        return (jax.tree.map(lambda d: P(AXIS) if d else P(), self.per_device), P())
+
+    def _build(self) -> None:
+        """The jitted step for this compressor (``init`` found which of its state is per device); with
+        ``errors_fn``, a second one that also returns its value (compiled when first used)."""
+        per_device, specs = self.per_device, self._specs()
+
+        def step(params, state, batch, observe: bool):
             per_device_state, shared = state
-            loss, mean, per_device_state = self._compress(params, per_device_state, batch, per_device)
+            loss, mean, per_device_state, grads = self._compress(params, per_device_state, batch, per_device)
             updates, shared = self.optimizer.update(mean, shared, params)
             params = optax.apply_updates(params, updates)
             per_device_state = jax.tree.map(lambda s, d: s[None] if d else s, per_device_state, per_device)
-            return params, (per_device_state, shared), jax.lax.pmean(loss, AXIS)
+            out = (params, (per_device_state, shared), jax.lax.pmean(loss, AXIS))
+            return (*out, self.errors_fn(grads)) if observe else out
 
-        self._step = jax.jit(
-            jax.shard_map(step, mesh=self.mesh, in_specs=(P(), specs, P(AXIS)), out_specs=(P(), specs, P())),
-            donate_argnums=(0, 1),
-        )
-        state = jax.jit(jax.shard_map(init, mesh=self.mesh, in_specs=P(), out_specs=specs))(params)
-        return params, state
+        def compile(observe: bool):
+            out_specs = (P(), specs, P(), P()) if observe else (P(), specs, P())
+            return jax.jit(jax.shard_map(lambda p, s, b: step(p, s, b, observe), mesh=self.mesh,
+                                         in_specs=(P(), specs, P(AXIS)), out_specs=out_specs), donate_argnums=(0, 1))
+
+        self._step = compile(False)
+        self._step_observing = compile(True) if self.errors_fn is not None else None
+
+    def with_compressor(self, compressor: optax.GradientTransformation) -> "DataParallel":
+        """The same data parallelism with another compressor whose state is shaped like this one's
+        (e.g. compressed_mean with another plan of bit widths): its own compiled step, the same state."""
+        other = copy.copy(self)
+        other.compressor, other._evals = compressor, {}
+        other._build()
+        return other
 
     def replicate(self, tree):
         return jax.device_put(tree, self.replicated)
@@ -318,9 +358,10 @@ class DataParallel:
     def shard(self, *arrays):
         return tuple(jax.device_put(np.asarray(a), self.sharded) for a in arrays)
 
-    def step(self, params, state, batch):
-        """One step on a global batch: a tuple of arrays sharded over the devices (``shard``)."""
-        return self._step(params, state, batch)
+    def step(self, params, state, batch, observe: bool = False):
+        """One step on a global batch: a tuple of arrays sharded over the devices (``shard``); with
+        ``observe``, also ``errors_fn`` of the devices' own gradients."""
+        return (self._step_observing if observe else self._step)(params, state, batch)
 
     def evaluate(self, fn, params, *arrays) -> float:
         """The mean of ``fn(params, *rows) -> one value per row`` over all rows of ``arrays``, sharded."""
@@ -350,23 +391,34 @@ def human_bytes(n: float) -> str:
             return f"{n:.1f} {unit}"
 
 
-def train(args, dp: DataParallel, params, state, next_batch, *, wire: int):
+def train(args, dp: DataParallel, params, state, next_batch, *, wire: int, planner=None):
     """Run ``args.steps`` steps; ``next_batch(step)`` gives the global batch as host arrays.
 
     Blocks on every step (many steps in flight on simulated CPU devices can deadlock XLA's
     rendezvous), which also makes the step times honest. Returns the parameters, the state, the loss
-    of every step and the time of every step (the first includes compilation).
+    of every step and the time of every step (the first includes compilation). With a
+    ``jax_cgx.adaptive.Planner`` (``dp`` built with ``return_mean``), each step runs the plan's
+    compiled step and the planner sees the errors of the devices' own gradients (``dp.errors_fn``).
     """
     from tqdm.auto import tqdm
 
     progress = args.progress if args.progress is not None else sys.stderr.isatty()
     bar = tqdm(total=args.steps, disable=not progress, unit="step", leave=False, dynamic_ncols=True)
     losses, times = [], []
+
+    def for_plan(configs):  # one DataParallel (one compiled step) per plan, the state shared
+        return dp.with_compressor(make_compressor(args, AXIS, configs))
+
     for i in range(args.steps):
         batch = dp.shard(*next_batch(i))
+        runner = dp if planner is None else planner.compiled(for_plan)
         t0 = time.perf_counter()
-        params, state, loss = jax.block_until_ready(dp.step(params, state, batch))
+        observe = planner is not None and i % planner.every == 0
+        out = jax.block_until_ready(runner.step(params, state, batch, observe=observe))
         times.append(time.perf_counter() - t0)
+        params, state, loss = out[:3]
+        if observe:
+            planner.observe(i, params, errors=out[3])
         losses.append(float(loss))
         bar.update()
         if args.log_every and ((i + 1) % args.log_every == 0 or i == 0 or i + 1 == args.steps):
@@ -378,6 +430,18 @@ def train(args, dp: DataParallel, params, state, next_batch, *, wire: int):
             break
     bar.close()
     return params, state, losses, times
+
+
+def adaptive_planner(args, params):
+    """``--adaptive``'s jax_cgx.adaptive.Planner over the leaves compressed_mean compresses (the
+    others, under ``--layer-min-size``, are outside the budget), or None. Give DataParallel
+    ``errors_fn=lambda g: planner.leaf_errors(g, AXIS)``."""
+    if not getattr(args, "adaptive", None):
+        return None
+    if args.compressor != "maxmin" or args.reduce_in_backward:
+        sys.exit("--adaptive: only with --compressor maxmin, without --reduce-in-backward")
+    base = _maxmin_config(args).replace(min_size=max(args.layer_min_size, 1))
+    return jax_cgx.adaptive.Planner(params, budget_bits=args.adaptive, config=base, every=args.replan_every)
 
 
 def median_step_time(times) -> float:

@@ -22,6 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+import jax_cgx
+
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -116,9 +118,11 @@ def run(args) -> dict:
     if args.reduce_in_backward:
         sys.exit("--reduce-in-backward: train_digits.py marks its layers; this example does not (yet)")
     compressor, optimizer = _common.make_optimizer(args, optax.cosine_decay_schedule(args.lr, args.steps))
-    dp = _common.DataParallel(loss_fn, compressor, optimizer, _common.mesh_devices(args.devices),
-                              backend=args.backend)
     params = init_params(jax.random.key(args.seed), len(vocab), args.d_model, args.layers, T)
+    planner = _common.adaptive_planner(args, params)
+    errors_fn = None if planner is None else (lambda grads: planner.leaf_errors(grads, _common.AXIS))
+    dp = _common.DataParallel(loss_fn, compressor, optimizer, _common.mesh_devices(args.devices),
+                              backend=args.backend, errors_fn=errors_fn)
     params, state = dp.init(params, (np.zeros((args.batch, T + 1), np.int32),))
     wire = _common.wire_bytes(args, params, dp.world)
     print(f"corpus: pydoc_data.topics, {len(train_ids):,} characters to train, {len(val_ids):,} to validate, "
@@ -133,7 +137,7 @@ def run(args) -> dict:
         starts = rng.integers(0, len(train_ids) - T - 1, args.batch)
         return (train_ids[starts[:, None] + offsets],)
 
-    params, state, losses, times = _common.train(args, dp, params, state, next_batch, wire=wire)
+    params, state, losses, times = _common.train(args, dp, params, state, next_batch, wire=wire, planner=planner)
     val_loss = dp.evaluate(sequence_loss, params, validation_windows(val_ids, T))
     step_time = _common.median_step_time(times)
     print(f"final: validation loss {val_loss:.4f} nats/char ({val_loss / np.log(2):.3f} bits), training loss "
@@ -143,7 +147,12 @@ def run(args) -> dict:
         _common.save_plot(args.plot, losses, f"char transformer, {dp.world} devices, {_common.describe(args)}: "
                                              f"validation loss {val_loss:.3f}")
         print(f"wrote {args.plot}")
-    return dict(final_val_loss=val_loss, losses=losses, bytes_per_step=wire, step_time=step_time)
+    result = dict(final_val_loss=val_loss, losses=losses, bytes_per_step=wire, step_time=step_time)
+    if planner is not None:
+        print(f"adaptive: {planner.changes} plan changes, {planner.compilations} compiled steps; the last plan:\n"
+              + (jax_cgx.adaptive.describe(planner.plans) if planner.plans else "uniform"), flush=True)
+        result.update(plan_changes=planner.changes, compilations=planner.compilations)
+    return result
 
 
 if __name__ == "__main__":

@@ -235,3 +235,22 @@ def test_compressed_mean_takes_the_plan():
         assert_same_bits(np.asarray(ours[k]), np.asarray(ref[k]), k)
     with pytest.raises(TypeError, match="a pytree of them"):
         jax_cgx.optax.compressed_mean("data", {"w": 4})
+
+
+def test_a_config_pytree_over_a_tree_with_lists():
+    # A model's layers in a list: each leaf gets its own config (a list node is not a config's leaf).
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:8])
+    r = np.random.default_rng(6)
+    grads = {"layers": [{"w": r.standard_normal((8, 4096)).astype(np.float32)},
+                        {"w": r.standard_cauchy((8, 4096)).astype(np.float32)}]}
+    configs = {"layers": [BASE.replace(bits=2), None]}
+
+    def both(g):
+        g = jax.tree.map(lambda v: v[0], g)
+        return (jax_cgx.compressed_pmean(g, "data", configs),
+                jax_cgx.compressed_pmean(g["layers"][0], "data", BASE.replace(bits=2)),
+                jax.lax.pmean(g["layers"][1], "data"))
+
+    out, first, second = jax.jit(jax.shard_map(both, mesh=mesh, in_specs=P("data"), out_specs=P()))(grads)
+    assert_same_bits(np.asarray(out["layers"][0]["w"]), np.asarray(first["w"]), "2-bit layer")
+    assert_same_bits(np.asarray(out["layers"][1]["w"]), np.asarray(second["w"]), "exact layer")

@@ -42,7 +42,7 @@ import numpy as np
 from jax_cgx._src.collectives.plan import lane
 from jax_cgx._src.config import CompressionConfig
 
-__all__ = ["LeafPlan", "choose_bits", "describe", "expected_errors"]
+__all__ = ["LeafPlan", "choose_bits", "describe", "expected_errors", "leaf_errors"]
 
 EXACT = 32  # a leaf sent exact (config None), in a plan's "bits"
 _META_BYTES = 8  # per bucket: its minimum and scale
@@ -75,6 +75,23 @@ def _leaf_bytes(size: int, bits: int, bucket_size: int) -> int:
     if bits == EXACT:
         return 4 * size
     return -(-size * bits // 8) + _META_BYTES * -(-size // bucket_size)
+
+
+def leaf_errors(grads, config: CompressionConfig | None = None, candidates: Sequence[int] = (2, 3, 4, 5, 6, 8),
+                axis_name=None) -> jax.Array:
+    """``[leaf, candidate]``: :func:`expected_errors` of the leaves :func:`choose_bits` plans (those
+    ``config`` compresses), at each candidate width (sorted), as a JAX array: usable under ``jit``
+    and inside ``shard_map``. With ``axis_name``, averaged over it (``lax.pmean`` of this small
+    array): every device then holds the same errors, of the devices' own gradients, to pass to
+    :func:`choose_bits` (``errors=``) or :meth:`Planner.observe`.
+    """
+    _, cands = _check(8, candidates, "leaf_errors")
+    base = CompressionConfig() if config is None else config
+    with_paths = jax.tree_util.tree_flatten_with_path(grads)[0]
+    rows = [_errors(v, base.bucket_size, base.stochastic, cands) for p, v in with_paths
+            if lane(p, v, base, "leaf_errors") == "quantized"]
+    out = jnp.stack(rows) if rows else jnp.zeros((0, len(cands)), jnp.float32)
+    return jax.lax.pmean(out, axis_name) if axis_name is not None else out
 
 
 def expected_errors(leaves: Sequence[jax.Array], config: CompressionConfig, widths: Sequence[int]) -> np.ndarray:
@@ -110,7 +127,8 @@ def _errors(leaf, bucket_size: int, stochastic: bool, widths: tuple[int, ...]):
 
 
 def choose_bits(grads, *, budget_bits: float = 4.0, candidates: Sequence[int] = (2, 3, 4, 5, 6, 8),
-                config: CompressionConfig | None = None, exact: bool = True, return_plan: bool = False):
+                config: CompressionConfig | None = None, exact: bool = True, return_plan: bool = False,
+                errors=None):
     """Bit widths per leaf minimizing the expected quantization error within uniform ``budget_bits``' bytes.
 
     Args:
@@ -123,6 +141,10 @@ def choose_bits(grads, *, budget_bits: float = 4.0, candidates: Sequence[int] = 
         values) keep it and stay outside the budget.
       exact: a leaf may be sent exact (config ``None``) where that is worth its bytes.
       return_plan: also return one :class:`LeafPlan` per leaf.
+      errors: :func:`leaf_errors` of the devices' own gradients, averaged over the devices (then
+        ``grads`` gives only the structure, shapes and dtypes). The averaged gradient itself, when
+        it comes from a compressed mean, lies on the quantization grid of the widths it was sent
+        with, so its errors at those widths read as zero: plan from the devices' own gradients.
 
     Returns:
       A pytree like ``grads`` of ``CompressionConfig`` (``config`` with ``bits`` set) or ``None``,
@@ -132,11 +154,12 @@ def choose_bits(grads, *, budget_bits: float = 4.0, candidates: Sequence[int] = 
       ValueError: bad arguments, ``budget_bits`` below every candidate, or a leaf that is not
         finite (its error cannot be weighed: choose from a finite gradient).
     """
-    configs, plans, _ = _choose(grads, budget_bits, candidates, config, exact, "choose_bits")
+    configs, plans, _ = _choose(grads, budget_bits, candidates, config, exact, "choose_bits", errors=errors)
     return (configs, plans) if return_plan else configs
 
 
-def _choose(grads, budget_bits, candidates, config, exact: bool, api: str, current: Sequence[int] | None = None):
+def _choose(grads, budget_bits, candidates, config, exact: bool, api: str, current: Sequence[int] | None = None,
+            errors=None):
     """``(configs, plans, error of current)``: :func:`choose_bits`'s plan, and the error the widths
     ``current`` (one per planned leaf, in order) would have on this gradient (None without them)."""
     budget_bits, cands = _check(budget_bits, candidates, api)
@@ -146,14 +169,23 @@ def _choose(grads, budget_bits, candidates, config, exact: bool, api: str, curre
     with_paths, treedef = jax.tree_util.tree_flatten_with_path(grads)
     paths = [p for p, _ in with_paths]
     leaves = [v for _, v in with_paths]
-    for path, leaf in zip(paths, leaves):
-        if isinstance(leaf, jax.core.Tracer):
-            raise TypeError(f"{api}: leaf {jax.tree_util.keystr(path)} is traced; call it outside jit on the "
-                            "reduced gradient (a plan is a static config)")
     chosen = [i for i, (p, v) in enumerate(zip(paths, leaves)) if lane(p, v, base, api) == "quantized"]
-    widths = sorted(set(cands) | ({EXACT} if exact else set()) | set(current or ()))
-    quantized = [b for b in widths if b != EXACT]
-    errors = expected_errors([leaves[i] for i in chosen], base, quantized)
+    quantized = list(cands)
+    widths = quantized + ([EXACT] if exact else [])
+    if current is not None and not set(current) <= set(widths):
+        raise ValueError(f"{api}: the current widths {sorted(set(current))} are not all among {widths}")
+    if errors is None:
+        for path, leaf in zip(paths, leaves):
+            if isinstance(leaf, jax.core.Tracer):
+                raise TypeError(f"{api}: leaf {jax.tree_util.keystr(path)} is traced; call it outside jit on the "
+                                "averaged gradient, or pass errors= from leaf_errors (a plan is a static config)")
+        errors = expected_errors([leaves[i] for i in chosen], base, quantized)
+    else:
+        errors = np.asarray(errors, np.float64)
+        if errors.shape != (len(chosen), len(quantized)):
+            raise ValueError(f"{api}: errors has shape {errors.shape}; this gradient and config need "
+                             f"{(len(chosen), len(quantized))} (leaves to plan, candidates): compute it with "
+                             "leaf_errors and the same config and candidates")
     for i, row in zip(chosen, errors):
         if not np.all(np.isfinite(row)):
             raise ValueError(f"{api}: leaf {jax.tree_util.keystr(paths[i])} is not finite (its buckets' spans are "

@@ -9,8 +9,8 @@ that comes back costs nothing. :attr:`Planner.compilations` counts them.
     planner = jax_cgx.adaptive.Planner(params, budget_bits=4, every=100)
     for step in range(steps):
         train_step = planner.compiled(make_step)        # make_step(configs) -> a jitted step
-        params, opt_state, loss, grads = train_step(params, opt_state, x, y)
-        planner.observe(step, grads)                    # the averaged gradient, the same everywhere
+        params, opt_state, loss, errors = train_step(params, opt_state, x, y)
+        planner.observe(step, params, errors=errors)    # errors: planner.leaf_errors(local_grads, "data") in the step
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import Any
 
 import jax
 
-from jax_cgx._src.adaptive.choose import LeafPlan, _check, _choose, describe
+from jax_cgx._src.adaptive.choose import LeafPlan, _check, _choose, describe, leaf_errors
 from jax_cgx._src.arguments import check_bool
 from jax_cgx._src.collectives.plan import lane
 from jax_cgx._src.config import CompressionConfig
@@ -85,13 +85,20 @@ class Planner:
             self._compiled[key] = make_step(self._configs)
         return self._compiled[key]
 
-    def observe(self, step: int, grads) -> bool:
-        """At a planning step, plan from ``grads`` (the averaged gradient, as every process has it)
-        and adopt the plan if it gains enough; returns whether the plan changed."""
+    def leaf_errors(self, grads, axis_name=None) -> jax.Array:
+        """:func:`~jax_cgx.adaptive.leaf_errors` for this planner's config and candidates: call it in
+        the step on the devices' own gradients with the data axis, and give the result to
+        :meth:`observe` (the averaged gradient, sent compressed, lies on the grid it was sent on)."""
+        return leaf_errors(grads, self.base, self.candidates, axis_name)
+
+    def observe(self, step: int, grads, *, errors=None) -> bool:
+        """At a planning step, plan (from ``errors``, :meth:`leaf_errors` averaged over the devices,
+        or else from ``grads``, a gradient every process holds alike) and adopt the plan if it gains
+        enough; returns whether the plan changed. ``grads`` gives the structure either way."""
         if step % self.every:
             return False
         configs, plans, before = _choose(grads, self.budget_bits, self.candidates, self.base, self.exact, "Planner",
-                                         current=self._bits)
+                                         current=self._bits, errors=errors)
         after = sum(p.error for p in plans)
         bits = tuple(p.bits for p in plans)
         if bits == self._bits or after > (1 - self.min_gain) * before:

@@ -43,6 +43,10 @@ ConfigSpec = Union[
 ]
 
 
+class _Repeated(list):
+    """One config repeated for the leaves of the subtree it covers (not a pytree node)."""
+
+
 def leaf_configs(spec: ConfigSpec, tree, paths: Sequence[tuple], api: str = "compressed_psum"
                  ) -> list[CompressionConfig | None]:
     check_environment(spec is not None, api)  # a malformed variable raises even where a config is given
@@ -56,9 +60,11 @@ def leaf_configs(spec: ConfigSpec, tree, paths: Sequence[tuple], api: str = "com
     else:
         is_cfg = lambda c: c is None or isinstance(c, CompressionConfig)  # noqa: E731
         try:
+            # Each config repeated for the leaves of its subtree, in a type of our own: the values' own
+            # pytrees may hold lists (a model's layers), which must stay nodes.
             configs = jax.tree.leaves(
-                jax.tree.map(lambda c, sub: [c] * len(jax.tree.leaves(sub)), spec, tree, is_leaf=is_cfg),
-                is_leaf=lambda v: isinstance(v, list),
+                jax.tree.map(lambda c, sub: _Repeated([c] * len(jax.tree.leaves(sub))), spec, tree, is_leaf=is_cfg),
+                is_leaf=lambda v: isinstance(v, _Repeated),
             )
             configs = [c for group in configs for c in group]
         except ValueError as err:
