@@ -1,4 +1,4 @@
-"""examples/train_digits.py's --reduce-in-backward and --policy auto train, in-process on 8 devices."""
+"""examples: train_digits.py's --reduce-in-backward and --policy auto, train_charlm.py's --adaptive, in-process on 8 devices."""
 
 import os
 import sys
@@ -28,3 +28,24 @@ def test_trains(flags):
 def test_in_backward_refuses_error_feedback():
     with pytest.raises(SystemExit, match="only with --compressor maxmin, without --error-feedback"):
         train_digits.run(train_digits.parse_args([*COMMON, "--reduce-in-backward", "--error-feedback"]))
+
+
+def test_charlm_adaptive_replans_within_the_budget():
+    # examples/train_charlm.py --adaptive: plans from each device's own gradient every 10 steps; one
+    # compiled step per distinct plan; trains.
+    import train_charlm
+
+    args = train_charlm.parse_args(["--devices", "8", "--steps", "30", "--batch", "32", "--d-model", "32",
+                                    "--log-every", "0", "--no-progress", "--compressor", "maxmin", "--adaptive", "3",
+                                    "--replan-every", "10", "--layer-min-size", "256"])
+    result = train_charlm.run(args)
+    assert result["losses"][-1] < 0.8 * result["losses"][0]
+    assert 1 <= result["compilations"] <= result["plan_changes"] + 1 <= 4  # 3 planning steps at most
+
+
+def test_adaptive_needs_maxmin():
+    import train_charlm
+
+    with pytest.raises(SystemExit, match="--adaptive: only with --compressor maxmin"):
+        train_charlm.run(train_charlm.parse_args(["--devices", "8", "--steps", "2", "--no-progress",
+                                                  "--compressor", "cast", "--adaptive", "4"]))
