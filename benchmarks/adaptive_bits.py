@@ -7,7 +7,8 @@ median validation loss per spec with the plan changes and compiled steps of the 
         --output benchmarks/results/adaptive_bits.json
 
 Specs: ``none`` (pmean), ``maxmin:BITS`` (uniform), ``adaptive:BUDGET`` (``--adaptive BUDGET``:
-jax_cgx.adaptive.Planner within uniform BUDGET bits' bytes). Arguments after ``--`` go to every run.
+jax_cgx.adaptive.Planner within uniform BUDGET bits' bytes), ``relative:BUDGET`` (the same with
+``--adaptive-objective relative``). Arguments after ``--`` go to every run.
 """
 
 from __future__ import annotations
@@ -30,9 +31,10 @@ def spec_flags(spec: str) -> list[str]:
         return ["--compressor", "none"]
     if name == "maxmin" and value.isdigit():
         return ["--compressor", "maxmin", "--bits", value]
-    if name == "adaptive" and re.fullmatch(r"\d+(\.\d+)?", value):
-        return ["--compressor", "maxmin", "--adaptive", value]
-    raise ValueError(f"{spec!r} is not none, maxmin:BITS or adaptive:BUDGET")
+    if name in ("adaptive", "relative") and re.fullmatch(r"\d+(\.\d+)?", value):
+        return ["--compressor", "maxmin", "--adaptive", value] + (["--adaptive-objective", "relative"]
+                                                                    if name == "relative" else [])
+    raise ValueError(f"{spec!r} is not none, maxmin:BITS, adaptive:BUDGET or relative:BUDGET")
 
 
 def run_one(spec: str, seed: int, extra: list[str]) -> dict:

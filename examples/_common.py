@@ -67,6 +67,9 @@ def add_args(p: argparse.ArgumentParser, *, steps: int, batch: int, lr: float, l
     p.add_argument("--adaptive", type=float, metavar="BUDGET_BITS",
                    help="maxmin: bit widths per layer chosen by jax_cgx.adaptive within the bytes of a uniform "
                         "BUDGET_BITS (--bits is then the first plan's width), re-planned every --replan-every steps")
+    p.add_argument("--adaptive-objective", choices=("squared", "relative"), default="squared",
+                   help="--adaptive: minimize the squared error, or each leaf's relative to its mean square "
+                        "(default: %(default)s)")
     p.add_argument("--replan-every", type=int, default=100,
                    help="--adaptive: steps between plans (default: %(default)s)")
     p.add_argument("--error-feedback", action="store_true",
@@ -441,7 +444,8 @@ def adaptive_planner(args, params):
     if args.compressor != "maxmin" or args.reduce_in_backward:
         sys.exit("--adaptive: only with --compressor maxmin, without --reduce-in-backward")
     base = _maxmin_config(args).replace(min_size=max(args.layer_min_size, 1))
-    return jax_cgx.adaptive.Planner(params, budget_bits=args.adaptive, config=base, every=args.replan_every)
+    return jax_cgx.adaptive.Planner(params, budget_bits=args.adaptive, config=base, every=args.replan_every,
+                                    objective=args.adaptive_objective)
 
 
 def median_step_time(times) -> float:

@@ -254,3 +254,17 @@ def test_a_config_pytree_over_a_tree_with_lists():
     out, first, second = jax.jit(jax.shard_map(both, mesh=mesh, in_specs=P("data"), out_specs=P()))(grads)
     assert_same_bits(np.asarray(out["layers"][0]["w"]), np.asarray(first["w"]), "2-bit layer")
     assert_same_bits(np.asarray(out["layers"][1]["w"]), np.asarray(second["w"]), "exact layer")
+
+
+def test_the_relative_objective_does_not_see_a_leafs_scale():
+    # Scaling a leaf by 2^10 scales its squared errors by 2^20 and moves the squared plan's bits to it;
+    # in units of its own mean square nothing changes.
+    r = np.random.default_rng(7)
+    tree = {"a": r.standard_normal(1 << 13).astype(np.float32), "b": r.standard_cauchy(1 << 13).astype(np.float32)}
+    scaled = {"a": tree["a"] * 1024, "b": tree["b"]}
+    plan = lambda t, objective: [p.bits for p in choose_bits(t, budget_bits=3, objective=objective,  # noqa: E731
+                                                                return_plan=True)[1]]
+    assert plan(tree, "relative") == plan(scaled, "relative")
+    assert plan(tree, "squared") != plan(scaled, "squared")
+    with pytest.raises(ValueError, match="objective must be one of"):
+        choose_bits(tree, objective="adam")

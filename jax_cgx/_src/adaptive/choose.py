@@ -44,6 +44,7 @@ from jax_cgx._src.config import CompressionConfig
 
 __all__ = ["LeafPlan", "choose_bits", "describe", "expected_errors", "leaf_errors"]
 
+OBJECTIVES = ("squared", "relative")
 EXACT = 32  # a leaf sent exact (config None), in a plan's "bits"
 _META_BYTES = 8  # per bucket: its minimum and scale
 
@@ -78,7 +79,7 @@ def _leaf_bytes(size: int, bits: int, bucket_size: int) -> int:
 
 
 def leaf_errors(grads, config: CompressionConfig | None = None, candidates: Sequence[int] = (2, 3, 4, 5, 6, 8),
-                axis_name=None) -> jax.Array:
+                axis_name=None, objective: str = "squared") -> jax.Array:
     """``[leaf, candidate]``: :func:`expected_errors` of the leaves :func:`choose_bits` plans (those
     ``config`` compresses), at each candidate width (sorted), as a JAX array: usable under ``jit``
     and inside ``shard_map``. With ``axis_name``, averaged over it (``lax.pmean`` of this small
@@ -88,25 +89,34 @@ def leaf_errors(grads, config: CompressionConfig | None = None, candidates: Sequ
     _, cands = _check(8, candidates, "leaf_errors")
     base = CompressionConfig() if config is None else config
     with_paths = jax.tree_util.tree_flatten_with_path(grads)[0]
-    rows = [_errors(v, base.bucket_size, base.stochastic, cands) for p, v in with_paths
+    rows = [_errors(v, base.bucket_size, base.stochastic, cands, _relative(objective, "leaf_errors"))
+            for p, v in with_paths
             if lane(p, v, base, "leaf_errors") == "quantized"]
     out = jnp.stack(rows) if rows else jnp.zeros((0, len(cands)), jnp.float32)
     return jax.lax.pmean(out, axis_name) if axis_name is not None else out
 
 
-def expected_errors(leaves: Sequence[jax.Array], config: CompressionConfig, widths: Sequence[int]) -> np.ndarray:
+def _relative(objective: str, api: str) -> bool:
+    if objective not in OBJECTIVES:
+        raise ValueError(f"{api}: objective must be one of {OBJECTIVES}, got {objective!r}")
+    return objective == "relative"
+
+
+def expected_errors(leaves: Sequence[jax.Array], config: CompressionConfig, widths: Sequence[int],
+                    objective: str = "squared") -> np.ndarray:
     """``[leaf, width]``: the squared error (expected, for stochastic rounding) of quantizing each
     leaf to each width with ``config``'s bucket size and rounding (module docstring).
 
     Computed on the leaves' devices; one float per leaf and width comes to the host.
     """
     widths = tuple(int(b) for b in widths)
-    rows = [_errors(leaf, config.bucket_size, config.stochastic, widths) for leaf in leaves]
+    relative = _relative(objective, "expected_errors")
+    rows = [_errors(leaf, config.bucket_size, config.stochastic, widths, relative) for leaf in leaves]
     return np.asarray(jax.device_get(jnp.stack(rows)), np.float64) if rows else np.zeros((0, len(widths)))
 
 
-@functools.partial(jax.jit, static_argnums=(1, 2, 3))
-def _errors(leaf, bucket_size: int, stochastic: bool, widths: tuple[int, ...]):
+@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4))
+def _errors(leaf, bucket_size: int, stochastic: bool, widths: tuple[int, ...], relative: bool = False):
     x = jnp.ravel(leaf).astype(jnp.float32)
     n = x.size
     pad = -n % bucket_size
@@ -123,12 +133,16 @@ def _errors(leaf, bucket_size: int, stochastic: bool, widths: tuple[int, ...]):
         f = t - jnp.floor(t)
         per_value = f * (1 - f) if stochastic else jnp.minimum(f, 1 - f) ** 2
         out.append(jnp.sum(jnp.where(within, per_value * step * step, 0.0)))
-    return jnp.stack(out)
+    out = jnp.stack(out)
+    if relative:  # in units of the leaf's mean square: what an optimizer normalizing by it (Adam) sees
+        mean_square = jnp.sum(jnp.where(within, buckets * buckets, 0.0)) / n
+        out = jnp.where(mean_square > 0, out / jnp.where(mean_square > 0, mean_square, 1), 0.0)
+    return out
 
 
 def choose_bits(grads, *, budget_bits: float = 4.0, candidates: Sequence[int] = (2, 3, 4, 5, 6, 8),
                 config: CompressionConfig | None = None, exact: bool = True, return_plan: bool = False,
-                errors=None):
+                errors=None, objective: str = "squared"):
     """Bit widths per leaf minimizing the expected quantization error within uniform ``budget_bits``' bytes.
 
     Args:
@@ -141,6 +155,10 @@ def choose_bits(grads, *, budget_bits: float = 4.0, candidates: Sequence[int] = 
         values) keep it and stay outside the budget.
       exact: a leaf may be sent exact (config ``None``) where that is worth its bytes.
       return_plan: also return one :class:`LeafPlan` per leaf.
+      objective: ``"squared"``: the total squared error; ``"relative"``: each leaf's squared error
+        in units of its mean square (the error in the step of an optimizer that normalizes each
+        leaf's gradient by its size, as Adam does per value), so leaves of small gradients are
+        not starved of bits.
       errors: :func:`leaf_errors` of the devices' own gradients, averaged over the devices (then
         ``grads`` gives only the structure, shapes and dtypes). The averaged gradient itself, when
         it comes from a compressed mean, lies on the quantization grid of the widths it was sent
@@ -154,12 +172,13 @@ def choose_bits(grads, *, budget_bits: float = 4.0, candidates: Sequence[int] = 
       ValueError: bad arguments, ``budget_bits`` below every candidate, or a leaf that is not
         finite (its error cannot be weighed: choose from a finite gradient).
     """
-    configs, plans, _ = _choose(grads, budget_bits, candidates, config, exact, "choose_bits", errors=errors)
+    configs, plans, _ = _choose(grads, budget_bits, candidates, config, exact, "choose_bits", errors=errors,
+                                objective=objective)
     return (configs, plans) if return_plan else configs
 
 
 def _choose(grads, budget_bits, candidates, config, exact: bool, api: str, current: Sequence[int] | None = None,
-            errors=None):
+            errors=None, objective: str = "squared"):
     """``(configs, plans, error of current)``: :func:`choose_bits`'s plan, and the error the widths
     ``current`` (one per planned leaf, in order) would have on this gradient (None without them)."""
     budget_bits, cands = _check(budget_bits, candidates, api)
@@ -179,7 +198,7 @@ def _choose(grads, budget_bits, candidates, config, exact: bool, api: str, curre
             if isinstance(leaf, jax.core.Tracer):
                 raise TypeError(f"{api}: leaf {jax.tree_util.keystr(path)} is traced; call it outside jit on the "
                                 "averaged gradient, or pass errors= from leaf_errors (a plan is a static config)")
-        errors = expected_errors([leaves[i] for i in chosen], base, quantized)
+        errors = expected_errors([leaves[i] for i in chosen], base, quantized, objective)
     else:
         errors = np.asarray(errors, np.float64)
         if errors.shape != (len(chosen), len(quantized)):

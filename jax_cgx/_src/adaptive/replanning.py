@@ -39,6 +39,7 @@ class Planner:
         ``jax.ShapeDtypeStruct``s).
       budget_bits, candidates, config, exact: as for :func:`~jax_cgx.adaptive.choose_bits`.
       every: re-plan at steps ``0, every, 2 every, ...`` (``observe``'s ``step``).
+      objective: as for :func:`~jax_cgx.adaptive.choose_bits`.
       min_gain: adopt a new plan only when its predicted error is at most ``1 - min_gain`` times
         the current plan's on the same gradient (0: whenever it differs).
 
@@ -47,7 +48,7 @@ class Planner:
 
     def __init__(self, like, *, budget_bits: float = 4.0, candidates: Sequence[int] = (2, 3, 4, 5, 6, 8),
                  config: CompressionConfig | None = None, exact: bool = True, every: int = 100,
-                 min_gain: float = 0.05):
+                 min_gain: float = 0.05, objective: str = "squared"):
         budget, cands = _check(budget_bits, candidates, "Planner")
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
             raise ValueError(f"Planner: every must be a positive number of steps, got {every!r}")
@@ -59,6 +60,9 @@ class Planner:
         self.budget_bits, self.candidates = budget, cands
         self.exact = check_bool("Planner", "exact", exact)
         self.every, self.min_gain = every, float(min_gain)
+        if objective not in ("squared", "relative"):
+            raise ValueError(f"Planner: objective must be 'squared' or 'relative', got {objective!r}")
+        self.objective = objective
         with_paths, self._treedef = jax.tree_util.tree_flatten_with_path(like)
         planned = [lane(p, v, self.base, "Planner") == "quantized" for p, v in with_paths]
         uniform = max(b for b in cands if b <= budget)
@@ -89,7 +93,7 @@ class Planner:
         """:func:`~jax_cgx.adaptive.leaf_errors` for this planner's config and candidates: call it in
         the step on the devices' own gradients with the data axis, and give the result to
         :meth:`observe` (the averaged gradient, sent compressed, lies on the grid it was sent on)."""
-        return leaf_errors(grads, self.base, self.candidates, axis_name)
+        return leaf_errors(grads, self.base, self.candidates, axis_name, self.objective)
 
     def observe(self, step: int, grads, *, errors=None) -> bool:
         """At a planning step, plan (from ``errors``, :meth:`leaf_errors` averaged over the devices,
@@ -98,7 +102,7 @@ class Planner:
         if step % self.every:
             return False
         configs, plans, before = _choose(grads, self.budget_bits, self.candidates, self.base, self.exact, "Planner",
-                                         current=self._bits, errors=errors)
+                                         current=self._bits, errors=errors, objective=self.objective)
         after = sum(p.error for p in plans)
         bits = tuple(p.bits for p in plans)
         if bits == self._bits or after > (1 - self.min_gain) * before:
