@@ -35,12 +35,12 @@ def test_charlm_adaptive_replans_within_the_budget():
     # compiled step per distinct plan; trains.
     import train_charlm
 
-    args = train_charlm.parse_args(["--devices", "8", "--steps", "30", "--batch", "32", "--d-model", "32",
+    args = train_charlm.parse_args(["--devices", "8", "--steps", "20", "--batch", "32", "--d-model", "32", "--layers", "1",
                                     "--log-every", "0", "--no-progress", "--compressor", "maxmin", "--adaptive", "3",
                                     "--replan-every", "10", "--layer-min-size", "256"])
     result = train_charlm.run(args)
     assert result["losses"][-1] < 0.8 * result["losses"][0]
-    assert 1 <= result["compilations"] <= result["plan_changes"] + 1 <= 4  # 3 planning steps at most
+    assert 1 <= result["compilations"] <= result["plan_changes"] + 1 <= 3  # 2 planning steps at most
 
 
 def test_adaptive_needs_maxmin():
