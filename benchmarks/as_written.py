@@ -62,7 +62,6 @@ def as_written(args: argparse.Namespace) -> dict:
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(env["JAX_CGX_COORDINATOR"], int(env["JAX_CGX_NUM_PROCESSES"]),
                                int(env["JAX_CGX_PROCESS_ID"]))
-    import jax.numpy as jnp
     import numpy as np
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
@@ -113,7 +112,6 @@ def as_written(args: argparse.Namespace) -> dict:
         t0 = time.perf_counter()
         params, opt_state, loss = jax.block_until_ready(train_step(params, opt_state, x, y))
         times.append((time.perf_counter() - t0) * 1e3)
-    del jnp
     return dict(step_ms=times)
 
 

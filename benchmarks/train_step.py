@@ -31,6 +31,7 @@ import re
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 
@@ -238,7 +239,6 @@ class OneCallTrainer(Trainer):
         self.ex = example_args("none", args, jax.device_count())  # the same steps, batch and schedule
         self.config = jax_cgx.CompressionConfig(bits=int(bits))
         mesh = jax.make_mesh((jax.device_count(),), ("data",))
-        self.sharded = NamedSharding(mesh, P("data"))
         optimizer = optax.adam(optax.cosine_decay_schedule(self.ex.lr, self.ex.steps))
         grad_fn = jax_cgx.data_parallel_value_and_grad(model.loss_fn, mesh=mesh, config=self.config,
                                                        in_backward=self.in_backward)
@@ -251,21 +251,13 @@ class OneCallTrainer(Trainer):
 
         self.params = jax.device_put(model.init(), NamedSharding(mesh, P()))
         self.state = optimizer.init(self.params)
-        self.world = jax.device_count()
-        self.dp = self  # Trainer.step calls self.dp.shard and self.dp.step
-        self._step = train_step
+        # What Trainer.step uses of a DataParallel: place a batch, take a step.
+        self.dp = SimpleNamespace(
+            world=jax.device_count(),
+            shard=lambda *arrays: tuple(jax.device_put(np.asarray(a), NamedSharding(mesh, P("data"))) for a in arrays),
+            step=lambda params, state, batch: train_step(params, state, *batch))
         self.rng = np.random.default_rng(0)
         self.times, self.losses = [], []
-
-    def shard(self, *arrays):
-        import jax
-
-        return tuple(jax.device_put(np.asarray(a), self.sharded) for a in arrays)
-
-    def step(self, params=None, state=None, batch=None):
-        if params is None:  # Trainer.step's call on the trainer
-            return Trainer.step(self)
-        return self._step(params, state, *batch)
 
     def facts(self) -> dict:
         import jax
@@ -274,9 +266,9 @@ class OneCallTrainer(Trainer):
 
         where = "in backward" if self.in_backward else "after backward"
         return dict(compressor=self.spec, description=f"data_parallel_value_and_grad {self.config.bits}-bit, {where}",
-                    devices=self.world, platform=jax.devices()[0].platform,
+                    devices=self.dp.world, platform=jax.devices()[0].platform,
                     parameters=int(sum(v.size for v in jax.tree.leaves(self.params))), steps=self.ex.steps,
-                    batch=self.ex.batch, wire_bytes=int(jax_cgx.bytes_on_wire(self.params, self.world, self.config)))
+                    batch=self.ex.batch, wire_bytes=int(jax_cgx.bytes_on_wire(self.params, self.dp.world, self.config)))
 
 
 def record(trainer, warmup: int) -> dict:

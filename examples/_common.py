@@ -400,7 +400,7 @@ def train(args, dp: DataParallel, params, state, next_batch, *, wire: int, plann
     Blocks on every step (many steps in flight on simulated CPU devices can deadlock XLA's
     rendezvous), which also makes the step times honest. Returns the parameters, the state, the loss
     of every step and the time of every step (the first includes compilation). With a
-    ``jax_cgx.adaptive.Planner`` (``dp`` built with ``return_mean``), each step runs the plan's
+    ``jax_cgx.adaptive.Planner`` (``dp`` built with its ``errors_fn``), each step runs the plan's
     compiled step and the planner sees the errors of the devices' own gradients (``dp.errors_fn``).
     """
     from tqdm.auto import tqdm

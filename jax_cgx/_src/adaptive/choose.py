@@ -59,23 +59,37 @@ class LeafPlan(NamedTuple):
     bytes: int
 
 
-def _check(budget_bits, candidates, api: str = "choose_bits") -> tuple[float, tuple[int, ...]]:
-    if isinstance(budget_bits, bool) or not isinstance(budget_bits, (int, float)) or not math.isfinite(budget_bits):
-        raise ValueError(f"{api}: budget_bits must be a number of bits, got {budget_bits!r}")
+def _candidates(candidates, api: str) -> tuple[int, ...]:
     cands = tuple(candidates)
     if not cands or any(isinstance(b, bool) or not isinstance(b, (int, np.integer)) or not 1 <= b <= 8 for b in cands):
         raise ValueError(f"{api}: candidates must be widths in 1..8, got {candidates!r}")
-    cands = tuple(sorted({int(b) for b in cands}))
+    return tuple(sorted({int(b) for b in cands}))
+
+
+def _check(budget_bits, candidates, api: str = "choose_bits") -> tuple[float, tuple[int, ...]]:
+    if isinstance(budget_bits, bool) or not isinstance(budget_bits, (int, float)) or not math.isfinite(budget_bits):
+        raise ValueError(f"{api}: budget_bits must be a number of bits, got {budget_bits!r}")
+    cands = _candidates(candidates, api)
     if budget_bits < cands[0]:
         raise ValueError(f"{api}: budget_bits={budget_bits} is below the narrowest candidate ({cands[0]} bits): "
                          "no plan fits; raise budget_bits or add a narrower candidate")
     return float(budget_bits), cands
 
 
-def _leaf_bytes(size: int, bits: int, bucket_size: int) -> int:
+def _base(config, api: str) -> CompressionConfig:
+    """Every setting but the widths: ``config``, or ``CompressionConfig()`` for None."""
+    base = CompressionConfig() if config is None else config
+    if not isinstance(base, CompressionConfig):
+        raise TypeError(f"{api}: config must be a CompressionConfig or None, got {type(base).__name__}")
+    return base
+
+
+def _leaf_bytes(size: int, bits: float, bucket_size: int) -> int:
+    """Bytes of a leaf sent at ``bits`` (``EXACT``: float32, no metadata; a fractional width: the
+    budget of a uniform one)."""
     if bits == EXACT:
         return 4 * size
-    return -(-size * bits // 8) + _META_BYTES * -(-size // bucket_size)
+    return math.ceil(size * bits / 8) + _META_BYTES * -(-size // bucket_size)
 
 
 def leaf_errors(grads, config: CompressionConfig | None = None, candidates: Sequence[int] = (2, 3, 4, 5, 6, 8),
@@ -86,17 +100,18 @@ def leaf_errors(grads, config: CompressionConfig | None = None, candidates: Sequ
     array): every device then holds the same errors, of the devices' own gradients, to pass to
     :func:`choose_bits` (``errors=``) or :meth:`Planner.observe`.
     """
-    _, cands = _check(8, candidates, "leaf_errors")
-    base = CompressionConfig() if config is None else config
+    cands = _candidates(candidates, "leaf_errors")
+    base = _base(config, "leaf_errors")
+    relative = _relative(objective, "leaf_errors")
     with_paths = jax.tree_util.tree_flatten_with_path(grads)[0]
-    rows = [_errors(v, base.bucket_size, base.stochastic, cands, _relative(objective, "leaf_errors"))
-            for p, v in with_paths
+    rows = [_errors(v, base.bucket_size, base.stochastic, cands, relative) for p, v in with_paths
             if lane(p, v, base, "leaf_errors") == "quantized"]
     out = jnp.stack(rows) if rows else jnp.zeros((0, len(cands)), jnp.float32)
     return jax.lax.pmean(out, axis_name) if axis_name is not None else out
 
 
 def _relative(objective: str, api: str) -> bool:
+    """Whether ``objective`` (checked) measures each leaf's error relative to its mean square."""
     if objective not in OBJECTIVES:
         raise ValueError(f"{api}: objective must be one of {OBJECTIVES}, got {objective!r}")
     return objective == "relative"
@@ -182,9 +197,7 @@ def _choose(grads, budget_bits, candidates, config, exact: bool, api: str, curre
     """``(configs, plans, error of current)``: :func:`choose_bits`'s plan, and the error the widths
     ``current`` (one per planned leaf, in order) would have on this gradient (None without them)."""
     budget_bits, cands = _check(budget_bits, candidates, api)
-    base = CompressionConfig() if config is None else config
-    if not isinstance(base, CompressionConfig):
-        raise TypeError(f"{api}: config must be a CompressionConfig or None, got {type(base).__name__}")
+    base = _base(config, api)
     with_paths, treedef = jax.tree_util.tree_flatten_with_path(grads)
     paths = [p for p, _ in with_paths]
     leaves = [v for _, v in with_paths]
@@ -211,9 +224,7 @@ def _choose(grads, budget_bits, candidates, config, exact: bool, api: str, curre
                              "inf or nan); choose from a finite gradient")
     sizes = [int(np.size(leaves[i])) for i in chosen]
     options = [_all(n, dict(zip(quantized, row)), widths, base) for n, row in zip(sizes, errors)]
-    allowed = set(cands) | ({EXACT} if exact else set())
-    picks = _solve([[o for o in opts if o[2] in allowed] for opts in options],
-                   sum(math.ceil(n * budget_bits / 8) + _META_BYTES * -(-n // base.bucket_size) for n in sizes))
+    picks = _solve(options, sum(_leaf_bytes(n, budget_bits, base.bucket_size) for n in sizes))
     if int(budget_bits) == budget_bits and int(budget_bits) in cands:
         uniform = [next(o for o in opts if o[2] == int(budget_bits)) for opts in options]
         if sum(o[1] for o in uniform) < sum(o[1] for o in picks):

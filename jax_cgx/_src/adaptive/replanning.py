@@ -21,7 +21,7 @@ from typing import Any
 
 import jax
 
-from jax_cgx._src.adaptive.choose import LeafPlan, _check, _choose, describe, leaf_errors
+from jax_cgx._src.adaptive.choose import LeafPlan, _base, _check, _choose, _relative, describe, leaf_errors
 from jax_cgx._src.arguments import check_bool
 from jax_cgx._src.collectives.plan import lane
 from jax_cgx._src.config import CompressionConfig
@@ -54,19 +54,16 @@ class Planner:
             raise ValueError(f"Planner: every must be a positive number of steps, got {every!r}")
         if isinstance(min_gain, bool) or not isinstance(min_gain, (int, float)) or not 0 <= min_gain < 1:
             raise ValueError(f"Planner: min_gain must be in [0, 1), got {min_gain!r}")
-        self.base = CompressionConfig() if config is None else config
-        if not isinstance(self.base, CompressionConfig):
-            raise TypeError(f"Planner: config must be a CompressionConfig or None, got {type(self.base).__name__}")
+        self.base = _base(config, "Planner")
         self.budget_bits, self.candidates = budget, cands
         self.exact = check_bool("Planner", "exact", exact)
         self.every, self.min_gain = every, float(min_gain)
-        if objective not in ("squared", "relative"):
-            raise ValueError(f"Planner: objective must be 'squared' or 'relative', got {objective!r}")
+        _relative(objective, "Planner")  # checks it
         self.objective = objective
-        with_paths, self._treedef = jax.tree_util.tree_flatten_with_path(like)
+        with_paths, treedef = jax.tree_util.tree_flatten_with_path(like)
         planned = [lane(p, v, self.base, "Planner") == "quantized" for p, v in with_paths]
         uniform = max(b for b in cands if b <= budget)
-        self._configs = self._treedef.unflatten([self.base.replace(bits=uniform) if q else self.base for q in planned])
+        self._configs = treedef.unflatten([self.base.replace(bits=uniform) if q else self.base for q in planned])
         self._bits = tuple(uniform for q in planned if q)
         self.plans: list[LeafPlan] | None = None  # the adopted plan's table (None: still uniform)
         self.changes = 0
