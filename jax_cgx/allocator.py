@@ -36,7 +36,7 @@ import logging
 import os
 import sys
 
-__all__ = ["ENV", "ENVIRONMENT", "apply_default", "applied", "reuse_large_allocations"]
+__all__ = ["ENV", "ENVIRONMENT", "apply_default", "applied", "reuse_large_allocations", "wanted"]
 
 log = logging.getLogger("jax_cgx")
 
@@ -49,16 +49,17 @@ _applied = False
 
 # What reuse_large_allocations() sets, as glibc's environment variables (read once, at process
 # start, before any thread exists).
-ENVIRONMENT = {"MALLOC_ARENA_MAX": "1", "MALLOC_MMAP_THRESHOLD_": str(1 << 30), "MALLOC_TRIM_THRESHOLD_": str(2 << 30)}
+_LIMIT = 1 << 30  # reuse_large_allocations's default and largest threshold
+ENVIRONMENT = {"MALLOC_ARENA_MAX": "1", "MALLOC_MMAP_THRESHOLD_": str(_LIMIT), "MALLOC_TRIM_THRESHOLD_": str(2 * _LIMIT)}
 
 
-def reuse_large_allocations(limit_bytes: int = 1 << 30) -> bool:
+def reuse_large_allocations(limit_bytes: int = _LIMIT) -> bool:
     """Ask glibc to serve allocations below ``limit_bytes`` from its reusable heap.
 
     Returns whether glibc took every setting (False elsewhere than glibc: nothing changed).
     """
     global _applied
-    if isinstance(limit_bytes, bool) or not isinstance(limit_bytes, int) or not 0 < limit_bytes <= 1 << 30:
+    if isinstance(limit_bytes, bool) or not isinstance(limit_bytes, int) or not 0 < limit_bytes <= _LIMIT:
         raise ValueError(f"reuse_large_allocations: limit_bytes must be an int in 1..2**30, got {limit_bytes!r}")
     name = ctypes.util.find_library("c")
     if name is None:
@@ -83,14 +84,21 @@ def applied() -> bool:
     return _applied
 
 
-def apply_default(environ=None) -> bool:
-    """What ``import jax_cgx`` does: :func:`reuse_large_allocations` unless ``JAX_CGX_REUSE_ALLOCATIONS=0``."""
+def wanted(environ=None) -> bool:
+    """Whether ``JAX_CGX_REUSE_ALLOCATIONS`` (default 1) asks for reused large allocations; a
+    ``ValueError`` naming it for any other value than 1/0/true/false."""
     env = os.environ if environ is None else environ
     raw = env.get(ENV, "1").strip().lower()
     if raw not in ("0", "1", "false", "true", ""):
         raise ValueError(f"{ENV}={env.get(ENV)!r} must be 1 (the default: reuse large allocations) or 0 (glibc's "
                          "default of fresh mmaps)")
-    if raw in ("0", "false"):
+    return raw not in ("0", "false")
+
+
+def apply_default(environ=None) -> bool:
+    """What ``import jax_cgx`` does: :func:`reuse_large_allocations` unless ``JAX_CGX_REUSE_ALLOCATIONS=0``."""
+    env = os.environ if environ is None else environ
+    if not wanted(env):
         log.debug("jax_cgx: %s=0, glibc's allocator left as it is", ENV)
         return False
     ok = reuse_large_allocations()

@@ -63,7 +63,7 @@ BIND_VARIABLE = "JAX_COORDINATOR_BIND_ADDRESS"  # where jax's coordinator servic
 
 def _environment(rank: int, n: int, port: int, devices: int | None) -> dict[str, str]:
     env = dict(os.environ)
-    if env.get(allocator.ENV, "1").strip().lower() not in ("0", "false"):
+    if allocator.wanted(env):
         # glibc reads these at process start: large buffers are reused whatever the script imports first.
         for name, value in allocator.ENVIRONMENT.items():
             env.setdefault(name, value)
