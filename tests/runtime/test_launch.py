@@ -239,7 +239,9 @@ def test_the_process_that_failed_first_is_named_first(tmp_path):
     # vanished from a collective does): the job's status and the first name are rank 1's.
     script = _script(tmp_path, "import os, signal, sys, time, pathlib\n"
                      "rank, out = int(os.environ['JAX_CGX_PROCESS_ID']), pathlib.Path(sys.argv[1])\n"
-                     "(out / f'pid{rank}').write_text(str(os.getpid()))\n"
+                     # Written then renamed, so the peer never reads a created but still empty file.
+                     "(out / f'pid{rank}.tmp').write_text(str(os.getpid()))\n"
+                     "os.replace(out / f'pid{rank}.tmp', out / f'pid{rank}')\n"
                      "if rank == 1:\n"
                      "    time.sleep(0.5)\n"
                      "    os.kill(os.getpid(), signal.SIGSEGV)\n"
