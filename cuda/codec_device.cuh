@@ -625,11 +625,18 @@ struct ArrayOutput {
   static constexpr bool kEnabled = true;
   void* out;
   FloatType type;
-  bool vec;  // out groups are 16-byte aligned
+  bool vec;                // out groups are 16-byte aligned
+  float scale = 1.0f;      // values are stored times this (scale_output: a mean's 1/W)
 
   CGX_HD void store(const RowLayout& l, int64_t r, int64_t e0, int cnt,
                     const float (&v)[kGroup]) const {
-    store_group_any(type, out, r * l.elems + e0, cnt, vec, v);
+    if (scale == 1.0f) {
+      store_group_any(type, out, r * l.elems + e0, cnt, vec, v);
+      return;
+    }
+    float scaled[kGroup];
+    for (int i = 0; i < kGroup; ++i) scaled[i] = scale_output(v[i], scale);
+    store_group_any(type, out, r * l.elems + e0, cnt, vec, scaled);
   }
 };
 

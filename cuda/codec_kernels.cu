@@ -116,9 +116,24 @@ SumInput MakeSumInput(const RowLayout& layout, int64_t inputs, const uint8_t* pa
                                                         FloatTypeBytes(addend_type))};
 }
 
-ArrayOutput MakeArrayOutput(const RowLayout& layout, FloatType out_type, void* out) {
+ArrayOutput MakeArrayOutput(const RowLayout& layout, FloatType out_type, void* out, float scale = 1.0f) {
   return ArrayOutput{out, out_type,
-                     groups_aligned16(out, layout.rows, layout.elems, layout, FloatTypeBytes(out_type))};
+                     groups_aligned16(out, layout.rows, layout.elems, layout, FloatTypeBytes(out_type)), scale};
+}
+
+cudaError_t launch_dequantize_sum(cudaStream_t stream, const RowLayout& layout, int64_t inputs,
+                                  const uint8_t* payload, const float* meta, FloatType addend_type,
+                                  const void* addend, FloatType out_type, void* out, float out_scale) {
+  if (layout.rows <= 0 || layout.elems <= 0) return cudaSuccess;
+  if (!valid_type(out_type) || (addend != nullptr && !valid_type(addend_type))) {
+    return cudaErrorInvalidValue;
+  }
+  const SumInput src = MakeSumInput(layout, inputs, payload, meta, addend_type, addend);
+  const ArrayOutput sink = MakeArrayOutput(layout, out_type, out, out_scale);
+  const int64_t groups = layout.rows * layout.buckets * groups_in(layout.bucket);
+  dequantize_sum_kernel<<<loop_grid<&dequantize_sum_kernel>(groups, kThreads), kThreads, 0, stream>>>(src, sink,
+                                                                                                      layout);
+  return cudaGetLastError();
 }
 
 }  // namespace detail
@@ -126,23 +141,14 @@ ArrayOutput MakeArrayOutput(const RowLayout& layout, FloatType out_type, void* o
 cudaError_t LaunchDequantizeSum(cudaStream_t stream, const RowLayout& layout, int64_t inputs,
                                 const uint8_t* payload, const float* meta, FloatType addend_type,
                                 const void* addend, FloatType out_type, void* out) {
-  using namespace detail;
-  if (layout.rows <= 0 || layout.elems <= 0) return cudaSuccess;
-  if (!valid_type(out_type) || (addend != nullptr && !valid_type(addend_type))) {
-    return cudaErrorInvalidValue;
-  }
-  const SumInput src = MakeSumInput(layout, inputs, payload, meta, addend_type, addend);
-  const ArrayOutput sink = MakeArrayOutput(layout, out_type, out);
-  const int64_t groups = layout.rows * layout.buckets * groups_in(layout.bucket);
-  dequantize_sum_kernel<<<loop_grid<&dequantize_sum_kernel>(groups, kThreads), kThreads, 0, stream>>>(src, sink,
-                                                                                                      layout);
-  return cudaGetLastError();
+  return detail::launch_dequantize_sum(stream, layout, inputs, payload, meta, addend_type, addend, out_type, out,
+                                       1.0f);
 }
 
 cudaError_t LaunchDequantize(cudaStream_t stream, const RowLayout& layout, const uint8_t* payload,
-                             const float* meta, FloatType out_type, void* out) {
-  return LaunchDequantizeSum(stream, layout, 1, payload, meta, FloatType::kF32, nullptr, out_type,
-                             out);
+                             const float* meta, FloatType out_type, void* out, float out_scale) {
+  return detail::launch_dequantize_sum(stream, layout, 1, payload, meta, FloatType::kF32, nullptr, out_type, out,
+                                       out_scale);
 }
 
 cudaError_t LaunchDequantizeSumRequantize(cudaStream_t stream, const RowLayout& layout,

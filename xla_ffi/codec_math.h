@@ -284,6 +284,12 @@ CGX_HD float decode_level(uint32_t level, float mn, float scale_field, int bits)
 // Accumulation step of dequantize-and-sum (f32, flushed).
 CGX_HD float accumulate(float acc, float v) { return flush(acc + v); }
 
+// A decoded value times the output scale (dequantize's `scale` attribute:
+// 1/W for compressed_pmean), flushed: what XLA computes for `sum / W` in f32
+// (it multiplies by the reciprocal of a constant divisor, and flushes
+// subnormals on CPU), but before the one rounding to a 16-bit output type.
+CGX_HD float scale_output(float v, float out_scale) { return flush(v * out_scale); }
+
 // ---- 16-bit float conversions (round to nearest even), host and device ----
 
 CGX_HD float bf16_to_f32(uint16_t h) { return bits_float(static_cast<uint32_t>(h) << 16); }

@@ -22,6 +22,7 @@ using jax_cgx::ffi_support::CheckAddendShape;
 using jax_cgx::ffi_support::CheckCodecAttrs;
 using jax_cgx::ffi_support::CheckFloatRows;
 using jax_cgx::ffi_support::CheckFloatType;
+using jax_cgx::ffi_support::CheckOutScale;
 using jax_cgx::ffi_support::CheckShape;
 using jax_cgx::ffi_support::CheckValidShape;
 using jax_cgx::ffi_support::Dims;
@@ -79,16 +80,17 @@ ffi::Error QuantizeImpl(ffi::AnyBuffer x, ffi::Buffer<ffi::U32> seeds, ffi::Buff
 }
 
 ffi::Error DequantizeImpl(ffi::Buffer<ffi::U8> payload, ffi::Buffer<ffi::F32> meta,
-                          ffi::Result<ffi::AnyBuffer> out, int32_t bits, int64_t bucket_size) {
+                          ffi::Result<ffi::AnyBuffer> out, int32_t bits, int64_t bucket_size, float scale) {
   constexpr std::string_view kTarget = "jax_cgx_dequantize";
   CGX_RETURN_IF_ERROR(CheckCodecAttrs(kTarget, bits, bucket_size));
+  CGX_RETURN_IF_ERROR(CheckOutScale(kTarget, scale));
   FloatType ot;
   int64_t rows, m;
   CGX_RETURN_IF_ERROR(CheckFloatRows(kTarget, "out", *out, "[R, m]", &ot, &rows, &m));
   CGX_RETURN_IF_ERROR(CheckPacked(kTarget, "payload", payload.dimensions(), "meta",
                                   meta.dimensions(), rows, -1, m, bucket_size, bits));
   jax_cgx::cpu::dequantize(payload.typed_data(), meta.typed_data(), rows, m, bits, bucket_size,
-                           out->untyped_data(), ot);
+                           out->untyped_data(), ot, scale);
   return ffi::Error::Success();
 }
 
@@ -169,7 +171,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(CpuDequantize, DequantizeImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()  // meta
                                   .Ret<ffi::AnyBuffer>()         // out
                                   .Attr<int32_t>("bits")
-                                  .Attr<int64_t>("bucket_size"));
+                                  .Attr<int64_t>("bucket_size")
+                                  .Attr<float>("scale"));  // 1, or 1/W for a mean
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(CpuDequantizeSum, DequantizeSumImpl,
                               ffi::Ffi::Bind()

@@ -303,14 +303,20 @@ inline void encode_bucket(const BucketMeta& meta, const float* __restrict x, int
 // f32 buffer tmp: two simple loops vectorize better than one fused loop.
 // `scale` is the metadata's scale field: a flagged bucket (rare) is decoded
 // by a scalar loop, every other one by the plain vectorizable loop.
+// out_scale != 1: out[i] = flush(decode(lv[i]) * out_scale), rounded once to
+// the output type (compressed_pmean's 1/W, applied where the sum is decoded
+// instead of in a pass of its own; see out_scale in codec_math.h).
 inline void decode_store(const uint8_t* __restrict lv, int64_t n, float mn, float scale, int bits,
-                         void* out, FloatType t, float* __restrict tmp) {
+                         void* out, FloatType t, float* __restrict tmp, float out_scale = 1.0f) {
   float* __restrict d = t == FloatType::kF32 ? static_cast<float*>(out) : tmp;
   if (const uint32_t flags = meta_flags(scale); flags != 0u) {
     const float s = meta_scale(scale);
     for (int64_t i = 0; i < n; ++i) d[i] = flagged_decode(lv[i], mn, s, flags, bits);
   } else {
     for (int64_t i = 0; i < n; ++i) d[i] = decode(lv[i], mn, scale);
+  }
+  if (out_scale != 1.0f) {
+    for (int64_t i = 0; i < n; ++i) d[i] = scale_output(d[i], out_scale);
   }
   if (t != FloatType::kF32) store_f32(tmp, n, out, t);
 }

@@ -78,6 +78,7 @@ struct DequantizeRow {
   int64_t m, bucket;
   void* out;
   FloatType out_type;
+  float out_scale;  // decoded values times this (1: as decoded)
 };
 
 struct ReduceRow {
@@ -197,7 +198,7 @@ void dequantize_row_impl(const DequantizeRow& a) {
       const uint8_t* levels = unpack<kBits>(a.payload + k0 * stride + s * kBits / 8, len, words);
       for (int64_t k = k0, off = 0; k < k1; ++k, off += B) {
         decode_store(levels + off, std::min(B, len - off), a.meta[2 * k], a.meta[2 * k + 1], kBits,
-                     element_ptr(a.out, a.out_type, start + s + off), a.out_type, tmp + off);
+                     element_ptr(a.out, a.out_type, start + s + off), a.out_type, tmp + off, a.out_scale);
       }
     }
   }
@@ -459,14 +460,14 @@ void quantize(const void* x, FloatType x_type, int64_t rows, int64_t n, int64_t 
 }
 
 void dequantize(const uint8_t* payload, const float* meta, int64_t rows, int64_t m, int bits,
-                int64_t bucket_size, void* out, FloatType out_type) {
+                int64_t bucket_size, void* out, FloatType out_type, float out_scale) {
   if (m == 0) return;
   const DequantizeFn fn = kernels().dequantize[bits - 1];
   const int64_t p = payload_bytes(m, bucket_size, bits);
   const int64_t nb = bucket_count(m, bucket_size);
   for (int64_t r = 0; r < rows; ++r) {
     DequantizeRow row{payload + r * p, meta + r * nb * 2, m, bucket_size,
-                      element_ptr(out, out_type, r * m), out_type};
+                      element_ptr(out, out_type, r * m), out_type, out_scale};
     fn(row);
   }
 }

@@ -45,9 +45,11 @@ void quantize(const void* x, FloatType x_type, int64_t rows, int64_t n, int64_t 
               const uint32_t* seeds, const int32_t* valid, int bits, int64_t bucket_size,
               bool stochastic, uint8_t* payload, float* meta, int64_t index_base = 0);
 
-// payload[rows, P], meta[rows, nb, 2] -> out[rows, m].
+// payload[rows, P], meta[rows, nb, 2] -> out[rows, m]; out_scale != 1 scales
+// every decoded value before its one rounding to out_type (scale_output in
+// codec_math.h: compressed_pmean's 1/W).
 void dequantize(const uint8_t* payload, const float* meta, int64_t rows, int64_t m, int bits,
-                int64_t bucket_size, void* out, FloatType out_type);
+                int64_t bucket_size, void* out, FloatType out_type, float out_scale = 1.0f);
 
 // payload[rows, W, P], meta[rows, W, nb, 2], optional addend[rows, m]
 // (nullptr when absent) -> out[rows, m]; f32 accumulation in order

@@ -22,6 +22,7 @@ namespace {
 
 using ffi_support::CheckAddendShape;
 using ffi_support::CheckCodecAttrs;
+using ffi_support::CheckOutScale;
 using ffi_support::CheckDType;
 using ffi_support::CheckFloatRows;
 using ffi_support::CheckFloatType;
@@ -113,9 +114,10 @@ ffi::Error QuantizeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer se
 
 // jax_cgx_dequantize: payload[R, P] u8, meta[R, nb, 2] f32 -> out[R, m] float.
 ffi::Error DequantizeImpl(cudaStream_t stream, ffi::AnyBuffer payload, ffi::AnyBuffer meta,
-                          ffi::Result<ffi::AnyBuffer> out, int32_t bits, int64_t bucket_size) {
+                          ffi::Result<ffi::AnyBuffer> out, int32_t bits, int64_t bucket_size, float scale) {
   constexpr std::string_view kTarget = "jax_cgx_dequantize";
   CGX_RETURN_IF_ERROR(CheckCodecAttrs(kTarget, bits, bucket_size));
+  CGX_RETURN_IF_ERROR(CheckOutScale(kTarget, scale));
   FloatType out_type;
   int64_t rows, m;
   CGX_RETURN_IF_ERROR(CheckFloatRows(kTarget, "out", *out, "[R, m]", &out_type, &rows, &m));
@@ -127,7 +129,7 @@ ffi::Error DequantizeImpl(cudaStream_t stream, ffi::AnyBuffer payload, ffi::AnyB
   const cudaError_t err =
       LaunchDequantize(stream, l, static_cast<const uint8_t*>(payload.untyped_data()),
                        static_cast<const float*>(meta.untyped_data()), out_type,
-                       out->untyped_data());
+                       out->untyped_data(), scale);
   if (err != cudaSuccess) return CudaFailure(kTarget, err);
   return ffi::Error::Success();
 }
@@ -248,7 +250,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(CudaDequantize, jax_cgx::cuda::DequantizeImpl,
                                   .Arg<ffi::AnyBuffer>()  // meta
                                   .Ret<ffi::AnyBuffer>()  // out
                                   .Attr<int32_t>("bits")
-                                  .Attr<int64_t>("bucket_size"));
+                                  .Attr<int64_t>("bucket_size")
+                                  .Attr<float>("scale"));  // 1, or 1/W for a mean
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(CudaDequantizeSum, jax_cgx::cuda::DequantizeSumImpl,
                               ffi::Ffi::Bind()

@@ -91,9 +91,10 @@ cudaError_t LaunchQuantize(cudaStream_t stream, const RowLayout& layout, FloatTy
                            bool stochastic, uint8_t* payload, float* meta,
                            const ValidCounts& valid = ValidCounts{});
 
-// dequantize: payload[R, P], meta[R, nb, 2] -> out[R, m] (decode of every level).
+// dequantize: payload[R, P], meta[R, nb, 2] -> out[R, m] (decode of every level,
+// times out_scale when it is not 1: scale_output in codec_math.h).
 cudaError_t LaunchDequantize(cudaStream_t stream, const RowLayout& layout, const uint8_t* payload,
-                             const float* meta, FloatType out_type, void* out);
+                             const float* meta, FloatType out_type, void* out, float out_scale = 1.0f);
 
 // dequantize_sum: payload[R, W, P], meta[R, W, nb, 2], addend[R, m] (nullptr when
 // absent) -> out[R, m]. (LaunchDequantize is the case W = 1 without addend.)

@@ -142,6 +142,15 @@ inline ffi::Error CheckCodecAttrs(std::string_view target, int32_t bits, int64_t
   return ffi::Error::Success();
 }
 
+// The output scale of the decoding targets (1, or 1/W for a mean): a positive
+// finite float, so that it scales without changing any value's sign or class.
+inline ffi::Error CheckOutScale(std::string_view target, float scale) {
+  if (!(scale > 0.0f) || !(scale <= 3.4028234663852886e38f)) {
+    return InvalidArgument(target, "attribute scale must be a positive finite float, got " + std::to_string(scale));
+  }
+  return ffi::Error::Success();
+}
+
 // valid: [R] counts (each row's elements that set its buckets' ranges) or
 // [0] (all of them). Sets *per_row to whether the counts are given.
 inline ffi::Error CheckValidShape(std::string_view target, Dims dims, int64_t rows, bool* per_row) {

@@ -170,7 +170,9 @@ ffi::Error RunRing(const Call& c) {
 ffi::Error NcclAllreduceImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x, ffi::AnyBuffer seeds,
                              ffi::AnyBuffer valid, ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> workspace,
                              int64_t comm_key, int64_t world, int64_t chunk, int32_t bits,
-                             int64_t bucket_size, bool stochastic, int32_t algorithm, int64_t segments) {
+                             int64_t bucket_size, bool stochastic, int32_t algorithm, int64_t segments,
+                             float scale) {
+  CGX_RETURN_IF_ERROR(ffi_support::CheckOutScale(kTarget, scale));
   cuda::FloatType type = cuda::FloatType::kF32;
   int64_t n = 0;
   CGX_RETURN_IF_ERROR(CheckRow(kTarget, x, *out, &type, &n));
@@ -188,7 +190,7 @@ ffi::Error NcclAllreduceImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffe
   const Call call{{plan, static_cast<const char*>(x.untyped_data()), static_cast<char*>(out->untyped_data()),
                    static_cast<char*>(workspace->untyped_data())},
                   kTarget, *comm, *api, stream, type, static_cast<const uint32_t*>(seeds.untyped_data()), stochastic,
-                  static_cast<const int32_t*>(valid.untyped_data())};
+                  static_cast<const int32_t*>(valid.untyped_data()), scale};
   CGX_RETURN_IF_ERROR(StageTail(call));
   SraSteps sra{call};
   ffi::Error result =
@@ -216,4 +218,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(CudaNcclAllreduce, jax_cgx::nccl::NcclAllreduceImp
                                   .Attr<int64_t>("bucket_size")
                                   .Attr<bool>("stochastic")
                                   .Attr<int32_t>("algorithm")
-                                  .Attr<int64_t>("segments"));
+                                  .Attr<int64_t>("segments")
+                                  .Attr<float>("scale"));  // 1, or 1/W for a mean

@@ -201,6 +201,7 @@ struct Call : exchange::Buffers {
   const uint32_t* seeds;
   bool stochastic;
   const int32_t* valid;  // [1], device: x's first valid[0] values are real; nullptr: all are
+  float out_scale = 1.0f;  // the decoded output times this (1/W for compressed_pmean)
 
   // One row of segment s (index_base: its offset in the chunk).
   cuda::RowLayout Layout(const Segment& s) const {
@@ -290,7 +291,7 @@ inline xla::ffi::Error DecodeGathered(const Call& c, const Segment& s, cudaEvent
     l.rows = b - a;
     CGX_RETURN_IF_ERROR(c.Launched(cuda::LaunchDequantize(c.main, l, c.Payload(s.gathered, s, a),
                                                           c.Meta(s.gathered, s, a), c.type,
-                                                          c.ChunkOut(a) + c.Bytes(s.offset)),
+                                                          c.ChunkOut(a) + c.Bytes(s.offset), c.out_scale),
                                    "dequantize"));
     a = b;
   }

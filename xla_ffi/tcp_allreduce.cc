@@ -59,6 +59,7 @@ constexpr std::string_view kStartTarget = "jax_cgx_tcp_allreduce_start";
 constexpr std::string_view kDoneTarget = "jax_cgx_tcp_allreduce_done";
 
 using ffi_support::CheckDType;
+using ffi_support::CheckOutScale;
 using ffi_support::CheckRow;
 using ffi_support::CheckRowSeeds;
 using ffi_support::CheckShape;
@@ -72,6 +73,7 @@ struct Call : exchange::Buffers {
   const uint32_t* seeds;  // [W + 1, 2]
   bool stochastic;
   int64_t valid;  // x's first `valid` values are real, the rest padding
+  float out_scale;  // the decoded output times this (1/W for compressed_pmean)
 
   // How many values of segment s of chunk j set their buckets' ranges.
   int32_t Valid(int64_t j, const Segment& s) const {
@@ -179,6 +181,12 @@ struct SraSteps {
                                    &own_valid, c.stochastic, c.Payload(s.gathered, s, me),
                                    c.Meta(s.gathered, s, me), c.ChunkOut(me) + c.Bytes(s.offset), c.type,
                                    s.offset);
+    if (c.out_scale != 1.0f) {
+      // A mean: our chunk of the output is the scaled decode of the encoding we send, as every
+      // peer decodes it (the fused kernel's output is the unscaled sum).
+      cpu::dequantize(c.Payload(s.gathered, s, me), c.Meta(s.gathered, s, me), 1, s.length, p.bits, p.bucket,
+                      c.ChunkOut(me) + c.Bytes(s.offset), c.type, c.out_scale);
+    }
     for (int j = 0; j < p.world; ++j) {
       if (j != me) CGX_RETURN_IF_ERROR(Exchange(c, s, s.gathered, me, s.gathered, j));
     }
@@ -192,7 +200,7 @@ struct SraSteps {
       if (j == c.comm.rank) continue;
       CGX_RETURN_IF_ERROR(Transport(c.comm.WaitRecvs(j, GatheredBy(p, i))));
       cpu::dequantize(c.Payload(s.gathered, s, j), c.Meta(s.gathered, s, j), 1, s.length, p.bits, p.bucket,
-                      c.ChunkOut(j) + c.Bytes(s.offset), c.type);
+                      c.ChunkOut(j) + c.Bytes(s.offset), c.type, c.out_scale);
     }
     return ffi::Error::Success();
   }
@@ -230,6 +238,7 @@ class PendingCall final : public Task {
   const uint32_t* seeds = nullptr;
   bool stochastic = false;
   int64_t valid = 0;
+  float out_scale = 1.0f;
   int64_t site = 0;
   std::atomic<bool> busy{false};
 
@@ -307,7 +316,7 @@ ffi::Error PendingCall::Execute() {
     comm.workspace.resize(static_cast<size_t>(plan.workspace_bytes));  // grows once per larger row
   }
   comm.Reset();
-  const Call call{{plan, x, out, comm.workspace.data()}, comm, type, seeds, stochastic, valid};
+  const Call call{{plan, x, out, comm.workspace.data()}, comm, type, seeds, stochastic, valid, out_scale};
   // Zero padding: chunks past x's end are read from a staged copy of x's tail.
   const int64_t rem = plan.rem();
   if (plan.tail_chunks > 0) {
@@ -331,8 +340,9 @@ ffi::Error PendingCall::Execute() {
 // record, and fills it in.
 ffi::Error Prepare(int32_t ordinal, ffi::AnyBuffer x, ffi::AnyBuffer seeds, ffi::AnyBuffer valid,
                    ffi::Result<ffi::AnyBuffer> out, int64_t comm_key, int64_t site, int64_t world, int64_t chunk,
-                   int32_t bits, int64_t bucket_size, bool stochastic, int64_t segments,
+                   int32_t bits, int64_t bucket_size, bool stochastic, int64_t segments, float scale,
                    std::shared_ptr<Communicator>* found, PendingCall** record, int64_t* ticket) {
+  CGX_RETURN_IF_ERROR(CheckOutScale(kStartTarget, scale));
   FloatType type = FloatType::kF32;
   int64_t n = 0;
   CGX_RETURN_IF_ERROR(CheckRow(kStartTarget, x, *out, &type, &n));
@@ -376,6 +386,7 @@ ffi::Error Prepare(int32_t ordinal, ffi::AnyBuffer x, ffi::AnyBuffer seeds, ffi:
   call->seeds = static_cast<const uint32_t*>(seeds.untyped_data());
   call->stochastic = stochastic;
   call->valid = std::clamp<int64_t>(*static_cast<const int32_t*>(valid.untyped_data()), 0, n);
+  call->out_scale = scale;
   call->site = site;
   *found = std::move(comm);
   *record = call;
@@ -388,14 +399,14 @@ ffi::Error Prepare(int32_t ordinal, ffi::AnyBuffer x, ffi::AnyBuffer seeds, ffi:
 ffi::Error TcpStartImpl(int32_t ordinal, ffi::AnyBuffer x, ffi::AnyBuffer seeds, ffi::AnyBuffer valid,
                         ffi::AnyBuffer /*after*/, ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> ticket,
                         int64_t comm_key, int64_t site, int64_t world, int64_t chunk, int32_t bits,
-                        int64_t bucket_size, bool stochastic, int64_t segments) {
+                        int64_t bucket_size, bool stochastic, int64_t segments, float scale) {
   CGX_RETURN_IF_ERROR(CheckDType(kStartTarget, "ticket", ticket->element_type(), ffi::DataType::S32));
   CGX_RETURN_IF_ERROR(CheckShape(kStartTarget, "ticket", ticket->dimensions(), {1}, "[1]"));
   std::shared_ptr<Communicator> comm;
   PendingCall* call = nullptr;
   int64_t slot = 0;
   CGX_RETURN_IF_ERROR(Prepare(ordinal, x, seeds, valid, out, comm_key, site, world, chunk, bits, bucket_size,
-                              stochastic, segments, &comm, &call, &slot));
+                              stochastic, segments, scale, &comm, &call, &slot));
   call->Started();
   comm->Submit(call);
   *static_cast<int32_t*>(ticket->untyped_data()) = static_cast<int32_t>(slot);
@@ -449,7 +460,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(CpuTcpAllreduceStart, jax_cgx::tcp::TcpStartImpl,
                                   .Attr<int32_t>("bits")
                                   .Attr<int64_t>("bucket_size")
                                   .Attr<bool>("stochastic")
-                                  .Attr<int64_t>("segments"));
+                                  .Attr<int64_t>("segments")
+                                  .Attr<float>("scale"));  // 1, or 1/W for a mean
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(CpuTcpAllreduceDone, jax_cgx::tcp::TcpDoneImpl,
                               ffi::Ffi::Bind()

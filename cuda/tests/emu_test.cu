@@ -167,7 +167,7 @@ void test_segments(std::mt19937& rng, int64_t n, int64_t B, int bits, int64_t bu
 template <class EA, class EO>
 void test_sum(std::mt19937& rng, int64_t R, int64_t W, int64_t m, int64_t B, int bits,
               bool with_addend, bool requantize, bool stochastic, int misalign, int grid_cap,
-              int block_threads) {
+              int block_threads, float out_scale = 1.0f) {
   using SA = typename EA::Storage;
   using SO = typename EO::Storage;
   const RowLayout l = MakeRowLayout(R, m, B, bits);
@@ -213,13 +213,14 @@ void test_sum(std::mt19937& rng, int64_t R, int64_t W, int64_t m, int64_t B, int
   const SumInput src{ib.data, reinterpret_cast<const float*>(imb.data), W,
                      with_addend ? static_cast<const void*>(addend) : nullptr, type_of<EA>(),
                      with_addend && groups_aligned16(addend, R, m, l, sizeof(SA))};
-  const ArrayOutput sink{out, type_of<EO>(), groups_aligned16(out, R, m, l, sizeof(SO))};
+  const ArrayOutput sink{out, type_of<EO>(), groups_aligned16(out, R, m, l, sizeof(SO)), out_scale};
   const std::string what = std::string(requantize ? "dsr" : "dsum") + " add=" +
                            (with_addend ? type_name(type_of<EA>()) : "none") + " out=" +
                            type_name(type_of<EO>()) + " R=" + std::to_string(R) + " W=" +
                            std::to_string(W) + " m=" + std::to_string(m) + " B=" +
                            std::to_string(B) + " bits=" + std::to_string(bits) +
                            (stochastic ? " stoch" : "") + " mis=" + std::to_string(misalign) +
+                           " scale=" + std::to_string(out_scale) +
                            (sink.vec ? " ovec" : "") + (src.addend_vec ? " avec" : "");
 
   std::vector<float> want_out(R * m);
@@ -249,7 +250,8 @@ void test_sum(std::mt19937& rng, int64_t R, int64_t W, int64_t m, int64_t B, int
     CHECK(bad == 0, "%s: %ld meta differ", what.c_str(), (long)bad);
     CHECK(pb.guards_intact() && mb.guards_intact(), "%s: wrote outside payload/meta", what.c_str());
   } else {
-    want_out = acc;
+    // The output scale (a mean's 1/W) multiplies the f32 sum before its one rounding.
+    for (int64_t i = 0; i < R * m; ++i) want_out[i] = out_scale == 1.0f ? acc[i] : scale_output(acc[i], out_scale);
     emu_rt::launch(static_cast<int>(std::min<int64_t>(grid_for(R * nb * groups_in(l.bucket), kThreads), grid_cap)),
                    block_threads, [&]() { dequantize_sum_groups(src, sink, l); });
   }
@@ -547,6 +549,10 @@ int main(int argc, char** argv) {
       test_sum<F32Type, F32Type>(rng, R, W, m, B, bits, cfg % 2 == 0, false, stoch, cfg % 4, grid_cap, block);
       test_sum<BF16Type, F16Type>(rng, R, 1 + W, m, B, bits, true, false, stoch, 0, grid_cap, block);
       test_sum<F32Type, BF16Type>(rng, 1, 1, m, B, bits, false, false, stoch, 0, grid_cap, 64);  // = dequantize
+      // dequantize with compressed_pmean's output scale 1/W
+      test_sum<F32Type, BF16Type>(rng, 1, 1, m, B, bits, false, false, stoch, 0, grid_cap, 64, 1.0f / 3.0f);
+      test_sum<F32Type, F32Type>(rng, R, 1, m, B, bits, false, false, stoch, cfg % 4, grid_cap, block,
+                                 1.0f / static_cast<float>(2 + cfg % 7));
       test_sum<F16Type, F32Type>(rng, R, W, m, B, bits, cfg % 2 == 1, true, stoch, cfg % 4, grid_cap, block);
       test_sum<F32Type, BF16Type>(rng, R, 2, m, B, bits, true, true, !stoch, 0, grid_cap, block);
     }

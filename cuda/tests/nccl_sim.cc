@@ -26,7 +26,8 @@
 #include "cuda/tests/nccl_sim.h"  // the simulated streams, codec and NCCL
 
 // ------------------------------------------------------------ reference
-struct Case { int64_t n, W, chunk, B; int bits; bool st; int alg; int64_t segs; FloatType t; };
+// scale: 1 (compressed_psum) or 1/W (compressed_pmean's output scale).
+struct Case { int64_t n, W, chunk, B; int bits; bool st; int alg; int64_t segs; FloatType t; float scale; };
 
 static std::vector<std::vector<float>> reference(const Case& c, const std::vector<std::vector<uint8_t>>& xs,
                                                  const std::vector<std::vector<uint32_t>>& seeds, int64_t valid_n) {
@@ -93,7 +94,8 @@ static std::vector<std::vector<float>> reference(const Case& c, const std::vecto
   for (int64_t g = 0; g < c.n; ++g) {
     const int64_t j = g / C, i = g % C;
     std::vector<uint8_t> tmp(eb);
-    from_f32(c.t, tmp.data(), 0, decoded(l, fp[j].data(), fm[j].data(), i));
+    const float v = decoded(l, fp[j].data(), fm[j].data(), i);
+    from_f32(c.t, tmp.data(), 0, c.scale == 1.0f ? v : scale_output(v, c.scale));
     out[g] = to_f32(c.t, tmp.data(), 0);
   }
   return std::vector<std::vector<float>>(W, out);
@@ -196,7 +198,7 @@ static void run_case(const Case& c, int calls) {
       ffi::Error e = nccl::NcclAllreduceImpl(mains[r], r, ffi::AnyBuffer(&xb), ffi::AnyBuffer(&sb), ffi::AnyBuffer(&vb),
                                              ffi::Result<ffi::AnyBuffer>(ffi::AnyBuffer(&ob)),
                                              ffi::Result<ffi::AnyBuffer>(ffi::AnyBuffer(&wb)), 7, c.W, c.chunk,
-                                             c.bits, c.B, c.st, c.alg, c.segs);
+                                             c.bits, c.B, c.st, c.alg, c.segs, c.scale);
       EXPECT(e.success(), "handler failed: %s", e.message().c_str());
       EXPECT(t_depth == 0, "group left open");
       push_reuse_check(r, k, mains[r], ws[r], wsb);
@@ -211,8 +213,9 @@ static void run_case(const Case& c, int calls) {
         const float got = to_f32(c.t, per[k].out[r], i);
         if (float_bits(got) != float_bits(want[r][i])) { if (bad_i < 0) bad_i = i; ++nbad; }
       }
-      EXPECT(nbad == 0, "n=%ld W=%ld chunk=%ld B=%ld bits=%d st=%d alg=%d segs=%ld(%d) type=%d call %d rank %d: %ld mismatches, first at %ld",
-             long(c.n), long(c.W), long(c.chunk), long(c.B), c.bits, c.st, c.alg, long(c.segs), plan.segments, int(c.t), k, r,
+      EXPECT(nbad == 0, "n=%ld W=%ld chunk=%ld B=%ld bits=%d st=%d alg=%d segs=%ld(%d) type=%d scale=%g call %d rank %d: %ld mismatches, first at %ld",
+             long(c.n), long(c.W), long(c.chunk), long(c.B), c.bits, c.st, c.alg, long(c.segs), plan.segments, int(c.t),
+             double(c.scale), k, r,
              long(nbad), long(bad_i));
     }
   }
@@ -361,6 +364,7 @@ int main(int argc, char** argv) {
     c.alg = g_rng() % 2;
     c.segs = std::vector<int64_t>{0, 1, 2, 3, 5, 64}[g_rng() % 6];
     c.t = types[g_rng() % 3];
+    c.scale = g_rng() % 2 ? 1.0f : 1.0f / static_cast<float>(c.W);
     c.chunk = chunk_length(c.n, c.W, c.B, g_rng() % 2);
     if (g_rng() % 5 == 0) c.chunk += g_rng() % 50;  // arbitrary larger chunk
     run_case(c, 1 + g_rng() % 2);

@@ -171,7 +171,7 @@ cudaError_t LaunchQuantize(cudaStream_t s, const RowLayout& l0, FloatType t, con
   return cudaSuccess;
 }
 cudaError_t LaunchDequantize(cudaStream_t s, const RowLayout& l, const uint8_t* payload, const float* meta,
-                             FloatType ot, void* out) {
+                             FloatType ot, void* out, float out_scale) {
   check_range(payload, l.rows * l.row_bytes, "dequantize payload");
   check_range(meta, l.rows * l.buckets * 8, "dequantize meta");
   check_range(out, l.rows * l.elems * FloatTypeBytes(ot), "dequantize out");
@@ -179,7 +179,10 @@ cudaError_t LaunchDequantize(cudaStream_t s, const RowLayout& l, const uint8_t* 
   op.run = [=] {
     for (int64_t r = 0; r < l.rows; ++r)
       for (int64_t i = 0; i < l.elems; ++i)
-        if (out) from_f32(ot, out, r * l.elems + i, decoded(l, payload + r * l.row_bytes, meta + r * l.buckets * 2, i));
+        if (out) {
+          const float v = decoded(l, payload + r * l.row_bytes, meta + r * l.buckets * 2, i);
+          from_f32(ot, out, r * l.elems + i, out_scale == 1.0f ? v : scale_output(v, out_scale));
+        }
   };
   S(s)->push(op);
   return cudaSuccess;

@@ -298,6 +298,48 @@ def test_nested_vmap():
     assert_same_bits(f(xs), g(xs))
 
 
+@pytest.mark.parametrize("scale_of", [3, 7, 1000])
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
+def test_dequantize_output_scale_matches_reference(dtype, scale_of):
+    """The dequantize target's output scale (compressed_pmean's 1/W): kernel and reference give the
+    same bits, every value is ``flush(decode * scale)`` rounded once to the dtype, over plain,
+    infinite, wide (near the float32 limit), NaN and subnormal-result buckets."""
+    from jax_cgx._src.codec import mean_scale
+    from jax_cgx._src.codec.rows import dequantize_rows, quantize_rows
+
+    n, bits, bucket = 64 * 6, 4, 64
+    x = sample(n, jnp.float32, seed=scale_of)
+    x[64] = np.inf
+    x[130] = -np.inf
+    x[192:256] = np.linspace(-3e38, 3e38, 64, dtype=np.float32)
+    x[260] = np.nan
+    x[320:384] = np.float32(2.0**-125) * np.arange(64, dtype=np.float32)  # results below 2^-126: flushed
+    args = dict(bits=bits, bucket_size=bucket, m=n)
+    payload, meta = quantize_rows(jnp.asarray(x)[None], jnp.zeros((1, 2), jnp.uint32), stochastic=False,
+                                  impl="kernel", **args)
+    scale = mean_scale(scale_of)
+    got = {impl: dequantize_rows(payload, meta, dtype=dtype, scale=scale, impl=impl, **args)
+           for impl in ("kernel", "reference")}
+    assert_same_bits(got["kernel"], got["reference"], "kernel vs reference")
+    decoded = np.asarray(dequantize_rows(payload, meta, dtype=jnp.float32, impl="kernel", **args))
+    with np.errstate(invalid="ignore", over="ignore"):
+        want = decoded * np.float32(scale)
+    want = np.where(np.abs(want) < np.float32(2.0**-126), np.float32(0), want)
+    nan = np.isnan(want)
+    assert np.array_equal(np.isnan(np.asarray(got["kernel"], np.float32)), nan)
+    assert_same_bits(np.asarray(got["kernel"])[~nan], np.asarray(jnp.asarray(want, dtype))[~nan], "flush(v * scale)")
+
+
+def test_dequantize_refuses_a_bad_output_scale():
+    from jax_cgx._src.codec import kernels
+
+    payload, meta = jnp.zeros((1, 8), jnp.uint8), jnp.zeros((1, 1, 2), jnp.float32)
+    for bad in (0.0, -1.0, float("inf"), float("nan")):
+        with pytest.raises(Exception, match="scale must be a positive finite float"):
+            jax.block_until_ready(kernels.dequantize_p.bind(payload, meta, bits=4, bucket_size=16, m=16,
+                                                            dtype=np.dtype(np.float32), scale=bad, strict=True))
+
+
 # ------------------------------------------------------ the reduce kernels
 
 

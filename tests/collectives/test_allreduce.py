@@ -73,6 +73,44 @@ def test_pmean_is_psum_over_world(check_vma):
     assert_replicas_identical(m)
 
 
+@pytest.mark.parametrize("world", [3, 6])
+@pytest.mark.parametrize("algorithm", ["sra", "ring"])
+@pytest.mark.parametrize("impl", ["kernel", "reference"])
+def test_pmean_divides_in_the_decode_as_jit_divides(world, algorithm, impl):
+    """compressed_pmean divides where the sum is decoded: bitwise ``jit(psum / W)`` for float32
+    (XLA multiplies by float32(1/W)), and for bfloat16/float16 the float32 quotient rounded once
+    (the same values summed as float32 give the unrounded sum). Worlds that are not powers of two,
+    where 1/W is inexact. A skipped tail and an exact leaf are ``lax.pmean``'s: the 16-bit psum
+    divided in its dtype."""
+    mesh = jax.make_mesh((world,), ("d",), devices=jax.devices()[:world],
+                         axis_types=(jax.sharding.AxisType.Explicit,))
+    config = CompressionConfig(bits=3, bucket_size=64, algorithm=algorithm, min_size=0,
+                               skip_incomplete_buckets=True)
+    x = jax.random.normal(jax.random.key(world), (world, 4099)) * jnp.logspace(-3, 2, 4099)
+
+    def run(fn, values):
+        tree = {"q": values, "exact": values[:, :5]}
+        configs = {"q": config, "exact": None}
+        body = lambda t: jax.tree.map(lambda v: v[None], fn(jax.tree.map(lambda v: v[0], t), "d", configs,  # noqa: E731
+                                                             impl=impl))
+        sharded = jax.device_put(tree, jax.sharding.NamedSharding(mesh, P("d")))
+        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("d"), out_specs=P("d")))(sharded)
+
+    divide = jax.jit(lambda t: jax.tree.map(lambda v: v / world, t))
+    head = 4099 // 64 * 64  # the skipped tail's values follow
+    for dtype in (jnp.float32, jnp.bfloat16, jnp.float16):
+        values = x.astype(dtype)
+        mean = run(jax_cgx.compressed_pmean, values)
+        after_psum = divide(run(jax_cgx.compressed_psum, values))  # in the leaves' dtype
+        in_decode = jax.tree.map(lambda v: v.astype(dtype), divide(run(jax_cgx.compressed_psum,
+                                                                      values.astype(jnp.float32))))
+        what = np.dtype(dtype).name
+        assert_replicas_identical(mean["q"])
+        assert_same_bits(mean["q"][:, :head], in_decode["q"][:, :head], f"{what}: the compressed values")
+        assert_same_bits(mean["q"][:, head:], after_psum["q"][:, head:], f"{what}: the skipped tail")
+        assert_same_bits(mean["exact"], after_psum["exact"], f"{what}: the exact leaf")
+
+
 def test_bits_32_is_exactly_psum_and_bits_16_is_half_psum():
     """Same program as lax.psum (and as a bfloat16 psum), not merely close to it."""
     mesh = mesh_1d()

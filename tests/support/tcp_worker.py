@@ -2,7 +2,7 @@
 
     python tests/support/tcp_worker.py PROCESS_ID NUM_PROCESSES PORT OUT_DIR MODE
 
-One CPU device per process. MODE ``compare``: compressed_psum with the tcp and the xla
+One CPU device per process. MODE ``compare``: compressed_psum and compressed_pmean with the tcp and the xla
 backend, nearest and stochastic, float32 and bfloat16; writes OUT_DIR/process<ID>.npz.
 MODE ``dead_peer``: every process compiles a reduction, then the last one exits without
 running it; the others must get an error, not hang; they write OUT_DIR/process<ID>.txt with
@@ -33,24 +33,28 @@ def main() -> None:
     mesh = jax.make_mesh((nproc,), ("d",), axis_types=(jax.sharding.AxisType.Explicit,))
     jax_cgx.tcp.setup(mesh, timeout_s=60 if mode == "compare" else 10)
 
-    def reduce(config, x, key=None):
-        f = jax.jit(jax.shard_map(lambda v: jax_cgx.compressed_psum(v[0], "d", config, key=key)[None],
+    def reduce(config, x, key=None, fn=jax_cgx.compressed_psum):
+        f = jax.jit(jax.shard_map(lambda v: fn(v[0], "d", config, key=key)[None],
                                   mesh=mesh, in_specs=P("d"), out_specs=P("d")))
         x = jax.make_array_from_process_local_data(NamedSharding(mesh, P("d")), x)
         return f, x
 
     if mode == "compare":
         results = {}
-        for n, dtype, stochastic in [(300_001, jnp.float32, False), (300_001, jnp.float32, True),
-                                     (4097, jnp.bfloat16, True)]:
+        # The mean too: the tcp backend divides in its own decode (and its own chunk's).
+        for n, dtype, stochastic, fn in [(300_001, jnp.float32, False, jax_cgx.compressed_psum),
+                                         (300_001, jnp.float32, True, jax_cgx.compressed_psum),
+                                         (4097, jnp.bfloat16, True, jax_cgx.compressed_psum),
+                                         (300_001, jnp.float32, False, jax_cgx.compressed_pmean),
+                                         (4097, jnp.bfloat16, True, jax_cgx.compressed_pmean)]:
             local = np.asarray(jax.random.normal(jax.random.key(pid), (1, n)).astype(dtype))
             key = jax.random.key(7) if stochastic else None
             for backend in ("tcp", "xla"):
                 config = jax_cgx.CompressionConfig(bits=3, bucket_size=256, stochastic=stochastic, backend=backend,
                                                    pipeline_segments=5)
-                f, x = reduce(config, local, key)
+                f, x = reduce(config, local, key, fn)
                 out = np.asarray(f(x).addressable_shards[0].data)[0]
-                results[f"{backend}_{n}_{np.dtype(dtype).name}_{stochastic}"] = out.view(np.uint8)
+                results[f"{backend}_{fn.__name__}_{n}_{np.dtype(dtype).name}_{stochastic}"] = out.view(np.uint8)
         np.savez(os.path.join(out_dir, f"process{pid}.npz"), **results)
         jax_cgx.tcp.teardown()
         jax.distributed.shutdown()

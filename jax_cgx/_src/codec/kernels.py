@@ -132,6 +132,8 @@ def _define(name: str, abstract_eval: Callable, reference: Callable, attr_names:
         out = {"bits": np.int32(params["bits"]), "bucket_size": np.int64(params["bucket_size"])}
         if "stochastic" in attr_names:
             out["stochastic"] = bool(params["stochastic"])
+        if "scale" in attr_names:
+            out["scale"] = np.float32(params["scale"])
         return out
 
     ref = _reference_rule(reference)
@@ -193,17 +195,18 @@ def _quantize_reference(x, seeds, valid, *, bits, bucket_size, stochastic, m):
 quantize_p = _define("jax_cgx_quantize", _quantize_abstract, _quantize_reference, ("stochastic",))
 
 
-# dequantize: payload[R,P], meta[R,nb,2] -> out[R,m]
-def _dequantize_abstract(payload, meta, *, bits, bucket_size, m, dtype, strict):
+# dequantize: payload[R,P], meta[R,nb,2] -> out[R,m], each decoded value times `scale` (1, or a
+# mean's 1/W) before its one rounding to dtype
+def _dequantize_abstract(payload, meta, *, bits, bucket_size, m, dtype, scale, strict):
     _check_bucketing(m, bits, bucket_size, payload.shape, meta.shape, "dequantize")
     return (_aval(payload, (payload.shape[0], m), dtype),)
 
 
-def _dequantize_reference(payload, meta, *, bits, bucket_size, m, dtype):
-    return _reference.dequantize(payload, meta, bits=bits, bucket_size=bucket_size, m=m, dtype=dtype)
+def _dequantize_reference(payload, meta, *, bits, bucket_size, m, dtype, scale):
+    return _reference.dequantize(payload, meta, bits=bits, bucket_size=bucket_size, m=m, dtype=dtype, scale=scale)
 
 
-dequantize_p = _define("jax_cgx_dequantize", _dequantize_abstract, _dequantize_reference, ())
+dequantize_p = _define("jax_cgx_dequantize", _dequantize_abstract, _dequantize_reference, ("scale",))
 
 
 # dequantize_sum: payload[R,W,P], meta[R,W,nb,2], addend[R,m|0] -> out[R,m]

@@ -300,10 +300,18 @@ def quantize(x, seeds, valid=None, *, bits: int, bucket_size: int, stochastic: b
     return encode(x[:, :m].astype(_F32), seeds, valid, bits=bits, bucket_size=bucket_size, stochastic=stochastic)
 
 
-@functools.partial(jax.jit, static_argnames=("bits", "bucket_size", "m", "dtype"))
-def dequantize(payload, meta, *, bits: int, bucket_size: int, m: int, dtype):
-    """Target ``jax_cgx_dequantize``."""
-    return decode_rows(payload, meta, m=m, bits=bits, bucket_size=bucket_size).astype(dtype)
+def scale_output(v, scale: float):
+    """``flush(v * scale)`` in float32: a decoded value times the dequantize target's ``scale``
+    (``1/W`` for ``compressed_pmean``; codec_math.h's ``scale_output``)."""
+    return v if scale == 1.0 else flush(v * _F32(scale))
+
+
+@functools.partial(jax.jit, static_argnames=("bits", "bucket_size", "m", "dtype", "scale"))
+def dequantize(payload, meta, *, bits: int, bucket_size: int, m: int, dtype, scale: float = 1.0):
+    """Target ``jax_cgx_dequantize``: the decoded values, times ``scale`` before their one
+    rounding to ``dtype``."""
+    decoded = decode_rows(payload, meta, m=m, bits=bits, bucket_size=bucket_size)
+    return scale_output(decoded, scale).astype(dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("bits", "bucket_size", "m", "dtype"))

@@ -42,9 +42,13 @@ def quantize_rows(x, seeds, *, bits, bucket_size, stochastic, m, impl: Impl, val
     return tuple(kernels.quantize_p.bind(x, seeds, _valid_operand(valid), **params, strict=impl == "kernel"))
 
 
-def dequantize_rows(payload, meta, *, bits, bucket_size, m, dtype, impl: Impl):
-    """``payload[R, P]``, ``meta[R, nb, 2]`` -> ``out[R, m]`` in ``dtype``."""
-    params = dict(bits=bits, bucket_size=bucket_size, m=m, dtype=np.dtype(dtype))
+def dequantize_rows(payload, meta, *, bits, bucket_size, m, dtype, impl: Impl, scale: float = 1.0):
+    """``payload[R, P]``, ``meta[R, nb, 2]`` -> ``out[R, m]`` in ``dtype``.
+
+    ``scale`` (a float32 value): each decoded value times it, flushed, before its one rounding
+    to ``dtype`` (:func:`~jax_cgx._src.codec.reference.scale_output`; ``1/W`` for a mean).
+    """
+    params = dict(bits=bits, bucket_size=bucket_size, m=m, dtype=np.dtype(dtype), scale=float(np.float32(scale)))
     if impl == "reference":
         return reference.dequantize(payload, meta, **params)
     (out,) = kernels.dequantize_p.bind(payload, meta, **params, strict=impl == "kernel")

@@ -100,14 +100,24 @@ def compressed_psum(
     return _sum(x, axis_name, config, key, impl, return_residual, "compressed_psum")
 
 
+def _divided(total, divisor: int):
+    return total if divisor == 1 else total / divisor
+
+
 def _sum(x, axis_name, config: ConfigSpec, key, impl: Impl, return_residual: bool, api: str):
     """:func:`compressed_psum`, for ``api`` (``compressed_psum`` or ``compressed_pmean``: named in
-    its errors, and the invariance check words the mean's result as a mean)."""
+    its errors, and the invariance check words the mean's result as a mean).
+
+    For ``compressed_pmean`` every result is divided by the world size: the exact lanes as
+    ``lax.pmean`` does, after the sum; a compressed buffer in the decode that ends its exchange
+    (the primitive's ``divisor``), so the mean costs no pass over the result of its own.
+    """
     return_residual = check_bool(api, "return_residual", return_residual)
     check_impl(impl)
     compat.check_prng_key(key, api)
     axes = compat.axes_tuple(axis_name)
     world = _world_size(axes, api)
+    divisor = world if api == "compressed_pmean" else 1
     leaves_with_paths, treedef = jax.tree_util.tree_flatten_with_path(x)
     paths = [p for p, _ in leaves_with_paths]
     leaves = [jnp.asarray(v) for _, v in leaves_with_paths]
@@ -122,13 +132,13 @@ def _sum(x, axis_name, config: ConfigSpec, key, impl: Impl, return_residual: boo
     # about 2 ms, which made policy="auto" 5% slower than pmean with every leaf psum'd).
     exact = [i for i, lane in enumerate(plan.lanes) if lane in ("exact", "auto-psum")]
     for i, total in zip(exact, lax.psum([leaves[i] for i in exact], axes) if exact else []):
-        out[i] = total
+        out[i] = _divided(total, divisor)
         if return_residual:
             res[i] = jnp.zeros_like(leaves[i])
     halves = {i: leaves[i].astype(jnp.dtype(plan.configs[i].half_dtype))
               for i, lane in enumerate(plan.lanes) if lane == "half"}
     for (i, half), total in zip(halves.items(), lax.psum(list(halves.values()), axes) if halves else []):
-        out[i] = total.astype(leaves[i].dtype)
+        out[i] = _divided(total.astype(leaves[i].dtype), divisor)
         if return_residual:  # the local cast error; the half-precision sum's rounding is no rank's
             res[i] = (leaves[i].astype(jnp.float32) - half.astype(jnp.float32)).astype(leaves[i].dtype)
 
@@ -161,9 +171,9 @@ def _sum(x, axis_name, config: ConfigSpec, key, impl: Impl, return_residual: boo
                 buf = _assemble(flat, bounds, start, stop)
                 if compress:
                     result = _reduce_buffer(buf, axes, world, group.config, buf_key, impl, return_residual,
-                                            backend=plan.backends.get(group, "xla"))
+                                            backend=plan.backends.get(group, "xla"), divisor=divisor)
                 else:
-                    result = lax.psum(buf, axes)
+                    result = _divided(lax.psum(buf, axes), divisor)
                     result = (result, jnp.zeros_like(buf)) if return_residual else result
                 reduced.append(result[0] if return_residual else result)
                 lost.append(result[1] if return_residual else None)
@@ -284,6 +294,11 @@ def compressed_pmean(
 ):
     """The mean of a pytree over mapped axes: :func:`compressed_psum` divided by the axis size.
 
+    Bitwise ``compressed_psum(x, ...) / W`` as ``jax.jit`` computes it for float32 leaves (XLA
+    multiplies by ``float32(1 / W)``); a compressed buffer is divided where its sum is decoded,
+    in float32 before the one rounding to a bfloat16/float16 leaf's dtype (one rounding fewer
+    than dividing the rounded sum), and no pass over the result is spent on the division.
+
     With ``return_residual=True`` returns ``(mean, residual)`` where ``residual`` is
     :func:`compressed_psum`'s: the residual **of the sum**, in the units of the inputs
     (``sum_r residual_r == sum_r x_r - W * mean``), not divided by ``W``. That is what
@@ -292,13 +307,7 @@ def compressed_pmean(
     A leaf typed invariant over ``axis_name`` raises as in :func:`compressed_psum`: the mean of a
     gradient JAX has already summed would be ``W`` times the mean gradient.
     """
-    axes = compat.axes_tuple(axis_name)
-    summed = _sum(x, axes, config, key, impl, return_residual, "compressed_pmean")
-    world = math.prod(lax.axis_size(a) for a in axes)
-    if return_residual:
-        summed, residual = summed
-        return jax.tree.map(lambda s: s / world, summed), residual
-    return jax.tree.map(lambda s: s / world, summed)
+    return _sum(x, axis_name, config, key, impl, return_residual, "compressed_pmean")
 
 
 def _assemble(flat, bounds, start: int, stop: int) -> jax.Array:
@@ -316,12 +325,14 @@ def _assemble(flat, bounds, start: int, stop: int) -> jax.Array:
     return pieces[0] if len(pieces) == 1 else lax.optimization_barrier(jnp.concatenate(pieces))
 
 
-def _reduce_buffer(buf, axes, world, config: CompressionConfig, key, impl, residual=False, *, backend: str):
+def _reduce_buffer(buf, axes, world, config: CompressionConfig, key, impl, residual=False, *, backend: str,
+                   divisor: int = 1):
     """One fusion buffer through the compressed primitive (its uncompressed tail, if skipped, through psum).
 
     With ``config.hierarchical`` the compressed part is reduced in two levels
     (:func:`~jax_cgx._src.exchange.hierarchical.reduce_hierarchical`). With ``residual`` returns ``(sum, residual)``.
-    ``backend``: the one the plan chose for the buffer's compressed exchange.
+    ``backend``: the one the plan chose for the buffer's compressed exchange. ``divisor``: the
+    result is the sum divided by it (the residual stays the sum's).
     """
     if config.hierarchical and len(axes) < 2:
         raise ValueError(
@@ -333,6 +344,7 @@ def _reduce_buffer(buf, axes, world, config: CompressionConfig, key, impl, resid
         )
     if world == 1:
         # A sum over one rank moves nothing: exact.
+        buf = _divided(buf, divisor)
         return (buf, jnp.zeros_like(buf)) if residual else buf
     n = buf.size
     head_n = (n // config.bucket_size) * config.bucket_size if config.skip_incomplete_buckets else n
@@ -340,14 +352,15 @@ def _reduce_buffer(buf, axes, world, config: CompressionConfig, key, impl, resid
     if head_n:
         head = buf[:head_n]  # varying over axes under check_vma: its leaves are (check_varying)
         if config.hierarchical:
-            result = reduce_hierarchical(head, axes, world, config, key, impl, residual, backend=backend)
+            result = reduce_hierarchical(head, axes, world, config, key, impl, residual, backend=backend,
+                                         divisor=divisor)
         else:
-            result = compressed_sum(head, axes, world, config, key, impl, residual, backend=backend)
+            result = compressed_sum(head, axes, world, config, key, impl, residual, backend=backend, divisor=divisor)
         parts.append(result[0] if residual else result)
         lost.append(result[1] if residual else None)
     if head_n < n:
         tail = buf[head_n:]
-        parts.append(lax.psum(tail, axes))
+        parts.append(_divided(lax.psum(tail, axes), divisor))
         lost.append(jnp.zeros_like(tail) if residual else None)  # the exact lane loses nothing
     if residual:
         return _join(parts), _join(lost)

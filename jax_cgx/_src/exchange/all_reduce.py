@@ -3,8 +3,9 @@
 ``compressed_allreduce_p`` takes rows ``x[R, n]`` (vmapped examples become rows),
 ``seeds[R, W+1, 2]`` (one seed per chunk plus one for the re-quantization) and
 ``valid[R]`` int32: how many of each row's values are real (``n`` except for a
-hierarchical shard, whose tail may be padding). Its JAX rules make it behave like
-``psum``: abstract evaluation drops the reduced axes from the varying-axes type,
+hierarchical shard, whose tail may be padding). Its ``divisor`` parameter (1, or ``W`` for
+``compressed_pmean``) divides the sum where it is decoded, so a mean costs no pass over the
+result of its own. Its JAX rules make it behave like ``psum`` (``pmean`` with a divisor): abstract evaluation drops the reduced axes from the varying-axes type,
 differentiation is linear (transpose = ``pvary`` of the cotangent under ``check_vma``,
 the same compressed sum without it), and vmap over a non-reduced axis folds into rows.
 
@@ -46,13 +47,15 @@ def reduction(axes: tuple, world: int, config: CompressionConfig, impl: str = "a
 
 
 def compressed_sum(values, axes, world, config: CompressionConfig, key, impl, residual=False, valid=None, *,
-                   backend: str):
+                   backend: str, divisor: int = 1):
     """``values[n]`` summed over ``axes`` (``world`` ranks) by the compressed all-reduce primitive.
 
     ``valid`` (int32 scalar, default ``n``): how many of ``values`` are real; the rest is
     padding, which never enters a bucket's range. With ``residual``: ``(sum, residual)``
-    from the primitive with error feedback. ``backend``: the one chosen for it
-    (:func:`jax_cgx._src.backends.choose_in_trace` of :func:`reduction`).
+    from the primitive with error feedback (the residual is the sum's, whatever the divisor).
+    ``backend``: the one chosen for it (:func:`jax_cgx._src.backends.choose_in_trace` of
+    :func:`reduction`). ``divisor``: the sum divided by it, bitwise ``sum / divisor`` as XLA
+    computes it in float32 (:func:`~jax_cgx._src.codec.mean_scale`).
     """
     if key is None:
         seeds = jnp.zeros((1, world + 1, 2), jnp.uint32)
@@ -75,6 +78,7 @@ def compressed_sum(values, axes, world, config: CompressionConfig, key, impl, re
         algorithm=config.algorithm,
         backend=backend,
         segments=config.pipeline_segments,
+        divisor=int(divisor),
     )
     if residual:
         return reduced[0][0], reduced[1][0]
@@ -112,14 +116,16 @@ def _jvp(primals, tangents, **params):
     return out, compressed_allreduce_p.bind(tx, seeds, valid, **params)
 
 
-def _transpose(ct, x, seeds, valid, *, axes, **params):
+def _transpose(ct, x, seeds, valid, *, axes, divisor, **params):
     assert ad.is_undefined_primal(x) and not ad.is_undefined_primal(seeds)
     if type(ct) is ad.Zero:
         return ad.Zero(x.aval), None, None
     if compat.is_varying(x.aval, axes):
-        # check_vma: the sum is invariant over `axes`; like psum, send the cotangent back as varying.
-        return compat.pvary(ct, axes), None, None
-    return compressed_allreduce_p.bind(ct, seeds, valid, axes=axes, **params), None, None
+        # check_vma: the sum is invariant over `axes`; like psum (pmean), send the cotangent back
+        # as varying (divided by the divisor).
+        back = compat.pvary(ct, axes)
+        return (back if divisor == 1 else back / divisor), None, None
+    return compressed_allreduce_p.bind(ct, seeds, valid, axes=axes, divisor=divisor, **params), None, None
 
 
 ad.primitive_jvps[compressed_allreduce_p] = _jvp

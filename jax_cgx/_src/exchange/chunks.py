@@ -67,21 +67,23 @@ def chunk_valid(valid, world: int, chunk: int):
     return jnp.clip(valid[:, None].astype(jnp.int32) - starts, 0, chunk)
 
 
-def gather_decode(wire, axes, k: int, p: int, nb: int, n: int, dtype, codec_args):
+def gather_decode(wire, axes, k: int, p: int, nb: int, n: int, dtype, codec_args, divisor: int = 1):
     """The last step of SRA and ring: all-gather every rank's final encoding ``wire[R, L]``
     of its chunk and decode them all, the first ``n`` values: ``[R, n]``, the same bits on
-    every replica."""
-    chunks = gather_decode_chunks(wire, axes, k, p, nb, dtype, codec_args)
+    every replica; divided by ``divisor`` in the decode (:func:`~jax_cgx._src.codec.quantized.mean_scale`), not in a pass
+    over the result of its own."""
+    chunks = gather_decode_chunks(wire, axes, k, p, nb, dtype, codec_args, divisor)
     return chunks.reshape(chunks.shape[0], -1)[:, :n]
 
 
-def gather_decode_chunks(wire, axes, k: int, p: int, nb: int, dtype, codec_args):
+def gather_decode_chunks(wire, axes, k: int, p: int, nb: int, dtype, codec_args, divisor: int = 1):
     """All-gather every rank's encoding ``wire[R, L]`` of one chunk and decode them:
     ``[R, W, c]``, rank ``j``'s chunk at ``[:, j]``, the same bits on every replica."""
     gathered = _wire.all_gather(wire, axes, k)
     r, w = gathered.shape[:2]
     payload, meta = _wire.from_wire(gathered, p, nb)
-    out = codec.dequantize_rows(payload.reshape(r * w, p), meta.reshape(r * w, nb, 2), dtype=dtype, **codec_args)
+    out = codec.dequantize_rows(payload.reshape(r * w, p), meta.reshape(r * w, nb, 2), dtype=dtype,
+                                scale=codec.mean_scale(divisor), **codec_args)
     return out.reshape(r, w, -1)
 
 

@@ -29,7 +29,8 @@ def hierarchical_shard(n: int, inner_world: int, config: CompressionConfig) -> i
     return -(-n // align) * align // inner_world
 
 
-def reduce_hierarchical(head, axes, world, config: CompressionConfig, key, impl, residual=False, *, backend: str):
+def reduce_hierarchical(head, axes, world, config: CompressionConfig, key, impl, residual=False, *, backend: str,
+                        divisor: int = 1):
     """Two-level sum over ``axes = (outer..., inner)``, torch_cgx's intra/cross-node split.
 
     An uncompressed reduce-scatter over the inner (intra-node) axis leaves every rank a
@@ -39,14 +40,17 @@ def reduce_hierarchical(head, axes, world, config: CompressionConfig, key, impl,
 
     With ``residual``: ``(sum, residual)``; the compressed exchange's residual sits at this
     rank's shard positions of the buffer, zeros elsewhere (the inner reduce-scatter and
-    all-gather are exact up to float32 rounding).
+    all-gather are exact up to float32 rounding). ``divisor``: the sum divided by it, in the
+    compressed exchange's decode (the all-gather moves the divided values).
     """
     inner, outer = axes[-1], axes[:-1]
     inner_world = lax.axis_size(inner)
     outer_world = world // inner_world
     if outer_world == 1:
         # One node: nothing is compressed, an exact sum.
-        return (lax.psum(head, axes), jnp.zeros_like(head)) if residual else lax.psum(head, axes)
+        total = lax.psum(head, axes)
+        total = total if divisor == 1 else total / divisor
+        return (total, jnp.zeros_like(head)) if residual else total
     n = head.size
     shard_n = hierarchical_shard(n, inner_world, config)
     padded = head
@@ -55,7 +59,8 @@ def reduce_hierarchical(head, axes, world, config: CompressionConfig, key, impl,
     shard = lax.psum_scatter(padded, inner, scatter_dimension=0, tiled=True)
     # The last shards may end in padding: tell the compressed exchange where the real values end.
     real = jnp.clip(n - lax.axis_index(inner) * shard_n, 0, shard_n)
-    reduced = compressed_sum(shard, outer, outer_world, config, key, impl, residual, valid=real, backend=backend)
+    reduced = compressed_sum(shard, outer, outer_world, config, key, impl, residual, valid=real, backend=backend,
+                             divisor=divisor)
     if residual:
         reduced, lost = reduced
     if compat.check_vma_enabled():

@@ -39,7 +39,7 @@ __all__ = ["ring_rows"]
 
 
 def ring_rows(x, seeds, valid, *, axes, world, chunk, bits, bucket_size, stochastic, impl, residual=False,
-              segments=1, message_cap=None):
+              segments=1, message_cap=None, divisor=1):
     """The per-device program of the ring compressed all-reduce of rows ``x[R, n]``, of which
     the first ``valid[R]`` values are real (the rest is padding and never widens a bucket).
 
@@ -51,7 +51,8 @@ def ring_rows(x, seeds, valid, *, axes, world, chunk, bits, bucket_size, stochas
     hop, of chunk ``(r-t-2) mod W``, the last being chunk ``r``), and ``residual[chunk k]``
     is the float32 input of that quantization minus its decoded result, in ``x.dtype``.
     The exchanged bytes and ``out`` are the same either way, as they are for any cut of the
-    messages (``segments``, ``message_cap``: :mod:`jax_cgx._src.exchange.wire`).
+    messages (``segments``, ``message_cap``: :mod:`jax_cgx._src.exchange.wire`). ``divisor``:
+    as for :func:`~jax_cgx._src.exchange.sra.sra_rows`.
     """
     r, n = x.shape
     if n == 0:
@@ -112,7 +113,7 @@ def ring_rows(x, seeds, valid, *, axes, world, chunk, bits, bucket_size, stochas
     # After the last step (t = W-2, k = r) `wire` is the final encoding of our chunk.
     carry = lax.fori_loop(0, w - 1, step, (wire, res) if residual else wire)
     wire = carry[0] if residual else carry
-    out = gather_decode(wire, axes, k_msg, p, nb, n, x.dtype, codec_args)
+    out = gather_decode(wire, axes, k_msg, p, nb, n, x.dtype, codec_args, divisor)
     if not residual:
         return out
     return out, carry[1].reshape(r, w * c)[:, :n].astype(x.dtype)

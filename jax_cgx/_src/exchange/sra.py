@@ -35,7 +35,7 @@ __all__ = ["sra_rows"]
 
 
 def sra_rows(x, seeds, valid, *, axes, world, chunk, bits, bucket_size, stochastic, impl, residual=False,
-             segments=1, message_cap=None):
+             segments=1, message_cap=None, divisor=1):
     """The per-device program of the compressed all-reduce of rows ``x[R, n]``, of which the
     first ``valid[R]`` values are real (the rest is padding and never widens a bucket).
 
@@ -43,7 +43,8 @@ def sra_rows(x, seeds, valid, *, axes, world, chunk, bits, bucket_size, stochast
     message_cap)`` messages (:mod:`jax_cgx._src.exchange.wire`; the bytes, and so the result, do not
     depend on it). With ``residual=True`` returns ``(out, residual)``: this rank's share of the
     compression error (:func:`_sra_residual`), in ``x.dtype``. The exchanged bytes and
-    ``out`` are the same either way.
+    ``out`` are the same either way. ``divisor``: ``out`` is the sum divided by it, in the final
+    decode (``compressed_pmean``: ``W``); the residual stays the sum's.
     """
     r, n = x.shape
     if n == 0:
@@ -71,7 +72,7 @@ def sra_rows(x, seeds, valid, *, axes, world, chunk, bits, bucket_size, stochast
         recv_payload, recv_meta, own, seeds[:, w], stochastic=stochastic, dtype=x.dtype,
         valid=lax.dynamic_index_in_dim(real, me, axis=1, keepdims=False), **codec_args
     )
-    out = gather_decode(_wire.to_wire(sum_payload, sum_meta), axes, k, p, nb, n, x.dtype, codec_args)
+    out = gather_decode(_wire.to_wire(sum_payload, sum_meta), axes, k, p, nb, n, x.dtype, codec_args, divisor)
     if not residual:
         return out
     res = _sra_residual(chunks, payload, meta, recv_payload, recv_meta, own, own_out, me, codec_args)

@@ -27,6 +27,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import mlir
 
 from jax_cgx._src import backends, extensions
+from jax_cgx._src.codec import mean_scale
 from jax_cgx._src.config import ALGORITHMS
 from jax_cgx._src.nccl import library, lifecycle, registry
 from jax_cgx._src.nccl.library import NcclError
@@ -65,19 +66,21 @@ nccl_allreduce_p = Primitive("jax_cgx_nccl_allreduce")
 nccl_allreduce_p.multiple_results = True
 
 
-def _allreduce_abstract(x, seeds, valid, *, key, world, chunk, bits, bucket_size, stochastic, algorithm, segments):
-    del seeds, valid, key, stochastic
+def _allreduce_abstract(x, seeds, valid, *, key, world, chunk, bits, bucket_size, stochastic, algorithm, segments,
+                        divisor):
+    del seeds, valid, key, stochastic, divisor
     ws, _ = workspace_bytes(x.shape[0], world, chunk, bits, bucket_size, x.dtype, algorithm, segments)
     return x, x.update(shape=(ws,), dtype=np.dtype(np.uint8), weak_type=False)
 
 
 def _allreduce_lowering(ctx, x, seeds, valid, *, key, world, chunk, bits, bucket_size, stochastic, algorithm,
-                        segments):
+                        segments, divisor):
     # has_side_effect: a collective; XLA must neither drop it nor merge two of them.
     return jax.ffi.ffi_lowering("jax_cgx_nccl_allreduce", has_side_effect=True)(
         ctx, x, seeds, valid, comm_key=np.int64(key), world=np.int64(world), chunk=np.int64(chunk),
         bits=np.int32(bits), bucket_size=np.int64(bucket_size), stochastic=bool(stochastic),
-        algorithm=np.int32(_ALGORITHMS[algorithm]), segments=np.int64(segments))
+        algorithm=np.int32(_ALGORITHMS[algorithm]), segments=np.int64(segments),
+        scale=np.float32(mean_scale(divisor)))
 
 
 nccl_allreduce_p.def_abstract_eval(_allreduce_abstract)
@@ -149,10 +152,11 @@ class NcclBackend(backends.Backend):
 
 
 def _allreduce_rows(x, seeds, valid, *, key, axes, world, chunk, bits, bucket_size, stochastic, impl, algorithm,
-                    segments):
+                    segments, divisor):
     del axes, impl
     row = functools.partial(nccl_allreduce_p.bind, key=key, world=world, chunk=chunk, bits=bits,
-                            bucket_size=bucket_size, stochastic=stochastic, algorithm=algorithm, segments=segments)
+                            bucket_size=bucket_size, stochastic=stochastic, algorithm=algorithm, segments=segments,
+                            divisor=divisor)
     return jnp.stack([row(x[i], seeds[i], valid[i : i + 1])[0] for i in range(x.shape[0])])
 
 

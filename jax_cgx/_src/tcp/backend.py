@@ -39,6 +39,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import mlir
 
 from jax_cgx._src import backends
+from jax_cgx._src.codec import mean_scale
 from jax_cgx._src.tcp import lifecycle
 from jax_cgx._src.tcp.lifecycle import TcpError
 
@@ -63,12 +64,13 @@ def _done_abstract(started, x, seeds, ticket, **params):
     return started
 
 
-def _lower_start(ctx, x, seeds, valid, after, *, key, site, world, chunk, bits, bucket_size, stochastic, segments):
+def _lower_start(ctx, x, seeds, valid, after, *, key, site, world, chunk, bits, bucket_size, stochastic, segments,
+                 divisor):
     # has_side_effect: a collective; XLA must neither drop it nor merge two of them.
     return jax.ffi.ffi_lowering("jax_cgx_tcp_allreduce_start", has_side_effect=True)(
         ctx, x, seeds, valid, after, comm_key=np.int64(key), site=np.int64(site), world=np.int64(world),
         chunk=np.int64(chunk), bits=np.int32(bits), bucket_size=np.int64(bucket_size), stochastic=bool(stochastic),
-        segments=np.int64(segments),
+        segments=np.int64(segments), scale=np.float32(mean_scale(divisor)),
     )
 
 
@@ -158,7 +160,7 @@ class TcpBackend(backends.Backend):
 
 
 def _lower_rows(ctx, x, seeds, valid, *, key, axes, world, chunk, bits, bucket_size, stochastic, impl, algorithm,
-                segments):
+                segments, divisor):
     """Each row's start and done calls, each start chained after the previous one of its block."""
     del axes, impl, algorithm
 
@@ -168,7 +170,7 @@ def _lower_rows(ctx, x, seeds, valid, *, key, axes, world, chunk, bits, bucket_s
         for i in range(x.shape[0]):
             started, after = tcp_start_p.bind(x[i], seeds[i], valid[i : i + 1], after, key=key, site=site + i,
                                               world=world, chunk=chunk, bits=bits, bucket_size=bucket_size,
-                                              stochastic=stochastic, segments=segments)
+                                              stochastic=stochastic, segments=segments, divisor=divisor)
             out.append(tcp_done_p.bind(started, x[i], seeds[i], after, key=key))
         return jnp.stack(out), after
 
