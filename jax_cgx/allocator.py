@@ -18,7 +18,7 @@ jax_cgx`` calls it once. That is early enough only before other threads exist: a
 has malloc'd has its own arena, which it keeps, and threads born later are spread over the
 arenas that exist, whose heaps hold at most 64 MiB, so larger buffers are fresh ``mmap``s
 there whatever the threshold. ``jax.distributed.initialize()`` starts 15 such threads (its RPC
-client): a 64 MiB 4-bit ``compressed_pmean`` written with ``import jax_cgx`` after it ran 1.5x
+client): a 64 MiB 4-bit ``compressed_pmean`` written with ``import jax_cgx`` after it ran 1.26x
 slower at 1 Gbit/s (docs/performance.md). So ``import jax_cgx`` warns once, with the fix, when
 it comes after ``jax.distributed.initialize()`` or after JAX made its devices, and
 ``python -m jax_cgx.launch`` starts every process with :data:`ENVIRONMENT` (glibc's own
@@ -106,7 +106,7 @@ def apply_default(environ=None) -> bool:
     if ok and env.get("MALLOC_ARENA_MAX") != "1" and (late := _jax_started()):
         log.warning(
             "jax_cgx was imported after %s: threads started before keep malloc arenas of their own, where every "
-            "buffer of 64 MiB or more is a fresh mmap, page-faulted on each call (a 64 MiB compressed_pmean ran 1.5x "
+            "buffer of 64 MiB or more is a fresh mmap, page-faulted on each call (a 64 MiB compressed_pmean ran 1.26x "
             "slower). Import jax_cgx before it (jax_cgx.distributed.initialize() does), or start the processes with "
             "MALLOC_ARENA_MAX=1 in their environment (python -m jax_cgx.launch does; mpirun -x MALLOC_ARENA_MAX=1); "
             "%s=0 silences this", late, ENV)
