@@ -1,0 +1,88 @@
+"""Each leaf's quantization error at each width, relative to its own mean square: why per-leaf widths
+do or do not pay on the char transformer (docs/training.md, "Adaptive bit widths").
+
+One gradient of ``examples/train_charlm.py``'s transformer at initialization (a batch of 64 windows),
+its leaves' expected squared error at each width (``jax_cgx.adaptive.expected_errors``) divided by
+the leaf's size and mean square, and the median over buckets of the bucket's range over its RMS
+(what sets that error), then the plans ``choose_bits`` makes at 4-bit and 3-bit bytes under both
+objectives::
+
+    python benchmarks/leaf_errors.py                  # the characters of the help topics (103 symbols)
+    python benchmarks/leaf_errors.py --words 4096     # the same text as words: the 4096 most frequent
+                                                      # words and punctuation marks, the rest one symbol
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import re
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import optax
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
+import train_charlm  # noqa: E402
+
+import jax_cgx  # noqa: E402
+from jax_cgx.adaptive import expected_errors  # noqa: E402
+
+
+def word_ids(vocab_size: int) -> tuple[np.ndarray, int]:
+    """The help topics as word ids: the ``vocab_size`` most frequent words and marks, then one for the rest."""
+    from pydoc_data.topics import topics
+
+    words = re.findall(r"\w+|[^\w\s]", "\n\n".join(topics[k] for k in sorted(topics)))
+    index = {w: i for i, (w, _) in enumerate(collections.Counter(words).most_common(vocab_size))}
+    return np.array([index.get(w, vocab_size) for w in words], np.int32), vocab_size + 1
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--words", type=int, metavar="V", help="tokenize into the V most frequent words instead")
+    p.add_argument("--bucket-size", type=int, default=512, help="(default: %(default)s)")
+    p.add_argument("--widths", type=int, nargs="+", default=[2, 3, 4, 5, 8], help="(default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="(default: %(default)s)")
+    args = p.parse_args(argv)
+
+    model = train_charlm.parse_args([])
+    if args.words:
+        ids, vocab = word_ids(args.words)
+    else:
+        ids, _, symbols = train_charlm.load_corpus()
+        vocab = len(symbols)
+    params = train_charlm.init_params(jax.random.key(args.seed), vocab, model.d_model, model.layers, model.context)
+    starts = np.random.default_rng(args.seed).integers(0, len(ids) - model.context - 1, 64)
+    tokens = ids[starts[:, None] + np.arange(model.context + 1)]
+
+    def loss(p, t):
+        logits = train_charlm.logits_fn(p, t[:, :-1], model.heads)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, t[:, 1:]).mean()
+
+    grads = jax.grad(loss)(params, tokens)
+    config = jax_cgx.CompressionConfig(bits=4, bucket_size=args.bucket_size, min_size=1024)
+    leaves = [(jax.tree_util.keystr(path), v) for path, v in jax.tree_util.tree_flatten_with_path(grads)[0]
+              if v.size >= config.min_size]
+    errors = expected_errors([v for _, v in leaves], config, args.widths, objective="relative")
+    print(f"vocabulary {vocab}; error per value over the leaf's mean square, at each width; "
+          f"crest: median over buckets of range / RMS")
+    print(f"{'leaf':28s} {'values':>8s}  " + "  ".join(f"{b:>2d} bits " for b in args.widths) + "  crest")
+    for (name, v), row in zip(leaves, errors):
+        x = np.asarray(v, np.float64).ravel()
+        b = np.concatenate([x, np.full(-x.size % args.bucket_size, x[-1])]).reshape(-1, args.bucket_size)
+        rms = np.sqrt((b * b).mean(axis=1))
+        crest = np.median((b.max(axis=1) - b.min(axis=1)) / np.where(rms > 0, rms, np.inf))
+        print(f"{name:28s} {v.size:8d}  " + "  ".join(f"{e / v.size:8.2e}" for e in row) + f"  {crest:5.1f}")
+    for objective in ("relative", "squared"):
+        for budget in (4, 3):
+            _, plans = jax_cgx.adaptive.choose_bits(grads, budget_bits=budget, config=config, return_plan=True,
+                                                    objective=objective)
+            print(f"\nchoose_bits(budget_bits={budget}, objective={objective!r}):")
+            print(jax_cgx.adaptive.describe(plans))
+
+
+if __name__ == "__main__":
+    main()
