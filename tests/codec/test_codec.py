@@ -304,7 +304,7 @@ def test_dequantize_output_scale_matches_reference(dtype, scale_of):
     """The dequantize target's output scale (compressed_pmean's 1/W): kernel and reference give the
     same bits, every value is ``flush(decode * scale)`` rounded once to the dtype, over plain,
     infinite, wide (near the float32 limit), NaN and subnormal-result buckets."""
-    from jax_cgx._src.codec import mean_scale
+    from jax_cgx._src.backends import mean_scale
     from jax_cgx._src.codec.rows import dequantize_rows, quantize_rows
 
     n, bits, bucket = 64 * 6, 4, 64

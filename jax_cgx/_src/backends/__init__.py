@@ -22,10 +22,11 @@ from jax_cgx._src.backends.protocol import (
     choose,
     choose_in_trace,
     get,
+    mean_scale,
     register,
     register_lowering,
     registered,
 )
 
 __all__ = ["Backend", "BackendError", "CommunicatorInfo", "Reduction", "XlaProgram", "choose", "choose_in_trace",
-           "get", "register", "register_lowering", "registered"]
+           "get", "mean_scale", "register", "register_lowering", "registered"]

@@ -30,6 +30,7 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
+import numpy as np
 from jax.interpreters import mlir
 
 from jax_cgx._src import compat
@@ -38,7 +39,7 @@ from jax_cgx._src.backends.groups import Families
 from jax_cgx._src.config import BACKENDS
 
 __all__ = ["Backend", "BackendError", "CommunicatorInfo", "Reduction", "XlaProgram", "choose", "choose_in_trace",
-           "get", "register", "register_lowering", "registered"]
+           "get", "mean_scale", "register", "register_lowering", "registered"]
 
 log = logging.getLogger("jax_cgx")
 
@@ -68,6 +69,17 @@ class Reduction:
     algorithm: str = "sra"
     impl: str = "auto"
     residual: bool = False  # error feedback: the exchange also returns each rank's compression error
+
+
+def mean_scale(divisor: int) -> float:
+    """The scale every backend decodes an all-reduce's result with when the primitive's ``divisor``
+    is not 1 (``compressed_pmean``: ``W``): ``float32(1) / float32(divisor)``. XLA computes
+    ``x / divisor`` as ``x`` times this (it turns a division by a constant into a multiplication by
+    its reciprocal, and flushes subnormals on CPU), so a float32 decode scaled by it has the bits of
+    ``sum / divisor``."""
+    if divisor < 1:
+        raise ValueError(f"mean_scale: the divisor must be a positive integer, got {divisor!r}")
+    return float(np.float32(1) / np.float32(divisor))
 
 
 class XlaProgram(NamedTuple):

@@ -19,12 +19,12 @@ from jax_cgx._src.codec.arrays import (
     seeds_from_key,
 )
 from jax_cgx._src.codec.kernels import Impl, batch_rows, check_impl, cuda_extension_available
-from jax_cgx._src.codec.quantized import Quantized, mean_scale, num_buckets, payload_bytes
+from jax_cgx._src.codec.quantized import Quantized, num_buckets, payload_bytes
 from jax_cgx._src.codec.rows import dequantize_rows, dequantize_sum_requantize_rows, dequantize_sum_rows, quantize_rows
 
 __all__ = [
     "quantize", "dequantize", "dequantize_sum", "dequantize_sum_requantize", "Quantized", "Impl",
-    "mean_scale", "num_buckets", "payload_bytes", "quantize_rows", "dequantize_rows", "dequantize_sum_rows",
+    "num_buckets", "payload_bytes", "quantize_rows", "dequantize_rows", "dequantize_sum_rows",
     "dequantize_sum_requantize_rows", "check_impl", "check_float_dtype", "seeds_from_key",
     "SUPPORTED_DTYPES", "batch_rows", "cuda_extension_available",
 ]

@@ -8,20 +8,10 @@ import math
 import jax
 import numpy as np
 
-__all__ = ["Quantized", "num_buckets", "payload_bytes", "quantized_elements", "mean_scale", "META_BYTES"]
+__all__ = ["Quantized", "num_buckets", "payload_bytes", "quantized_elements", "META_BYTES"]
 
 # Each bucket carries (min, scale) as two float32.
 META_BYTES = 8
-
-
-def mean_scale(divisor: int) -> float:
-    """The dequantize target's output scale for a sum divided by ``divisor`` (``compressed_pmean``:
-    ``W``): ``float32(1) / float32(divisor)``. XLA computes ``x / divisor`` as ``x`` times this
-    (it turns a division by a constant into a multiplication by its reciprocal, and flushes
-    subnormals on CPU), so a float32 decode scaled by it has the bits of ``sum / divisor``."""
-    if divisor < 1:
-        raise ValueError(f"mean_scale: the divisor must be a positive integer, got {divisor!r}")
-    return float(np.float32(1) / np.float32(divisor))
 
 
 def quantized_elements(n: int, bucket_size: int, skip_incomplete_buckets: bool) -> int:

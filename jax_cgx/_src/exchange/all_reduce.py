@@ -55,7 +55,7 @@ def compressed_sum(values, axes, world, config: CompressionConfig, key, impl, re
     from the primitive with error feedback (the residual is the sum's, whatever the divisor).
     ``backend``: the one chosen for it (:func:`jax_cgx._src.backends.choose_in_trace` of
     :func:`reduction`). ``divisor``: the sum divided by it, bitwise ``sum / divisor`` as XLA
-    computes it in float32 (:func:`~jax_cgx._src.codec.mean_scale`).
+    computes it in float32 (:func:`~jax_cgx._src.backends.mean_scale`).
     """
     if key is None:
         seeds = jnp.zeros((1, world + 1, 2), jnp.uint32)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from jax_cgx._src import codec
+from jax_cgx._src import backends, codec
 from jax_cgx._src.codec.quantized import META_BYTES, num_buckets, payload_bytes
 from jax_cgx._src.exchange import wire as _wire
 
@@ -70,7 +70,7 @@ def chunk_valid(valid, world: int, chunk: int):
 def gather_decode(wire, axes, k: int, p: int, nb: int, n: int, dtype, codec_args, divisor: int = 1):
     """The last step of SRA and ring: all-gather every rank's final encoding ``wire[R, L]``
     of its chunk and decode them all, the first ``n`` values: ``[R, n]``, the same bits on
-    every replica; divided by ``divisor`` in the decode (:func:`~jax_cgx._src.codec.quantized.mean_scale`), not in a pass
+    every replica; divided by ``divisor`` in the decode (:func:`~jax_cgx._src.backends.mean_scale`), not in a pass
     over the result of its own."""
     chunks = gather_decode_chunks(wire, axes, k, p, nb, dtype, codec_args, divisor)
     return chunks.reshape(chunks.shape[0], -1)[:, :n]
@@ -83,7 +83,7 @@ def gather_decode_chunks(wire, axes, k: int, p: int, nb: int, dtype, codec_args,
     r, w = gathered.shape[:2]
     payload, meta = _wire.from_wire(gathered, p, nb)
     out = codec.dequantize_rows(payload.reshape(r * w, p), meta.reshape(r * w, nb, 2), dtype=dtype,
-                                scale=codec.mean_scale(divisor), **codec_args)
+                                scale=backends.mean_scale(divisor), **codec_args)
     return out.reshape(r, w, -1)
 
 

@@ -27,7 +27,6 @@ from jax.extend.core import Primitive
 from jax.interpreters import mlir
 
 from jax_cgx._src import backends, extensions
-from jax_cgx._src.codec import mean_scale
 from jax_cgx._src.config import ALGORITHMS
 from jax_cgx._src.nccl import library, lifecycle, registry
 from jax_cgx._src.nccl.library import NcclError
@@ -80,7 +79,7 @@ def _allreduce_lowering(ctx, x, seeds, valid, *, key, world, chunk, bits, bucket
         ctx, x, seeds, valid, comm_key=np.int64(key), world=np.int64(world), chunk=np.int64(chunk),
         bits=np.int32(bits), bucket_size=np.int64(bucket_size), stochastic=bool(stochastic),
         algorithm=np.int32(_ALGORITHMS[algorithm]), segments=np.int64(segments),
-        scale=np.float32(mean_scale(divisor)))
+        scale=np.float32(backends.mean_scale(divisor)))
 
 
 nccl_allreduce_p.def_abstract_eval(_allreduce_abstract)

@@ -39,7 +39,6 @@ from jax.extend.core import Primitive
 from jax.interpreters import mlir
 
 from jax_cgx._src import backends
-from jax_cgx._src.codec import mean_scale
 from jax_cgx._src.tcp import lifecycle
 from jax_cgx._src.tcp.lifecycle import TcpError
 
@@ -70,7 +69,7 @@ def _lower_start(ctx, x, seeds, valid, after, *, key, site, world, chunk, bits, 
     return jax.ffi.ffi_lowering("jax_cgx_tcp_allreduce_start", has_side_effect=True)(
         ctx, x, seeds, valid, after, comm_key=np.int64(key), site=np.int64(site), world=np.int64(world),
         chunk=np.int64(chunk), bits=np.int32(bits), bucket_size=np.int64(bucket_size), stochastic=bool(stochastic),
-        segments=np.int64(segments), scale=np.float32(mean_scale(divisor)),
+        segments=np.int64(segments), scale=np.float32(backends.mean_scale(divisor)),
     )
 
 
