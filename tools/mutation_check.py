@@ -101,13 +101,13 @@ MUTATIONS = (
         "compressed_psum_scatter: the owner adds its next neighbour's block instead of its own"),
     Mutation(
         "pmean-world-minus-one", "jax_cgx/_src/collectives/psum.py",
-        'world = _world_size(axes, "compressed_pmean")',
-        'world = _world_size(axes, "compressed_pmean") - 1',
+        'divisor = world if api == "compressed_pmean" else None',
+        'divisor = world - 1 if api == "compressed_pmean" else None',
         "compressed_pmean divides the sum by W - 1"),
     Mutation(
         "skipped-tail-unsummed", "jax_cgx/_src/collectives/psum.py",
-        "parts.append(lax.psum(tail, axes))",
-        "parts.append(tail)",
+        "parts.append(_divided(lax.psum(tail, axes), divisor))",
+        "parts.append(_divided(tail, divisor))",
         "skip_incomplete_buckets: the uncompressed tail is this rank's own values, not their sum"),
     Mutation(
         "wire-meta-bytes", "jax_cgx/_src/exchange/chunks.py",

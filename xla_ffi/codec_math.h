@@ -285,10 +285,14 @@ CGX_HD float decode_level(uint32_t level, float mn, float scale_field, int bits)
 CGX_HD float accumulate(float acc, float v) { return flush(acc + v); }
 
 // A decoded value times the output scale (dequantize's `scale` attribute:
-// 1/W for compressed_pmean), flushed: what XLA computes for `sum / W` in f32
-// (it multiplies by the reciprocal of a constant divisor, and flushes
-// subnormals on CPU), but before the one rounding to a 16-bit output type.
-CGX_HD float scale_output(float v, float out_scale) { return flush(v * out_scale); }
+// 1/W for compressed_pmean), a subnormal product flushed to a zero of its
+// sign: what XLA:CPU computes for `sum / W` in f32 (it multiplies by the
+// reciprocal of a constant divisor, and its FTZ keeps the sign), but before
+// the one rounding to a 16-bit output type.
+CGX_HD float scale_output(float v, float out_scale) {
+  const float r = v * out_scale;
+  return abs_f32(r) < kMinNormal ? bits_float(float_bits(r) & 0x80000000u) : r;
+}
 
 // ---- 16-bit float conversions (round to nearest even), host and device ----
 

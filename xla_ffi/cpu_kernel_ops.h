@@ -305,7 +305,7 @@ inline void encode_bucket(const BucketMeta& meta, const float* __restrict x, int
 // by a scalar loop, every other one by the plain vectorizable loop.
 // out_scale != 1: out[i] = flush(decode(lv[i]) * out_scale), rounded once to
 // the output type (compressed_pmean's 1/W, applied where the sum is decoded
-// instead of in a pass of its own; see out_scale in codec_math.h).
+// instead of in a pass of its own; see scale_output in codec_math.h).
 inline void decode_store(const uint8_t* __restrict lv, int64_t n, float mn, float scale, int bits,
                          void* out, FloatType t, float* __restrict tmp, float out_scale = 1.0f) {
   float* __restrict d = t == FloatType::kF32 ? static_cast<float*>(out) : tmp;

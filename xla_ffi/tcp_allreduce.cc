@@ -161,7 +161,8 @@ struct SraSteps {
 
   // As segment i arrives: sum it with our own chunk in full precision (our
   // own slot decodes to +0), re-quantize, and post its all-gather. The fused
-  // kernel's decoded output is our chunk of the result.
+  // kernel's decoded output is our chunk of the result (of a sum; a mean's is
+  // decoded again, scaled, once the all-gather is posted).
   ffi::Error Reduce(int i, const Segment& s) const {
     const Plan& p = c.plan;
     Communicator& comm = c.comm;
@@ -181,14 +182,15 @@ struct SraSteps {
                                    &own_valid, c.stochastic, c.Payload(s.gathered, s, me),
                                    c.Meta(s.gathered, s, me), c.ChunkOut(me) + c.Bytes(s.offset), c.type,
                                    s.offset);
-    if (c.out_scale != 1.0f) {
-      // A mean: our chunk of the output is the scaled decode of the encoding we send, as every
-      // peer decodes it (the fused kernel's output is the unscaled sum).
-      cpu::dequantize(c.Payload(s.gathered, s, me), c.Meta(s.gathered, s, me), 1, s.length, p.bits, p.bucket,
-                      c.ChunkOut(me) + c.Bytes(s.offset), c.type, c.out_scale);
-    }
     for (int j = 0; j < p.world; ++j) {
       if (j != me) CGX_RETURN_IF_ERROR(Exchange(c, s, s.gathered, me, s.gathered, j));
+    }
+    if (c.out_scale != 1.0f) {
+      // A mean: our chunk of the output is the scaled decode of the encoding we send, as every
+      // peer decodes it (the fused kernel's output is the unscaled sum). After the sends are
+      // posted, off the peers' path; the sends only read slot `me`, and receives never write it.
+      cpu::dequantize(c.Payload(s.gathered, s, me), c.Meta(s.gathered, s, me), 1, s.length, p.bits, p.bucket,
+                      c.ChunkOut(me) + c.Bytes(s.offset), c.type, c.out_scale);
     }
     return ffi::Error::Success();
   }

@@ -302,18 +302,23 @@ def test_nested_vmap():
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
 def test_dequantize_output_scale_matches_reference(dtype, scale_of):
     """The dequantize target's output scale (compressed_pmean's 1/W): kernel and reference give the
-    same bits, every value is ``flush(decode * scale)`` rounded once to the dtype, over plain,
-    infinite, wide (near the float32 limit), NaN and subnormal-result buckets."""
+    same bits, every value is ``decode * scale`` (a subnormal product flushed to a zero of its sign,
+    as XLA:CPU flushes) rounded once to the dtype, over plain, infinite, wide (near the float32
+    limit), NaN and subnormal-result buckets of both signs."""
     from jax_cgx._src.backends import mean_scale
     from jax_cgx._src.codec.rows import dequantize_rows, quantize_rows
 
-    n, bits, bucket = 64 * 6, 4, 64
+    n, bits, bucket = 64 * 7, 4, 64
     x = sample(n, jnp.float32, seed=scale_of)
     x[64] = np.inf
     x[130] = -np.inf
     x[192:256] = np.linspace(-3e38, 3e38, 64, dtype=np.float32)
     x[260] = np.nan
-    x[320:384] = np.float32(2.0**-125) * np.arange(64, dtype=np.float32)  # results below 2^-126: flushed
+    # Buckets whose minimum (decoded exactly, at level 0) is +-1.5 * 2^-126: scaled, a subnormal product.
+    x[320:384] = np.linspace(0, 1, 64, dtype=np.float32)
+    x[320] = np.float32(-1.5 * 2.0**-126)
+    x[384:448] = np.linspace(1, 2, 64, dtype=np.float32)
+    x[384] = np.float32(1.5 * 2.0**-126)
     args = dict(bits=bits, bucket_size=bucket, m=n)
     payload, meta = quantize_rows(jnp.asarray(x)[None], jnp.zeros((1, 2), jnp.uint32), stochastic=False,
                                   impl="kernel", **args)
@@ -324,10 +329,11 @@ def test_dequantize_output_scale_matches_reference(dtype, scale_of):
     decoded = np.asarray(dequantize_rows(payload, meta, dtype=jnp.float32, impl="kernel", **args))
     with np.errstate(invalid="ignore", over="ignore"):
         want = decoded * np.float32(scale)
-    want = np.where(np.abs(want) < np.float32(2.0**-126), np.float32(0), want)
+    want = np.where(np.abs(want) < np.float32(2.0**-126), np.copysign(np.float32(0), want), want)
+    assert np.signbit(want[0, 320]) and want[0, 320] == 0 and not np.signbit(want[0, 384]) and want[0, 384] == 0
     nan = np.isnan(want)
     assert np.array_equal(np.isnan(np.asarray(got["kernel"], np.float32)), nan)
-    assert_same_bits(np.asarray(got["kernel"])[~nan], np.asarray(jnp.asarray(want, dtype))[~nan], "flush(v * scale)")
+    assert_same_bits(np.asarray(got["kernel"])[~nan], np.asarray(jnp.asarray(want, dtype))[~nan], "v * scale, flushed")
 
 
 def test_dequantize_refuses_a_bad_output_scale():

@@ -301,9 +301,13 @@ def quantize(x, seeds, valid=None, *, bits: int, bucket_size: int, stochastic: b
 
 
 def scale_output(v, scale: float):
-    """``flush(v * scale)`` in float32: a decoded value times the dequantize target's ``scale``
-    (``1/W`` for ``compressed_pmean``; codec_math.h's ``scale_output``)."""
-    return v if scale == 1.0 else flush(v * _F32(scale))
+    """``v * scale`` in float32, a subnormal product flushed to a zero of its sign (as XLA:CPU's
+    FTZ does): a decoded value times the dequantize target's ``scale`` (``1/W`` for
+    ``compressed_pmean``; codec_math.h's ``scale_output``)."""
+    if scale == 1.0:
+        return v
+    r = v * _F32(scale)
+    return jnp.where(jnp.abs(r) < MIN_NORMAL, jnp.copysign(_F32(0), r), r)
 
 
 @functools.partial(jax.jit, static_argnames=("bits", "bucket_size", "m", "dtype", "scale"))

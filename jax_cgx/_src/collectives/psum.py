@@ -100,8 +100,10 @@ def compressed_psum(
     return _sum(x, axis_name, config, key, impl, return_residual, "compressed_psum")
 
 
-def _divided(total, divisor: int):
-    return total if divisor == 1 else total / divisor
+def _divided(total, divisor: int | None):
+    """``total / divisor`` for a mean (which makes integer leaves float, as ``lax.pmean`` does,
+    even for ``divisor == 1``); ``total`` for a sum (``divisor`` None)."""
+    return total if divisor is None else total / divisor
 
 
 def _sum(x, axis_name, config: ConfigSpec, key, impl: Impl, return_residual: bool, api: str):
@@ -117,7 +119,7 @@ def _sum(x, axis_name, config: ConfigSpec, key, impl: Impl, return_residual: boo
     compat.check_prng_key(key, api)
     axes = compat.axes_tuple(axis_name)
     world = _world_size(axes, api)
-    divisor = world if api == "compressed_pmean" else 1
+    divisor = world if api == "compressed_pmean" else None
     leaves_with_paths, treedef = jax.tree_util.tree_flatten_with_path(x)
     paths = [p for p, _ in leaves_with_paths]
     leaves = [jnp.asarray(v) for _, v in leaves_with_paths]
@@ -294,8 +296,9 @@ def compressed_pmean(
 ):
     """The mean of a pytree over mapped axes: :func:`compressed_psum` divided by the axis size.
 
-    Bitwise ``compressed_psum(x, ...) / W`` as ``jax.jit`` computes it for float32 leaves (XLA
-    multiplies by ``float32(1 / W)``); a compressed buffer is divided where its sum is decoded,
+    Bitwise ``compressed_psum(x, ...) / W`` as ``jax.jit`` computes it on CPU for float32 leaves
+    (XLA multiplies by ``float32(1 / W)``; on GPU it keeps subnormal quotients, which this flushes
+    to zero); a compressed buffer is divided where its sum is decoded,
     in float32 before the one rounding to a bfloat16/float16 leaf's dtype (one rounding fewer
     than dividing the rounded sum), and no pass over the result is spent on the division.
 
@@ -326,13 +329,13 @@ def _assemble(flat, bounds, start: int, stop: int) -> jax.Array:
 
 
 def _reduce_buffer(buf, axes, world, config: CompressionConfig, key, impl, residual=False, *, backend: str,
-                   divisor: int = 1):
+                   divisor: int | None = None):
     """One fusion buffer through the compressed primitive (its uncompressed tail, if skipped, through psum).
 
     With ``config.hierarchical`` the compressed part is reduced in two levels
     (:func:`~jax_cgx._src.exchange.hierarchical.reduce_hierarchical`). With ``residual`` returns ``(sum, residual)``.
     ``backend``: the one the plan chose for the buffer's compressed exchange. ``divisor``: the
-    result is the sum divided by it (the residual stays the sum's).
+    result is the sum divided by it (the residual stays the sum's); None for the sum.
     """
     if config.hierarchical and len(axes) < 2:
         raise ValueError(
@@ -353,9 +356,10 @@ def _reduce_buffer(buf, axes, world, config: CompressionConfig, key, impl, resid
         head = buf[:head_n]  # varying over axes under check_vma: its leaves are (check_varying)
         if config.hierarchical:
             result = reduce_hierarchical(head, axes, world, config, key, impl, residual, backend=backend,
-                                         divisor=divisor)
+                                         divisor=divisor or 1)
         else:
-            result = compressed_sum(head, axes, world, config, key, impl, residual, backend=backend, divisor=divisor)
+            result = compressed_sum(head, axes, world, config, key, impl, residual, backend=backend,
+                                    divisor=divisor or 1)
         parts.append(result[0] if residual else result)
         lost.append(result[1] if residual else None)
     if head_n < n:

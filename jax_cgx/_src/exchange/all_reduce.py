@@ -155,7 +155,7 @@ batching.fancy_primitive_batchers[compressed_allreduce_p] = _batcher(compressed_
 # (x[R, n], seeds[R, W+1, 2]) -> (out[R, n], residual[R, n]), the same params as
 # compressed_allreduce_p. `out` is bitwise what compressed_allreduce_p computes; `residual`
 # is this rank's share of the compression error: summed over the ranks of the reduction,
-# sum_r residual_r == sum_r x_r - out (up to float32 rounding). A separate primitive, so
+# sum_r residual_r == sum_r x_r - divisor * out (up to float32 rounding). A separate primitive, so
 # that the plain all-reduce's rules, lowerings and programs stay as they are.
 compressed_allreduce_residual_p = Primitive("jax_cgx_compressed_allreduce_residual")
 compressed_allreduce_residual_p.multiple_results = True

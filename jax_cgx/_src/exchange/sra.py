@@ -87,8 +87,9 @@ def _sra_residual(chunks, payload, meta, recv_payload, recv_meta, own, own_out, 
     sum lost, ``S_me - out_me``, with ``S_me`` the float32 sum the fused kernel
     re-quantized (recomputed by ``dequantize_sum`` from the same received encodings and
     own addend: the same kernel order, the same float32 sums) and ``out_me`` the decoded
-    re-quantized sum every replica holds. Summed over the ranks, the residuals of chunk
-    ``o`` telescope to ``sum_r x_r[o] - out[o]`` (docs/algorithm.md, "Error feedback").
+    re-quantized sum (what every replica holds, before a mean's division). Summed over the
+    ranks, the residuals of chunk ``o`` telescope to ``sum_r x_r[o] - out[o]`` (the sum's
+    ``out``; docs/algorithm.md, "Error feedback").
     """
     r, w, c = chunks.shape
     f32 = jnp.float32
