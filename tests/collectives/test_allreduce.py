@@ -429,3 +429,18 @@ def test_config_none_reads_the_environment(monkeypatch):
     f = jax.shard_map(lambda x: jax_cgx.compressed_psum(x[0], "d")[None], mesh=mesh, in_specs=P("d"), out_specs=P("d"))
     out = np.asarray(jax.jit(f)(per_device(xs, mesh)))
     assert_same_bits(out[0], oracle(xs, CompressionConfig(bits=3, bucket_size=128))[0])
+
+
+@pytest.mark.parametrize("world", [1, W])
+def test_pmean_of_integer_leaves_is_lax_pmean(world):
+    """An integer leaf (exact lane) comes back as lax.pmean returns it, float, whatever the world size."""
+    mesh = jax.make_mesh((world,), ("d",), devices=jax.devices()[:world])
+    x = jax.device_put(jnp.arange(world * 6, dtype=jnp.int32).reshape(world, 6),
+                       jax.sharding.NamedSharding(mesh, P("d")))
+
+    def body(v):
+        return jax_cgx.compressed_pmean(v[0], "d", CompressionConfig(bits=4))[None], jax.lax.pmean(v[0], "d")[None]
+
+    got, want = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("d"), out_specs=P("d")))(x)
+    assert got.dtype == want.dtype == jnp.float32
+    assert_same_bits(got, want)
