@@ -115,7 +115,7 @@ def _check(results: dict, nproc: int, backends) -> None:
                         expected = oracle(xs, config, k)[0]
                 what = f"{name}/{dtype_name}: vs the oracle on {device.platform}"
                 assert_same_bits(nccl[0], np.asarray(expected, np.float32), what)
-    names = ["tree"] + (["2d_sra_b4", "2d_hier_b4", "2d_hier_ring_b4"] if nproc == 4 else [])
+    names = ["tree", "tree_mean"] + (["2d_sra_b4", "2d_hier_b4", "2d_hier_ring_b4"] if nproc == 4 else [])
     for name in names:
         nccl = [results[f"{name}/f32/{first}/rank{d}"] for d in range(nproc)]
         for d in range(nproc):

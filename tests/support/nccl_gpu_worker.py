@@ -12,6 +12,7 @@ writes its rank's results to OUT_DIR/process<ID>.npz.
 backend only: CI checks the harness itself that way.
 """
 
+import itertools
 import os
 import sys
 
@@ -115,19 +116,21 @@ def main() -> None:
     mesh, axes, spec = meshes["flat"]
     xs = inputs(nproc)
     x = jax.make_array_from_callback(xs.shape, NamedSharding(mesh, spec), lambda idx: xs[idx])
-    for backend in backends:
+    # The mean too: the nccl call divides in its own decode (its scale attribute).
+    for backend, (tree_name, reduce) in itertools.product(
+            backends, [("tree", jax_cgx.compressed_psum), ("tree_mean", jax_cgx.compressed_pmean)]):
         config = CompressionConfig(bits=4, min_size=1024, fusion_buffer_mb=0.1, backend=backend)
 
-        def tree_body(v, config=config):
+        def tree_body(v, config=config, reduce=reduce):
             v = v.reshape(-1)
             tree = {"big": v, "small": v[:100] * 2.0, "big2": v[::-1] + 1.0}
-            out = jax_cgx.compressed_psum(tree, axes, config, key=jax.random.key(5))
+            out = reduce(tree, axes, config, key=jax.random.key(5))
             return jnp.concatenate([out["big"], out["small"], out["big2"]])[None]
 
         f = jax.jit(jax.shard_map(tree_body, mesh=mesh, in_specs=spec, out_specs=spec))
         assert ("jax_cgx_nccl_allreduce" in f.lower(x).compile().as_text()) == (backend == "nccl")
         for rank, value in _local(f(x)).items():
-            results[f"tree/f32/{backend}/rank{rank}"] = value
+            results[f"{tree_name}/f32/{backend}/rank{rank}"] = value
 
     # Reduce-scatter and all-gather: the nccl backend's custom calls against the xla backend.
     for dtype_name, dtype in DTYPES.items():
