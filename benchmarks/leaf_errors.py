@@ -10,6 +10,11 @@ objectives::
     python benchmarks/leaf_errors.py                  # the characters of the help topics (103 symbols)
     python benchmarks/leaf_errors.py --words 4096     # the same text as words: the 4096 most frequent
                                                       # words and punctuation marks, the rest one symbol
+
+``--bucket-sizes 64 128 256 512 1024 4096`` also solves the relative-error plan over each leaf's width
+*and* bucket size (smaller buckets cost 8 bytes each but cut a heavy-tailed leaf's range), with
+``choose_bits``' own solver at the same byte budgets: what per-leaf bucket sizes would add to
+``choose_bits``, which chooses widths only.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 import train_charlm  # noqa: E402
 
 import jax_cgx  # noqa: E402
+from jax_cgx._src.adaptive.choose import _leaf_bytes, _solve  # noqa: E402  (the solver, reused as is)
 from jax_cgx.adaptive import expected_errors  # noqa: E402
 
 
@@ -46,6 +52,8 @@ def main(argv=None) -> None:
     p.add_argument("--bucket-size", type=int, default=512, help="(default: %(default)s)")
     p.add_argument("--widths", type=int, nargs="+", default=[2, 3, 4, 5, 8], help="(default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="(default: %(default)s)")
+    p.add_argument("--bucket-sizes", type=int, nargs="+", metavar="B",
+                   help="also plan width and bucket size per leaf over these bucket sizes")
     args = p.parse_args(argv)
 
     model = train_charlm.parse_args([])
@@ -82,6 +90,40 @@ def main(argv=None) -> None:
                                                     objective=objective)
             print(f"\nchoose_bits(budget_bits={budget}, objective={objective!r}):")
             print(jax_cgx.adaptive.describe(plans))
+    if args.bucket_sizes:
+        plan_buckets(leaves, args)
+
+
+def plan_buckets(leaves, args) -> None:
+    """The relative-error plan over (width, bucket size) per leaf, against uniform width at
+    ``--bucket-size``, at the bytes of uniform 4 and 3 bits."""
+    options = []
+    for _, v in leaves:
+        row = []
+        for bucket in args.bucket_sizes:
+            config = jax_cgx.CompressionConfig(bits=4, bucket_size=bucket)
+            errors = expected_errors([v], config, args.widths, objective="relative")[0]
+            row += [(_leaf_bytes(v.size, b, bucket), float(e), (b, bucket)) for b, e in zip(args.widths, errors)]
+        options.append(row)
+    for budget_bits in (4, 3):
+        budget = sum(_leaf_bytes(v.size, budget_bits, args.bucket_size) for _, v in leaves)
+        uniform = sum(next(o[1] for o in row if o[2] == (budget_bits, args.bucket_size)) for row in options)
+        picks = _solve(options, budget)
+        total = sum(p[1] for p in picks)
+        # The best single (width, bucket size) for every leaf within the same bytes: a better default.
+        fits = {}
+        for row in options:
+            for nbytes, err, choice in row:
+                fits.setdefault(choice, [0, 0.0])
+                fits[choice][0] += nbytes
+                fits[choice][1] += err
+        best = min((err, choice) for choice, (nbytes, err) in fits.items() if nbytes <= budget)
+        print(f"\nwidth and bucket size per leaf, relative error, within uniform {budget_bits}-bit bytes "
+              f"(bucket {args.bucket_size}): {total:.4g} against uniform's {uniform:.4g} ({total / uniform:.2f}x); "
+              f"the best uniform choice within those bytes, {best[1][0]} bits in buckets of {best[1][1]}: "
+              f"{best[0]:.4g} ({best[0] / uniform:.2f}x)")
+        for (name, v), (nbytes, err, (b, bucket)) in zip(leaves, picks):
+            print(f"  {name:28s} {v.size:8d}  {b} bits, bucket {bucket:5d}  {nbytes:8d} bytes  error {err:.4g}")
 
 
 if __name__ == "__main__":
