@@ -33,8 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 import train_charlm  # noqa: E402
 
 import jax_cgx  # noqa: E402
-from jax_cgx._src.adaptive.choose import _leaf_bytes, _solve  # noqa: E402  (the solver, reused as is)
-from jax_cgx.adaptive import expected_errors  # noqa: E402
+from jax_cgx.adaptive import expected_errors, leaf_bytes, solve  # noqa: E402
 
 
 def word_ids(vocab_size: int) -> tuple[np.ndarray, int]:
@@ -103,12 +102,12 @@ def plan_buckets(leaves, args) -> None:
         for bucket in args.bucket_sizes:
             config = jax_cgx.CompressionConfig(bits=4, bucket_size=bucket)
             errors = expected_errors([v], config, args.widths, objective="relative")[0]
-            row += [(_leaf_bytes(v.size, b, bucket), float(e), (b, bucket)) for b, e in zip(args.widths, errors)]
+            row += [(leaf_bytes(v.size, b, bucket), float(e), (b, bucket)) for b, e in zip(args.widths, errors)]
         options.append(row)
     for budget_bits in (4, 3):
-        budget = sum(_leaf_bytes(v.size, budget_bits, args.bucket_size) for _, v in leaves)
+        budget = sum(leaf_bytes(v.size, budget_bits, args.bucket_size) for _, v in leaves)
         uniform = sum(next(o[1] for o in row if o[2] == (budget_bits, args.bucket_size)) for row in options)
-        picks = _solve(options, budget)
+        picks = solve(options, budget)
         total = sum(p[1] for p in picks)
         # The best single (width, bucket size) for every leaf within the same bytes: a better default.
         fits = {}

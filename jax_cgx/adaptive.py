@@ -3,6 +3,17 @@ minimizes the expected quantization error of the whole tree within a uniform wid
 (CGX's adaptive compression; the model and the solver: ``jax_cgx/_src/adaptive/choose.py``);
 :class:`Planner` re-plans during training with bounded recompilation (``.../replanning.py``)."""
 
-from jax_cgx._src.adaptive import EXACT, LeafPlan, Planner, choose_bits, describe, expected_errors, leaf_errors
+from jax_cgx._src.adaptive import (
+    EXACT,
+    LeafPlan,
+    Planner,
+    choose_bits,
+    describe,
+    expected_errors,
+    leaf_bytes,
+    leaf_errors,
+    solve,
+)
 
-__all__ = ["EXACT", "LeafPlan", "Planner", "choose_bits", "describe", "expected_errors", "leaf_errors"]
+__all__ = ["EXACT", "LeafPlan", "Planner", "choose_bits", "describe", "expected_errors", "leaf_bytes",
+           "leaf_errors", "solve"]

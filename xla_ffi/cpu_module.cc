@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "xla_ffi/cpu_handlers.h"
+#include "xla_ffi/ffi_support.h"
 #include "xla_ffi/cpu_kernels.h"
 #include "xla_ffi/tcp_allreduce.h"
 #include "xla_ffi/tcp_comms.h"
@@ -29,6 +30,7 @@ nb::capsule handler_capsule(Fn* fn) {
 
 NB_MODULE(_cpu, m) {
   m.doc() = "jax_cgx CPU kernels (XLA FFI handlers for platform 'cpu').";
+  m.attr("interface_version") = jax_cgx::ffi_support::kInterfaceVersion;
 
   m.def(
       "registrations",

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "xla/ffi/api/c_api.h"
+#include "xla_ffi/ffi_support.h"
 
 #if JAX_CGX_HAVE_NCCL
 #include "xla_ffi/nccl_allreduce.h"
@@ -136,6 +137,7 @@ void DefineNccl(nb::module_& m) { m.def("nccl_compiled", []() { return false; })
 
 NB_MODULE(_cuda, m) {
   m.doc() = "jax_cgx CUDA kernels (XLA FFI handlers) and NCCL communicators";
+  m.attr("interface_version") = jax_cgx::ffi_support::kInterfaceVersion;
   m.def("registrations", []() {
     nb::dict targets;
     targets["jax_cgx_quantize"] = Capsule(CudaQuantize);

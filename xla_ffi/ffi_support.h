@@ -26,6 +26,12 @@ namespace jax_cgx::ffi_support {
 namespace ffi = xla::ffi;
 using Dims = ffi::Span<const int64_t>;
 
+// The FFI targets' interface (operands, results, attributes) as this build implements it; the
+// extensions export it as `interface_version`, and jax_cgx/_src/extensions.py refuses a build whose
+// number differs from its own (a stale extension would fail every call on an unknown attribute).
+// Bump both together whenever a target's signature changes. 2: `scale` on the decoding targets.
+inline constexpr int kInterfaceVersion = 2;
+
 // Returns from the enclosing function when `expr` (an ffi::Error) failed.
 #define CGX_RETURN_IF_ERROR(expr)                  \
   do {                                             \

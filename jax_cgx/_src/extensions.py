@@ -10,8 +10,25 @@ from __future__ import annotations
 import os
 from types import ModuleType
 
-__all__ = ["ISAS", "ISA_ENV", "choose_isa", "cpu", "cuda", "cuda_extension_available", "cuda_import_error",
-           "require_cuda_extension"]
+__all__ = ["INTERFACE_VERSION", "ISAS", "ISA_ENV", "check_interface", "choose_isa", "cpu", "cuda",
+           "cuda_extension_available", "cuda_import_error", "require_cuda_extension"]
+
+# The FFI targets' interface this Python code lowers to: kInterfaceVersion in xla_ffi/ffi_support.h,
+# which the extensions export. Bump both together whenever a target's operands or attributes change.
+INTERFACE_VERSION = 2
+
+
+def check_interface(module: ModuleType) -> None:
+    """Refuse an extension built from other sources than this Python code (an old build left in an
+    editable install): every call would fail on an attribute it does not know, far from the cause."""
+    built = getattr(module, "interface_version", 1)  # builds before the number existed were 1
+    if built != INTERFACE_VERSION:
+        raise ImportError(
+            f"jax_cgx's compiled extension {module.__name__} implements FFI interface {built}, but this jax_cgx "
+            f"needs {INTERFACE_VERSION}: it was built from older or newer sources. Rebuild it: `pip install -e .` "
+            "from the checkout (or, with the build dependencies installed, `pip install --no-build-isolation "
+            "--no-deps -e .`).")
+
 
 try:
     from jax_cgx import _cpu
@@ -26,6 +43,7 @@ except ImportError as err:  # pragma: no cover - a broken install
             "or install in editable mode (`pip install -e .`)."
         )
     raise ImportError(f"jax_cgx's compiled CPU extension (jax_cgx._cpu) cannot be imported. {hint}") from err
+check_interface(_cpu)
 
 try:
     from jax_cgx import _cuda
@@ -33,6 +51,8 @@ try:
 except ImportError as err:
     _cuda = None
     _cuda_error = err
+if _cuda is not None:
+    check_interface(_cuda)  # a stale CUDA build is an error, not a silent fallback to the reference
 
 
 def cpu() -> ModuleType:

@@ -33,6 +33,20 @@ def test_missing_cuda_extension_is_a_clear_error(monkeypatch):
         extensions.require_cuda_extension()
 
 
+def test_the_extensions_implement_this_code_s_interface():
+    """The built extensions export the FFI interface this Python code lowers to; a stale build (another
+    number, or none: built before the number existed) is refused at import with the rebuild command."""
+    import types
+
+    assert extensions.cpu().interface_version == extensions.INTERFACE_VERSION
+    if extensions.cuda() is not None:
+        assert extensions.cuda().interface_version == extensions.INTERFACE_VERSION
+    for stale in (types.ModuleType("jax_cgx._cpu"), types.SimpleNamespace(__name__="jax_cgx._cuda",
+                                                                           interface_version=1)):
+        with pytest.raises(ImportError, match=r"implements FFI interface 1, but this jax_cgx needs 2.*pip install -e"):
+            extensions.check_interface(stale)
+
+
 def test_cpu_lowering_is_the_ffi_custom_call():
     f = jax.jit(lambda x: jax_cgx.dequantize(jax_cgx.quantize(x, CompressionConfig(bits=3)), impl="kernel"))
     hlo = f.lower(jnp.ones(1000)).as_text()

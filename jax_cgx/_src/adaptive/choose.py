@@ -33,7 +33,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -42,7 +42,7 @@ import numpy as np
 from jax_cgx._src.collectives.plan import lane
 from jax_cgx._src.config import CompressionConfig
 
-__all__ = ["LeafPlan", "choose_bits", "describe", "expected_errors", "leaf_errors"]
+__all__ = ["LeafPlan", "choose_bits", "describe", "expected_errors", "leaf_bytes", "leaf_errors", "solve"]
 
 OBJECTIVES = ("squared", "relative")
 EXACT = 32  # a leaf sent exact (config None), in a plan's "bits"
@@ -84,9 +84,10 @@ def _base(config, api: str) -> CompressionConfig:
     return base
 
 
-def _leaf_bytes(size: int, bits: float, bucket_size: int) -> int:
-    """Bytes of a leaf sent at ``bits`` (``EXACT``: float32, no metadata; a fractional width: the
-    budget of a uniform one)."""
+def leaf_bytes(size: int, bits: float, bucket_size: int) -> int:
+    """Bytes of a leaf of ``size`` values sent at ``bits`` in buckets of ``bucket_size`` (``EXACT``:
+    float32, no metadata; a fractional width: the budget of a uniform one), as :func:`choose_bits`
+    counts them."""
     if bits == EXACT:
         return 4 * size
     return math.ceil(size * bits / 8) + _META_BYTES * -(-size // bucket_size)
@@ -224,7 +225,7 @@ def _choose(grads, budget_bits, candidates, config, exact: bool, api: str, curre
                              "inf or nan); choose from a finite gradient")
     sizes = [int(np.size(leaves[i])) for i in chosen]
     options = [_all(n, dict(zip(quantized, row)), widths, base) for n, row in zip(sizes, errors)]
-    picks = _solve(options, sum(_leaf_bytes(n, budget_bits, base.bucket_size) for n in sizes))
+    picks = solve(options, sum(leaf_bytes(n, budget_bits, base.bucket_size) for n in sizes))
     if int(budget_bits) == budget_bits and int(budget_bits) in cands:
         uniform = [next(o for o in opts if o[2] == int(budget_bits)) for opts in options]
         if sum(o[1] for o in uniform) < sum(o[1] for o in picks):
@@ -249,11 +250,16 @@ def _choose(grads, budget_bits, candidates, config, exact: bool, api: str, curre
 
 def _all(n: int, errors: dict[int, float], widths, base: CompressionConfig) -> list[tuple[int, float, int]]:
     """A leaf's options: (bytes, error, bits) for each width."""
-    return [(_leaf_bytes(n, b, base.bucket_size), 0.0 if b == EXACT else float(errors[b]), b) for b in widths]
+    return [(leaf_bytes(n, b, base.bucket_size), 0.0 if b == EXACT else float(errors[b]), b) for b in widths]
 
 
-def _solve(options: list[list[tuple[int, float, int]]], budget: float) -> list[tuple[int, float, int]]:
-    """The option per leaf minimizing the total error with the total bytes within ``budget``."""
+def solve(options: list[list[tuple[int, float, Any]]], budget: float) -> list[tuple[int, float, Any]]:
+    """The option per leaf minimizing the total error with the total bytes within ``budget``:
+    :func:`choose_bits`' exact solver (module docstring), for other error models or choices.
+
+    ``options``: per leaf, a list of ``(bytes, error, label)`` (the label, e.g. a width or a
+    ``(width, bucket_size)`` pair, is returned as given). Returns the chosen option of each leaf.
+    """
     if not options:
         return []
     unit = max(1.0, budget / 65536)
