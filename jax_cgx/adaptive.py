@@ -3,10 +3,9 @@ minimizes the expected quantization error of the whole tree within a uniform wid
 (CGX's adaptive compression; the model and the solver: ``jax_cgx/_src/adaptive/choose.py``);
 :class:`Planner` re-plans during training with bounded recompilation (``.../replanning.py``)."""
 
-from jax_cgx._src.adaptive import (
+from jax_cgx._src.adaptive.choose import (
     EXACT,
     LeafPlan,
-    Planner,
     choose_bits,
     describe,
     expected_errors,
@@ -14,6 +13,7 @@ from jax_cgx._src.adaptive import (
     leaf_errors,
     solve,
 )
+from jax_cgx._src.adaptive.replanning import Planner
 
 __all__ = ["EXACT", "LeafPlan", "Planner", "choose_bits", "describe", "expected_errors", "leaf_bytes",
            "leaf_errors", "solve"]

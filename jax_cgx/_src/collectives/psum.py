@@ -354,12 +354,8 @@ def _reduce_buffer(buf, axes, world, config: CompressionConfig, key, impl, resid
     parts, lost = [], []
     if head_n:
         head = buf[:head_n]  # varying over axes under check_vma: its leaves are (check_varying)
-        if config.hierarchical:
-            result = reduce_hierarchical(head, axes, world, config, key, impl, residual, backend=backend,
-                                         divisor=divisor or 1)
-        else:
-            result = compressed_sum(head, axes, world, config, key, impl, residual, backend=backend,
-                                    divisor=divisor or 1)
+        reduce = reduce_hierarchical if config.hierarchical else compressed_sum
+        result = reduce(head, axes, world, config, key, impl, residual, backend=backend, divisor=divisor or 1)
         parts.append(result[0] if residual else result)
         lost.append(result[1] if residual else None)
     if head_n < n:
