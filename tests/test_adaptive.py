@@ -268,3 +268,98 @@ def test_the_relative_objective_does_not_see_a_leafs_scale():
     assert plan(tree, "squared") != plan(scaled, "squared")
     with pytest.raises(ValueError, match="objective must be one of"):
         choose_bits(tree, objective="adam")
+
+
+def _spiky(seed: int, n: int = 1 << 13) -> np.ndarray:
+    # An embedding's gradient: most rows untouched (zero), a few with values, one far larger.
+    r = np.random.default_rng(seed)
+    x = np.zeros(n, np.float32)
+    rows = r.choice(n // 64, n // 256, replace=False)
+    for row in rows:
+        x[row * 64:(row + 1) * 64] = r.standard_normal(64) * float(r.choice([0.1, 1.0, 10.0]))
+    return x
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_width_and_bucket_size_plan_is_the_best_within_the_budget(seed):
+    # Exhaustive search over every (width, bucket size) per leaf (and exact): the same least error,
+    # within uniform budget_bits' bytes at the config's bucket size.
+    leaves = [*_leaves(seed, 2), _spiky(seed)]
+    sizes = [x.size for x in leaves]
+    candidates, buckets = (2, 3, 4), (64, 512)
+    errors = {bucket: expected_errors(leaves, BASE.replace(bucket_size=bucket), candidates) for bucket in buckets}
+    choices = [(b, bucket) for bucket in buckets for b in candidates] + [(EXACT, None)]
+    for budget_bits in (2.5, 3.0, 4.0):
+        configs, plans = choose_bits(leaves, budget_bits=budget_bits, candidates=candidates, bucket_sizes=buckets,
+                                     return_plan=True)
+        budget = _budget(sizes, budget_bits)
+        assert sum(p.bytes for p in plans) <= budget
+        best = min(
+            sum(0.0 if b == EXACT else errors[bucket][i][candidates.index(b)] for i, (b, bucket) in enumerate(combo))
+            for combo in itertools.product(choices, repeat=len(leaves))
+            if sum(_bytes(n, b, bucket or 1) for n, (b, bucket) in zip(sizes, combo)) <= budget
+        )
+        assert sum(p.error for p in plans) == pytest.approx(best, rel=1e-12)
+        for c, p in zip(configs, plans):
+            assert (c is None) == (p.bits == EXACT)
+            assert c is None or (c.bits, c.bucket_size) == p.choice == (p.bits, p.bucket_size)
+
+
+def test_a_sparse_leaf_gets_small_buckets_and_one_bucket_size_is_the_width_plan():
+    tree = {"embed": _spiky(0, 1 << 15), "w": np.random.default_rng(0).standard_normal(1 << 14).astype(np.float32)}
+    configs, plans = choose_bits(tree, budget_bits=4, bucket_sizes=(64, 512, 4096), objective="relative",
+                                 return_plan=True)
+    assert configs["embed"].bucket_size < 512  # its zero rows become exact buckets
+    assert "bucket" in describe(plans) and str(configs["embed"].bucket_size) in describe(plans)
+    widths_only = choose_bits(tree, budget_bits=3.5, return_plan=True)[1]
+    assert choose_bits(tree, budget_bits=3.5, bucket_sizes=(512,), return_plan=True)[1] == widths_only
+    assert {p.bucket_size for p in widths_only} == {512}
+    for bad in ((), (0,), (2**31,), (True,), (64.0,), "64"):
+        with pytest.raises(ValueError, match="bucket_sizes must be bucket sizes"):
+            choose_bits(tree, bucket_sizes=bad)
+
+
+def test_leaf_errors_with_bucket_sizes_plan_as_the_gradient_does():
+    # leaf_errors' columns: each bucket size's widths, in order; choose_bits(errors=...) then plans as
+    # it does from the gradient itself; its configs reduce as each leaf's own config does, bitwise.
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:8])
+    r = np.random.default_rng(8)
+    grads = {"e": np.stack([_spiky(k, 1 << 13) for k in range(8)]), "w": r.standard_normal((8, 4096)).astype(np.float32)}
+    mean = jax.tree.map(lambda g: g.mean(0), grads)
+    buckets, candidates = (64, 256, 1024), (2, 3, 4)
+    errors = jax_cgx.adaptive.leaf_errors(mean, BASE, candidates, bucket_sizes=buckets)
+    assert errors.shape == (2, 9)
+    for k, bucket in enumerate(buckets):
+        np.testing.assert_allclose(np.asarray(errors[:, 3 * k:3 * k + 3]), expected_errors(
+            list(mean.values()), BASE.replace(bucket_size=bucket), candidates), rtol=1e-6)
+    kwargs = dict(budget_bits=3, candidates=candidates, bucket_sizes=buckets, return_plan=True)
+    assert choose_bits(mean, errors=errors, **kwargs)[1] == choose_bits(mean, **kwargs)[1]
+    with pytest.raises(ValueError, match="candidates x bucket sizes"):
+        choose_bits(mean, errors=errors[:, :3], **kwargs)
+    configs = choose_bits(mean, budget_bits=3, candidates=candidates, bucket_sizes=buckets)
+    configs["w"] = configs["w"].replace(bucket_size=128)  # two groups of different bucket sizes
+
+    def both(g):
+        g = jax.tree.map(lambda v: v[0], g)
+        return (jax_cgx.compressed_pmean(g, "data", configs),
+                {k: jax_cgx.compressed_pmean(v, "data", configs[k]) for k, v in g.items()})
+
+    together, alone = jax.jit(jax.shard_map(both, mesh=mesh, in_specs=P("data"), out_specs=P()))(grads)
+    for k in grads:
+        assert_same_bits(np.asarray(together[k]), np.asarray(alone[k]), k)
+
+
+def test_the_planner_keys_plans_on_width_and_bucket_size():
+    like = {"e": np.zeros(1 << 14, np.float32), "w": np.zeros(1 << 14, np.float32)}
+    planner = jax_cgx.adaptive.Planner(like, budget_bits=4, candidates=(2, 3, 4, 6), bucket_sizes=(64, 512, 4096),
+                                       every=1, objective="relative")
+    assert {(c.bits, c.bucket_size) for c in jax.tree.leaves(planner.configs)} == {(4, 512)}
+    grads = {"e": _spiky(1, 1 << 14), "w": np.random.default_rng(1).standard_normal(1 << 14).astype(np.float32)}
+    errors = planner.leaf_errors(grads)
+    assert errors.shape == (2, 12)
+    assert planner.observe(0, grads, errors=errors)
+    assert planner.configs["e"].bucket_size < 512
+    assert [p.choice for p in planner.plans] == [(c.bits, c.bucket_size) for c in jax.tree.leaves(planner.configs)]
+    planner.compiled(lambda configs: configs)
+    assert not planner.observe(1, grads, errors=errors)  # the same plan: no change, nothing new to compile
+    assert planner.compiled(lambda configs: configs) is not None and planner.changes == 1

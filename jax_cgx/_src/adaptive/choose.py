@@ -20,6 +20,11 @@ an exact one ``4 N``. Every exchange (the SRA all_to_all and all_gather, or a ri
 ``2 (W - 1) / W`` times those bytes, so the comparison is the same for any number of ranks and
 :func:`choose_bits` needs none.
 
+**Bucket sizes.** With ``bucket_sizes``, a leaf's options are every (width, bucket size) pair: a
+smaller bucket costs 8 bytes more per bucket but shrinks a heavy-tailed leaf's ranges (and makes
+the all-zero buckets of an embedding's unused rows exact), a finer knob than whole bits
+(docs/training.md). The budget stays uniform ``budget_bits`` at ``config``'s bucket size.
+
 **The solver** is exact: a dynamic program over the leaves keeping, after each leaf, every plan so far
 that no other beats in both bytes and error (a Pareto frontier, with numpy), bytes counted in units
 of ``1 / 65536`` of the budget, rounded up (so a plan never exceeds the budget; for budgets under
@@ -40,7 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_cgx._src.collectives.plan import lane
-from jax_cgx._src.config import CompressionConfig
+from jax_cgx._src.config import MAX_BUCKET_SIZE, CompressionConfig
 
 __all__ = ["LeafPlan", "choose_bits", "describe", "expected_errors", "leaf_bytes", "leaf_errors", "solve"]
 
@@ -50,13 +55,20 @@ _META_BYTES = 8  # per bucket: its minimum and scale
 
 
 class LeafPlan(NamedTuple):
-    """One leaf's choice: its path, values, bits (``EXACT`` = 32: sent exact), predicted error and bytes."""
+    """One leaf's choice: its path, values, bits (``EXACT`` = 32: sent exact), predicted error,
+    bytes and bucket size (None when sent exact)."""
 
     path: str
     size: int
     bits: int
     error: float
     bytes: int
+    bucket_size: int | None = None
+
+    @property
+    def choice(self) -> tuple[int, int | None]:
+        """``(bits, bucket_size)``: what a plan is compared and keyed by."""
+        return self.bits, self.bucket_size
 
 
 def _candidates(candidates, api: str) -> tuple[int, ...]:
@@ -64,6 +76,17 @@ def _candidates(candidates, api: str) -> tuple[int, ...]:
     if not cands or any(isinstance(b, bool) or not isinstance(b, (int, np.integer)) or not 1 <= b <= 8 for b in cands):
         raise ValueError(f"{api}: candidates must be widths in 1..8, got {candidates!r}")
     return tuple(sorted({int(b) for b in cands}))
+
+
+def _bucket_sizes(bucket_sizes, base: CompressionConfig, api: str) -> tuple[int, ...]:
+    """``bucket_sizes`` checked and sorted; None: ``base``'s bucket size alone."""
+    if bucket_sizes is None:
+        return (base.bucket_size,)
+    sizes = tuple(bucket_sizes) if not isinstance(bucket_sizes, (str, bytes)) else ()
+    if not sizes or any(isinstance(b, bool) or not isinstance(b, (int, np.integer)) or not 1 <= b <= MAX_BUCKET_SIZE
+                        for b in sizes):
+        raise ValueError(f"{api}: bucket_sizes must be bucket sizes in 1..{MAX_BUCKET_SIZE}, got {bucket_sizes!r}")
+    return tuple(sorted({int(b) for b in sizes}))
 
 
 def _check(budget_bits, candidates, api: str = "choose_bits") -> tuple[float, tuple[int, ...]]:
@@ -84,30 +107,32 @@ def _base(config, api: str) -> CompressionConfig:
     return base
 
 
-def leaf_bytes(size: int, bits: float, bucket_size: int) -> int:
+def leaf_bytes(size: int, bits: float, bucket_size: int | None) -> int:
     """Bytes of a leaf of ``size`` values sent at ``bits`` in buckets of ``bucket_size`` (``EXACT``:
-    float32, no metadata; a fractional width: the budget of a uniform one), as :func:`choose_bits`
-    counts them."""
+    float32, no metadata, any bucket size; a fractional width: the budget of a uniform one), as
+    :func:`choose_bits` counts them."""
     if bits == EXACT:
         return 4 * size
     return math.ceil(size * bits / 8) + _META_BYTES * -(-size // bucket_size)
 
 
 def leaf_errors(grads, config: CompressionConfig | None = None, candidates: Sequence[int] = (2, 3, 4, 5, 6, 8),
-                axis_name=None, objective: str = "squared") -> jax.Array:
-    """``[leaf, candidate]``: :func:`expected_errors` of the leaves :func:`choose_bits` plans (those
-    ``config`` compresses), at each candidate width (sorted), as a JAX array: usable under ``jit``
-    and inside ``shard_map``. With ``axis_name``, averaged over it (``lax.pmean`` of this small
-    array): every device then holds the same errors, of the devices' own gradients, to pass to
+                axis_name=None, objective: str = "squared", bucket_sizes: Sequence[int] | None = None) -> jax.Array:
+    """``[leaf, option]``: :func:`expected_errors` of the leaves :func:`choose_bits` plans (those
+    ``config`` compresses), at each candidate width (sorted) in each of ``bucket_sizes`` (sorted;
+    None: ``config``'s), bucket size major, as a JAX array: usable under ``jit`` and inside
+    ``shard_map``. With ``axis_name``, averaged over it (``lax.pmean`` of this small array): every
+    device then holds the same errors, of the devices' own gradients, to pass to
     :func:`choose_bits` (``errors=``) or :meth:`Planner.observe`.
     """
     cands = _candidates(candidates, "leaf_errors")
     base = _base(config, "leaf_errors")
+    buckets = _bucket_sizes(bucket_sizes, base, "leaf_errors")
     relative = _relative(objective, "leaf_errors")
     with_paths = jax.tree_util.tree_flatten_with_path(grads)[0]
-    rows = [_errors(v, base.bucket_size, base.stochastic, cands, relative) for p, v in with_paths
-            if lane(p, v, base, "leaf_errors") == "quantized"]
-    out = jnp.stack(rows) if rows else jnp.zeros((0, len(cands)), jnp.float32)
+    rows = [jnp.concatenate([_errors(v, bucket, base.stochastic, cands, relative) for bucket in buckets])
+            for p, v in with_paths if lane(p, v, base, "leaf_errors") == "quantized"]
+    out = jnp.stack(rows) if rows else jnp.zeros((0, len(buckets) * len(cands)), jnp.float32)
     return jax.lax.pmean(out, axis_name) if axis_name is not None else out
 
 
@@ -157,15 +182,19 @@ def _errors(leaf, bucket_size: int, stochastic: bool, widths: tuple[int, ...], r
 
 
 def choose_bits(grads, *, budget_bits: float = 4.0, candidates: Sequence[int] = (2, 3, 4, 5, 6, 8),
-                config: CompressionConfig | None = None, exact: bool = True, return_plan: bool = False,
-                errors=None, objective: str = "squared"):
-    """Bit widths per leaf minimizing the expected quantization error within uniform ``budget_bits``' bytes.
+                bucket_sizes: Sequence[int] | None = None, config: CompressionConfig | None = None,
+                exact: bool = True, return_plan: bool = False, errors=None, objective: str = "squared"):
+    """Bit widths (and bucket sizes) per leaf minimizing the expected quantization error within
+    uniform ``budget_bits``' bytes.
 
     Args:
       grads: a pytree of arrays (a reduced gradient: the same on every process, so every process
         chooses the same plan; concrete, not traced: a plan is a static config).
-      budget_bits: the uniform width whose bytes the plan may not exceed (bucket metadata counted).
+      budget_bits: the uniform width whose bytes the plan may not exceed (bucket metadata counted,
+        at ``config``'s bucket size).
       candidates: the widths a leaf may get, 1..8.
+      bucket_sizes: the bucket sizes a leaf may get (each leaf then chooses a width and a bucket
+        size); None: ``config``'s bucket size for every leaf.
       config: every other setting (bucket size, rounding, backend, policy, ...); None:
         ``CompressionConfig()``. Leaves it would not compress (integers, fewer than ``min_size``
         values) keep it and stay outside the budget.
@@ -175,66 +204,73 @@ def choose_bits(grads, *, budget_bits: float = 4.0, candidates: Sequence[int] = 
         in units of its mean square (the error in the step of an optimizer that normalizes each
         leaf's gradient by its size, as Adam does per value), so leaves of small gradients are
         not starved of bits.
-      errors: :func:`leaf_errors` of the devices' own gradients, averaged over the devices (then
-        ``grads`` gives only the structure, shapes and dtypes). The averaged gradient itself, when
-        it comes from a compressed mean, lies on the quantization grid of the widths it was sent
-        with, so its errors at those widths read as zero: plan from the devices' own gradients.
+      errors: :func:`leaf_errors` of the devices' own gradients, averaged over the devices, with the
+        same candidates and bucket sizes (then ``grads`` gives only the structure, shapes and
+        dtypes). The averaged gradient itself, when it comes from a compressed mean, lies on the
+        quantization grid of the widths it was sent with, so its errors at those widths read as
+        zero: plan from the devices' own gradients.
 
     Returns:
-      A pytree like ``grads`` of ``CompressionConfig`` (``config`` with ``bits`` set) or ``None``,
-      usable wherever jax_cgx takes a config pytree; with ``return_plan``, ``(configs, plans)``.
+      A pytree like ``grads`` of ``CompressionConfig`` (``config`` with ``bits`` and
+      ``bucket_size`` set) or ``None``, usable wherever jax_cgx takes a config pytree; with
+      ``return_plan``, ``(configs, plans)``.
 
     Raises:
       ValueError: bad arguments, ``budget_bits`` below every candidate, or a leaf that is not
         finite (its error cannot be weighed: choose from a finite gradient).
     """
     configs, plans, _ = _choose(grads, budget_bits, candidates, config, exact, "choose_bits", errors=errors,
-                                objective=objective)
+                                objective=objective, bucket_sizes=bucket_sizes)
     return (configs, plans) if return_plan else configs
 
 
-def _choose(grads, budget_bits, candidates, config, exact: bool, api: str, current: Sequence[int] | None = None,
-            errors=None, objective: str = "squared"):
-    """``(configs, plans, error of current)``: :func:`choose_bits`'s plan, and the error the widths
-    ``current`` (one per planned leaf, in order) would have on this gradient (None without them)."""
+def _choose(grads, budget_bits, candidates, config, exact: bool, api: str, current: Sequence[tuple] | None = None,
+            errors=None, objective: str = "squared", bucket_sizes: Sequence[int] | None = None):
+    """``(configs, plans, error of current)``: :func:`choose_bits`'s plan, and the error the choices
+    ``current`` (one ``(bits, bucket_size)`` per planned leaf, in order) would have on this gradient
+    (None without them)."""
     budget_bits, cands = _check(budget_bits, candidates, api)
     base = _base(config, api)
+    buckets = _bucket_sizes(bucket_sizes, base, api)
     with_paths, treedef = jax.tree_util.tree_flatten_with_path(grads)
     paths = [p for p, _ in with_paths]
     leaves = [v for _, v in with_paths]
     chosen = [i for i, (p, v) in enumerate(zip(paths, leaves)) if lane(p, v, base, api) == "quantized"]
-    quantized = list(cands)
-    widths = quantized + ([EXACT] if exact else [])
-    if current is not None and not set(current) <= set(widths):
-        raise ValueError(f"{api}: the current widths {sorted(set(current))} are not all among {widths}")
+    quantized = [(b, bucket) for bucket in buckets for b in cands]  # leaf_errors' columns, in order
+    choices = quantized + ([(EXACT, None)] if exact else [])
+    if current is not None and not set(current) <= set(choices):
+        raise ValueError(f"{api}: the current choices {sorted(set(current), key=str)} are not all among {choices}")
     if errors is None:
         for path, leaf in zip(paths, leaves):
             if isinstance(leaf, jax.core.Tracer):
                 raise TypeError(f"{api}: leaf {jax.tree_util.keystr(path)} is traced; call it outside jit on the "
                                 "averaged gradient, or pass errors= from leaf_errors (a plan is a static config)")
-        errors = expected_errors([leaves[i] for i in chosen], base, quantized, objective)
+        planned = [leaves[i] for i in chosen]
+        errors = np.concatenate([expected_errors(planned, base.replace(bucket_size=bucket), cands, objective)
+                                 for bucket in buckets], axis=1)
     else:
         errors = np.asarray(errors, np.float64)
         if errors.shape != (len(chosen), len(quantized)):
             raise ValueError(f"{api}: errors has shape {errors.shape}; this gradient and config need "
-                             f"{(len(chosen), len(quantized))} (leaves to plan, candidates): compute it with "
-                             "leaf_errors and the same config and candidates")
+                             f"{(len(chosen), len(quantized))} (leaves to plan, candidates x bucket sizes): compute "
+                             "it with leaf_errors and the same config, candidates and bucket sizes")
     for i, row in zip(chosen, errors):
         if not np.all(np.isfinite(row)):
             raise ValueError(f"{api}: leaf {jax.tree_util.keystr(paths[i])} is not finite (its buckets' spans are "
                              "inf or nan); choose from a finite gradient")
     sizes = [int(np.size(leaves[i])) for i in chosen]
-    options = [_all(n, dict(zip(quantized, row)), widths, base) for n, row in zip(sizes, errors)]
+    options = [_all(n, dict(zip(quantized, row)), choices) for n, row in zip(sizes, errors)]
     picks = solve(options, sum(leaf_bytes(n, budget_bits, base.bucket_size) for n in sizes))
-    if int(budget_bits) == budget_bits and int(budget_bits) in cands:
-        uniform = [next(o for o in opts if o[2] == int(budget_bits)) for opts in options]
+    uniform_choice = (int(budget_bits), base.bucket_size)
+    if int(budget_bits) == budget_bits and uniform_choice in quantized:
+        uniform = [next(o for o in opts if o[2] == uniform_choice) for opts in options]
         if sum(o[1] for o in uniform) < sum(o[1] for o in picks):
             picks = uniform
     before = None
     if current is not None:
         if len(current) != len(chosen):
             raise ValueError(f"{api}: the gradient has {len(chosen)} leaves to plan, the current plan {len(current)}")
-        before = sum(next(o[1] for o in opts if o[2] == b) for opts, b in zip(options, current))
+        before = sum(next(o[1] for o in opts if o[2] == c) for opts, c in zip(options, current))
     out: list[CompressionConfig | None] = []
     plans = []
     by_leaf = dict(zip(chosen, picks))
@@ -242,15 +278,16 @@ def _choose(grads, budget_bits, candidates, config, exact: bool, api: str, curre
         if i not in by_leaf:
             out.append(base)
             continue
-        nbytes, err, bits = by_leaf[i]
-        out.append(None if bits == EXACT else base.replace(bits=bits))
-        plans.append(LeafPlan(jax.tree_util.keystr(path), int(np.size(leaf)), bits, err, nbytes))
+        nbytes, err, (bits, bucket) = by_leaf[i]
+        out.append(None if bits == EXACT else base.replace(bits=bits, bucket_size=bucket))
+        plans.append(LeafPlan(jax.tree_util.keystr(path), int(np.size(leaf)), bits, err, nbytes, bucket))
     return treedef.unflatten(out), plans, before
 
 
-def _all(n: int, errors: dict[int, float], widths, base: CompressionConfig) -> list[tuple[int, float, int]]:
-    """A leaf's options: (bytes, error, bits) for each width."""
-    return [(leaf_bytes(n, b, base.bucket_size), 0.0 if b == EXACT else float(errors[b]), b) for b in widths]
+def _all(n: int, errors: dict[tuple, float], choices) -> list[tuple[int, float, tuple]]:
+    """A leaf's options: (bytes, error, (bits, bucket size)) for each choice."""
+    return [(leaf_bytes(n, b, bucket), 0.0 if b == EXACT else float(errors[b, bucket]), (b, bucket))
+            for b, bucket in choices]
 
 
 def solve(options: list[list[tuple[int, float, Any]]], budget: float) -> list[tuple[int, float, Any]]:
@@ -292,11 +329,12 @@ def solve(options: list[list[tuple[int, float, Any]]], budget: float) -> list[tu
 
 
 def describe(plans: Sequence[LeafPlan]) -> str:
-    """A table of a plan: per leaf its bits, predicted error and bytes, and the totals."""
-    rows = [f"{'leaf':<40} {'values':>10} {'bits':>5} {'pred. error':>12} {'bytes':>10}"]
+    """A table of a plan: per leaf its bits, bucket size, predicted error and bytes, and the totals."""
+    rows = [f"{'leaf':<40} {'values':>10} {'bits':>5} {'bucket':>7} {'pred. error':>12} {'bytes':>10}"]
     for p in plans:
         bits = "exact" if p.bits == EXACT else str(p.bits)
-        rows.append(f"{p.path:<40} {p.size:>10} {bits:>5} {p.error:>12.4g} {p.bytes:>10}")
-    rows.append(f"{'total':<40} {sum(p.size for p in plans):>10} {'':>5} {sum(p.error for p in plans):>12.4g} "
+        bucket = "" if p.bucket_size is None else str(p.bucket_size)
+        rows.append(f"{p.path:<40} {p.size:>10} {bits:>5} {bucket:>7} {p.error:>12.4g} {p.bytes:>10}")
+    rows.append(f"{'total':<40} {sum(p.size for p in plans):>10} {'':>5} {'':>7} {sum(p.error for p in plans):>12.4g} "
                 f"{sum(p.bytes for p in plans):>10}")
     return "\n".join(rows)

@@ -21,7 +21,16 @@ from typing import Any
 
 import jax
 
-from jax_cgx._src.adaptive.choose import LeafPlan, _base, _check, _choose, _relative, describe, leaf_errors
+from jax_cgx._src.adaptive.choose import (
+    LeafPlan,
+    _base,
+    _bucket_sizes,
+    _check,
+    _choose,
+    _relative,
+    describe,
+    leaf_errors,
+)
 from jax_cgx._src.arguments import check_bool
 from jax_cgx._src.collectives.plan import lane
 from jax_cgx._src.config import CompressionConfig
@@ -37,24 +46,26 @@ class Planner:
     Args:
       like: a pytree with the gradient's structure, shapes and dtypes (the parameters, or
         ``jax.ShapeDtypeStruct``s).
-      budget_bits, candidates, config, exact: as for :func:`~jax_cgx.adaptive.choose_bits`.
+      budget_bits, candidates, bucket_sizes, config, exact: as for :func:`~jax_cgx.adaptive.choose_bits`.
       every: re-plan at steps ``0, every, 2 every, ...`` (``observe``'s ``step``).
       objective: as for :func:`~jax_cgx.adaptive.choose_bits`.
       min_gain: adopt a new plan only when its predicted error is at most ``1 - min_gain`` times
         the current plan's on the same gradient (0: whenever it differs).
 
-    The first plan, before any gradient, is uniform: the widest candidate within ``budget_bits``.
+    The first plan, before any gradient, is uniform: the widest candidate within ``budget_bits``, in
+    ``config``'s buckets. A plan is keyed by each leaf's ``(bits, bucket_size)``.
     """
 
     def __init__(self, like, *, budget_bits: float = 4.0, candidates: Sequence[int] = (2, 3, 4, 5, 6, 8),
-                 config: CompressionConfig | None = None, exact: bool = True, every: int = 100,
-                 min_gain: float = 0.05, objective: str = "squared"):
+                 bucket_sizes: Sequence[int] | None = None, config: CompressionConfig | None = None,
+                 exact: bool = True, every: int = 100, min_gain: float = 0.05, objective: str = "squared"):
         budget, cands = _check(budget_bits, candidates, "Planner")
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
             raise ValueError(f"Planner: every must be a positive number of steps, got {every!r}")
         if isinstance(min_gain, bool) or not isinstance(min_gain, (int, float)) or not 0 <= min_gain < 1:
             raise ValueError(f"Planner: min_gain must be in [0, 1), got {min_gain!r}")
         self.base = _base(config, "Planner")
+        self.bucket_sizes = _bucket_sizes(bucket_sizes, self.base, "Planner")
         self.budget_bits, self.candidates = budget, cands
         self.exact = check_bool("Planner", "exact", exact)
         self.every, self.min_gain = every, float(min_gain)
@@ -64,7 +75,7 @@ class Planner:
         planned = [lane(p, v, self.base, "Planner") == "quantized" for p, v in with_paths]
         uniform = max(b for b in cands if b <= budget)
         self._configs = treedef.unflatten([self.base.replace(bits=uniform) if q else self.base for q in planned])
-        self._bits = tuple(uniform for q in planned if q)
+        self._choices = tuple((uniform, self.base.bucket_size) for q in planned if q)
         self.plans: list[LeafPlan] | None = None  # the adopted plan's table (None: still uniform)
         self.changes = 0
         self._compiled: dict[tuple, Any] = {}
@@ -81,7 +92,7 @@ class Planner:
 
     def compiled(self, make_step: Callable[[Any], Any]):
         """``make_step(configs)`` for the current plan, made once per distinct plan and kept."""
-        key = (make_step, self._bits)
+        key = (make_step, self._choices)
         if key not in self._compiled:
             self._compiled[key] = make_step(self._configs)
         return self._compiled[key]
@@ -90,7 +101,7 @@ class Planner:
         """:func:`~jax_cgx.adaptive.leaf_errors` for this planner's config and candidates: call it in
         the step on the devices' own gradients with the data axis, and give the result to
         :meth:`observe` (the averaged gradient, sent compressed, lies on the grid it was sent on)."""
-        return leaf_errors(grads, self.base, self.candidates, axis_name, self.objective)
+        return leaf_errors(grads, self.base, self.candidates, axis_name, self.objective, self.bucket_sizes)
 
     def observe(self, step: int, grads, *, errors=None) -> bool:
         """At a planning step, plan (from ``errors``, :meth:`leaf_errors` averaged over the devices,
@@ -99,12 +110,13 @@ class Planner:
         if step % self.every:
             return False
         configs, plans, before = _choose(grads, self.budget_bits, self.candidates, self.base, self.exact, "Planner",
-                                         current=self._bits, errors=errors, objective=self.objective)
+                                         current=self._choices, errors=errors, objective=self.objective,
+                                         bucket_sizes=self.bucket_sizes)
         after = sum(p.error for p in plans)
-        bits = tuple(p.bits for p in plans)
-        if bits == self._bits or after > (1 - self.min_gain) * before:
+        choices = tuple(p.choice for p in plans)
+        if choices == self._choices or after > (1 - self.min_gain) * before:
             return False
-        self._configs, self._bits, self.plans = configs, bits, plans
+        self._configs, self._choices, self.plans = configs, choices, plans
         self.changes += 1
         log.info("jax_cgx: step %d: new bit widths, predicted error %.4g (the previous plan's: %.4g)\n%s",
                  step, after, before, describe(plans))
