@@ -1,4 +1,5 @@
-"""Uniform against adaptive bit widths on the char transformer: validation loss after the same steps.
+"""Uniform against adaptive bit widths on the char (or, with ``-- --words V``, word) transformer:
+validation loss after the same steps.
 
 Runs ``examples/train_charlm.py`` once per spec and seed, each in its own process, and prints the
 median validation loss per spec with the plan changes and compiled steps of the adaptive runs::
@@ -8,7 +9,9 @@ median validation loss per spec with the plan changes and compiled steps of the 
 
 Specs: ``none`` (pmean), ``maxmin:BITS`` (uniform), ``adaptive:BUDGET`` (``--adaptive BUDGET``:
 jax_cgx.adaptive.Planner within uniform BUDGET bits' bytes), ``relative:BUDGET`` (the same with
-``--adaptive-objective relative``). Arguments after ``--`` go to every run.
+``--adaptive-objective relative``). Arguments after ``--`` go to every run (e.g. ``--words 4096
+--adaptive-bucket-sizes 64 128 256 512 1024 4096``: the word-level model, each leaf's bucket size
+planned too).
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ def run_one(spec: str, seed: int, extra: list[str]) -> dict:
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
     if proc.returncode:
         sys.exit(f"adaptive_bits: {spec} seed {seed} failed:\n{proc.stdout[-2000:]}{proc.stderr[-3000:]}")
-    final = re.search(r"validation loss ([\d.]+) nats/char.*step ([\d.]+) ms", proc.stdout)
+    final = re.search(r"validation loss ([\d.]+) nats/(?:char|word).*step ([\d.]+) ms", proc.stdout)
     wire = re.search(r"([\d.]+ \w+) on the wire per device per step \(", proc.stdout)
     plan = re.search(r"adaptive: (\d+) plan changes, (\d+) compiled steps", proc.stdout)
     return dict(spec=spec, seed=seed, val_loss=float(final.group(1)), step_ms=float(final.group(2)),

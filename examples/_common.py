@@ -70,6 +70,8 @@ def add_args(p: argparse.ArgumentParser, *, steps: int, batch: int, lr: float, l
     p.add_argument("--adaptive-objective", choices=("squared", "relative"), default="squared",
                    help="--adaptive: minimize the squared error, or each leaf's relative to its mean square "
                         "(default: %(default)s)")
+    p.add_argument("--adaptive-bucket-sizes", type=int, nargs="+", metavar="B",
+                   help="--adaptive: also choose each leaf's bucket size among these (default: --bucket-size's)")
     p.add_argument("--replan-every", type=int, default=100,
                    help="--adaptive: steps between plans (default: %(default)s)")
     p.add_argument("--error-feedback", action="store_true",
@@ -173,7 +175,9 @@ def describe(args) -> str:
                  + (f", {args.backend} backend" if args.backend != "auto" else "")
                  + (", in backward" if args.reduce_in_backward else ""))
         if getattr(args, "adaptive", None):
-            return f"maxmin adaptive within {args.adaptive:g}-bit bytes, bucket {args.bucket_size}{extra}"
+            buckets = args.adaptive_bucket_sizes
+            where = f"buckets of {'/'.join(map(str, buckets))}" if buckets else f"bucket {args.bucket_size}"
+            return f"maxmin adaptive within {args.adaptive:g}-bit bytes, {where}{extra}"
         return f"maxmin {args.bits}-bit, bucket {args.bucket_size}{extra}"
     if args.compressor == "cast":
         return "cast bfloat16"
@@ -445,7 +449,7 @@ def adaptive_planner(args, params):
         sys.exit("--adaptive: only with --compressor maxmin, without --reduce-in-backward")
     base = _maxmin_config(args).replace(min_size=max(args.layer_min_size, 1))
     return jax_cgx.adaptive.Planner(params, budget_bits=args.adaptive, config=base, every=args.replan_every,
-                                    objective=args.adaptive_objective)
+                                    objective=args.adaptive_objective, bucket_sizes=args.adaptive_bucket_sizes)
 
 
 def median_step_time(times) -> float:

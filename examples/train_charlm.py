@@ -3,6 +3,7 @@
     python examples/train_charlm.py                                   # uncompressed (pmean)
     python examples/train_charlm.py --compressor maxmin --bits 4
     python examples/train_charlm.py --compressor powersgd --rank 2 --plot loss.png
+    python examples/train_charlm.py --words 4096 --compressor maxmin --adaptive 4 --adaptive-bucket-sizes 64 512
 
 The corpus is the text of Python's own help topics (``pydoc_data.topics``, shipped with CPython, no
 download: 465,126 characters of English and code in Python 3.11; other versions differ a little); the
@@ -11,9 +12,16 @@ last 10% is held out for validation. A 2-layer decoder-only transformer (d_model
 devices: each device computes the gradient of its share of the batch, the compressor chosen averages
 them, Adam follows (``--optimizer sgd``: SGD with momentum). It prints the loss, the step time and
 the bytes each device sends per step, and the final validation loss (nats per character).
+
+``--words V`` reads the same text as words instead: the ``V`` most frequent words and punctuation marks
+(114,029 of them; 4,194 distinct), the rest one symbol. Its embedding tables then hold most of the
+parameters and get sparse, heavy-tailed gradients: the model where per-leaf bucket sizes pay
+(docs/training.md, "Adaptive bit widths"). The loss is then in nats per word.
 """
 
 import argparse
+import collections
+import re
 import sys
 
 import _common
@@ -34,17 +42,24 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--layers", type=int, default=2, help="(default: %(default)s)")
     p.add_argument("--heads", type=int, default=4, help="(default: %(default)s)")
     p.add_argument("--val-fraction", type=float, default=0.1, help="held-out tail of the text (default: %(default)s)")
+    p.add_argument("--words", type=int, metavar="V",
+                   help="read the text as words: the V most frequent words and marks, the rest one symbol")
     return p.parse_args(argv)
 
 
-def load_corpus(val_fraction: float = 0.1):
-    """(train ids, validation ids, vocabulary): the help topics in a fixed order, one id per character."""
+def load_corpus(val_fraction: float = 0.1, words: int | None = None):
+    """(train ids, validation ids, vocabulary): the help topics in a fixed order, one id per character,
+    or with ``words``, per word or punctuation mark (the ``words`` most frequent, then one for the rest)."""
     from pydoc_data.topics import topics
 
     text = "\n\n".join(topics[k] for k in sorted(topics))
-    vocab = sorted(set(text))
+    if words:
+        tokens = re.findall(r"\w+|[^\w\s]", text)
+        vocab = [w for w, _ in collections.Counter(tokens).most_common(words)] + ["<other>"]
+    else:
+        tokens, vocab = text, sorted(set(text))
     index = {c: i for i, c in enumerate(vocab)}
-    ids = np.array([index[c] for c in text], np.int32)
+    ids = np.array([index.get(c, len(vocab) - 1) for c in tokens], np.int32)
     split = int(len(ids) * (1 - val_fraction))
     return ids[:split], ids[split:], vocab
 
@@ -103,7 +118,8 @@ def logits_fn(params, tokens, heads: int):
 
 def run(args) -> dict:
     """Train as ``args`` says; returns final_val_loss (nats/char), losses, bytes_per_step, step_time (s)."""
-    train_ids, val_ids, vocab = load_corpus(args.val_fraction)
+    train_ids, val_ids, vocab = load_corpus(args.val_fraction, args.words)
+    unit = "word" if args.words else "char"
     if args.batch % args.devices:
         sys.exit(f"--batch {args.batch} must be a multiple of --devices {args.devices}")
     T = args.context
@@ -125,9 +141,9 @@ def run(args) -> dict:
                               backend=args.backend, errors_fn=errors_fn)
     params, state = dp.init(params, (np.zeros((args.batch, T + 1), np.int32),))
     wire = _common.wire_bytes(args, params, dp.world)
-    print(f"corpus: pydoc_data.topics, {len(train_ids):,} characters to train, {len(val_ids):,} to validate, "
+    print(f"corpus: pydoc_data.topics, {len(train_ids):,} {unit}s to train, {len(val_ids):,} to validate, "
           f"{len(vocab)} distinct")
-    print(_common.header(f"char transformer ({args.layers} layers, d_model {args.d_model}, context {T})",
+    print(_common.header(f"{unit} transformer ({args.layers} layers, d_model {args.d_model}, context {T})",
                          args, params, dp.world, wire), flush=True)
 
     rng = np.random.default_rng(args.seed)
@@ -140,11 +156,11 @@ def run(args) -> dict:
     params, state, losses, times = _common.train(args, dp, params, state, next_batch, wire=wire, planner=planner)
     val_loss = dp.evaluate(sequence_loss, params, validation_windows(val_ids, T))
     step_time = _common.median_step_time(times)
-    print(f"final: validation loss {val_loss:.4f} nats/char ({val_loss / np.log(2):.3f} bits), training loss "
+    print(f"final: validation loss {val_loss:.4f} nats/{unit} ({val_loss / np.log(2):.3f} bits), training loss "
           f"{np.mean(losses[-20:]):.4f} (last 20 steps), step {step_time * 1e3:.1f} ms (median; first step with "
           f"compilation {times[0]:.1f} s), {_common.human_bytes(wire)} on the wire per device per step", flush=True)
     if args.plot:
-        _common.save_plot(args.plot, losses, f"char transformer, {dp.world} devices, {_common.describe(args)}: "
+        _common.save_plot(args.plot, losses, f"{unit} transformer, {dp.world} devices, {_common.describe(args)}: "
                                              f"validation loss {val_loss:.3f}")
         print(f"wrote {args.plot}")
     result = dict(final_val_loss=val_loss, losses=losses, bytes_per_step=wire, step_time=step_time)

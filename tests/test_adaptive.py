@@ -363,3 +363,11 @@ def test_the_planner_keys_plans_on_width_and_bucket_size():
     planner.compiled(lambda configs: configs)
     assert not planner.observe(1, grads, errors=errors)  # the same plan: no change, nothing new to compile
     assert planner.compiled(lambda configs: configs) is not None and planner.changes == 1
+
+
+def test_the_planner_warns_of_a_step_factory_made_anew_each_step(caplog):
+    planner = jax_cgx.adaptive.Planner({"a": np.zeros(4096, np.float32)}, budget_bits=4)
+    with caplog.at_level("WARNING", logger="jax_cgx"):
+        for _ in range(3):
+            planner.compiled(lambda configs: configs)  # a new function each time: a new compilation each time
+    assert planner.compilations == 3 and caplog.text.count("Define make_step once") == 1

@@ -79,6 +79,7 @@ class Planner:
         self.plans: list[LeafPlan] | None = None  # the adopted plan's table (None: still uniform)
         self.changes = 0
         self._compiled: dict[tuple, Any] = {}
+        self._warned = False
 
     @property
     def configs(self):
@@ -91,9 +92,18 @@ class Planner:
         return len(self._compiled)
 
     def compiled(self, make_step: Callable[[Any], Any]):
-        """``make_step(configs)`` for the current plan, made once per distinct plan and kept."""
+        """``make_step(configs)`` for the current plan, made once per distinct plan (and
+        ``make_step``) and kept. Pass the same function every step: a function defined anew each
+        time (a lambda in the loop) is a new key, and a new compilation, every step."""
         key = (make_step, self._choices)
         if key not in self._compiled:
+            code = getattr(make_step, "__code__", None)
+            if code is not None and not self._warned and any(
+                    getattr(f, "__code__", None) is code and f is not make_step for f, _ in self._compiled):
+                self._warned = True
+                log.warning("jax_cgx: Planner.compiled got a new make_step function with the code of one it "
+                            "has seen (a function defined anew each step?): each is compiled again. Define "
+                            "make_step once, outside the training loop.")
             self._compiled[key] = make_step(self._configs)
         return self._compiled[key]
 
