@@ -1,11 +1,12 @@
-// Building blocks of the CPU row kernels (xla_ffi/cpu_kernels.cc): dtype
+// Building blocks of the CPU row kernels (xla_ffi/cpu_kernel_rows.h): dtype
 // conversions, min/max over vector lanes, level computation, bit packing.
 //
-// Private to cpu_kernels.cc, its only includer. The definitions keep the
-// internal linkage they had there (an unnamed namespace), so every ISA
-// variant of that file inlines its own copy, compiled for its target; nothing
-// here is an interface. See cpu_kernels.cc for why each loop is written the
-// way it is (vectorization without changing a bit of the result).
+// Private to cpu_kernel_rows.h, its only includer. The definitions have
+// internal linkage (an unnamed namespace), so every ISA variant file
+// (cpu_kernels_{baseline,avx2,avx512}.cc) inlines its own copy, compiled for
+// its target; nothing here is an interface. See cpu_kernels.cc for why each
+// loop is written the way it is (vectorization without changing a bit of the
+// result).
 #ifndef JAX_CGX_XLA_FFI_CPU_KERNEL_OPS_H_
 #define JAX_CGX_XLA_FFI_CPU_KERNEL_OPS_H_
 
@@ -32,13 +33,6 @@ inline void opaque(float& v) {
 #else
   asm("" : "+m"(v));
 #endif
-}
-
-const void* element_ptr(const void* base, FloatType t, int64_t i) {
-  return static_cast<const char*>(base) + i * FloatTypeBytes(t);
-}
-void* element_ptr(void* base, FloatType t, int64_t i) {
-  return static_cast<char*>(base) + i * FloatTypeBytes(t);
 }
 
 // ------------------------------------------------------------ conversions
