@@ -50,13 +50,22 @@ def inputs(world: int, n: int = N, dtype=np.float32) -> np.ndarray:
     return np.random.default_rng(0).standard_normal((world, n)).astype(dtype)
 
 
-def _run(mesh, axes, spec, config, x):
+def _compiled(body, mesh, in_specs, out_specs, x, target: str):
+    """``body`` under shard_map, compiled once: (the executable, whether it calls ``target``)."""
+    compiled = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs)).lower(x).compile()
+    return compiled, target in compiled.as_text()
+
+
+def _psum(mesh, axes, spec, config, x):
     def body(v):
         return jax_cgx.compressed_psum(v.reshape(-1), axes, config, key=jax.random.key(3)).reshape(v.shape)
 
-    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec))
-    hlo = f.lower(x).compile().as_text()
-    return f(x), "jax_cgx_nccl_allreduce" in hlo
+    return _compiled(body, mesh, spec, spec, x, "jax_cgx_nccl_allreduce")
+
+
+def _run(mesh, axes, spec, config, x):
+    compiled, used_nccl = _psum(mesh, axes, spec, config, x)
+    return compiled(x), used_nccl
 
 
 def _run_sharded(mesh, axis, op, config, x):
@@ -65,8 +74,8 @@ def _run_sharded(mesh, axis, op, config, x):
             return jax_cgx.compressed_psum_scatter(v[0], axis, config, tiled=True, key=jax.random.key(4))[None]
         return jax_cgx.compressed_all_gather(v[0], axis, config, key=jax.random.key(4))[None]
 
-    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(axis), out_specs=P(axis)))
-    return f(x), SHARDED_TARGETS[op] in f.lower(x).compile().as_text()
+    compiled, used_nccl = _compiled(body, mesh, P(axis), P(axis), x, SHARDED_TARGETS[op])
+    return compiled(x), used_nccl
 
 
 def _local(out) -> dict:
@@ -108,8 +117,8 @@ def main() -> None:
                     assert used_nccl == (backend == "nccl"), (name, backend, used_nccl)
                     for rank, value in _local(out).items():
                         results[f"{name}/{dtype_name}/{backend}/rank{rank}"] = value.astype(np.float32)
-                # auto picks nccl once communicators exist
-                _, used_nccl = _run(mesh, axes, spec, config.replace(backend="auto"), x)
+                # auto picks nccl once communicators exist (compiled, not run: only its choice matters)
+                _, used_nccl = _psum(mesh, axes, spec, config.replace(backend="auto"), x)
                 assert used_nccl != cpu, f"{name}: backend='auto' picked {'nccl' if used_nccl else 'xla'}"
     # A pytree: a large leaf through the custom call next to small leaves that XLA sums
     # with its own NCCL collectives, in one program (ordering of both kinds of calls).
@@ -127,9 +136,9 @@ def main() -> None:
             out = reduce(tree, axes, config, key=jax.random.key(5))
             return jnp.concatenate([out["big"], out["small"], out["big2"]])[None]
 
-        f = jax.jit(jax.shard_map(tree_body, mesh=mesh, in_specs=spec, out_specs=spec))
-        assert ("jax_cgx_nccl_allreduce" in f.lower(x).compile().as_text()) == (backend == "nccl")
-        for rank, value in _local(f(x)).items():
+        compiled, used_nccl = _compiled(tree_body, mesh, spec, spec, x, "jax_cgx_nccl_allreduce")
+        assert used_nccl == (backend == "nccl")
+        for rank, value in _local(compiled(x)).items():
             results[f"{tree_name}/f32/{backend}/rank{rank}"] = value
 
     # Reduce-scatter and all-gather: the nccl backend's custom calls against the xla backend.
