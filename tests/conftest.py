@@ -30,6 +30,14 @@ def _has_gpu() -> bool:
 
 
 def pytest_collection_modifyitems(config, items):
+    # Modules with `slow` tests (30 s or more) run first: pytest-xdist's workers then end on short
+    # tests, instead of one waiting while the other finishes a long one. Whole modules move, so
+    # module-scoped fixtures (a compiled emulator, a baseline training run) are still made once.
+    modules = {}
+    for item in items:
+        modules.setdefault(item.module, []).append(item)
+    order = sorted(modules.values(), key=lambda group: not any(i.get_closest_marker("slow") for i in group))
+    items[:] = [item for group in order for item in group]
     if _has_gpu():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")

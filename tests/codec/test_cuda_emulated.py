@@ -41,6 +41,7 @@ def emu_test(tmp_path_factory):
     return exe
 
 
+@pytest.mark.slow
 def test_cuda_kernels_under_emulation(emu_test):
     run = subprocess.run([str(emu_test), "quick"], capture_output=True, text=True, timeout=900)
     output = run.stdout + run.stderr

@@ -217,6 +217,7 @@ def _data_bound(xs, chunk, bucket, bits, stochastic, algorithm):
     return np.abs(exact), bound * (1 + 1e-4) + rounding
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stochastic", [False, True])
 @pytest.mark.parametrize("algorithm", ["sra", "ring"])
 def test_every_size_around_the_chunk_boundaries(algorithm, stochastic):

@@ -250,6 +250,7 @@ def test_pmap():
                      "all_gather: pmap = shard_map")
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_two_processes_two_devices_each(tmp_path):
     # The same programs over 2 processes x 2 devices (gloo) and over 4 devices of this process:

@@ -71,6 +71,7 @@ def test_segmented_collectives_move_the_same_bytes(k):
         assert_same_bits(a, b, f"segments={k}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("algorithm", ["sra", "ring"])
 @pytest.mark.parametrize("stochastic", [False, True])
 def test_results_do_not_depend_on_segments(algorithm, stochastic):

@@ -71,6 +71,7 @@ def test_ranks_on_one_gpu_nccl_equals_xla_equals_oracle(tmp_path, nproc, variant
     _check(_run_workers(tmp_path, nproc, envs), nproc, backends=("nccl", "xla"))
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_the_same_harness_on_cpu(tmp_path):
     """The worker and the checks above, on 2 CPU processes with the xla backend (runs in CI)."""

@@ -34,6 +34,7 @@ def _cuda_include() -> str | None:
     return next((c for c in candidates if os.path.exists(os.path.join(c, "cuda_runtime_api.h"))), None)
 
 
+@pytest.mark.slow
 def test_handler_under_simulated_ranks(tmp_path):
     import jaxlib
 

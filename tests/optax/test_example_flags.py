@@ -30,6 +30,7 @@ def test_in_backward_refuses_error_feedback():
         train_digits.run(train_digits.parse_args([*COMMON, "--reduce-in-backward", "--error-feedback"]))
 
 
+@pytest.mark.slow
 def test_charlm_adaptive_replans_within_the_budget():
     # examples/train_charlm.py --adaptive: plans from each device's own gradient every 10 steps; one
     # compiled step per distinct plan; trains.
