@@ -11,17 +11,14 @@ objectives::
     python benchmarks/leaf_errors.py --words 4096     # the same text as words: the 4096 most frequent
                                                       # words and punctuation marks, the rest one symbol
 
-``--bucket-sizes 64 128 256 512 1024 4096`` also solves the relative-error plan over each leaf's width
-*and* bucket size (smaller buckets cost 8 bytes each but cut a heavy-tailed leaf's range), with
-``choose_bits``' own solver at the same byte budgets: what per-leaf bucket sizes would add to
-``choose_bits``, which chooses widths only.
+``--bucket-sizes 64 128 256 512 1024 4096`` also prints ``choose_bits(..., bucket_sizes=...)``'s
+relative-error plan over each leaf's width *and* bucket size (smaller buckets cost 8 bytes each but
+cut a heavy-tailed leaf's range) at the same byte budgets, and the best single (width, bucket size).
 """
 
 from __future__ import annotations
 
 import argparse
-import collections
-import re
 import sys
 from pathlib import Path
 
@@ -33,16 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 import train_charlm  # noqa: E402
 
 import jax_cgx  # noqa: E402
-from jax_cgx.adaptive import expected_errors, leaf_bytes, solve  # noqa: E402
-
-
-def word_ids(vocab_size: int) -> tuple[np.ndarray, int]:
-    """The help topics as word ids: the ``vocab_size`` most frequent words and marks, then one for the rest."""
-    from pydoc_data.topics import topics
-
-    words = re.findall(r"\w+|[^\w\s]", "\n\n".join(topics[k] for k in sorted(topics)))
-    index = {w: i for i, (w, _) in enumerate(collections.Counter(words).most_common(vocab_size))}
-    return np.array([index.get(w, vocab_size) for w in words], np.int32), vocab_size + 1
+from jax_cgx.adaptive import expected_errors, leaf_bytes  # noqa: E402
 
 
 def main(argv=None) -> None:
@@ -56,8 +44,9 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
 
     model = train_charlm.parse_args([])
-    if args.words:
-        ids, vocab = word_ids(args.words)
+    if args.words:  # the whole text as words (both parts of train_charlm's split)
+        train, val, symbols = train_charlm.load_corpus(words=args.words)
+        ids, vocab = np.concatenate([train, val]), len(symbols)
     else:
         ids, _, symbols = train_charlm.load_corpus()
         vocab = len(symbols)
@@ -90,39 +79,34 @@ def main(argv=None) -> None:
             print(f"\nchoose_bits(budget_bits={budget}, objective={objective!r}):")
             print(jax_cgx.adaptive.describe(plans))
     if args.bucket_sizes:
-        plan_buckets(leaves, args)
+        plan_buckets(grads, leaves, args)
 
 
-def plan_buckets(leaves, args) -> None:
-    """The relative-error plan over (width, bucket size) per leaf, against uniform width at
-    ``--bucket-size``, at the bytes of uniform 4 and 3 bits."""
-    options = []
-    for _, v in leaves:
-        row = []
-        for bucket in args.bucket_sizes:
-            config = jax_cgx.CompressionConfig(bits=4, bucket_size=bucket)
-            errors = expected_errors([v], config, args.widths, objective="relative")[0]
-            row += [(leaf_bytes(v.size, b, bucket), float(e), (b, bucket)) for b, e in zip(args.widths, errors)]
-        options.append(row)
+def plan_buckets(grads, leaves, args) -> None:
+    """``choose_bits(..., bucket_sizes=...)``'s relative-error plan of width and bucket size per leaf,
+    against uniform width at ``--bucket-size`` and the best single (width, bucket size), at the bytes
+    of uniform 4 and 3 bits."""
+    config = jax_cgx.CompressionConfig(bits=4, bucket_size=args.bucket_size, min_size=1024)
+    # Every (width, bucket size) for every leaf, for the best single choice: a better default alone.
+    totals = {}
+    for bucket in args.bucket_sizes:
+        errors = expected_errors([v for _, v in leaves], config.replace(bucket_size=bucket), args.widths,
+                                 objective="relative")
+        for b, column in zip(args.widths, errors.T):
+            totals[b, bucket] = (sum(leaf_bytes(v.size, b, bucket) for _, v in leaves), float(column.sum()))
     for budget_bits in (4, 3):
         budget = sum(leaf_bytes(v.size, budget_bits, args.bucket_size) for _, v in leaves)
-        uniform = sum(next(o[1] for o in row if o[2] == (budget_bits, args.bucket_size)) for row in options)
-        picks = solve(options, budget)
-        total = sum(p[1] for p in picks)
-        # The best single (width, bucket size) for every leaf within the same bytes: a better default.
-        fits = {}
-        for row in options:
-            for nbytes, err, choice in row:
-                fits.setdefault(choice, [0, 0.0])
-                fits[choice][0] += nbytes
-                fits[choice][1] += err
-        best = min((err, choice) for choice, (nbytes, err) in fits.items() if nbytes <= budget)
+        uniform = totals[budget_bits, args.bucket_size][1]
+        _, plans = jax_cgx.adaptive.choose_bits(grads, budget_bits=budget_bits, candidates=args.widths,
+                                                bucket_sizes=args.bucket_sizes, config=config, exact=False,
+                                                objective="relative", return_plan=True)
+        total = sum(p.error for p in plans)
+        best = min((err, choice) for choice, (nbytes, err) in totals.items() if nbytes <= budget)
         print(f"\nwidth and bucket size per leaf, relative error, within uniform {budget_bits}-bit bytes "
               f"(bucket {args.bucket_size}): {total:.4g} against uniform's {uniform:.4g} ({total / uniform:.2f}x); "
               f"the best uniform choice within those bytes, {best[1][0]} bits in buckets of {best[1][1]}: "
               f"{best[0]:.4g} ({best[0] / uniform:.2f}x)")
-        for (name, v), (nbytes, err, (b, bucket)) in zip(leaves, picks):
-            print(f"  {name:28s} {v.size:8d}  {b} bits, bucket {bucket:5d}  {nbytes:8d} bytes  error {err:.4g}")
+        print(jax_cgx.adaptive.describe(plans))
 
 
 if __name__ == "__main__":
