@@ -1,0 +1,45 @@
+"""benchmarks/time_to_loss.py: uniform and adaptive widths side by side on the word transformer."""
+
+import json
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "benchmarks" / "time_to_loss.py"
+
+
+@pytest.mark.slow
+def test_specs_train_side_by_side_and_reach_the_target(tmp_path):
+    # A 65-word vocabulary and 4 steps on 2 simulated devices: the loop, the planner's compiled steps and
+    # the records, not the figures.
+    out = tmp_path / "ttl.json"
+    cmd = [sys.executable, str(SCRIPT), "--specs", "none", "maxmin:4", "adaptive:4", "--words", "64", "--steps", "4",
+           "--eval-every", "2", "--batch", "4", "--replan-every", "2", "--bucket-sizes", "64", "512", "--devices", "2",
+           "--no-progress", "--output", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    records = json.loads(out.read_text())
+    assert [r["spec"] for r in records] == ["none", "maxmin:4", "adaptive:4"]
+    none, uniform, adaptive = records
+    assert none["target"] == none["final_val_loss"] and none["vs_none"] == 0 and none["speedup"] == 1.0
+    hit = next(e for e in none["evaluations"] if e["val_loss"] <= none["target"])  # the first evaluation there
+    assert (none["steps_to_target"], none["seconds_to_target"]) == (hit["step"], hit["seconds"]) and hit["seconds"] > 0
+    for r in records:
+        assert r["devices"] == 2 and [e["step"] for e in r["evaluations"]] == [2, 4]
+    assert uniform["plan_changes"] is None and adaptive["compiled_steps"] == adaptive["plan_changes"] + 1
+    assert adaptive["wire_bytes"] <= uniform["wire_bytes"]
+    assert "buckets of 64/512" in adaptive["description"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--specs", "maxmin:x"], "'maxmin:x' is not none, maxmin:BITS, adaptive:BUDGET or widths:BUDGET"),
+    (["--specs", "topk:4"], "'topk:4' is not"),
+    (["--specs", "maxmin:4"], "give --target, or include the spec none"),
+    (["--steps", "0"], "--steps must be at least 1"),
+])
+def test_bad_arguments_are_refused(argv, message):
+    proc = subprocess.run([sys.executable, str(SCRIPT), *argv], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr
