@@ -439,7 +439,7 @@ def summary(records: list[dict]) -> str:
         lines = [f"{'compressor':>12} {'step ms':>9} {'speedup':>7}"]
         for r in records:
             speedup = "-" if r.get("speedup") is None else f"{r['speedup']:.2f}"
-            lines.append(f"{r['compressor']:>12} {r['step_ms']:>9.1f} {speedup:>7}")
+            lines.append(f"{r.get('compressor', r.get('spec')):>12} {r['step_ms']:>9.1f} {speedup:>7}")
         return "\n".join(lines)
     lines = [f"{'op':>12} {'MiB':>8} {'bits':>4} {'lax ms':>9} {'cgx ms':>9} {'speedup':>7}"]
     for r in records:
