@@ -245,9 +245,8 @@ def _choose(grads, budget_bits, candidates, config, exact: bool, api: str, curre
             if isinstance(leaf, jax.core.Tracer):
                 raise TypeError(f"{api}: leaf {jax.tree_util.keystr(path)} is traced; call it outside jit on the "
                                 "averaged gradient, or pass errors= from leaf_errors (a plan is a static config)")
-        planned = [leaves[i] for i in chosen]
-        errors = np.concatenate([expected_errors(planned, base.replace(bucket_size=bucket), cands, objective)
-                                 for bucket in buckets], axis=1)
+        # leaf_errors' own columns (bucket size major), so errors= from it plans the same.
+        errors = np.asarray(jax.device_get(leaf_errors(grads, base, cands, None, objective, buckets)), np.float64)
     else:
         errors = np.asarray(errors, np.float64)
         if errors.shape != (len(chosen), len(quantized)):
