@@ -138,17 +138,12 @@ class Trainer:
         self.params, self.state, _ = jax.block_until_ready(self.dp.step(self.params, self.state, batch))
         self.times.append(time.perf_counter() - t0)
 
-    def clock(self) -> float:
-        """Seconds of training so far, the first (compiling) step counted as the median step."""
-        if len(self.times) < 2:
-            return 0.0 if not self.times else float("nan")
-        return float(np.median(self.times[1:]) + np.sum(self.times[1:]))
-
     def evaluate(self, target: float) -> dict:
+        import _common
         import train_digits
 
         accuracy = 100 * self.dp.evaluate(train_digits.correct, self.params, self.x_test, self.y_test)
-        row = dict(step=len(self.times), seconds=self.clock(), accuracy=accuracy)
+        row = dict(step=len(self.times), seconds=_common.training_seconds(self.times), accuracy=accuracy)
         self.evaluations.append(row)
         if self.reached is None and accuracy >= target:
             self.reached = row

@@ -121,37 +121,23 @@ class Trainer:
         self.params, self.state = self.dp.init(params, (np.zeros((args.batch, T + 1), np.int32),))
         self.wire = int(_common.wire_bytes(self.ex, self.params, self.dp.world))
         self.train_ids, self.val = train_ids, train_charlm.validation_windows(val_ids, T)
-        # One factory for every plan: the planner keeps a compiled step per (factory, plan).
-        self.for_plan = lambda configs: self.dp.with_compressor(_common.make_compressor(self.ex, _common.AXIS, configs))
+        self._step = _common.planned_step(self.ex, self.dp, self.planner)  # re-planning on the clock
         self.rng = np.random.default_rng(args.seed)  # the same batches for every spec
         self.times: list[float] = []
         self.evaluations: list[dict] = []  # {"step", "seconds", "val_loss"}
 
-    def _runner(self):
-        return self.dp if self.planner is None else self.planner.compiled(self.for_plan)
-
     def step(self) -> None:
-        import jax
-
-        T, i = self.ex.context, len(self.times)
+        T = self.ex.context
         starts = self.rng.integers(0, len(self.train_ids) - T - 1, self.ex.batch)
         batch = self.dp.shard(self.train_ids[starts[:, None] + np.arange(T + 1)])
         t0 = time.perf_counter()
-        observe = self.planner is not None and i % self.planner.every == 0
-        out = jax.block_until_ready(self._runner().step(self.params, self.state, batch, observe=observe))
-        self.params, self.state = out[:2]
-        if observe:  # the plan for the next steps: part of training, on the clock
-            self.planner.observe(i, self.params, errors=out[3])
+        self.params, self.state, _ = self._step(len(self.times), self.params, self.state, batch)
         self.times.append(time.perf_counter() - t0)
 
-    def clock(self) -> float:
-        """Seconds of training so far, the first (compiling) step counted as the median step."""
-        if len(self.times) < 2:
-            return 0.0 if not self.times else float("nan")
-        return float(np.median(self.times[1:]) + np.sum(self.times[1:]))
-
     def evaluate(self) -> dict:
-        row = dict(step=len(self.times), seconds=self.clock(),
+        import _common
+
+        row = dict(step=len(self.times), seconds=_common.training_seconds(self.times),
                    val_loss=self.dp.evaluate(self.sequence_loss, self.params, self.val))
         self.evaluations.append(row)
         return row

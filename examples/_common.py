@@ -412,20 +412,12 @@ def train(args, dp: DataParallel, params, state, next_batch, *, wire: int, plann
     progress = args.progress if args.progress is not None else sys.stderr.isatty()
     bar = tqdm(total=args.steps, disable=not progress, unit="step", leave=False, dynamic_ncols=True)
     losses, times = [], []
-
-    def for_plan(configs):  # one DataParallel (one compiled step) per plan, the state shared
-        return dp.with_compressor(make_compressor(args, AXIS, configs))
-
+    step = planned_step(args, dp, planner)
     for i in range(args.steps):
         batch = dp.shard(*next_batch(i))
-        runner = dp if planner is None else planner.compiled(for_plan)
         t0 = time.perf_counter()
-        observe = planner is not None and i % planner.every == 0
-        out = jax.block_until_ready(runner.step(params, state, batch, observe=observe))
+        params, state, loss = step(i, params, state, batch)
         times.append(time.perf_counter() - t0)
-        params, state, loss = out[:3]
-        if observe:
-            planner.observe(i, params, errors=out[3])
         losses.append(float(loss))
         bar.update()
         if args.log_every and ((i + 1) % args.log_every == 0 or i == 0 or i + 1 == args.steps):
@@ -437,6 +429,35 @@ def train(args, dp: DataParallel, params, state, next_batch, *, wire: int, plann
             break
     bar.close()
     return params, state, losses, times
+
+
+def planned_step(args, dp: DataParallel, planner=None):
+    """``step(i, params, state, batch) -> (params, state, loss)``, finished: ``dp``'s step, or with a
+    ``jax_cgx.adaptive.Planner`` the current plan's (one DataParallel, one compiled step, per plan, the
+    state shared), the planner observing the devices' own gradients (``dp.errors_fn``) on its
+    planning steps and choosing the plan of the steps that follow."""
+    if planner is None:
+        return lambda i, params, state, batch: jax.block_until_ready(dp.step(params, state, batch))
+
+    def for_plan(configs):  # one function for every plan: the planner keys its compiled steps on it
+        return dp.with_compressor(make_compressor(args, AXIS, configs))
+
+    def step(i, params, state, batch):
+        observe = i % planner.every == 0
+        out = jax.block_until_ready(planner.compiled(for_plan).step(params, state, batch, observe=observe))
+        if observe:
+            planner.observe(i, out[0], errors=out[3])
+        return out[:3]
+
+    return step
+
+
+def training_seconds(times) -> float:
+    """Seconds of training in ``times`` (one per step), the first (compiling) step counted as the
+    median of the others: what the time-to-target benchmarks put on their clocks."""
+    if len(times) < 2:
+        return 0.0 if not times else float("nan")
+    return float(np.median(times[1:]) + np.sum(times[1:]))
 
 
 def adaptive_planner(args, params):
