@@ -6,13 +6,16 @@ on the same link, between the same JAX steps: the ratios in one table are measur
 
 What a PyTorch user would run, with PyTorch's defaults:
 
-- ``torch.nn.parallel.DistributedDataParallel`` on a gloo process group (its default buckets,
-  gradients reduced as backward produces them);
+- ``torch.nn.parallel.DistributedDataParallel`` on a gloo process group on the CPU, an NCCL one when
+  JAX runs on a GPU (then on ``cuda:0``, the one GPU the process sees; float32 matrix products on
+  TensorFloat-32, as XLA's default precision computes them), with its default buckets, gradients
+  reduced as backward produces them;
 - ``ddp:none`` plain DDP (float32 all-reduce), ``ddp:fp16`` the ``fp16_compress_hook``,
   ``ddp:powersgd:RANK`` the ``powerSGD_hook``
-  (error feedback and warm start on, as by default) starting at step 10 as ``powersgd_mean`` does,
-  in one DDP bucket (several crash gloo: see ``DdpTrainer``);
-- the MLP of ``--model mlp``, from the very same initial weights, on the very same batches (each
+  (error feedback and warm start on, as by default) starting at step 10 as ``powersgd_mean`` does
+  (on gloo in one DDP bucket: several crash gloo, see ``DdpTrainer``);
+- the model of ``--model`` (the MLP, or the character transformer written again in PyTorch:
+  :class:`CharTransformer`), from the very same initial weights, on the very same batches (each
   process takes its rows of the global batch, as the JAX data-parallel step does), Adam with the same
   learning rate and cosine decay; ``torch.get_num_threads()`` is PyTorch's default, recorded.
 
@@ -62,8 +65,16 @@ def import_torch():
 _group = None
 
 
+def on_gpu() -> bool:
+    """PyTorch goes where JAX goes: the GPU (and NCCL) when JAX's devices are GPUs."""
+    import jax
+
+    return jax.devices()[0].platform == "gpu"
+
+
 def process_group():
-    """The gloo process group over the JAX processes (created once, ranks = ``jax.process_index()``)."""
+    """The process group over the JAX processes (created once, ranks = ``jax.process_index()``):
+    NCCL on the GPU, gloo on the CPU."""
     global _group
     if _group is not None:
         return _group
@@ -85,7 +96,13 @@ def process_group():
         else:
             host, port = client.blocking_key_value_get(_KV_KEY, 120_000).rsplit(":", 1)
             store = dist.TCPStore(host, int(port), world, is_master=False)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+    if on_gpu():
+        import torch
+
+        torch.cuda.set_device(0)  # the one GPU this process sees (CUDA_VISIBLE_DEVICES)
+        dist.init_process_group("nccl", store=store, rank=rank, world_size=world, device_id=torch.device("cuda", 0))
+    else:
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
     _group = dist.group.WORLD
     return _group
 
@@ -99,6 +116,62 @@ def _register_hook(model, hook: str, rank: int | None):
         state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=rank,
                                             start_powerSGD_iter=POWERSGD_START)
         model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+
+
+def _tensor(torch, value, transpose: bool = False):
+    array = np.array(value, dtype=np.float32)
+    return torch.from_numpy(np.ascontiguousarray(array.T if transpose else array))
+
+
+def mlp(torch, params):
+    """The MLP of ``--model mlp`` from the JAX model's weights, ``[{"w": (in, out), "b"}, ...]``."""
+    layers = []
+    for layer in params:
+        linear = torch.nn.Linear(*np.shape(layer["w"]))
+        with torch.no_grad():
+            linear.weight.copy_(_tensor(torch, layer["w"], transpose=True))
+            linear.bias.copy_(_tensor(torch, layer["b"]))
+        layers += [linear, torch.nn.ReLU()]
+    return torch.nn.Sequential(*layers[:-1])
+
+
+def char_transformer(torch, params, heads: int):
+    """examples/train_charlm.py's transformer in PyTorch, from the JAX model's weights: the same
+    pre-norm blocks (causal attention, tanh-approximated GELU), operation for operation."""
+    F = torch.nn.functional
+
+    def parameters(tree: dict) -> torch.nn.ParameterDict:
+        return torch.nn.ParameterDict({k: torch.nn.Parameter(_tensor(torch, v)) for k, v in tree.items()})
+
+    class CharTransformer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = torch.nn.Parameter(_tensor(torch, params["embed"]))
+            self.pos = torch.nn.Parameter(_tensor(torch, params["pos"]))
+            self.blocks = torch.nn.ModuleList(
+                parameters({"ln1_scale": b["ln1"]["scale"], "ln1_bias": b["ln1"]["bias"],
+                            "ln2_scale": b["ln2"]["scale"], "ln2_bias": b["ln2"]["bias"],
+                            **{k: b[k] for k in ("qkv", "proj", "fc1", "fc1_b", "fc2", "fc2_b")}})
+                for b in params["blocks"])
+            self.ln_f = parameters(params["ln_f"])
+            self.unembed = torch.nn.Parameter(_tensor(torch, params["unembed"]))
+
+        def forward(self, tokens):
+            batch, length = tokens.shape
+            x = self.embed[tokens] + self.pos[:length]
+            d = x.shape[-1]
+            causal = torch.ones(length, length, dtype=torch.bool, device=x.device).tril()
+            for b in self.blocks:
+                h = F.layer_norm(x, (d,), b["ln1_scale"], b["ln1_bias"], eps=1e-5)
+                q, k, v = (h @ b["qkv"]).reshape(batch, length, 3 * heads, d // heads).split(heads, dim=2)
+                scores = torch.einsum("bthd,bshd->bhts", q, k) / (d // heads) ** 0.5
+                attn = torch.softmax(scores.masked_fill(~causal, -1e9), dim=-1)
+                x = x + torch.einsum("bhts,bshd->bthd", attn, v).reshape(batch, length, d) @ b["proj"]
+                h = F.layer_norm(x, (d,), b["ln2_scale"], b["ln2_bias"], eps=1e-5)
+                x = x + F.gelu(h @ b["fc1"] + b["fc1_b"], approximate="tanh") @ b["fc2"] + b["fc2_b"]
+            return F.layer_norm(x, (d,), self.ln_f["scale"], self.ln_f["bias"], eps=1e-5) @ self.unembed
+
+    return CharTransformer()
 
 
 class DdpTrainer:
@@ -116,23 +189,27 @@ class DdpTrainer:
         self.world, self.index = jax.process_count(), jax.process_index()
         self.batch_size = args.batch_per_device * jax.device_count()
         group = process_group()
-        layers = []
-        params = jax.device_get(model.init())  # the JAX model's initial weights, [{"w": (in, out), "b"}]
-        for layer in params:
-            linear = torch.nn.Linear(*np.shape(layer["w"]))
-            with torch.no_grad():
-                linear.weight.copy_(torch.from_numpy(np.array(layer["w"]).T))
-                linear.bias.copy_(torch.from_numpy(np.array(layer["b"])))
-            layers += [linear, torch.nn.ReLU()]
-        net = torch.nn.Sequential(*layers[:-1])
+        self.gpu = on_gpu()
+        self.device = torch.device("cuda", 0) if self.gpu else torch.device("cpu")
+        if self.gpu:  # XLA's default precision multiplies float32 matrices on TensorFloat-32 too
+            torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+        params = jax.device_get(model.init())
+        if args.model == "mlp":
+            net, self.loss = mlp(torch, params), lambda out, y: F.cross_entropy(out, y)
+        else:
+            net = char_transformer(torch, params, model.heads)
+            self.loss = lambda out, y: F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+        net = net.to(self.device)
         self.parameters = sum(p.numel() for p in net.parameters())
         # PowerSGD on gloo needs a single bucket: with several, each bucket's hook issues its Q
         # all-reduce from a callback of its P all-reduce, and the ranks can issue them in different
         # orders (seen: gloo aborts with "Received data size doesn't match expected size" at the first
-        # compressed step). Other hooks keep DDP's default buckets (a small first one, then 25 MB:
-        # passing bucket_cap_mb=25 would make the first bucket 25 MB too).
-        one_bucket = dict(bucket_cap_mb=4 * self.parameters / 2**20 + 1) if self.hook == "powersgd" else {}
-        self.net = DistributedDataParallel(net, process_group=group, **one_bucket)
+        # compressed step). Other hooks, and every hook on NCCL, keep DDP's default buckets (a small
+        # first one, then 25 MB: passing bucket_cap_mb=25 would make the first bucket 25 MB too).
+        one_bucket = self.hook == "powersgd" and not self.gpu
+        buckets = dict(bucket_cap_mb=4 * self.parameters / 2**20 + 1) if one_bucket else {}
+        self.net = DistributedDataParallel(net, process_group=group, **buckets)
+        self.one_bucket = one_bucket
         self.group = group
         _register_hook(self.net, self.hook, self.rank)
         self.wire = self._wire_bytes(params)
@@ -144,16 +221,30 @@ class DdpTrainer:
         self.rng = np.random.default_rng(0)  # the same batches as every JAX trainer
         self.times, self.losses = [], []
 
+    def _inputs(self):
+        """This process's rows of the global batch, on the device: (input, target)."""
+        batch = self.model.batch(self.rng, self.batch_size)
+        rows = slice(self.index * len(batch[0]) // self.world, (self.index + 1) * len(batch[0]) // self.world)
+        if self.args.model == "mlp":
+            x, y = batch
+            x, y = self.torch.from_numpy(x[rows]), self.torch.from_numpy(y[rows]).long()
+        else:
+            tokens = self.torch.from_numpy(batch[0][rows]).long()
+            x, y = tokens[:, :-1], tokens[:, 1:]
+        return x.to(self.device), y.to(self.device)
+
     def step(self) -> None:
-        x, y = self.model.batch(self.rng, self.batch_size)
-        rows = slice(self.index * len(x) // self.world, (self.index + 1) * len(x) // self.world)
-        x, y = self.torch.from_numpy(x[rows]), self.torch.from_numpy(y[rows]).long()
+        x, y = self._inputs()
+        if self.gpu:
+            self.torch.cuda.synchronize()  # the batch is in place before the clock starts, as JAX's is
         t0 = time.perf_counter()
         self.optimizer.zero_grad(set_to_none=True)
-        loss = self.F.cross_entropy(self.net(x), y)
+        loss = self.loss(self.net(x), y)
         loss.backward()  # DDP's all-reduces run during backward and are waited for before it returns
         self.optimizer.step()
         self.schedule.step()
+        if self.gpu:
+            self.torch.cuda.synchronize()  # the step has run, not just been queued (JAX's: block_until_ready)
         self.times.append(time.perf_counter() - t0)
         # The mean over the processes, as the JAX step reports it (outside the timed step).
         loss = loss.detach()
@@ -162,7 +253,7 @@ class DdpTrainer:
 
     def describe(self) -> str:
         name = {"none": "plain (float32)", "fp16": "fp16_compress_hook",
-                "powersgd": f"PowerSGD rank {self.rank}, one bucket"}[self.hook]
+                "powersgd": f"PowerSGD rank {self.rank}{', one bucket' if self.one_bucket else ''}"}[self.hook]
         return f"PyTorch DDP {name}"
 
     def _wire_bytes(self, params) -> int:
@@ -176,6 +267,8 @@ class DdpTrainer:
     def facts(self) -> dict:
         """What train_step's record says of this trainer besides its step times."""
         return dict(compressor=self.spec, description=self.describe(), devices=self.world,
-                    platform=f"cpu (torch {self.torch.__version__}, {self.torch.get_num_threads()} threads)",
+                    platform=(f"gpu (torch {self.torch.__version__}, NCCL "
+                              f"{'.'.join(map(str, self.torch.cuda.nccl.version()))}, TF32)" if self.gpu else
+                              f"cpu (torch {self.torch.__version__}, {self.torch.get_num_threads()} threads)"),
                     parameters=self.parameters, steps=self.args.steps, batch=self.batch_size,
                     wire_bytes=self.wire)

@@ -13,7 +13,8 @@ the same processes, one step of each in turn, so the step times compare directly
 
 A compressor is ``none`` (pmean), ``maxmin:BITS``, ``cast`` (bfloat16) or ``powersgd:RANK``; the
 yardstick, the same step in PyTorch DDP in the same processes, is ``ddp:none``, ``ddp:fp16``
-or ``ddp:powersgd:RANK`` (benchmarks/torch_ddp.py; needs torch and ``--model mlp``). Each
+or ``ddp:powersgd:RANK`` (benchmarks/torch_ddp.py; needs torch; on JAX's platform: gloo on the CPU,
+NCCL on a GPU). Each
 takes ``--steps`` steps from the same initialization and batches; the table gives the median step
 time without the first ``--warmup`` steps (compilation), its spread (max / median), the speedup over
 ``none``, the bytes one device sends per step and the mean training loss of the last 10 steps.
@@ -84,10 +85,6 @@ def parse_args(argv=None) -> argparse.Namespace:
             torch_ddp.parse_spec(spec)
         except ValueError as err:
             p.error(str(err))
-    if ddp and args.model != "mlp":
-        p.error(f"{ddp[0]} needs --model mlp (the PyTorch yardstick is written for the MLP only)")
-    if ddp and args.share_gpu:
-        p.error("the ddp: compressors run PyTorch on the CPU: leave them out with --share-gpu")
     if ddp and args.profile:
         p.error("--profile traces JAX steps only; leave the ddp: compressors out")
     return args
@@ -142,7 +139,7 @@ class Model:
 
             self.title = "char transformer"
             self.train_ids, _, vocab = train_charlm.load_corpus()
-            heads = train_charlm.parse_args([]).heads
+            self.heads = heads = train_charlm.parse_args([]).heads
 
             def loss_fn(params, tokens):
                 logits = train_charlm.logits_fn(params, tokens[:, :-1], heads)

@@ -23,6 +23,13 @@
 #                    all-reduce with 1 segment and the automatic count, NCCL_DEBUG=INFO, and
 #                    again under MPS if the machine allows it
 #   train_step       the training step on 2 ranks sharing the GPU, with its profile
+#   train_link       issue 29: the training step (MLP, then the transformer; 10 Gbit/s, then unlimited)
+#                    on 2 ranks sharing the GPU, each in its own network namespace, NCCL's sockets over
+#                    a tbf-shaped veth link (benchmarks/netem/run.py --gpu), jax_cgx beside PyTorch DDP
+#                    on NCCL; unshaped loopback sockets where the kernel has no namespaces, veth or tbf
+#   reference_gpu    the pure-JAX reference compiled by XLA:GPU against the CUDA kernels, bitwise
+#   allreduce_link   issue 30: psum vs the xla and nccl backends (all-reduce, reduce-scatter,
+#                    all-gather; 64 and 256 MiB) over the same 10 Gbit/s link
 #   tests_cpu        the rest of the test suite (long: a call of its own)
 #
 # A device call runs at most 10 minutes, the build takes about 3 of them (on an H100, 16 cores;
@@ -39,7 +46,7 @@ if [[ "${1:-}" == "-o" ]]; then out=$2; shift 2; fi
 out="${out:-${OUT:+${TMPDIR:-/tmp}/gpu-check}}"
 out="${out:-gpu-check}"
 all=(build kernels profile_codec tests_codec_gpu tests_nccl_gpu bench_codec bench_allreduce bench_sharded
-     nccl_transport train_step tests_cpu)
+     nccl_transport train_step train_link reference_gpu allreduce_link tests_cpu)
 stages=("$@")
 [[ ${#stages[@]} -eq 0 ]] && stages=("${all[@]}")
 for s in "${stages[@]}"; do
@@ -47,8 +54,15 @@ for s in "${stages[@]}"; do
 done
 mkdir -p "$out"
 status=0
+# GPU_CHECK_BUDGET=SECONDS: no step starts after that many seconds (a device call has a hard limit;
+# what ran is packed after every step, so a call cut short still brings back what it measured).
+budget=${GPU_CHECK_BUDGET:-0}
 step() {  # step NAME CMD...: run, log to $out/NAME.log, remember failures
   local name=$1; shift
+  if (( budget > 0 && SECONDS >= budget )); then
+    echo "== $name: skipped, past GPU_CHECK_BUDGET=$budget s" | tee -a "$out/summary.txt"
+    return 1
+  fi
   echo "== $name: $*" | tee -a "$out/summary.txt"
   local t0=$SECONDS
   if "$@" >"$out/$name.log" 2>&1; then
@@ -57,6 +71,14 @@ step() {  # step NAME CMD...: run, log to $out/NAME.log, remember failures
     echo "   FAILED (exit $?, $((SECONDS - t0)) s), see $name.log" | tee -a "$out/summary.txt"
     status=1
   fi
+  pack
+}
+pack() {  # everything so far into $OUT (when the device tool's $OUT is set)
+  [[ -n "${OUT:-}" && "$out" != "$OUT" ]] || return 0
+  tar czf "$OUT/gpu-check.tar.gz" --exclude=train_step_profile --exclude='device_test_p?_m?' \
+    -C "$(dirname "$out")" "$(basename "$out")" 2>/dev/null
+  cp "$out/summary.txt" "$OUT/summary.txt" 2>/dev/null
+  return 0
 }
 
 # Tests and benchmarks start several processes on the one GPU: no preallocation.
@@ -70,7 +92,7 @@ built() { python -c "import jax_cgx; from jax_cgx import _cuda; assert _cuda.ncc
 stage_build() {
   { nvidia-smi; python --version; python -c "import jax; print(jax.__version__, jax.devices())"; } \
     >"$out/environment.log" 2>&1
-  step build env JAX_CGX_CUDA=ON JAX_CGX_NCCL=ON pip install --no-build-isolation --no-deps -v -e .
+  step build env JAX_CGX_CUDA=ON JAX_CGX_NCCL=ON python -m pip install --no-build-isolation --no-deps -v -e .
   step import python -c "import jax_cgx; assert jax_cgx.cuda_extension_available(); \
 from jax_cgx import _cuda; assert _cuda.nccl_compiled(); print('cuda extension ok, NCCL', jax_cgx.nccl.load())"
 }
@@ -127,6 +149,7 @@ stage_profile_codec() {
 # One pytest process (-o addopts=-ra drops pyproject.toml's two xdist workers): the GPU tests own the GPU,
 # and the device machine may not have pytest-xdist.
 stage_tests_codec_gpu() { step tests_codec_gpu pytest -o addopts=-ra tests/codec -m gpu -q; }
+stage_reference_gpu() { step reference_gpu pytest -o addopts=-ra tests/codec/test_codec_gpu.py -k reference -q; }
 stage_tests_nccl_gpu() { step tests_nccl_gpu pytest -o addopts=-ra tests/nccl -m gpu -v; }
 
 stage_bench_codec() {
@@ -196,6 +219,64 @@ stage_train_step() {
   step train_step_gpu_w2 python -m jax_cgx.launch -n 2 benchmarks/train_step.py --share-gpu --steps 20 \
     --compressors none maxmin:4 maxmin:4+auto maxmin:4+backward --no-progress \
     --profile "$out/train_step_profile" --output "$out/train_step_gpu_w2.json"
+}
+
+# Issue 29: the step as users train, over an emulated Ethernet link. Most important first: the MLP
+# at 10 Gbit/s (the targets), unlimited, then the transformer (compute matters: d_model 512, 4
+# layers, 256 tokens of context, 32 sequences per GPU).
+link_ok() {  # can this kernel make namespaces, veth pairs and tbf queues? (once; logged)
+  if [[ -z "${link_checked:-}" ]]; then
+    link_checked=1
+    { command -v ip tc unshare && ip netns add cgxprobe && ip -n cgxprobe link add name cgxa type veth peer name cgxb &&
+      tc -n cgxprobe qdisc add dev cgxa root tbf rate 10gbit burst 2500000b latency 50ms && echo LINK_OK
+      ip netns delete cgxprobe; } >"$out/link_probe.log" 2>&1
+    grep -q LINK_OK "$out/link_probe.log" && link_works=1 || link_works=0
+    echo "   network namespaces, veth and tbf: $([[ $link_works == 1 ]] && echo yes || echo "NO (see link_probe.log): \
+unshaped loopback sockets instead")" | tee -a "$out/summary.txt"
+  fi
+  [[ $link_works == 1 ]]
+}
+
+link_run() {  # link_run NAME RATE SCRIPT ARGS...: 2 ranks on the GPU over a RATE link (or loopback)
+  local name=$1 rate=$2 script=$3; shift 3
+  if link_ok; then
+    step "$name" python benchmarks/netem/run.py -p 2 --rate "$rate" --gpu --timeout 240 --script "$script" -- \
+      "$@" --output "$out/$name.json"
+    if [[ ! -f "$out/$name.json" ]] && ! grep -q "skipped, past" <(tail -1 "$out/summary.txt"); then
+      link_works=0  # the link runs fail: what follows goes over loopback (unlimited) so something is measured
+      echo "   the shaped link failed: the unlimited runs that follow use loopback sockets" | tee -a "$out/summary.txt"
+    fi
+  elif [[ $rate == unlimited ]]; then
+    step "$name" timeout 240 python -m jax_cgx.launch -n 2 "$script" --share-gpu "$@" --output "$out/$name.json"
+  else
+    echo "== $name: skipped (no shaped link on this machine)" | tee -a "$out/summary.txt"
+  fi
+  [[ -f "$out/$name.json" ]] && python tools/results_table.py "$out/$name.json" >>"$out/summary.txt" 2>&1
+  pack
+}
+
+TRAIN_DDP=(ddp:none ddp:fp16 ddp:powersgd:2)
+stage_train_link() {
+  local common=(--steps 30 --warmup 5 --no-progress)
+  link_run train_mlp_10gbit 10gbit benchmarks/train_step.py --link-gbps 10 "${common[@]}" --compressors \
+    none maxmin:4 maxmin:8 maxmin:4+backward maxmin:4+auto "${TRAIN_DDP[@]}"
+  link_run train_mlp_unlimited unlimited benchmarks/train_step.py "${common[@]}" --compressors \
+    none maxmin:4 maxmin:8 maxmin:4+backward maxmin:4+auto "${TRAIN_DDP[@]}"
+  local lm=(--model charlm --d-model 512 --layers 4 --context 256 --batch-per-device 32)
+  link_run train_charlm_10gbit 10gbit benchmarks/train_step.py --link-gbps 10 "${lm[@]}" "${common[@]}" \
+    --compressors none maxmin:4 maxmin:8 maxmin:4+auto "${TRAIN_DDP[@]}"
+  link_run train_charlm_unlimited unlimited benchmarks/train_step.py "${lm[@]}" "${common[@]}" \
+    --compressors none maxmin:4 maxmin:8 maxmin:4+auto "${TRAIN_DDP[@]}"
+}
+
+# Issue 30: the nccl backend against the xla backend and psum on the same link, automatic
+# segmentation and one segment (two NCCL calls per all-reduce, as the xla backend makes).
+stage_allreduce_link() {
+  local common=(--sizes-mib 64 256 --bits 4 --ops psum psum_scatter all_gather --backends xla nccl
+                --repeats 5 --no-progress)
+  link_run allreduce_10gbit 10gbit benchmarks/allreduce.py "${common[@]}"
+  link_run allreduce_10gbit_seg1 10gbit benchmarks/allreduce.py "${common[@]}" --segments 1
+  link_run allreduce_unlimited unlimited benchmarks/allreduce.py "${common[@]}"
 }
 
 stage_tests_cpu() { step tests_cpu pytest -o addopts=-ra tests -q -m "not gpu"; }

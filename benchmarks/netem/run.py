@@ -2,6 +2,7 @@
 
     sudo python benchmarks/netem/run.py --processes 2 --rate 1gbit
     sudo python benchmarks/netem/run.py --processes 4 --rate 10gbit -- --sizes-mib 16 64 --bits 2 4 8 -n 5
+    sudo python benchmarks/netem/run.py -p 2 --rate 10gbit --gpu --script benchmarks/train_step.py -- --link-gbps 10
     sudo python benchmarks/netem/run.py --processes 2 --rate unlimited --dry-run   # print the plan only
     sudo python benchmarks/netem/run.py --cleanup                                  # leftovers of crashed runs
 
@@ -16,7 +17,10 @@ Process i runs ``benchmarks/allreduce.py`` (or ``--script``) in namespace i, wit
 ``cgx<TAG>-<i>`` (its own UTS namespace) resolving to its address: gloo binds to the address
 gethostname() resolves to. It gets jax_cgx.launch's variables (``JAX_CGX_PROCESS_ID``,
 ``JAX_CGX_NUM_PROCESSES``, ``JAX_CGX_LOCAL_RANK=0``, ``JAX_CGX_LOCAL_COUNT=1``,
-``JAX_CGX_COORDINATOR=10.77.0.1:PORT``) and one CPU device. Arguments after ``--`` go to the
+``JAX_CGX_COORDINATOR=10.77.0.1:PORT``) and one CPU device; with ``--gpu``, GPU 0 instead, every
+process on the same one, with NCCL told to use the namespace's ``eth0`` by sockets alone (each process
+its own ``NCCL_HOSTID``: no P2P or shared memory between them), so XLA's, jax_cgx's and PyTorch's NCCL
+traffic all crosses the shaped link. Arguments after ``--`` go to the
 benchmark (default ``--sizes-mib 64 --bits 4 8 -n 5``); rank 0 writes the JSON results (``--output``
 among them, else ``benchmarks/netem/results/``), and this launcher adds the link settings to every
 record and prints the file's path.
@@ -95,6 +99,7 @@ class Plan:
     burst: str | None = None  # tbf burst; default: 2 ms at the rate, at least 64 KiB
     latency: str = "50ms"  # tbf latency (how long a packet may wait in the queue)
     port: int = 12321
+    gpu: bool = False  # every process on GPU 0, NCCL over the namespaces' links (see environment)
     tag: str = dataclasses.field(default_factory=lambda: str(os.getpid()))
 
     def __post_init__(self):
@@ -191,7 +196,19 @@ class Plan:
             XLA_FLAGS=" ".join([*flags, "--xla_force_host_platform_device_count=1"]),
             PYTHONUNBUFFERED="1",
         )
-        env.setdefault("JAX_PLATFORMS", "cpu")
+        if not self.gpu:
+            env.setdefault("JAX_PLATFORMS", "cpu")
+            return env
+        # Every process on the one GPU, and every NCCL byte (XLA's collectives, jax_cgx's, PyTorch's)
+        # over this run's link: each process its own NCCL host (a host id of its own, so NCCL neither
+        # refuses two ranks on one GPU nor joins them by P2P or shared memory), sockets on eth0.
+        env.update(
+            JAX_PLATFORMS="cuda", CUDA_VISIBLE_DEVICES=env.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0],
+            NCCL_HOSTID=self.hostname(rank), NCCL_SOCKET_IFNAME="eth0",
+            NCCL_IB_DISABLE="1", NCCL_P2P_DISABLE="1", NCCL_SHM_DISABLE="1", NCCL_NVLS_ENABLE="0",
+            XLA_PYTHON_CLIENT_PREALLOCATE="false",
+            XLA_PYTHON_CLIENT_MEM_FRACTION=f"{0.85 / self.processes:.3f}",
+        )
         return env
 
     def process_command(self, rank: int, argv: list[str], python: str = sys.executable) -> list[str]:
@@ -204,7 +221,7 @@ class Plan:
         return dict(
             netem_processes=self.processes, netem_rate=self.rate, netem_rate_bps=self.rate_bps,
             netem_mtu=self.mtu, netem_tbf_burst=self.tbf_burst if self.rate_bps else None,
-            netem_tbf_latency=self.latency if self.rate_bps else None,
+            netem_tbf_latency=self.latency if self.rate_bps else None, netem_gpu=self.gpu,
         )
 
 
@@ -258,6 +275,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--burst", help="tbf burst (default: 2 ms at the rate, at least 64 KiB)")
     p.add_argument("--latency", default="50ms", help="tbf latency: the queue's length in time (default 50ms)")
     p.add_argument("--port", type=int, default=12321, help="coordinator port on 10.77.0.1 (default 12321)")
+    p.add_argument("--gpu", action="store_true",
+                   help="every process on GPU 0 (CUDA_VISIBLE_DEVICES' first), NCCL's sockets on the shaped "
+                        "link (P2P, shared memory and InfiniBand off, a host id per process)")
     p.add_argument("--script", type=Path, default=DEFAULT_SCRIPT,
                    help="the Python script every process runs (default benchmarks/allreduce.py)")
     p.add_argument("--python", default=sys.executable, help="the interpreter (default: this one)")
@@ -271,7 +291,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     args.bench_args = DEFAULT_BENCH_ARGS if bench is None else bench
     try:
-        args.plan = Plan(args.processes, args.rate, args.mtu, args.burst, args.latency, args.port)
+        args.plan = Plan(args.processes, args.rate, args.mtu, args.burst, args.latency, args.port, gpu=args.gpu)
     except ValueError as e:
         p.error(str(e))
     return args

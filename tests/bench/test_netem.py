@@ -154,6 +154,22 @@ def test_processes_run_in_their_namespace_with_the_launcher_environment():
     assert "sethostname(sys.argv[1])" in cmd[9] and "execv(sys.argv[2], sys.argv[2:])" in cmd[9]
 
 
+def test_gpu_processes_share_the_gpu_and_send_nccl_over_the_link():
+    """--gpu: every process on the first visible GPU, each its own NCCL host (no P2P or shared memory
+    between them), NCCL's sockets on the namespace's eth0: XLA's, jax_cgx's and PyTorch's traffic all
+    crosses the shaped link."""
+    plan = netem.Plan(2, "10gbit", tag="5", gpu=True)
+    envs = [plan.environment(rank, {"CUDA_VISIBLE_DEVICES": "3,4", "JAX_PLATFORMS": "cpu"}) for rank in range(2)]
+    for rank, env in enumerate(envs):
+        assert env["JAX_PLATFORMS"] == "cuda" and env["CUDA_VISIBLE_DEVICES"] == "3"
+        assert env["NCCL_SOCKET_IFNAME"] == "eth0" and env["NCCL_HOSTID"] == plan.hostname(rank)
+        assert env["NCCL_P2P_DISABLE"] == env["NCCL_SHM_DISABLE"] == env["NCCL_IB_DISABLE"] == "1"
+        assert float(env["XLA_PYTHON_CLIENT_MEM_FRACTION"]) * 2 <= 0.85
+    assert envs[0]["NCCL_HOSTID"] != envs[1]["NCCL_HOSTID"]
+    assert plan.annotation()["netem_gpu"] is True and netem.parse_args(["--gpu"]).plan.gpu
+    assert "NCCL_HOSTID" not in netem.Plan(2, "10gbit", tag="5").environment(0, {})
+
+
 def test_dry_run_prints_the_plan_without_root(capsys):
     assert netem.main(["-p", "2", "--rate", "1gbit", "--dry-run", "--", "--sizes-mib", "0.25", "-n", "1"]) == 0
     out = capsys.readouterr().out
