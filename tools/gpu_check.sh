@@ -224,10 +224,35 @@ stage_train_step() {
 # Issue 29: the step as users train, over an emulated Ethernet link. Most important first: the MLP
 # at 10 Gbit/s (the targets), unlimited, then the transformer (compute matters: d_model 512, 4
 # layers, 256 tokens of context, 32 sequences per GPU).
+# The device image has no iproute2: ip and tc come from Debian packages carried in .iproute/
+# (apt-get download iproute2 and its libraries), unpacked to /tmp/iproute; the wrappers put on
+# LD_LIBRARY_PATH only the libraries this machine lacks (ldd's "not found").
+ensure_iproute() {
+  command -v ip >/dev/null && command -v tc >/dev/null && return 0
+  compgen -G ".iproute/iproute2_*.deb" >/dev/null || { echo "no ip/tc and no .iproute/ debs"; return 1; }
+  local root=/tmp/iproute f exe lib
+  mkdir -p "$root/need" "$root/wrap"
+  for f in .iproute/*.deb; do dpkg -x "$f" "$root/pkg"; done
+  for exe in ip tc; do
+    f=$(find "$root/pkg" -type f -name "$exe" -path "*bin/*" | head -1)
+    for lib in $(ldd "$f" | awk '/not found/ {print $1}'); do
+      ln -sf "$(find "$root/pkg" -name "$lib" | head -1)" "$root/need/$lib"
+    done
+    printf '#!/bin/sh\nLD_LIBRARY_PATH=%s${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH} exec %s "$@"\n' "$root/need" "$f" \
+      >"$root/wrap/$exe"
+    chmod +x "$root/wrap/$exe"
+  done
+  export PATH="$root/wrap:$PATH"
+  echo "ip and tc from .iproute/ (libraries added: $(ls "$root/need" | tr '\n' ' '))"
+  ip -V
+}
+
 link_ok() {  # can this kernel make namespaces, veth pairs and tbf queues? (once; logged)
   if [[ -z "${link_checked:-}" ]]; then
     link_checked=1
-    { command -v ip tc unshare && ip netns add cgxprobe && ip -n cgxprobe link add name cgxa type veth peer name cgxb &&
+    ensure_iproute >"$out/iproute.log" 2>&1
+    cat "$out/iproute.log" >>"$out/summary.txt"
+    { command -v ip tc unshare && ip netns add cgxprobe && ip -n cgxprobe link add name cgxa type veth peer name cgxb && ip -n cgxprobe link add name cgxbr type bridge &&
       tc -n cgxprobe qdisc add dev cgxa root tbf rate 10gbit burst 2500000b latency 50ms && echo LINK_OK
       ip netns delete cgxprobe; } >"$out/link_probe.log" 2>&1
     grep -q LINK_OK "$out/link_probe.log" && link_works=1 || link_works=0
@@ -256,17 +281,17 @@ link_run() {  # link_run NAME RATE SCRIPT ARGS...: 2 ranks on the GPU over a RAT
 }
 
 TRAIN_DDP=(ddp:none ddp:fp16 ddp:powersgd:2)
+# TRAIN_RATES: the links to train over, in this order (default "10gbit unlimited").
 stage_train_link() {
-  local common=(--steps 30 --warmup 5 --no-progress)
-  link_run train_mlp_10gbit 10gbit benchmarks/train_step.py --link-gbps 10 "${common[@]}" --compressors \
-    none maxmin:4 maxmin:8 maxmin:4+backward maxmin:4+auto "${TRAIN_DDP[@]}"
-  link_run train_mlp_unlimited unlimited benchmarks/train_step.py "${common[@]}" --compressors \
-    none maxmin:4 maxmin:8 maxmin:4+backward maxmin:4+auto "${TRAIN_DDP[@]}"
+  local rate common=(--steps 30 --warmup 5 --no-progress)
   local lm=(--model charlm --d-model 512 --layers 4 --context 256 --batch-per-device 32)
-  link_run train_charlm_10gbit 10gbit benchmarks/train_step.py --link-gbps 10 "${lm[@]}" "${common[@]}" \
-    --compressors none maxmin:4 maxmin:8 maxmin:4+auto "${TRAIN_DDP[@]}"
-  link_run train_charlm_unlimited unlimited benchmarks/train_step.py "${lm[@]}" "${common[@]}" \
-    --compressors none maxmin:4 maxmin:8 maxmin:4+auto "${TRAIN_DDP[@]}"
+  for rate in ${TRAIN_RATES:-10gbit unlimited}; do
+    local gbps=(); [[ $rate == unlimited ]] || gbps=(--link-gbps "${rate%gbit}")
+    link_run "train_mlp_$rate" "$rate" benchmarks/train_step.py "${gbps[@]}" "${common[@]}" --compressors \
+      none maxmin:4 maxmin:8 maxmin:4+backward maxmin:4+auto "${TRAIN_DDP[@]}"
+    link_run "train_charlm_$rate" "$rate" benchmarks/train_step.py "${gbps[@]}" "${lm[@]}" "${common[@]}" \
+      --compressors none maxmin:4 maxmin:8 "${TRAIN_DDP[@]}"
+  done
 }
 
 # Issue 30: the nccl backend against the xla backend and psum on the same link, automatic

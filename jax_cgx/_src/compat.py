@@ -130,6 +130,18 @@ def ensure_varying(x, axes):
     return pvary(x, missing) if missing else x
 
 
+def lowering_platform(platform: str) -> str:
+    """The platform a computation for ``platform`` is lowered for: a device says "gpu", its lowering
+    "cuda" or "rocm" (whichever is present); a platform that names no alias, or "gpu" where no GPU
+    backend is present, is returned as it is."""
+    from jax._src import xla_bridge
+
+    try:
+        return xla_bridge.canonicalize_platform(platform)
+    except RuntimeError:  # "gpu" with no GPU backend here
+        return platform
+
+
 def context_mesh(ctx):
     """The mesh of the shard_map/pmap whose body a lowering rule is lowering (None outside one)."""
     return getattr(ctx.module_context.axis_context, "mesh", None)

@@ -363,6 +363,16 @@ def test_choosing_the_nccl_backend(fake, monkeypatch, caplog):
     assert backend == "xla" and "cannot tell them apart" in reason
     assert sel("auto", "cuda", mesh, "a")[0] == "nccl"  # a concrete one can
 
+    # A device's platform is "gpu" (what a trace sees on the mesh's devices), its lowering "cuda".
+    from jax._src import xla_bridge
+
+    with monkeypatch.context() as m:
+        m.setattr(xla_bridge, "backends", lambda: {"cuda": None, "cpu": None})
+        assert sel("nccl", "gpu", mesh, "a")[0] == "nccl" and sel("auto", "gpu", mesh, "a")[0] == "nccl"
+        m.setattr(xla_bridge, "backends", lambda: {"rocm": None, "cpu": None})
+        with pytest.raises(nccl.NcclError, match="CUDA GPUs only.*'rocm'"):
+            sel("nccl", "gpu", mesh, "a")
+
     # Error feedback's residuals: the xla backend's alone.
     residual = backends.Reduction("compressed_psum", "psum", ("a",), 2, residual=True)
     assert backends.choose("auto", residual, mesh, "cuda")[0] == "xla"

@@ -226,6 +226,8 @@ def choose(requested: str, reduction: Reduction, mesh, platform: str) -> tuple[s
     """
     if requested not in BACKENDS:
         raise ValueError(f"jax_cgx: backend must be one of {BACKENDS}, got {requested!r}")
+    # Backends name the platforms they are lowered for ("cuda"); a device's platform is "gpu".
+    platform = compat.lowering_platform(platform)
     if requested == "xla":
         choice = ("xla", "requested")
     elif requested != "auto":
