@@ -107,6 +107,16 @@ def process_group():
     return _group
 
 
+def close() -> None:
+    """Destroy the process group, if one was made (every process, after its last DDP step)."""
+    global _group
+    if _group is not None:
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+        _group = None
+
+
 def _register_hook(model, hook: str, rank: int | None):
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import logging
 import re
 import sys
 import time
@@ -308,6 +309,10 @@ def main(argv=None) -> list[dict]:
     from jax_cgx.bench._table import print_table, save
 
     lead = jax.process_index() == 0
+    if lead and any("auto" in spec.split("+")[1:] for spec in args.compressors):
+        # policy="auto"'s calibration figures and each buffer's decision, as a user sees them with INFO logs.
+        logging.basicConfig(format="%(message)s")
+        logging.getLogger("jax_cgx").setLevel(logging.INFO)
     model = Model(args)
     lr = example_args("none", args, 1).lr
     kinds = {"ddp": lambda spec: torch_ddp.DdpTrainer(spec, model, args, lr),
@@ -321,6 +326,7 @@ def main(argv=None) -> list[dict]:
             t.step()
         if lead and args.progress:
             print(f"train_step: step {i + 1}/{args.steps}", file=sys.stderr, flush=True)
+    torch_ddp.close()  # PyTorch's process group, if a ddp: trainer made one (NCCL warns at exit otherwise)
     records = [record(t, args.warmup) for t in trainers]
     add_ratios(records, args.link_gbps)
     if args.profile:

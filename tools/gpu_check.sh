@@ -32,6 +32,11 @@
 #                    all-gather; 64 and 256 MiB) over the same 10 Gbit/s link
 #   tests_cpu        the rest of the test suite (long: a call of its own)
 #
+# The link stages need ip and tc, which the device image lacks: fetch Debian's packages into .iproute/
+# first (here, once; list it in .git/info/exclude and name it in the device call's carry):
+#   mkdir -p .iproute && (cd .iproute && apt-get download iproute2 libbpf1 libmnl0 libxtables12 libelf1 \
+#     libcap2 libbsd0 libmd0 libdb5.3 libselinux1 libpcre2-8-0 libtirpc3)
+#
 # A device call runs at most 10 minutes, the build takes about 3 of them (on an H100, 16 cores;
 # seconds when the machine is still warm from an earlier call): docs/gpu-results.md plans which
 # stages go together in one call (`tests_codec_gpu` alone takes about 7 minutes). Logs, JSON and
