@@ -50,3 +50,33 @@ def test_adaptive_needs_maxmin():
     with pytest.raises(SystemExit, match="--adaptive: only with --compressor maxmin"):
         train_charlm.run(train_charlm.parse_args(["--devices", "8", "--steps", "2", "--no-progress",
                                                   "--compressor", "cast", "--adaptive", "4"]))
+
+
+def test_the_planner_sees_each_devices_own_gradient():
+    # DataParallel.errors (one compiled function for every plan) is errors_fn of each device's gradient on
+    # its rows of the batch, averaged over the devices: leaf_errors of each shard's gradient, meaned.
+    import _common
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+
+    import jax_cgx
+
+    devices = _common.mesh_devices(8)
+    params = {"w": jax.random.normal(jax.random.key(0), (64, 32)), "b": jnp.zeros(32)}
+    config = jax_cgx.CompressionConfig(bits=4, bucket_size=64, min_size=1024)
+
+    def loss_fn(p, x):
+        return jnp.mean(jnp.tanh(x @ p["w"] + p["b"]) ** 2)
+
+    errors_fn = lambda g: jax_cgx.adaptive.leaf_errors(g, config, (2, 4), _common.AXIS)  # noqa: E731
+    dp = _common.DataParallel(loss_fn, optax.identity(), optax.sgd(0.1), devices, errors_fn=errors_fn)
+    x = np.asarray(jax.random.normal(jax.random.key(1), (16, 64)))
+    params, _ = dp.init(params, (x,))
+    got = np.asarray(dp.errors(params, dp.shard(x)))
+    host = jax.device_get(params)
+    rows = [jax_cgx.adaptive.leaf_errors(jax.grad(loss_fn)(host, x[2 * i:2 * i + 2]), config, (2, 4))
+            for i in range(8)]
+    assert got.shape == (1, 2)  # "w" is planned, "b" is under min_size
+    np.testing.assert_allclose(got, np.mean(rows, axis=0), rtol=1e-5)

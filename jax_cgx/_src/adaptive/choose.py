@@ -167,14 +167,13 @@ def _errors(leaf, bucket_size: int, stochastic: bool, widths: tuple[int, ...], r
     low = buckets.min(axis=1, keepdims=True)
     span = buckets.max(axis=1, keepdims=True) - low
     within = jnp.arange(buckets.size).reshape(buckets.shape) < n  # the padding counts for nothing
-    out = []
-    for b in widths:
-        step = span / (2**b - 1)
-        t = jnp.where(step > 0, (buckets - low) / jnp.where(step > 0, step, 1), 0.0)
-        f = t - jnp.floor(t)
-        per_value = f * (1 - f) if stochastic else jnp.minimum(f, 1 - f) ** 2
-        out.append(jnp.sum(jnp.where(within, per_value * step * step, 0.0)))
-    out = jnp.stack(out)
+    # Every width at once, along a last axis: one reduction per leaf and bucket size, where a loop
+    # over the widths made one each and the planner's step compiled 3-4x slower.
+    step = span[..., None] / jnp.asarray([2**b - 1 for b in widths], jnp.float32)  # [bucket, 1, width]
+    t = jnp.where(step > 0, (buckets - low)[..., None] / jnp.where(step > 0, step, 1), 0.0)
+    f = t - jnp.floor(t)
+    per_value = f * (1 - f) if stochastic else jnp.minimum(f, 1 - f) ** 2
+    out = jnp.sum(jnp.where(within[..., None], per_value * step * step, 0.0), axis=(0, 1))
     if relative:  # in units of the leaf's mean square: what an optimizer normalizing by it (Adam) sees
         mean_square = jnp.sum(jnp.where(within, buckets * buckets, 0.0)) / n
         out = jnp.where(mean_square > 0, out / jnp.where(mean_square > 0, mean_square, 1), 0.0)
