@@ -36,7 +36,7 @@ def main(paths: list[str]) -> None:
     if not rows:
         return
     backends = sorted({b for row in rows.values() for b in row if b != "psum"})
-    head = ["op", "ranks", "MiB", "bits", "psum ms"] + [f"{b} ms | x psum" for b in backends]
+    head = ["op", "ranks", "MiB", "bits", "psum ms"] + [f"{b} ms (x psum)" for b in backends]
     print("| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head))
     for (op, world, mib, bits), row in sorted(rows.items()):
