@@ -27,6 +27,8 @@
 #                    on 2 ranks sharing the GPU, each in its own network namespace, NCCL's sockets over
 #                    a tbf-shaped veth link (benchmarks/netem/run.py --gpu), jax_cgx beside PyTorch DDP
 #                    on NCCL; unshaped loopback sockets where the kernel has no namespaces, veth or tbf
+#   auto_link        policy="auto" on the MLP at 10 Gbit/s with its calibration and decisions logged
+#                    (it chose psum there on 2026-11-27, where 4-bit was 3.66x faster)
 #   reference_gpu    the pure-JAX reference compiled by XLA:GPU against the CUDA kernels, bitwise
 #   allreduce_link   issue 30: psum vs the xla and nccl backends (all-reduce, reduce-scatter,
 #                    all-gather; 64 and 256 MiB) over the same 10 Gbit/s link
@@ -51,7 +53,7 @@ if [[ "${1:-}" == "-o" ]]; then out=$2; shift 2; fi
 out="${out:-${OUT:+${TMPDIR:-/tmp}/gpu-check}}"
 out="${out:-gpu-check}"
 all=(build kernels profile_codec tests_codec_gpu tests_nccl_gpu bench_codec bench_allreduce bench_sharded
-     nccl_transport train_step train_link reference_gpu allreduce_link tests_cpu)
+     nccl_transport train_step train_link auto_link reference_gpu allreduce_link tests_cpu)
 stages=("$@")
 [[ ${#stages[@]} -eq 0 ]] && stages=("${all[@]}")
 for s in "${stages[@]}"; do
@@ -297,6 +299,13 @@ stage_train_link() {
     link_run "train_charlm_$rate" "$rate" benchmarks/train_step.py "${gbps[@]}" "${lm[@]}" "${common[@]}" \
       --compressors none maxmin:4 maxmin:8 "${TRAIN_DDP[@]}"
   done
+}
+
+stage_auto_link() {
+  link_run auto_mlp_10gbit 10gbit benchmarks/train_step.py --link-gbps 10 --steps 20 --warmup 5 --no-progress \
+    --compressors none maxmin:4 maxmin:4+auto
+  grep "policy=" "$out/auto_mlp_10gbit.log" >>"$out/summary.txt" 2>/dev/null
+  pack
 }
 
 # Issue 30: the nccl backend against the xla backend and psum on the same link, automatic
