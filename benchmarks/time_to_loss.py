@@ -14,7 +14,7 @@ steps, outside the clock. One process alone uses its simulated CPU devices (8 by
 
 Specs: ``none`` (pmean), ``maxmin:BITS`` (uniform widths in buckets of ``--bucket-size``),
 ``adaptive:BUDGET`` (``jax_cgx.adaptive.Planner`` within uniform BUDGET bits' bytes: each leaf's width
-and bucket size among ``--bucket-sizes``, the relative objective, re-planned every ``--replan-every``
+and bucket size among ``--bucket-sizes``, the relative objective (``--objective``), re-planned every ``--replan-every``
 steps from the devices' own gradients), ``widths:BUDGET`` (the same, widths only).
 
 The clock counts training steps (re-planning and the compilation of every new plan included; the
@@ -51,6 +51,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--bucket-sizes", type=int, nargs="+", default=list(BUCKET_SIZES),
                    help="adaptive: the bucket sizes a leaf may get (default: %(default)s)")
     p.add_argument("--replan-every", type=int, default=100, help="adaptive: (default: %(default)s)")
+    p.add_argument("--objective", choices=("relative", "squared"), default="relative",
+                   help="adaptive: the planner's objective (default: %(default)s)")
     p.add_argument("--target", type=float, help="validation loss (default: the none run's final one)")
     p.add_argument("--devices", type=int, default=8, help="simulated CPU devices of one process (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="(default: %(default)s)")
@@ -84,7 +86,7 @@ def example_argv(spec: str, args: argparse.Namespace) -> list[str]:
     if name == "maxmin" and number == int(number):
         return ["--compressor", "maxmin", "--bits", str(int(number))]
     if name in ("adaptive", "widths"):
-        return (["--compressor", "maxmin", "--adaptive", value, "--adaptive-objective", "relative",
+        return (["--compressor", "maxmin", "--adaptive", value, "--adaptive-objective", args.objective,
                  "--replan-every", str(args.replan_every)]
                 + (["--adaptive-bucket-sizes", *map(str, args.bucket_sizes)] if name == "adaptive" else []))
     raise bad
