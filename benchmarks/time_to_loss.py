@@ -15,7 +15,10 @@ steps, outside the clock. One process alone uses its simulated CPU devices (8 by
 Specs: ``none`` (pmean), ``maxmin:BITS`` (uniform widths in buckets of ``--bucket-size``),
 ``adaptive:BUDGET`` (``jax_cgx.adaptive.Planner`` within uniform BUDGET bits' bytes: each leaf's width
 and bucket size among ``--bucket-sizes``, the relative objective (``--objective``), re-planned every ``--replan-every``
-steps from the devices' own gradients), ``widths:BUDGET`` (the same, widths only).
+steps from the devices' own gradients), ``widths:BUDGET`` (the same, widths only). ``SPEC@STEPS`` trains
+that spec for STEPS steps, its rate decaying over them, instead of ``--steps`` (a compressed run given
+more, cheaper steps to reach the uncompressed run's final loss: time to accuracy, each run on its own
+schedule).
 
 The clock counts training steps (re-planning and the compilation of every new plan included; the
 first step, which compiles for every spec, counts as the median step). The table gives each spec's
@@ -41,7 +44,8 @@ BUCKET_SIZES = (64, 128, 256, 512, 1024, 4096)
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--specs", nargs="+", default=["none", "maxmin:4", "adaptive:4", "adaptive:3", "maxmin:8"],
-                   help="none, maxmin:BITS, adaptive:BUDGET, widths:BUDGET (default: %(default)s)")
+                   help="none, maxmin:BITS, adaptive:BUDGET, widths:BUDGET, each optionally @STEPS "
+                        "(default: %(default)s)")
     p.add_argument("--words", type=int, default=4096, help="vocabulary: the most frequent words (default: %(default)s)")
     p.add_argument("--steps", type=int, default=1200, help="(default: %(default)s)")
     p.add_argument("--eval-every", type=int, default=100, help="steps between evaluations (default: %(default)s)")
@@ -51,7 +55,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--bucket-sizes", type=int, nargs="+", default=list(BUCKET_SIZES),
                    help="adaptive: the bucket sizes a leaf may get (default: %(default)s)")
     p.add_argument("--replan-every", type=int, default=100, help="adaptive: (default: %(default)s)")
-    p.add_argument("--objective", choices=("relative", "squared"), default="relative",
+    p.add_argument("--objective", choices=("relative", "squared", "adam"), default="relative",
                    help="adaptive: the planner's objective (default: %(default)s)")
     p.add_argument("--target", type=float, help="validation loss (default: the none run's final one)")
     p.add_argument("--devices", type=int, default=8, help="simulated CPU devices of one process (default: %(default)s)")
@@ -66,16 +70,29 @@ def parse_args(argv=None) -> argparse.Namespace:
     for spec in args.specs:
         try:
             example_argv(spec, args)
+            spec_steps(spec, args)
         except ValueError as err:
             p.error(str(err))
+    if len(set(args.specs)) != len(args.specs):
+        p.error(f"--specs: each spec once, got {args.specs}")
     if args.target is None and "none" not in args.specs:
         p.error("give --target, or include the spec none (whose final validation loss is the default target)")
     return args
 
 
+def spec_steps(spec: str, args: argparse.Namespace) -> int:
+    """The steps ``spec`` trains for: its ``@STEPS``, or ``--steps``."""
+    _, at, steps = spec.partition("@")
+    if not at:
+        return args.steps
+    if not steps.isdigit() or int(steps) < 1:
+        raise ValueError(f"{spec!r}: @STEPS must be a positive number of steps, got {steps!r}")
+    return int(steps)
+
+
 def example_argv(spec: str, args: argparse.Namespace) -> list[str]:
-    """examples/train_charlm.py's flags for ``spec``."""
-    name, _, value = spec.partition(":")
+    """examples/train_charlm.py's flags for ``spec`` (without its ``@STEPS``)."""
+    name, _, value = spec.partition("@")[0].partition(":")
     bad = ValueError(f"{spec!r} is not none, maxmin:BITS, adaptive:BUDGET or widths:BUDGET")
     if name == "none" and not value:
         return ["--compressor", "none"]
@@ -101,10 +118,10 @@ class Trainer:
         import optax
         import train_charlm
 
-        self.spec = spec
+        self.spec, self.steps = spec, spec_steps(spec, args)
         train_ids, val_ids, vocab = corpus
         self.ex = train_charlm.parse_args([*example_argv(spec, args), "--words", str(args.words), "--batch",
-                                           str(args.batch), "--lr", str(args.lr), "--steps", str(args.steps),
+                                           str(args.batch), "--lr", str(args.lr), "--steps", str(self.steps),
                                            "--bucket-size", str(args.bucket_size), "--seed", str(args.seed),
                                            "--devices", str(len(devices))])
         T, heads = self.ex.context, self.ex.heads
@@ -114,7 +131,7 @@ class Trainer:
             return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean(-1)
 
         self.sequence_loss = sequence_loss
-        compressor, optimizer = _common.make_optimizer(self.ex, optax.cosine_decay_schedule(args.lr, args.steps))
+        compressor, optimizer = _common.make_optimizer(self.ex, optax.cosine_decay_schedule(args.lr, self.steps))
         params = train_charlm.init_params(jax.random.key(args.seed), len(vocab), self.ex.d_model, self.ex.layers, T)
         self.planner = _common.adaptive_planner(self.ex, params)
         errors_fn = None if self.planner is None else (lambda g: self.planner.leaf_errors(g, _common.AXIS))
@@ -168,10 +185,12 @@ def main(argv=None) -> list[dict]:
     lead = jax.process_index() == 0
     corpus = train_charlm.load_corpus(0.1, args.words)
     trainers = [Trainer(spec, args, corpus, devices) for spec in args.specs]
-    for step in range(1, args.steps + 1):
+    for step in range(1, max(t.steps for t in trainers) + 1):
         for t in trainers:
+            if step > t.steps:
+                continue
             t.step()
-            if step % args.eval_every == 0 or step == args.steps:
+            if step % args.eval_every == 0 or step == t.steps:
                 row = t.evaluate()
                 if lead and args.progress:
                     print(f"time_to_loss: {t.spec:>12} step {step:>5}  {row['seconds']:8.2f} s  "
@@ -183,7 +202,8 @@ def main(argv=None) -> list[dict]:
     for t in trainers:
         hit = reached(t.evaluations, target)
         records.append(dict(
-            spec=t.spec, description=_common.describe(t.ex), devices=t.dp.world, seed=args.seed, target=target,
+            spec=t.spec, description=_common.describe(t.ex) + ("" if t.steps == args.steps else f", {t.steps} steps"),
+            steps=t.steps, devices=t.dp.world, seed=args.seed, target=target,
             final_val_loss=final[t.spec], vs_none=final[t.spec] / final["none"] - 1 if "none" in final else None,
             steps_to_target=hit and hit["step"], seconds_to_target=hit and hit["seconds"],
             speedup=base["seconds"] / hit["seconds"] if base and hit else None,

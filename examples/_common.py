@@ -67,9 +67,9 @@ def add_args(p: argparse.ArgumentParser, *, steps: int, batch: int, lr: float, l
     p.add_argument("--adaptive", type=float, metavar="BUDGET_BITS",
                    help="maxmin: bit widths per layer chosen by jax_cgx.adaptive within the bytes of a uniform "
                         "BUDGET_BITS (--bits is then the first plan's width), re-planned every --replan-every steps")
-    p.add_argument("--adaptive-objective", choices=("squared", "relative"), default="squared",
-                   help="--adaptive: minimize the squared error, or each leaf's relative to its mean square "
-                        "(default: %(default)s)")
+    p.add_argument("--adaptive-objective", choices=jax_cgx.adaptive.OBJECTIVES, default="squared",
+                   help="--adaptive: minimize the squared error, each leaf's relative to its mean square, or each "
+                        "value's relative to its own square (adam) (default: %(default)s)")
     p.add_argument("--adaptive-bucket-sizes", type=int, nargs="+", metavar="B",
                    help="--adaptive: also choose each leaf's bucket size among these (default: --bucket-size's)")
     p.add_argument("--replan-every", type=int, default=100,

@@ -5,6 +5,7 @@ minimizes the expected quantization error of the whole tree within a uniform wid
 
 from jax_cgx._src.adaptive.choose import (
     EXACT,
+    OBJECTIVES,
     LeafPlan,
     choose_bits,
     describe,
@@ -15,5 +16,5 @@ from jax_cgx._src.adaptive.choose import (
 )
 from jax_cgx._src.adaptive.replanning import Planner
 
-__all__ = ["EXACT", "LeafPlan", "Planner", "choose_bits", "describe", "expected_errors", "leaf_bytes",
+__all__ = ["EXACT", "OBJECTIVES", "LeafPlan", "Planner", "choose_bits", "describe", "expected_errors", "leaf_bytes",
            "leaf_errors", "solve"]

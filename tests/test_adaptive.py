@@ -267,7 +267,48 @@ def test_the_relative_objective_does_not_see_a_leafs_scale():
     assert plan(tree, "relative") == plan(scaled, "relative")
     assert plan(tree, "squared") != plan(scaled, "squared")
     with pytest.raises(ValueError, match="objective must be one of"):
-        choose_bits(tree, objective="adam")
+        choose_bits(tree, objective="adagrad")
+
+
+def _adam_errors_numpy(x: np.ndarray, bucket: int, bits: int) -> float:
+    # Quantize each bucket to its max-min grid (nearest), in float64; sum each value's e / (x^2 + e).
+    total = 0.0
+    for chunk in np.split(x.astype(np.float64), range(bucket, x.size, bucket)):
+        low, step = chunk.min(), (chunk.max() - chunk.min()) / (2**bits - 1)
+        q = low + np.round((chunk - low) / step) * step if step > 0 else chunk
+        e = (q - chunk) ** 2
+        total += float(np.sum(np.divide(e, chunk**2 + e, out=np.zeros_like(e), where=e > 0)))
+    return total
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_adam_objective_is_each_values_share_of_noise(seed):
+    # Against a float64 quantization of every bucket: the sum over values of e / (x^2 + e), each term at
+    # most 1; the same for a leaf scaled by any power of two (it sees each value against itself).
+    x = np.concatenate([_leaves(seed, 1)[0], _spiky(seed, 1 << 11)])
+    widths = (2, 3, 5, 8)
+    for bucket in (64, 512):
+        got = expected_errors([x, x * 2.0**-20], BASE.replace(bucket_size=bucket), widths, objective="adam")
+        want = [_adam_errors_numpy(x, bucket, b) for b in widths]
+        np.testing.assert_allclose(got[0], want, rtol=2e-3)
+        np.testing.assert_allclose(got[1], got[0], rtol=1e-5)
+        assert np.all(got[0] <= x.size) and np.all(np.diff(got[0]) < 0)
+
+
+def test_the_adam_objective_sees_small_values_drowned_by_large_ones():
+    # Buckets of 512 each holding 64 values 10^4 times the other 448: at 8 bits the small values lie
+    # within one grid step of one another, each all noise (share near 1), which the leaf-wide relative
+    # error (in units of the mean square, which the large values set) does not see; buckets of 64
+    # separate the scales.
+    r = np.random.default_rng(3)
+    x = r.standard_normal(1 << 14).astype(np.float32) * 1e-3
+    x.reshape(-1, 512)[:, :64] *= 1e4
+    small = x.size // 512 * 448
+    share = lambda bucket, objective: float(expected_errors(  # noqa: E731
+        [x], BASE.replace(bucket_size=bucket), (8,), objective=objective)[0, 0])
+    assert share(512, "adam") > 0.8 * small
+    assert share(64, "adam") < 0.01 * small
+    assert share(512, "relative") < 1e-3 * x.size  # in units of the mean square: per value, tiny
 
 
 def _spiky(seed: int, n: int = 1 << 13) -> np.ndarray:

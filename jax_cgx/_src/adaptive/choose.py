@@ -15,6 +15,12 @@ they are; the host receives one small array. (It leaves out the codec's rounding
 bucket's scale to 16 bits, a relative change below ``2^-7`` per bucket, and the encoding of buckets
 beyond ``2^125``.) A leaf sent exact (``None``: ``lax.psum`` in float32) has no error.
 
+**The objectives** weigh those errors three ways: ``"squared"`` sums them; ``"relative"`` divides
+each leaf's sum by the leaf's mean square; ``"adam"`` divides each value's error ``e`` by its own
+square plus that error, ``e / (g^2 + e)``, and sums: the share of noise in the value's step when an
+optimizer divides each value by its own running scale (Adam), at most 1 per value. Only the last
+sees small values drowned in a bucket whose range large ones set.
+
 **The bytes.** A quantized leaf of ``N`` values sends ``N b / 8`` bytes of payload and 8 per bucket;
 an exact one ``4 N``. Every exchange (the SRA all_to_all and all_gather, or a ring all-reduce) moves
 ``2 (W - 1) / W`` times those bytes, so the comparison is the same for any number of ranks and
@@ -49,7 +55,7 @@ from jax_cgx._src.config import MAX_BUCKET_SIZE, CompressionConfig
 
 __all__ = ["LeafPlan", "choose_bits", "describe", "expected_errors", "leaf_bytes", "leaf_errors", "solve"]
 
-OBJECTIVES = ("squared", "relative")
+OBJECTIVES = ("squared", "relative", "adam")
 EXACT = 32  # a leaf sent exact (config None), in a plan's "bits"
 _META_BYTES = 8  # per bucket: its minimum and scale
 
@@ -128,19 +134,19 @@ def leaf_errors(grads, config: CompressionConfig | None = None, candidates: Sequ
     cands = _candidates(candidates, "leaf_errors")
     base = _base(config, "leaf_errors")
     buckets = _bucket_sizes(bucket_sizes, base, "leaf_errors")
-    relative = _relative(objective, "leaf_errors")
+    objective = _objective(objective, "leaf_errors")
     with_paths = jax.tree_util.tree_flatten_with_path(grads)[0]
-    rows = [jnp.concatenate([_errors(v, bucket, base.stochastic, cands, relative) for bucket in buckets])
+    rows = [jnp.concatenate([_errors(v, bucket, base.stochastic, cands, objective) for bucket in buckets])
             for p, v in with_paths if lane(p, v, base, "leaf_errors") == "quantized"]
     out = jnp.stack(rows) if rows else jnp.zeros((0, len(buckets) * len(cands)), jnp.float32)
     return jax.lax.pmean(out, axis_name) if axis_name is not None else out
 
 
-def _relative(objective: str, api: str) -> bool:
-    """Whether ``objective`` (checked) measures each leaf's error relative to its mean square."""
-    if objective not in OBJECTIVES:
+def _objective(objective, api: str) -> str:
+    """``objective``, checked against :data:`OBJECTIVES`."""
+    if not isinstance(objective, str) or objective not in OBJECTIVES:
         raise ValueError(f"{api}: objective must be one of {OBJECTIVES}, got {objective!r}")
-    return objective == "relative"
+    return objective
 
 
 def expected_errors(leaves: Sequence[jax.Array], config: CompressionConfig, widths: Sequence[int],
@@ -151,13 +157,13 @@ def expected_errors(leaves: Sequence[jax.Array], config: CompressionConfig, widt
     Computed on the leaves' devices; one float per leaf and width comes to the host.
     """
     widths = tuple(int(b) for b in widths)
-    relative = _relative(objective, "expected_errors")
-    rows = [_errors(leaf, config.bucket_size, config.stochastic, widths, relative) for leaf in leaves]
+    objective = _objective(objective, "expected_errors")
+    rows = [_errors(leaf, config.bucket_size, config.stochastic, widths, objective) for leaf in leaves]
     return np.asarray(jax.device_get(jnp.stack(rows)), np.float64) if rows else np.zeros((0, len(widths)))
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2, 3, 4))
-def _errors(leaf, bucket_size: int, stochastic: bool, widths: tuple[int, ...], relative: bool = False):
+def _errors(leaf, bucket_size: int, stochastic: bool, widths: tuple[int, ...], objective: str = "squared"):
     x = jnp.ravel(leaf).astype(jnp.float32)
     n = x.size
     pad = -n % bucket_size
@@ -165,16 +171,24 @@ def _errors(leaf, bucket_size: int, stochastic: bool, widths: tuple[int, ...], r
     x = jnp.concatenate([x, jnp.broadcast_to(x[n - (n % bucket_size or bucket_size)], (pad,))]) if pad else x
     buckets = x.reshape(-1, bucket_size)
     low = buckets.min(axis=1, keepdims=True)
-    span = buckets.max(axis=1, keepdims=True) - low
+    high = buckets.max(axis=1, keepdims=True)
+    span = high - low
     within = jnp.arange(buckets.size).reshape(buckets.shape) < n  # the padding counts for nothing
     # Every width at once, along a last axis: one reduction per leaf and bucket size, where a loop
     # over the widths made one each and the planner's step compiled 3-4x slower.
-    step = span[..., None] / jnp.asarray([2**b - 1 for b in widths], jnp.float32)  # [bucket, 1, width]
+    levels = jnp.asarray([2**b - 1 for b in widths], jnp.float32)
+    step = span[..., None] / levels  # [bucket, 1, width]
     t = jnp.where(step > 0, (buckets - low)[..., None] / jnp.where(step > 0, step, 1), 0.0)
+    # The bucket's maximum is on the grid (its top level); float32's division can put it a hair off,
+    # an error no objective should see (under "adam" a zero maximum would count as a drowned value).
+    t = jnp.where((buckets == high)[..., None], levels, t)
     f = t - jnp.floor(t)
-    per_value = f * (1 - f) if stochastic else jnp.minimum(f, 1 - f) ** 2
-    out = jnp.sum(jnp.where(within[..., None], per_value * step * step, 0.0), axis=(0, 1))
-    if relative:  # in units of the leaf's mean square: what an optimizer normalizing by it (Adam) sees
+    per_value = (f * (1 - f) if stochastic else jnp.minimum(f, 1 - f) ** 2) * step * step
+    if objective == "adam":  # each value's error against its own square: the noise's share of its Adam step
+        square = (buckets * buckets)[..., None]
+        per_value = jnp.where(per_value > 0, per_value / jnp.where(per_value > 0, square + per_value, 1), 0.0)
+    out = jnp.sum(jnp.where(within[..., None], per_value, 0.0), axis=(0, 1))
+    if objective == "relative":  # in units of the leaf's mean square: what an optimizer normalizing by it (Adam) sees
         mean_square = jnp.sum(jnp.where(within, buckets * buckets, 0.0)) / n
         out = jnp.where(mean_square > 0, out / jnp.where(mean_square > 0, mean_square, 1), 0.0)
     return out
@@ -201,8 +215,13 @@ def choose_bits(grads, *, budget_bits: float = 4.0, candidates: Sequence[int] = 
       return_plan: also return one :class:`LeafPlan` per leaf.
       objective: ``"squared"``: the total squared error; ``"relative"``: each leaf's squared error
         in units of its mean square (the error in the step of an optimizer that normalizes each
-        leaf's gradient by its size, as Adam does per value), so leaves of small gradients are
-        not starved of bits.
+        leaf's gradient by its size), so leaves of small gradients are not starved of bits;
+        ``"adam"``: the sum over values of each value's squared error ``e`` against its own square,
+        ``e / (g^2 + e)``: the share of noise in that value's step under an optimizer that divides
+        each value by its own running scale, as Adam does (at most 1: a value drowned in noise is
+        lost however loud the noise). It sees what the leaf-wide objectives average away: small
+        values sharing a bucket with large ones. The best of the three for Adam, measured
+        (docs/training.md).
       errors: :func:`leaf_errors` of the devices' own gradients, averaged over the devices, with the
         same candidates and bucket sizes (then ``grads`` gives only the structure, shapes and
         dtypes). The averaged gradient itself, when it comes from a compressed mean, lies on the

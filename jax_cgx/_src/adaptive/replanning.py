@@ -34,7 +34,7 @@ from jax_cgx._src.adaptive.choose import (
     _bucket_sizes,
     _check,
     _choose,
-    _relative,
+    _objective,
     describe,
     leaf_errors,
 )
@@ -76,8 +76,7 @@ class Planner:
         self.budget_bits, self.candidates = budget, cands
         self.exact = check_bool("Planner", "exact", exact)
         self.every, self.min_gain = every, float(min_gain)
-        _relative(objective, "Planner")  # checks it
-        self.objective = objective
+        self.objective = _objective(objective, "Planner")
         with_paths, treedef = jax.tree_util.tree_flatten_with_path(like)
         planned = [lane(p, v, self.base, "Planner") == "quantized" for p, v in with_paths]
         uniform = max(b for b in cands if b <= budget)
