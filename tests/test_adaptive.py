@@ -4,6 +4,7 @@ The error model against the codec itself, the solver against exhaustive search, 
 the plan used as a config where jax_cgx takes one.
 """
 
+import io
 import itertools
 import json
 import math
@@ -412,3 +413,24 @@ def test_the_planner_warns_of_a_step_factory_made_anew_each_step(caplog):
         for _ in range(3):
             planner.compiled(lambda configs: configs)  # a new function each time: a new compilation each time
     assert planner.compilations == 3 and caplog.text.count("Define make_step once") == 1
+
+
+def test_explain_shows_the_plan_per_leaf():
+    # jax_cgx.explain(..., plans=) puts each planned leaf's width, bucket size, predicted error and bytes in
+    # its leaf table, for the sum and for the reduce-scatter; plans of another tree are refused.
+    r = np.random.default_rng(5)
+    tree = {"a": r.standard_normal((64, 64)).astype(np.float32), "b": _spiky(5), "c": np.zeros(8, np.float32)}
+    configs, plans = choose_bits(tree, budget_bits=3, bucket_sizes=(64, 512), return_plan=True)
+    for op in ("psum", "psum_scatter"):
+        text = io.StringIO()
+        report = jax_cgx.explain(tree, world=2, config=configs, plans=plans, op=op, file=text)
+        rows = {row.path: row for row in report.leaves}
+        for p in plans:
+            row = rows[p.path]
+            assert (row.bits, row.bucket_size) == (p.bits, p.bucket_size)
+            assert (row.predicted_error, row.planned_bytes) == (pytest.approx(p.error), p.bytes)
+        assert rows["['c']"].bits is None and rows["['c']"].predicted_error is None  # too small: exact
+        assert "predicted error" in text.getvalue() and f"{plans[0].bytes}" in text.getvalue()
+    assert "predicted error" not in str(jax_cgx.explain(tree, world=2, config=configs, file=None))
+    with pytest.raises(ValueError, match=r"plans name leaves the tree lacks: \[\"\['b'\]\"\]"):
+        jax_cgx.explain({"a": tree["a"]}, world=2, config=configs["a"], plans=plans, file=None)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+from collections.abc import Sequence
 from typing import TextIO
 
 import jax
@@ -50,8 +51,9 @@ class BufferReport:
 @dataclasses.dataclass(frozen=True)
 class LeafReport:
     """One leaf: how it is reduced (``"exact"``, ``"half"``, ``"compressed"``, ``"psum (auto)"``
-    or, for a leaf across buffers of both kinds, ``"mixed (auto)"``) and the fusion buffers it
-    was priced in (none for the exact and half lanes)."""
+    or, for a leaf across buffers of both kinds, ``"mixed (auto)"``), the fusion buffers it
+    was priced in (none for the exact and half lanes), its width and bucket size where it is
+    quantized and, given ``plans``, an adaptive plan's predicted error and bytes for it."""
 
     path: str
     shape: tuple[int, ...]
@@ -59,6 +61,10 @@ class LeafReport:
     nbytes: int
     how: str
     buffers: tuple[int, ...]
+    bits: int | None = None
+    bucket_size: int | None = None
+    predicted_error: float | None = None
+    planned_bytes: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,10 +81,14 @@ class Explanation:
         lines = [f"{_API[self.op]} over {self.world} ranks"]
         if self.figures is not None:
             lines.append(f"  figures: {self.figures.describe()}")
+        planned = any(r.predicted_error is not None for r in self.leaves)
         lines.append(_table(
-            ["leaf", "shape", "dtype", "MiB", "reduced as", "buffers"],
-            [[r.path or "(root)", str(r.shape), r.dtype, f"{r.nbytes / 2**20:.4g}", r.how,
-              ",".join(map(str, r.buffers)) or "-"] for r in self.leaves]))
+            ["leaf", "shape", "dtype", "MiB", "reduced as", "bits", "bucket"]
+            + (["predicted error", "planned bytes"] if planned else []) + ["buffers"],
+            [[r.path or "(root)", str(r.shape), r.dtype, f"{r.nbytes / 2**20:.4g}", r.how, _or_dash(r.bits),
+              _or_dash(r.bucket_size)]
+             + ([_or_dash(r.predicted_error, "{:.4g}"), _or_dash(r.planned_bytes)] if planned else [])
+             + [",".join(map(str, r.buffers)) or "-"] for r in self.leaves]))
         if self.buffers:
             lines.append(_table(
                 ["buffer", "dtype", "bits", "MiB", "policy", "compressed", "psum ms" if self.op == "psum" else "lax ms",
@@ -96,6 +106,10 @@ def _table(columns: list[str], rows: list[list[str]]) -> str:
     return "\n".join(out)
 
 
+def _or_dash(value, form: str = "{}") -> str:
+    return "-" if value is None else form.format(value)
+
+
 def _priced(d: pricing.Decision | None) -> str:
     return "-" if d is None else f"timed on {d.backend}" if d.measured else "model"
 
@@ -104,7 +118,8 @@ _API = {"psum": "compressed_psum", "psum_scatter": "compressed_psum_scatter", "a
 
 
 def explain(x, axis_name=None, config: ConfigSpec = None, *, world: int | None = None,
-            inner_world: int | None = None, op: str = "psum", file: TextIO | None = sys.stdout) -> Explanation:
+            inner_world: int | None = None, op: str = "psum", file: TextIO | None = sys.stdout,
+            plans: Sequence | None = None) -> Explanation:
     """Print, and return, how ``compressed_psum(x, axis_name, config)`` reduces each leaf
     (``op="psum_scatter"`` / ``"all_gather"``: how ``compressed_psum_scatter`` /
     ``compressed_all_gather`` would, ``x`` being each rank's input).
@@ -118,6 +133,9 @@ def explain(x, axis_name=None, config: ConfigSpec = None, *, world: int | None =
       inner_world: the inner axis's size, for hierarchical configs given ``world``.
       op: the collective: "psum", "psum_scatter" or "all_gather".
       file: where to print (``None``: only return the :class:`Explanation`).
+      plans: the :class:`~jax_cgx.adaptive.LeafPlan` table of the plan ``config`` came from
+        (``choose_bits(..., return_plan=True)``, ``Planner.plans``): each planned leaf's predicted
+        error and bytes join the leaf table (matched by path; a path the tree lacks is an error).
     """
     if op not in _API:
         raise ValueError(f"explain: op must be one of {tuple(_API)}, got {op!r}")
@@ -134,6 +152,7 @@ def explain(x, axis_name=None, config: ConfigSpec = None, *, world: int | None =
     world, inner_world = check_ranks("explain", world, inner_world)
     if op != "psum":
         result = _explain_sharded(x, config, world, op)
+        result = dataclasses.replace(result, leaves=_with_plans(result.leaves, plans))
         if file is not None:
             print(result, file=file)
         return result
@@ -181,8 +200,9 @@ def explain(x, axis_name=None, config: ConfigSpec = None, *, world: int | None =
             how = "compressed" if kinds == {True} else "psum (auto)" if kinds == {False} else "mixed (auto)"
         dtype = np.dtype(leaf.dtype)
         leaves_out.append(LeafReport(jax.tree_util.keystr(path), tuple(np.shape(leaf)), dtype.name,
-                                     plan.sizes[i] * dtype.itemsize, how, tuple(mine)))
-    result = Explanation(world, leaves_out, buffers, figures)
+                                     plan.sizes[i] * dtype.itemsize, how, tuple(mine),
+                                     *_width(plan.lanes[i], plan.configs[i])))
+    result = Explanation(world, _with_plans(leaves_out, plans), buffers, figures)
     if file is not None:
         print(result, file=file)
     return result
@@ -213,5 +233,23 @@ def _explain_sharded(x, config: ConfigSpec, world: int, op: str) -> Explanation:
             "exact" if mine is None else "compressed" if buffers[mine].compressed else "lax (auto)")
         dtype = np.dtype(leaf.dtype)
         reports.append(LeafReport(leaves.name(i), tuple(np.shape(leaf)), dtype.name, leaf.size * dtype.itemsize, how,
-                                  () if mine is None else (mine,)))
+                                  () if mine is None else (mine,), *_width(kind, leaves.configs[i])))
     return Explanation(world, reports, buffers, figures, op)
+
+
+def _width(kind: str, config) -> tuple[int | None, int | None]:
+    """A quantized leaf's ``(bits, bucket_size)``; ``(None, None)`` for the other lanes."""
+    return (config.bits, config.bucket_size) if kind == "quantized" else (None, None)
+
+
+def _with_plans(reports: list[LeafReport], plans) -> list[LeafReport]:
+    """``reports`` with each planned leaf's predicted error and bytes (``plans``: LeafPlans, by path)."""
+    if plans is None:
+        return reports
+    by_path = {p.path: p for p in plans}
+    unknown = sorted(set(by_path) - {r.path for r in reports})
+    if unknown:
+        raise ValueError(f"explain: plans name leaves the tree lacks: {unknown} (plans of another tree? they "
+                         "come from choose_bits(..., return_plan=True) or Planner.plans of this gradient)")
+    return [dataclasses.replace(r, predicted_error=float(by_path[r.path].error), planned_bytes=int(by_path[r.path].bytes))
+            if r.path in by_path else r for r in reports]
