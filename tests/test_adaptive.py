@@ -271,14 +271,17 @@ def test_the_relative_objective_does_not_see_a_leafs_scale():
         choose_bits(tree, objective="adagrad")
 
 
-def _adam_errors_numpy(x: np.ndarray, bucket: int, bits: int) -> float:
-    # Quantize each bucket to its max-min grid (nearest), in float64; sum each value's e / (x^2 + e).
+def _adam_errors_numpy(x: np.ndarray, bucket: int, bits: int, v: np.ndarray | None = None) -> float:
+    # Quantize each bucket to its max-min grid (nearest), in float64; sum each value's e / (v + e), v its
+    # square unless given.
     total = 0.0
-    for chunk in np.split(x.astype(np.float64), range(bucket, x.size, bucket)):
+    v = x.astype(np.float64) ** 2 if v is None else v.astype(np.float64)
+    for chunk, vs in zip(np.split(x.astype(np.float64), range(bucket, x.size, bucket)),
+                         np.split(v, range(bucket, x.size, bucket))):
         low, step = chunk.min(), (chunk.max() - chunk.min()) / (2**bits - 1)
         q = low + np.round((chunk - low) / step) * step if step > 0 else chunk
         e = (q - chunk) ** 2
-        total += float(np.sum(np.divide(e, chunk**2 + e, out=np.zeros_like(e), where=e > 0)))
+        total += float(np.sum(np.divide(e, vs + e, out=np.zeros_like(e), where=e > 0)))
     return total
 
 
@@ -294,6 +297,27 @@ def test_the_adam_objective_is_each_values_share_of_noise(seed):
         np.testing.assert_allclose(got[0], want, rtol=2e-3)
         np.testing.assert_allclose(got[1], got[0], rtol=1e-5)
         assert np.all(got[0] <= x.size) and np.all(np.diff(got[0]) < 0)
+
+
+def test_the_adam_objective_takes_the_optimizers_second_moment():
+    # leaf_errors(..., second_moment=) divides by it instead of each value's square (Adam's nu), against
+    # the float64 reference; the value's own square as second moment gives the objective's default.
+    r = np.random.default_rng(11)
+    tree = {"w": r.standard_normal(3000).astype(np.float32), "v": _spiky(11)}
+    nu = {"w": (r.random(3000) * 2).astype(np.float32), "v": np.full(1 << 13, 0.5, np.float32)}
+    config = BASE.replace(bucket_size=256)
+    got = np.asarray(jax_cgx.adaptive.leaf_errors(tree, config, (2, 4), objective="adam", second_moment=nu))
+    want = [[_adam_errors_numpy(tree[k], 256, b, nu[k]) for b in (2, 4)] for k in ("v", "w")]  # sorted keys
+    np.testing.assert_allclose(got, want, rtol=2e-3)
+    own = jax_cgx.adaptive.leaf_errors(tree, config, (2, 4), objective="adam",
+                                       second_moment=jax.tree.map(np.square, tree))
+    np.testing.assert_allclose(own, jax_cgx.adaptive.leaf_errors(tree, config, (2, 4), objective="adam"), rtol=1e-6)
+    with pytest.raises(ValueError, match="second_moment is for objective='adam', not 'relative'"):
+        jax_cgx.adaptive.leaf_errors(tree, config, objective="relative", second_moment=nu)
+    with pytest.raises(ValueError, match="second_moment must have the gradient's structure"):
+        jax_cgx.adaptive.leaf_errors(tree, config, objective="adam", second_moment={"w": nu["w"]})
+    with pytest.raises(ValueError, match=r"second_moment's leaf 1 has shape \(10,\), its gradient's \(3000,\)"):
+        jax_cgx.adaptive.leaf_errors(tree, config, objective="adam", second_moment={**nu, "w": np.ones(10)})
 
 
 def test_the_adam_objective_sees_small_values_drowned_by_large_ones():

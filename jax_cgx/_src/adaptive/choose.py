@@ -123,23 +123,45 @@ def leaf_bytes(size: int, bits: float, bucket_size: int | None) -> int:
 
 
 def leaf_errors(grads, config: CompressionConfig | None = None, candidates: Sequence[int] = (2, 3, 4, 5, 6, 8),
-                axis_name=None, objective: str = "squared", bucket_sizes: Sequence[int] | None = None) -> jax.Array:
+                axis_name=None, objective: str = "squared", bucket_sizes: Sequence[int] | None = None,
+                second_moment=None) -> jax.Array:
     """``[leaf, option]``: :func:`expected_errors` of the leaves :func:`choose_bits` plans (those
     ``config`` compresses), at each candidate width (sorted) in each of ``bucket_sizes`` (sorted;
     None: ``config``'s), bucket size major, as a JAX array: usable under ``jit`` and inside
     ``shard_map``. With ``axis_name``, averaged over it (``lax.pmean`` of this small array): every
     device then holds the same errors, of the devices' own gradients, to pass to
     :func:`choose_bits` (``errors=``) or :meth:`Planner.observe`.
+
+    ``second_moment`` (``objective="adam"`` only): a pytree like ``grads`` of what the optimizer
+    divides each value's square by, e.g. Adam's bias-corrected ``nu``, instead of the value's own
+    square; the errors are then ``e / (second_moment + e)``.
     """
     cands = _candidates(candidates, "leaf_errors")
     base = _base(config, "leaf_errors")
     buckets = _bucket_sizes(bucket_sizes, base, "leaf_errors")
     objective = _objective(objective, "leaf_errors")
-    with_paths = jax.tree_util.tree_flatten_with_path(grads)[0]
-    rows = [jnp.concatenate([_errors(v, bucket, base.stochastic, cands, objective) for bucket in buckets])
-            for p, v in with_paths if lane(p, v, base, "leaf_errors") == "quantized"]
+    with_paths, treedef = jax.tree_util.tree_flatten_with_path(grads)
+    scales = _second_moments(second_moment, treedef, [v for _, v in with_paths], objective)
+    rows = [jnp.concatenate([_errors(v, bucket, base.stochastic, cands, objective, scale) for bucket in buckets])
+            for (p, v), scale in zip(with_paths, scales) if lane(p, v, base, "leaf_errors") == "quantized"]
     out = jnp.stack(rows) if rows else jnp.zeros((0, len(buckets) * len(cands)), jnp.float32)
     return jax.lax.pmean(out, axis_name) if axis_name is not None else out
+
+
+def _second_moments(second_moment, treedef, leaves, objective: str) -> list:
+    """``second_moment``'s leaves, checked against the gradient's (None: a None per leaf)."""
+    if second_moment is None:
+        return [None] * len(leaves)
+    if objective != "adam":
+        raise ValueError(f"leaf_errors: second_moment is for objective='adam', not {objective!r}")
+    moments, structure = jax.tree_util.tree_flatten(second_moment)
+    if structure != treedef:
+        raise ValueError(f"leaf_errors: second_moment must have the gradient's structure {treedef}, got {structure}")
+    for i, (m, g) in enumerate(zip(moments, leaves)):
+        if np.shape(m) != np.shape(g):
+            raise ValueError(f"leaf_errors: second_moment's leaf {i} has shape {np.shape(m)}, its gradient's "
+                             f"{np.shape(g)}")
+    return moments
 
 
 def _objective(objective, api: str) -> str:
@@ -163,13 +185,18 @@ def expected_errors(leaves: Sequence[jax.Array], config: CompressionConfig, widt
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2, 3, 4))
-def _errors(leaf, bucket_size: int, stochastic: bool, widths: tuple[int, ...], objective: str = "squared"):
+def _errors(leaf, bucket_size: int, stochastic: bool, widths: tuple[int, ...], objective: str = "squared",
+            second_moment=None):
     x = jnp.ravel(leaf).astype(jnp.float32)
     n = x.size
     pad = -n % bucket_size
     # The last bucket holds n % bucket_size values: padding it with its own first value keeps its range.
     x = jnp.concatenate([x, jnp.broadcast_to(x[n - (n % bucket_size or bucket_size)], (pad,))]) if pad else x
     buckets = x.reshape(-1, bucket_size)
+    if second_moment is None:
+        square = buckets * buckets
+    else:  # the padding is masked below: zeros will do
+        square = jnp.pad(jnp.ravel(second_moment).astype(jnp.float32), (0, pad)).reshape(buckets.shape)
     low = buckets.min(axis=1, keepdims=True)
     high = buckets.max(axis=1, keepdims=True)
     span = high - low
@@ -184,9 +211,8 @@ def _errors(leaf, bucket_size: int, stochastic: bool, widths: tuple[int, ...], o
     t = jnp.where((buckets == high)[..., None], levels, t)
     f = t - jnp.floor(t)
     per_value = (f * (1 - f) if stochastic else jnp.minimum(f, 1 - f) ** 2) * step * step
-    if objective == "adam":  # each value's error against its own square: the noise's share of its Adam step
-        square = (buckets * buckets)[..., None]
-        per_value = jnp.where(per_value > 0, per_value / jnp.where(per_value > 0, square + per_value, 1), 0.0)
+    if objective == "adam":  # each value's error against its square: the noise's share of its Adam step
+        per_value = jnp.where(per_value > 0, per_value / jnp.where(per_value > 0, square[..., None] + per_value, 1), 0.0)
     out = jnp.sum(jnp.where(within[..., None], per_value, 0.0), axis=(0, 1))
     if objective == "relative":  # in units of the leaf's mean square: what an optimizer normalizing by it (Adam) sees
         mean_square = jnp.sum(jnp.where(within, buckets * buckets, 0.0)) / n

@@ -113,12 +113,14 @@ class Planner:
             self._compiled[key] = make_step(self._configs)
         return self._compiled[key]
 
-    def leaf_errors(self, grads, axis_name=None) -> jax.Array:
+    def leaf_errors(self, grads, axis_name=None, second_moment=None) -> jax.Array:
         """:func:`~jax_cgx.adaptive.leaf_errors` for this planner's config and candidates: call it
         inside a ``shard_map`` on the devices' own gradients with the data axis (in a function of its
         own, compiled once, not in each plan's step), and give the result to
-        :meth:`observe` (the averaged gradient, sent compressed, lies on the grid it was sent on)."""
-        return leaf_errors(grads, self.base, self.candidates, axis_name, self.objective, self.bucket_sizes)
+        :meth:`observe` (the averaged gradient, sent compressed, lies on the grid it was sent on).
+        ``second_moment``: as for :func:`~jax_cgx.adaptive.leaf_errors` (``objective="adam"``)."""
+        return leaf_errors(grads, self.base, self.candidates, axis_name, self.objective, self.bucket_sizes,
+                           second_moment)
 
     def observe(self, step: int, grads, *, errors=None) -> bool:
         """At a planning step, plan (from ``errors``, :meth:`leaf_errors` averaged over the devices,
