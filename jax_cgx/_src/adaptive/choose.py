@@ -246,7 +246,8 @@ def choose_bits(grads, *, budget_bits: float = 4.0, candidates: Sequence[int] = 
         ``e / (g^2 + e)``: the share of noise in that value's step under an optimizer that divides
         each value by its own running scale, as Adam does (at most 1: a value drowned in noise is
         lost however loud the noise). It sees what the leaf-wide objectives average away: small
-        values sharing a bucket with large ones. The best of the three for Adam, measured
+        values sharing a bucket with large ones. For Adam the one to use: on our word transformer
+        its plans put the least noise into Adam's steps and trained closest to uncompressed
         (docs/training.md).
       errors: :func:`leaf_errors` of the devices' own gradients, averaged over the devices, with the
         same candidates and bucket sizes (then ``grads`` gives only the structure, shapes and
