@@ -72,6 +72,8 @@ def add_args(p: argparse.ArgumentParser, *, steps: int, batch: int, lr: float, l
                         "value's relative to its own square (adam) (default: %(default)s)")
     p.add_argument("--adaptive-bucket-sizes", type=int, nargs="+", metavar="B",
                    help="--adaptive: also choose each leaf's bucket size among these (default: --bucket-size's)")
+    p.add_argument("--adaptive-candidates", type=int, nargs="+", metavar="BITS", default=[2, 3, 4, 5, 6, 8],
+                   help="--adaptive: the widths a leaf may get (default: %(default)s)")
     p.add_argument("--replan-every", type=int, default=100,
                    help="--adaptive: steps between plans (default: %(default)s)")
     p.add_argument("--error-feedback", action="store_true",
@@ -177,6 +179,8 @@ def describe(args) -> str:
         if getattr(args, "adaptive", None):
             buckets = args.adaptive_bucket_sizes
             where = f"buckets of {'/'.join(map(str, buckets))}" if buckets else f"bucket {args.bucket_size}"
+            widths = getattr(args, "adaptive_candidates", None)
+            where += f", widths {'/'.join(map(str, widths))}" if widths and widths != [2, 3, 4, 5, 6, 8] else ""
             return f"maxmin adaptive within {args.adaptive:g}-bit bytes, {where}{extra}"
         return f"maxmin {args.bits}-bit, bucket {args.bucket_size}{extra}"
     if args.compressor == "cast":
@@ -476,8 +480,12 @@ def adaptive_planner(args, params):
     if args.compressor != "maxmin" or args.reduce_in_backward:
         sys.exit("--adaptive: only with --compressor maxmin, without --reduce-in-backward")
     base = _maxmin_config(args).replace(min_size=max(args.layer_min_size, 1))
-    return jax_cgx.adaptive.Planner(params, budget_bits=args.adaptive, config=base, every=args.replan_every,
-                                    objective=args.adaptive_objective, bucket_sizes=args.adaptive_bucket_sizes)
+    try:
+        return jax_cgx.adaptive.Planner(params, budget_bits=args.adaptive, config=base, every=args.replan_every,
+                                        objective=args.adaptive_objective, bucket_sizes=args.adaptive_bucket_sizes,
+                                        candidates=args.adaptive_candidates)
+    except ValueError as err:
+        sys.exit(f"--adaptive: {err}")
 
 
 def median_step_time(times) -> float:
