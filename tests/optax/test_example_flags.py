@@ -50,6 +50,9 @@ def test_adaptive_needs_maxmin():
     with pytest.raises(SystemExit, match="--adaptive: only with --compressor maxmin"):
         train_charlm.run(train_charlm.parse_args(["--devices", "8", "--steps", "2", "--no-progress",
                                                   "--compressor", "cast", "--adaptive", "4"]))
+    with pytest.raises(SystemExit, match=r"--adaptive: Planner: candidates must be widths in 1..8, got \[2, 9\]"):
+        train_charlm.run(train_charlm.parse_args(["--devices", "8", "--steps", "2", "--no-progress", "--compressor",
+                                                  "maxmin", "--adaptive", "4", "--adaptive-candidates", "2", "9"]))
 
 
 def test_the_planner_sees_each_devices_own_gradient():
