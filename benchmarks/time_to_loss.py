@@ -55,8 +55,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--bucket-sizes", type=int, nargs="+", default=list(BUCKET_SIZES),
                    help="adaptive: the bucket sizes a leaf may get (default: %(default)s)")
     p.add_argument("--replan-every", type=int, default=100, help="adaptive: (default: %(default)s)")
-    p.add_argument("--candidates", type=int, nargs="+", default=[2, 3, 4, 5, 6, 8],
-                   help="adaptive: the widths a leaf may get (default: %(default)s)")
+    p.add_argument("--candidates", type=int, nargs="+",
+                   help="adaptive: the widths a leaf may get (default: jax_cgx.adaptive.CANDIDATES)")
     p.add_argument("--objective", choices=("relative", "squared", "adam"), default="relative",
                    help="adaptive: the planner's objective (default: %(default)s)")
     p.add_argument("--target", type=float, help="validation loss (default: the none run's final one)")
@@ -96,6 +96,8 @@ def example_argv(spec: str, args: argparse.Namespace) -> list[str]:
     """examples/train_charlm.py's flags for ``spec`` (without its ``@STEPS``)."""
     name, _, value = spec.partition("@")[0].partition(":")
     bad = ValueError(f"{spec!r} is not none, maxmin:BITS, adaptive:BUDGET or widths:BUDGET")
+    if name == "none" and "@" in spec:
+        raise ValueError(f"{spec!r}: none is the baseline, trained for --steps; give --steps instead of @STEPS")
     if name == "none" and not value:
         return ["--compressor", "none"]
     try:
@@ -106,7 +108,8 @@ def example_argv(spec: str, args: argparse.Namespace) -> list[str]:
         return ["--compressor", "maxmin", "--bits", str(int(number))]
     if name in ("adaptive", "widths"):
         return (["--compressor", "maxmin", "--adaptive", value, "--adaptive-objective", args.objective,
-                 "--replan-every", str(args.replan_every), "--adaptive-candidates", *map(str, args.candidates)]
+                 "--replan-every", str(args.replan_every)]
+                + (["--adaptive-candidates", *map(str, args.candidates)] if args.candidates else [])
                 + (["--adaptive-bucket-sizes", *map(str, args.bucket_sizes)] if name == "adaptive" else []))
     raise bad
 

@@ -72,7 +72,7 @@ def add_args(p: argparse.ArgumentParser, *, steps: int, batch: int, lr: float, l
                         "value's relative to its own square (adam) (default: %(default)s)")
     p.add_argument("--adaptive-bucket-sizes", type=int, nargs="+", metavar="B",
                    help="--adaptive: also choose each leaf's bucket size among these (default: --bucket-size's)")
-    p.add_argument("--adaptive-candidates", type=int, nargs="+", metavar="BITS", default=[2, 3, 4, 5, 6, 8],
+    p.add_argument("--adaptive-candidates", type=int, nargs="+", metavar="BITS", default=list(jax_cgx.adaptive.CANDIDATES),
                    help="--adaptive: the widths a leaf may get (default: %(default)s)")
     p.add_argument("--replan-every", type=int, default=100,
                    help="--adaptive: steps between plans (default: %(default)s)")
@@ -180,7 +180,8 @@ def describe(args) -> str:
             buckets = args.adaptive_bucket_sizes
             where = f"buckets of {'/'.join(map(str, buckets))}" if buckets else f"bucket {args.bucket_size}"
             widths = getattr(args, "adaptive_candidates", None)
-            where += f", widths {'/'.join(map(str, widths))}" if widths and widths != [2, 3, 4, 5, 6, 8] else ""
+            if widths and set(widths) != set(jax_cgx.adaptive.CANDIDATES):
+                where += f", widths {'/'.join(map(str, sorted(set(widths))))}"
             return f"maxmin adaptive within {args.adaptive:g}-bit bytes, {where}{extra}"
         return f"maxmin {args.bits}-bit, bucket {args.bucket_size}{extra}"
     if args.compressor == "cast":

@@ -4,6 +4,7 @@ minimizes the expected quantization error of the whole tree within a uniform wid
 :class:`Planner` re-plans during training with bounded recompilation (``.../replanning.py``)."""
 
 from jax_cgx._src.adaptive.choose import (
+    CANDIDATES,
     EXACT,
     OBJECTIVES,
     LeafPlan,
@@ -16,5 +17,5 @@ from jax_cgx._src.adaptive.choose import (
 )
 from jax_cgx._src.adaptive.replanning import Planner
 
-__all__ = ["EXACT", "OBJECTIVES", "LeafPlan", "Planner", "choose_bits", "describe", "expected_errors", "leaf_bytes",
-           "leaf_errors", "solve"]
+__all__ = ["CANDIDATES", "EXACT", "OBJECTIVES", "LeafPlan", "Planner", "choose_bits", "describe", "expected_errors",
+           "leaf_bytes", "leaf_errors", "solve"]

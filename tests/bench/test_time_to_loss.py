@@ -43,6 +43,7 @@ def test_specs_train_side_by_side_and_reach_the_target(tmp_path):
     (["--specs", "none", "maxmin:4@0"], "'maxmin:4@0': @STEPS must be a positive number of steps, got '0'"),
     (["--specs", "none", "maxmin:4@"], "@STEPS must be a positive number of steps, got ''"),
     (["--specs", "none", "none"], "--specs: each spec once"),
+    (["--specs", "none@500"], "'none@500': none is the baseline, trained for --steps"),
 ])
 def test_bad_arguments_are_refused(argv, message):
     proc = subprocess.run([sys.executable, str(SCRIPT), *argv], capture_output=True, text=True, timeout=120, cwd=ROOT)

@@ -53,9 +53,11 @@ import numpy as np
 from jax_cgx._src.collectives.plan import lane
 from jax_cgx._src.config import MAX_BUCKET_SIZE, CompressionConfig
 
-__all__ = ["LeafPlan", "choose_bits", "describe", "expected_errors", "leaf_bytes", "leaf_errors", "solve"]
+__all__ = ["CANDIDATES", "OBJECTIVES", "LeafPlan", "choose_bits", "describe", "expected_errors", "leaf_bytes",
+           "leaf_errors", "solve"]
 
 OBJECTIVES = ("squared", "relative", "adam")
+CANDIDATES = (2, 3, 4, 5, 6, 8)  # the widths a leaf may get, by default
 EXACT = 32  # a leaf sent exact (config None), in a plan's "bits"
 _META_BYTES = 8  # per bucket: its minimum and scale
 
@@ -122,7 +124,7 @@ def leaf_bytes(size: int, bits: float, bucket_size: int | None) -> int:
     return math.ceil(size * bits / 8) + _META_BYTES * -(-size // bucket_size)
 
 
-def leaf_errors(grads, config: CompressionConfig | None = None, candidates: Sequence[int] = (2, 3, 4, 5, 6, 8),
+def leaf_errors(grads, config: CompressionConfig | None = None, candidates: Sequence[int] = CANDIDATES,
                 axis_name=None, objective: str = "squared", bucket_sizes: Sequence[int] | None = None,
                 second_moment=None) -> jax.Array:
     """``[leaf, option]``: :func:`expected_errors` of the leaves :func:`choose_bits` plans (those
@@ -132,9 +134,9 @@ def leaf_errors(grads, config: CompressionConfig | None = None, candidates: Sequ
     device then holds the same errors, of the devices' own gradients, to pass to
     :func:`choose_bits` (``errors=``) or :meth:`Planner.observe`.
 
-    ``second_moment`` (``objective="adam"`` only): a pytree like ``grads`` of what the optimizer
-    divides each value's square by, e.g. Adam's bias-corrected ``nu``, instead of the value's own
-    square; the errors are then ``e / (second_moment + e)``.
+    ``second_moment`` (``objective="adam"`` only): a pytree like ``grads`` of the optimizer's running
+    mean square of each value, e.g. Adam's bias-corrected ``nu`` (Adam divides by its square root),
+    to weigh each value's error against instead of the value's own square: ``e / (nu + e)``.
     """
     cands = _candidates(candidates, "leaf_errors")
     base = _base(config, "leaf_errors")
@@ -157,9 +159,10 @@ def _second_moments(second_moment, treedef, leaves, objective: str) -> list:
     moments, structure = jax.tree_util.tree_flatten(second_moment)
     if structure != treedef:
         raise ValueError(f"leaf_errors: second_moment must have the gradient's structure {treedef}, got {structure}")
-    for i, (m, g) in enumerate(zip(moments, leaves)):
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(second_moment)[0]]
+    for path, m, g in zip(paths, moments, leaves):
         if np.shape(m) != np.shape(g):
-            raise ValueError(f"leaf_errors: second_moment's leaf {i} has shape {np.shape(m)}, its gradient's "
+            raise ValueError(f"leaf_errors: second_moment{path} has shape {np.shape(m)}, the gradient's leaf "
                              f"{np.shape(g)}")
     return moments
 
@@ -214,13 +217,13 @@ def _errors(leaf, bucket_size: int, stochastic: bool, widths: tuple[int, ...], o
     if objective == "adam":  # each value's error against its square: the noise's share of its Adam step
         per_value = jnp.where(per_value > 0, per_value / jnp.where(per_value > 0, square[..., None] + per_value, 1), 0.0)
     out = jnp.sum(jnp.where(within[..., None], per_value, 0.0), axis=(0, 1))
-    if objective == "relative":  # in units of the leaf's mean square: what an optimizer normalizing by it (Adam) sees
+    if objective == "relative":  # in units of the leaf's mean square: an optimizer normalizing each leaf
         mean_square = jnp.sum(jnp.where(within, buckets * buckets, 0.0)) / n
         out = jnp.where(mean_square > 0, out / jnp.where(mean_square > 0, mean_square, 1), 0.0)
     return out
 
 
-def choose_bits(grads, *, budget_bits: float = 4.0, candidates: Sequence[int] = (2, 3, 4, 5, 6, 8),
+def choose_bits(grads, *, budget_bits: float = 4.0, candidates: Sequence[int] = CANDIDATES,
                 bucket_sizes: Sequence[int] | None = None, config: CompressionConfig | None = None,
                 exact: bool = True, return_plan: bool = False, errors=None, objective: str = "squared"):
     """Bit widths (and bucket sizes) per leaf minimizing the expected quantization error within
@@ -247,8 +250,8 @@ def choose_bits(grads, *, budget_bits: float = 4.0, candidates: Sequence[int] = 
         each value by its own running scale, as Adam does (at most 1: a value drowned in noise is
         lost however loud the noise). It sees what the leaf-wide objectives average away: small
         values sharing a bucket with large ones. For Adam the one to use: on our word transformer
-        its plans put the least noise into Adam's steps and trained closest to uncompressed
-        (docs/training.md).
+        its plans put the least noise into Adam's steps, and within 4-bit's bytes trained closest
+        to uncompressed by the median of 3 seeds (docs/training.md).
       errors: :func:`leaf_errors` of the devices' own gradients, averaged over the devices, with the
         same candidates and bucket sizes (then ``grads`` gives only the structure, shapes and
         dtypes). The averaged gradient itself, when it comes from a compressed mean, lies on the

@@ -29,6 +29,7 @@ from typing import Any
 import jax
 
 from jax_cgx._src.adaptive.choose import (
+    CANDIDATES,
     LeafPlan,
     _base,
     _bucket_sizes,
@@ -63,7 +64,7 @@ class Planner:
     ``config``'s buckets. A plan is keyed by each leaf's ``(bits, bucket_size)``.
     """
 
-    def __init__(self, like, *, budget_bits: float = 4.0, candidates: Sequence[int] = (2, 3, 4, 5, 6, 8),
+    def __init__(self, like, *, budget_bits: float = 4.0, candidates: Sequence[int] = CANDIDATES,
                  bucket_sizes: Sequence[int] | None = None, config: CompressionConfig | None = None,
                  exact: bool = True, every: int = 100, min_gain: float = 0.05, objective: str = "squared"):
         budget, cands = _check(budget_bits, candidates, "Planner")
