@@ -24,7 +24,6 @@ from pathlib import Path
 
 import jax
 import numpy as np
-import optax
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 import train_charlm  # noqa: E402
@@ -55,8 +54,7 @@ def main(argv=None) -> None:
     tokens = ids[starts[:, None] + np.arange(model.context + 1)]
 
     def loss(p, t):
-        logits = train_charlm.logits_fn(p, t[:, :-1], model.heads)
-        return optax.softmax_cross_entropy_with_integer_labels(logits, t[:, 1:]).mean()
+        return train_charlm.sequence_loss(p, t, model.heads).mean()
 
     grads = jax.grad(loss)(params, tokens)
     config = jax_cgx.CompressionConfig(bits=4, bucket_size=args.bucket_size, min_size=1024)

@@ -61,8 +61,7 @@ def main(argv=None) -> dict:
     params = train_charlm.init_params(jax.random.key(args.seed), len(symbols), model.d_model, model.layers, T)
 
     def loss(p, t):
-        logits = train_charlm.logits_fn(p, t[:, :-1], model.heads)
-        return optax.softmax_cross_entropy_with_integer_labels(logits, t[:, 1:]).mean()
+        return train_charlm.sequence_loss(p, t, model.heads).mean()
 
     adam = optax.scale_by_adam()
     optimizer = optax.chain(adam, optax.scale_by_learning_rate(optax.cosine_decay_schedule(0.003, 400)))

@@ -30,6 +30,7 @@ adaptive specs, plan changes and compiled steps; ``--plot`` draws validation los
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 import time
 from pathlib import Path
@@ -42,6 +43,8 @@ BUCKET_SIZES = (64, 128, 256, 512, 1024, 4096)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
+    import jax_cgx.adaptive  # (jax's backends start later: main requests the CPU devices first)
+
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--specs", nargs="+", default=["none", "maxmin:4", "adaptive:4", "adaptive:3", "maxmin:8"],
                    help="none, maxmin:BITS, adaptive:BUDGET, widths:BUDGET, each optionally @STEPS "
@@ -57,7 +60,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--replan-every", type=int, default=100, help="adaptive: (default: %(default)s)")
     p.add_argument("--candidates", type=int, nargs="+",
                    help="adaptive: the widths a leaf may get (default: jax_cgx.adaptive.CANDIDATES)")
-    p.add_argument("--objective", choices=("relative", "squared", "adam"), default="relative",
+    p.add_argument("--objective", choices=jax_cgx.adaptive.OBJECTIVES, default="relative",
                    help="adaptive: the planner's objective (default: %(default)s)")
     p.add_argument("--target", type=float, help="validation loss (default: the none run's final one)")
     p.add_argument("--devices", type=int, default=8, help="simulated CPU devices of one process (default: %(default)s)")
@@ -129,13 +132,8 @@ class Trainer:
                                            str(args.batch), "--lr", str(args.lr), "--steps", str(self.steps),
                                            "--bucket-size", str(args.bucket_size), "--seed", str(args.seed),
                                            "--devices", str(len(devices))])
-        T, heads = self.ex.context, self.ex.heads
-
-        def sequence_loss(params, tokens):
-            logits = train_charlm.logits_fn(params, tokens[:, :-1], heads)
-            return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean(-1)
-
-        self.sequence_loss = sequence_loss
+        T = self.ex.context
+        self.sequence_loss = sequence_loss = functools.partial(train_charlm.sequence_loss, heads=self.ex.heads)
         compressor, optimizer = _common.make_optimizer(self.ex, optax.cosine_decay_schedule(args.lr, self.steps))
         params = train_charlm.init_params(jax.random.key(args.seed), len(vocab), self.ex.d_model, self.ex.layers, T)
         self.planner = _common.adaptive_planner(self.ex, params)

@@ -21,6 +21,7 @@ parameters and get sparse, heavy-tailed gradients: the model where per-leaf buck
 
 import argparse
 import collections
+import functools
 import re
 import sys
 
@@ -116,6 +117,12 @@ def logits_fn(params, tokens, heads: int):
     return layer_norm(x, params["ln_f"]) @ params["unembed"]
 
 
+def sequence_loss(params, tokens, heads: int):
+    """One value per sequence of ``tokens`` (``[batch, context + 1]``): its mean next-token loss."""
+    logits = logits_fn(params, tokens[:, :-1], heads)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean(-1)
+
+
 def run(args) -> dict:
     """Train as ``args`` says; returns final_val_loss (nats/char), losses, bytes_per_step, step_time (s)."""
     train_ids, val_ids, vocab = load_corpus(args.val_fraction, args.words)
@@ -124,12 +131,10 @@ def run(args) -> dict:
         sys.exit(f"--batch {args.batch} must be a multiple of --devices {args.devices}")
     T = args.context
 
-    def sequence_loss(params, tokens):  # one value per sequence: its mean next-character loss
-        logits = logits_fn(params, tokens[:, :-1], args.heads)
-        return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean(-1)
+    per_sequence = functools.partial(sequence_loss, heads=args.heads)  # one object: evaluate compiles it once
 
     def loss_fn(params, tokens):
-        return sequence_loss(params, tokens).mean()
+        return per_sequence(params, tokens).mean()
 
     if args.reduce_in_backward:
         sys.exit("--reduce-in-backward: train_digits.py marks its layers; this example does not (yet)")
@@ -154,7 +159,7 @@ def run(args) -> dict:
         return (train_ids[starts[:, None] + offsets],)
 
     params, state, losses, times = _common.train(args, dp, params, state, next_batch, wire=wire, planner=planner)
-    val_loss = dp.evaluate(sequence_loss, params, validation_windows(val_ids, T))
+    val_loss = dp.evaluate(per_sequence, params, validation_windows(val_ids, T))
     step_time = _common.median_step_time(times)
     print(f"final: validation loss {val_loss:.4f} nats/{unit} ({val_loss / np.log(2):.3f} bits), training loss "
           f"{np.mean(losses[-20:]):.4f} (last 20 steps), step {step_time * 1e3:.1f} ms (median; first step with "

@@ -15,6 +15,7 @@ device sends per step, and the validation loss (nats per character) to compare w
 """
 
 import argparse
+import functools
 import sys
 import time
 
@@ -24,7 +25,7 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from train_charlm import init_params, load_corpus, logits_fn, validation_windows
+from train_charlm import init_params, load_corpus, sequence_loss, validation_windows
 
 import jax_cgx
 import jax_cgx.optax as cgx_optax
@@ -69,12 +70,10 @@ def run(args) -> dict:
     mesh = jax.make_mesh((args.devices,), (AXIS,), axis_types=(jax.sharding.AxisType.Explicit,),
                          devices=_common.mesh_devices(args.devices))
 
-    def sequence_loss(params, tokens):
-        logits = logits_fn(params, tokens[:, :-1], args.heads)
-        return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean(-1)
+    per_sequence = functools.partial(sequence_loss, heads=args.heads)
 
     def loss_fn(params, tokens):
-        return sequence_loss(params, tokens).mean()
+        return per_sequence(params, tokens).mean()
 
     params = jax.device_put(init_params(jax.random.key(args.seed), len(vocab), args.d_model, args.layers, T),
                             NamedSharding(mesh, P()))
@@ -129,7 +128,7 @@ def run(args) -> dict:
                   flush=True)
 
     windows = validation_windows(val_ids, T)
-    val_loss = float(jax.jit(lambda p, t: sequence_loss(p, t).mean())(jax.device_get(params), windows))
+    val_loss = float(jax.jit(lambda p, t: per_sequence(p, t).mean())(jax.device_get(params), windows))
     step_time = _common.median_step_time(times)
     print(f"final: validation loss {val_loss:.4f} nats/char, training loss {np.mean(losses[-20:]):.4f} "
           f"(last 20 steps), step {step_time * 1e3:.1f} ms (median)", flush=True)

@@ -156,15 +156,14 @@ def _second_moments(second_moment, treedef, leaves, objective: str) -> list:
         return [None] * len(leaves)
     if objective != "adam":
         raise ValueError(f"leaf_errors: second_moment is for objective='adam', not {objective!r}")
-    moments, structure = jax.tree_util.tree_flatten(second_moment)
+    with_paths, structure = jax.tree_util.tree_flatten_with_path(second_moment)
     if structure != treedef:
         raise ValueError(f"leaf_errors: second_moment must have the gradient's structure {treedef}, got {structure}")
-    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(second_moment)[0]]
-    for path, m, g in zip(paths, moments, leaves):
+    for (path, m), g in zip(with_paths, leaves):
         if np.shape(m) != np.shape(g):
-            raise ValueError(f"leaf_errors: second_moment{path} has shape {np.shape(m)}, the gradient's leaf "
-                             f"{np.shape(g)}")
-    return moments
+            raise ValueError(f"leaf_errors: second_moment{jax.tree_util.keystr(path)} has shape {np.shape(m)}, the "
+                             f"gradient's leaf {np.shape(g)}")
+    return [m for _, m in with_paths]
 
 
 def _objective(objective, api: str) -> str:
