@@ -33,7 +33,14 @@
 //
 // Files: cuda/codec_device.cuh (the building blocks), cuda/quantize_kernels.cuh
 // (the bucket-quantizing kernels); this file adds the decoding kernel and the
-// launchers of xla_ffi/cuda_kernels.h, and is the one translation unit.
+// launchers of xla_ffi/cuda_kernels.h, and is the one source file.
+//
+// Parts: CMakeLists.txt compiles this file once per JAX_CGX_CUDA_PART, so that
+// the pieces compile side by side (whole, it was a build's longest step on a
+// many-core machine): 0, LaunchQuantize and its float32 kernels; 1, its
+// bfloat16 and float16 kernels; 2, the decoding kernel and the summing
+// launchers. Compiled with no part (the tests, which include it or name it) it
+// is all of them.
 #include "xla_ffi/cuda_kernels.h"
 
 #include <cuda_runtime.h>
@@ -44,7 +51,68 @@
 #include "cuda/quantize_kernels.cuh"
 #include "xla_ffi/codec_math.h"
 
+#if !defined(JAX_CGX_CUDA_PART)
+#define CGX_CUDA_PART(p) 1
+#elif JAX_CGX_CUDA_PART >= 0 && JAX_CGX_CUDA_PART <= 2
+#define CGX_CUDA_PART(p) (JAX_CGX_CUDA_PART == (p))
+#else
+#error "JAX_CGX_CUDA_PART must be 0, 1 or 2"
+#endif
+
 namespace jax_cgx::cuda {
+namespace detail {
+
+template <class E>
+cudaError_t launch_quantize_array(cudaStream_t stream, const RowLayout& l, const void* x,
+                                  int64_t row_stride, const QuantOut& q) {
+  const auto* px = static_cast<const typename E::Storage*>(x);
+  if (groups_aligned16(x, l.rows, row_stride, l, sizeof(typename E::Storage))) {
+    return launch_quantize(stream, l, ArrayInput<E, true>{px, row_stride}, NoOutput{}, q);
+  }
+  return launch_quantize(stream, l, ArrayInput<E, false>{px, row_stride}, NoOutput{}, q);
+}
+
+// Each instantiation in its part (the others only call it).
+#if CGX_CUDA_PART(1)
+template cudaError_t launch_quantize_array<BF16Type>(cudaStream_t, const RowLayout&, const void*, int64_t,
+                                                     const QuantOut&);
+template cudaError_t launch_quantize_array<F16Type>(cudaStream_t, const RowLayout&, const void*, int64_t,
+                                                    const QuantOut&);
+#else
+extern template cudaError_t launch_quantize_array<BF16Type>(cudaStream_t, const RowLayout&, const void*, int64_t,
+                                                            const QuantOut&);
+extern template cudaError_t launch_quantize_array<F16Type>(cudaStream_t, const RowLayout&, const void*, int64_t,
+                                                           const QuantOut&);
+#endif
+
+inline bool valid_type(FloatType t) {
+  return t == FloatType::kF32 || t == FloatType::kBF16 || t == FloatType::kF16;
+}
+
+}  // namespace detail
+
+#if CGX_CUDA_PART(0)
+cudaError_t LaunchQuantize(cudaStream_t stream, const RowLayout& layout, FloatType x_type,
+                           const void* x, int64_t x_row_stride, const uint32_t* seeds,
+                           bool stochastic, uint8_t* payload, float* meta,
+                           const ValidCounts& valid) {
+  using namespace detail;
+  if (layout.rows <= 0 || layout.elems <= 0) return cudaSuccess;
+  if (stochastic && seeds == nullptr) return cudaErrorInvalidValue;
+  const QuantOut q{payload, meta, seeds, stochastic, valid};
+  switch (x_type) {
+    case FloatType::kF32:
+      return launch_quantize_array<F32Type>(stream, layout, x, x_row_stride, q);
+    case FloatType::kBF16:
+      return launch_quantize_array<BF16Type>(stream, layout, x, x_row_stride, q);
+    case FloatType::kF16:
+      return launch_quantize_array<F16Type>(stream, layout, x, x_row_stride, q);
+  }
+  return cudaErrorInvalidValue;
+}
+#endif
+
+#if CGX_CUDA_PART(2)
 namespace detail {
 
 // ------------------------------------------------------------ decoding kernel
@@ -70,43 +138,6 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 // ---------------------------------------------------------------- launchers
-
-template <class E>
-cudaError_t launch_quantize_array(cudaStream_t stream, const RowLayout& l, const void* x,
-                                  int64_t row_stride, const QuantOut& q) {
-  const auto* px = static_cast<const typename E::Storage*>(x);
-  if (groups_aligned16(x, l.rows, row_stride, l, sizeof(typename E::Storage))) {
-    return launch_quantize(stream, l, ArrayInput<E, true>{px, row_stride}, NoOutput{}, q);
-  }
-  return launch_quantize(stream, l, ArrayInput<E, false>{px, row_stride}, NoOutput{}, q);
-}
-
-inline bool valid_type(FloatType t) {
-  return t == FloatType::kF32 || t == FloatType::kBF16 || t == FloatType::kF16;
-}
-
-}  // namespace detail
-
-cudaError_t LaunchQuantize(cudaStream_t stream, const RowLayout& layout, FloatType x_type,
-                           const void* x, int64_t x_row_stride, const uint32_t* seeds,
-                           bool stochastic, uint8_t* payload, float* meta,
-                           const ValidCounts& valid) {
-  using namespace detail;
-  if (layout.rows <= 0 || layout.elems <= 0) return cudaSuccess;
-  if (stochastic && seeds == nullptr) return cudaErrorInvalidValue;
-  const QuantOut q{payload, meta, seeds, stochastic, valid};
-  switch (x_type) {
-    case FloatType::kF32:
-      return launch_quantize_array<F32Type>(stream, layout, x, x_row_stride, q);
-    case FloatType::kBF16:
-      return launch_quantize_array<BF16Type>(stream, layout, x, x_row_stride, q);
-    case FloatType::kF16:
-      return launch_quantize_array<F16Type>(stream, layout, x, x_row_stride, q);
-  }
-  return cudaErrorInvalidValue;
-}
-
-namespace detail {
 
 // The source and sink of the two summing launchers; 16-byte paths where aligned.
 SumInput MakeSumInput(const RowLayout& layout, int64_t inputs, const uint8_t* payload,
@@ -169,5 +200,6 @@ cudaError_t LaunchDequantizeSumRequantize(cudaStream_t stream, const RowLayout& 
   if (out == nullptr) return launch_quantize(stream, layout, src, NoOutput{}, q);
   return launch_quantize(stream, layout, src, MakeArrayOutput(layout, out_type, out), q);
 }
+#endif  // CGX_CUDA_PART(2)
 
 }  // namespace jax_cgx::cuda

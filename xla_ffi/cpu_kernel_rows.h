@@ -1,12 +1,11 @@
 // The CPU codec's row kernels, as templates over the vector lanes, the width
-// and the rounding; a variant file instantiates them all for its ISA with
-// CGX_DEFINE_VARIANT (cpu_kernel_table.h says why one file per variant). How
-// they are fast without changing a bit of the result: cpu_kernels.cc.
+// and the rounding; a variant file instantiates them for its ISA with
+// CGX_DEFINE_WIDTHS, the widths of one part at a time (cpu_kernel_table.h says
+// why). How they are fast without changing a bit of the result: cpu_kernels.cc.
 #pragma once
 
 #include <algorithm>
 #include <cstring>
-#include <utility>
 
 #include "xla_ffi/codec_math.h"
 #include "xla_ffi/cpu_kernel_ops.h"
@@ -237,32 +236,51 @@ void reduce_row_impl(const ReduceRow& a) {
 }  // namespace
 }  // namespace jax_cgx::cpu
 
-// One variant, TABLE: entry points with the given target attributes. `flatten`
-// inlines the whole kernel into them, so every loop is vectorized for that
-// target. LANES: lanes of the min/max vectors, one register of the target.
-#define CGX_DEFINE_VARIANT(NS, TABLE, LANES, ATTRS)                                                \
-  namespace {                                                                                      \
-  namespace NS {                                                                                   \
-  template <int kBits, bool kStochastic>                                                           \
-  ATTRS void quantize_row(const QuantizeRow& a) {                                                  \
-    quantize_row_impl<LANES, kBits, kStochastic>(a);                                               \
-  }                                                                                                \
-  template <int kBits>                                                                             \
-  ATTRS void dequantize_row(const DequantizeRow& a) {                                              \
-    dequantize_row_impl<kBits>(a);                                                                 \
-  }                                                                                                \
-  template <int kBits, bool kRequantize, bool kStochastic>                                         \
-  ATTRS void reduce_row(const ReduceRow& a) {                                                      \
-    reduce_row_impl<LANES, kBits, kRequantize, kStochastic>(a);                                    \
-  }                                                                                                \
-  template <int... kBits>                                                                          \
-  constexpr KernelTable make_table(std::integer_sequence<int, kBits...>) {                         \
-    return KernelTable{#NS,                                                                        \
-                       {{&quantize_row<kBits, false>, &quantize_row<kBits, true>}...},             \
-                       {&dequantize_row<kBits>...},                                                \
-                       {{&reduce_row<kBits, false, false>, &reduce_row<kBits, true, false>,        \
-                         &reduce_row<kBits, true, true>}...}};                                     \
-  }                                                                                                \
-  }                                                                                                \
-  }                                                                                                \
-  const KernelTable TABLE = NS::make_table(std::integer_sequence<int, 1, 2, 3, 4, 5, 6, 7, 8>{});
+// The widths this object holds (as CGX_PART_WIDTHS(F, NS): F(NS, bits) for
+// each). CMakeLists.txt compiles each variant's file once per part,
+// CGX_KERNEL_PART = 0..3, two widths each (the costliest with the cheapest);
+// a build that defines no part gets all eight.
+#if !defined(CGX_KERNEL_PART)
+#define CGX_PART_WIDTHS(F, NS) F(NS, 1) F(NS, 2) F(NS, 3) F(NS, 4) F(NS, 5) F(NS, 6) F(NS, 7) F(NS, 8)
+#elif CGX_KERNEL_PART == 0
+#define CGX_PART_WIDTHS(F, NS) F(NS, 1) F(NS, 8)
+#elif CGX_KERNEL_PART == 1
+#define CGX_PART_WIDTHS(F, NS) F(NS, 2) F(NS, 7)
+#elif CGX_KERNEL_PART == 2
+#define CGX_PART_WIDTHS(F, NS) F(NS, 3) F(NS, 6)
+#elif CGX_KERNEL_PART == 3
+#define CGX_PART_WIDTHS(F, NS) F(NS, 4) F(NS, 5)
+#else
+#error "CGX_KERNEL_PART must be 0, 1, 2 or 3"
+#endif
+
+// One variant's entry points (namespace NS) with the given target attributes,
+// for this part's widths (NS_width_BITS, declared in cpu_kernel_table.h).
+// `flatten` inlines the whole kernel into them, so every loop is vectorized
+// for that target. LANES: lanes of the min/max vectors, one register of the
+// target.
+#define CGX_DEFINE_WIDTHS(NS, LANES, ATTRS)                                                      \
+  namespace {                                                                                    \
+  namespace NS {                                                                                 \
+  template <int kBits, bool kStochastic>                                                         \
+  ATTRS void quantize_row(const QuantizeRow& a) {                                                \
+    quantize_row_impl<LANES, kBits, kStochastic>(a);                                             \
+  }                                                                                              \
+  template <int kBits>                                                                           \
+  ATTRS void dequantize_row(const DequantizeRow& a) {                                            \
+    dequantize_row_impl<kBits>(a);                                                               \
+  }                                                                                              \
+  template <int kBits, bool kRequantize, bool kStochastic>                                       \
+  ATTRS void reduce_row(const ReduceRow& a) {                                                    \
+    reduce_row_impl<LANES, kBits, kRequantize, kStochastic>(a);                                  \
+  }                                                                                              \
+  }                                                                                              \
+  }                                                                                              \
+  CGX_PART_WIDTHS(CGX_DEFINE_WIDTH, NS)
+
+#define CGX_DEFINE_WIDTH(NS, BITS)                                                                 \
+  const WidthKernels NS##_width_##BITS = {                                                         \
+      {&NS::quantize_row<BITS, false>, &NS::quantize_row<BITS, true>},                             \
+      &NS::dequantize_row<BITS>,                                                                   \
+      {&NS::reduce_row<BITS, false, false>, &NS::reduce_row<BITS, true, false>,                    \
+       &NS::reduce_row<BITS, true, true>}};

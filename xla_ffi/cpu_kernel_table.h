@@ -1,8 +1,10 @@
 // The CPU codec's row kernels as a table of entry points per ISA variant
-// (cpu_kernels.cc picks one at run time). Each variant is compiled in a file of
-// its own (cpu_kernels_baseline.cc, _avx2.cc, _avx512.cc, from the templates of
-// cpu_kernel_rows.h), so that a build compiles them side by side: in one file
-// they took three minutes of one core.
+// (cpu_kernels.cc picks one at run time). Each variant is compiled from a file
+// of its own (cpu_kernels_baseline.cc, _avx2.cc, _avx512.cc, from the templates
+// of cpu_kernel_rows.h), and each file once per part of the eight widths
+// (CMakeLists.txt, CGX_KERNEL_PART), so that a build compiles twelve pieces
+// side by side: in one file they took three minutes of one core, one file per
+// variant about a minute each.
 #pragma once
 
 #include <cstdint>
@@ -71,18 +73,34 @@ using QuantizeFn = void (*)(const QuantizeRow&);
 using DequantizeFn = void (*)(const DequantizeRow&);
 using ReduceFn = void (*)(const ReduceRow&);
 
-struct KernelTable {
-  const char* name;
-  QuantizeFn quantize[8][2];  // [bits - 1][stochastic]
-  DequantizeFn dequantize[8];
-  ReduceFn reduce[8][3];  // [bits - 1][0: sum, 1: requantize nearest, 2: stochastic]
+// One width's entry points in one variant.
+struct WidthKernels {
+  QuantizeFn quantize[2];  // [stochastic]
+  DequantizeFn dequantize;
+  ReduceFn reduce[3];  // [0: sum, 1: requantize nearest, 2: stochastic]
 };
 
-// One per variant, each defined in its own file.
-extern const KernelTable kBaselineKernels;
+struct KernelTable {
+  const char* name;
+  const WidthKernels* widths[8];  // [bits - 1]
+};
+
+// Variant NS's widths, NS_width_1 .. NS_width_8: each defined by the part of
+// NS's file that holds it (CGX_DEFINE_WIDTHS), gathered into NS's table by
+// CGX_KERNEL_TABLE (cpu_kernels.cc).
+#define CGX_DECLARE_WIDTHS(NS)                                                                       \
+  extern const WidthKernels NS##_width_1, NS##_width_2, NS##_width_3, NS##_width_4, NS##_width_5, \
+      NS##_width_6, NS##_width_7, NS##_width_8;
+#define CGX_KERNEL_TABLE(NS)                                                                          \
+  KernelTable {                                                                                       \
+    #NS, { &NS##_width_1, &NS##_width_2, &NS##_width_3, &NS##_width_4, &NS##_width_5, &NS##_width_6, \
+           &NS##_width_7, &NS##_width_8 }                                                             \
+  }
+
+CGX_DECLARE_WIDTHS(baseline)
 #if CGX_X86_VARIANTS
-extern const KernelTable kAvx2Kernels;
-extern const KernelTable kAvx512Kernels;
+CGX_DECLARE_WIDTHS(avx2)
+CGX_DECLARE_WIDTHS(avx512)
 #endif
 
 }  // namespace jax_cgx::cpu

@@ -1,7 +1,8 @@
 // CPU kernels of the jax_cgx codec (see cpu_kernels.h): the public entry
 // points and run-time ISA dispatch. The row loops are in cpu_kernel_rows.h,
-// compiled once per ISA by cpu_kernels_{baseline,avx2,avx512}.cc; their
-// building blocks are in cpu_kernel_ops.h.
+// compiled once per ISA by cpu_kernels_{baseline,avx2,avx512}.cc (each in four
+// parts of two widths: cpu_kernel_table.h); their building blocks are in
+// cpu_kernel_ops.h.
 //
 // How the kernels are fast without changing a single bit of the result:
 //   * A row is processed in spans that start at a bucket start or at a
@@ -39,6 +40,12 @@
 
 namespace jax_cgx::cpu {
 namespace {
+
+const KernelTable kBaselineKernels = CGX_KERNEL_TABLE(baseline);
+#if CGX_X86_VARIANTS
+const KernelTable kAvx2Kernels = CGX_KERNEL_TABLE(avx2);
+const KernelTable kAvx512Kernels = CGX_KERNEL_TABLE(avx512);
+#endif
 
 // Best first.
 const KernelTable* const kVariants[] = {
@@ -105,7 +112,7 @@ void quantize(const void* x, FloatType x_type, int64_t rows, int64_t n, int64_t 
               const uint32_t* seeds, const int32_t* valid, int bits, int64_t bucket_size,
               bool stochastic, uint8_t* payload, float* meta, int64_t index_base) {
   if (m == 0) return;
-  const QuantizeFn fn = kernels().quantize[bits - 1][stochastic ? 1 : 0];
+  const QuantizeFn fn = kernels().widths[bits - 1]->quantize[stochastic ? 1 : 0];
   const int64_t p = payload_bytes(m, bucket_size, bits);
   const int64_t nb = bucket_count(m, bucket_size);
   for (int64_t r = 0; r < rows; ++r) {
@@ -134,7 +141,7 @@ void quantize(const void* x, FloatType x_type, int64_t rows, int64_t n, int64_t 
 void dequantize(const uint8_t* payload, const float* meta, int64_t rows, int64_t m, int bits,
                 int64_t bucket_size, void* out, FloatType out_type, float out_scale) {
   if (m == 0) return;
-  const DequantizeFn fn = kernels().dequantize[bits - 1];
+  const DequantizeFn fn = kernels().widths[bits - 1]->dequantize;
   const int64_t p = payload_bytes(m, bucket_size, bits);
   const int64_t nb = bucket_count(m, bucket_size);
   for (int64_t r = 0; r < rows; ++r) {
@@ -152,7 +159,7 @@ void reduce(const uint8_t* payload, const float* meta, int64_t rows, int64_t inp
             FloatType out_type) {
   if (m == 0) return;
   const int mode = requantize ? (stochastic ? 2 : 1) : 0;
-  const ReduceFn fn = kernels().reduce[bits - 1][mode];
+  const ReduceFn fn = kernels().widths[bits - 1]->reduce[mode];
   const int64_t p = payload_bytes(m, bucket_size, bits);
   const int64_t nb = bucket_count(m, bucket_size);
   for (int64_t r = 0; r < rows; ++r) {

@@ -3,6 +3,6 @@
 
 #if CGX_X86_VARIANTS
 namespace jax_cgx::cpu {
-CGX_DEFINE_VARIANT(avx2, kAvx2Kernels, 8, __attribute__((target("avx2"), flatten)))
+CGX_DEFINE_WIDTHS(avx2, 8, __attribute__((target("avx2"), flatten)))
 }  // namespace jax_cgx::cpu
 #endif

@@ -2,5 +2,5 @@
 #include "xla_ffi/cpu_kernel_rows.h"
 
 namespace jax_cgx::cpu {
-CGX_DEFINE_VARIANT(baseline, kBaselineKernels, 4, __attribute__((flatten)))
+CGX_DEFINE_WIDTHS(baseline, 4, __attribute__((flatten)))
 }  // namespace jax_cgx::cpu
