@@ -27,12 +27,17 @@
 #                    on 2 ranks sharing the GPU, each in its own network namespace, NCCL's sockets over
 #                    a tbf-shaped veth link (benchmarks/netem/run.py --gpu), jax_cgx beside PyTorch DDP
 #                    on NCCL; unshaped loopback sockets where the kernel has no namespaces, veth or tbf
+#   train_mps        the MLP at 10 Gbit/s as train_link runs it, the two ranks under MPS (their kernels at
+#                    once, not in turns: closer to two GPUs)
 #   auto_link        policy="auto" on the MLP at 10 Gbit/s with its calibration and decisions logged
 #                    (it chose psum there on 2026-11-27, where 4-bit was 3.66x faster)
 #   reference_gpu    the pure-JAX reference compiled by XLA:GPU against the CUDA kernels, bitwise
 #   allreduce_link   issue 30: psum vs the xla and nccl backends (all-reduce, reduce-scatter,
 #                    all-gather; 64 and 256 MiB) over the same 10 Gbit/s link
 #   tests_cpu        the rest of the test suite (long: a call of its own)
+#   prebuild         HERE, not on the GPU machine: the device_test variants for sm_90 into .prebuilt/
+#                    (~35 s of one core each), which `kernels` and `profile_codec` then take instead of
+#                    building them on the device (carry .prebuilt/; list it in .git/info/exclude)
 #
 # The link stages need ip and tc, which the device image lacks: fetch Debian's packages into .iproute/
 # first (here, once; list it in .git/info/exclude and name it in the device call's carry):
@@ -53,7 +58,9 @@ if [[ "${1:-}" == "-o" ]]; then out=$2; shift 2; fi
 out="${out:-${OUT:+${TMPDIR:-/tmp}/gpu-check}}"
 out="${out:-gpu-check}"
 all=(build kernels profile_codec tests_codec_gpu tests_nccl_gpu bench_codec bench_allreduce bench_sharded
-     nccl_transport train_step train_link auto_link reference_gpu allreduce_link tests_cpu)
+     nccl_transport train_step train_link train_mps auto_link reference_gpu allreduce_link tests_cpu)
+# Not in the default run: prebuild runs where there is no GPU.
+[[ " $* " == *" prebuild "* ]] && all+=(prebuild)
 stages=("$@")
 [[ ${#stages[@]} -eq 0 ]] && stages=("${all[@]}")
 for s in "${stages[@]}"; do
@@ -107,15 +114,45 @@ from jax_cgx import _cuda; assert _cuda.nccl_compiled(); print('cuda extension o
 # Build-time variants of the quantizing kernels (cuda/quantize_kernels.cuh):
 # "PIPELINE MIN_BLOCKS", the first being the default build.
 VARIANTS=("0 1" "0 3" "1 1" "1 3")
-device_test_build() {  # device_test_build PIPELINE MIN_BLOCKS: builds $out/device_test_pP_mM
-  nvcc -std=c++17 -O3 --fmad=false --expt-relaxed-constexpr -arch="sm_${JAX_CGX_CUDA_ARCHITECTURES%%-*}" \
+sm=${JAX_CGX_CUDA_ARCHITECTURES%%-*}
+device_test_build() {  # device_test_build PIPELINE MIN_BLOCKS [DIR]: builds DIR/device_test_pP_mM (DIR: $out)
+  nvcc -std=c++17 -O3 --fmad=false --expt-relaxed-constexpr -arch="sm_$sm" \
     -DJAX_CGX_CODEC_PIPELINE="$1" -DJAX_CGX_QUANTIZE_MIN_BLOCKS="$2" --resource-usage \
-    -I. -Icuda/tests cuda/tests/device_test.cu cuda/codec_kernels.cu -o "$out/device_test_p$1_m$2"
+    -I. -Icuda/tests cuda/tests/device_test.cu cuda/codec_kernels.cu -o "${3:-$out}/device_test_p$1_m$2"
+}
+
+# A variant built here before the call (stage prebuild), if it is for this GPU and this machine can run
+# it (ldd finds every library and symbol version): copied to $out instead of building it again.
+prebuilt() {  # prebuilt PIPELINE MIN_BLOCKS: true if $out/device_test_pP_mM came from .prebuilt/
+  local exe=".prebuilt/sm$sm/device_test_p$1_m$2"
+  [[ -x $exe ]] && ! ldd "$exe" 2>&1 | grep -q "not found" && cp "$exe" "$out/" && \
+    { cp ".prebuilt/sm$sm/device_test_build_p$1_m$2.log" "$out/" 2>/dev/null; true; } && \
+    echo "   device_test_p$1_m$2 from .prebuilt/sm$sm (built $(cat ".prebuilt/sm$sm/built" 2>/dev/null))" |
+      tee -a "$out/summary.txt"
+}
+
+stage_prebuild() {
+  command -v nvcc >/dev/null || { echo "prebuild needs nvcc" >&2; status=1; return; }
+  mkdir -p ".prebuilt/sm$sm"
+  local v pids=()
+  for v in "${VARIANTS[@]}"; do
+    # shellcheck disable=SC2086
+    device_test_build $v ".prebuilt/sm$sm" >".prebuilt/sm$sm/device_test_build_p${v// /_m}.log" 2>&1 &
+    pids+=($!)
+  done
+  local i
+  for i in "${!pids[@]}"; do
+    wait "${pids[$i]}" || { echo "build ${VARIANTS[$i]} FAILED, see .prebuilt/sm$sm" >&2; status=1; }
+  done
+  echo "$(git rev-parse --short HEAD) $(nvcc --version | tail -1)" >".prebuilt/sm$sm/built"
+  ls -la ".prebuilt/sm$sm" | tee -a "$out/summary.txt"
 }
 
 stage_kernels() {
   local v pids=()
   for v in "${VARIANTS[@]}"; do
+    # shellcheck disable=SC2086
+    prebuilt $v && { pids+=(0); continue; }
     # shellcheck disable=SC2086
     device_test_build $v >"$out/device_test_build_p${v// /_m}.log" 2>&1 &
     pids+=($!)
@@ -123,6 +160,7 @@ stage_kernels() {
   local i
   for i in "${!pids[@]}"; do
     v=${VARIANTS[$i]}
+    [[ ${pids[$i]} == 0 ]] && continue
     wait "${pids[$i]}" || { echo "   build p${v// /_m} FAILED, see device_test_build_p${v// /_m}.log" |
       tee -a "$out/summary.txt"; status=1; }
   done
@@ -142,7 +180,7 @@ stage_profile_codec() {
   for v in "0 1" "1 1"; do
     exe="$out/device_test_p${v// /_m}"
     # shellcheck disable=SC2086
-    [[ -x $exe ]] || device_test_build $v >/dev/null 2>&1
+    [[ -x $exe ]] || prebuilt $v || device_test_build $v >/dev/null 2>&1
     step "ncu_quantize_p${v// /_m}" ncu --kernel-name-base mangled \
       --kernel-name "regex:quantize_segments_kernel.*ArrayInput.*Li2E" --launch-count 1 \
       --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats \
@@ -185,6 +223,28 @@ stage_bench_sharded() {
 # with one segment (two NCCL calls per all-reduce, as the xla backend makes) and with the
 # automatic count (16 MiB of input per segment), NCCL's own log of the first, and the
 # same under MPS (the ranks' kernels then share the GPU instead of taking turns).
+# MPS: the ranks' kernels share the GPU at once instead of taking turns in time slices, as two GPUs
+# would run them. mps_start is false (and says why) where the machine has no MPS daemon or it fails.
+mps_start() {
+  command -v nvidia-cuda-mps-control >/dev/null || { echo "   no MPS on this machine" | tee -a "$out/summary.txt"; return 1; }
+  export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
+  mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+  if ! nvidia-cuda-mps-control -d; then
+    echo "   MPS daemon did not start" | tee -a "$out/summary.txt"
+    unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+    return 1
+  fi
+  # Stop the daemon however this ends (a killed call would leave it on a warm machine).
+  trap 'echo quit | nvidia-cuda-mps-control' EXIT
+  echo "   MPS daemon started" | tee -a "$out/summary.txt"
+}
+mps_stop() {
+  echo quit | nvidia-cuda-mps-control
+  trap - EXIT
+  cp /tmp/mps-log/control.log "$out/mps_control.log" 2>/dev/null
+  unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+}
+
 transport_bench() {  # transport_bench NAME SEGMENTS: the 2-rank all-reduce, psum vs xla and nccl
   step "$1" python -m jax_cgx.launch -n 2 benchmarks/allreduce.py --share-gpu --sizes-mib 64 256 --bits 4 \
     --backends xla nccl --segments "$2" --repeats 5 --no-progress --output "$out/$1.json"
@@ -196,20 +256,10 @@ stage_nccl_transport() {
   step transport_nccl_debug env NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,NET,TUNING \
     python -m jax_cgx.launch -n 2 benchmarks/allreduce.py --share-gpu --sizes-mib 64 --bits 4 \
     --backends nccl --segments 1 --repeats 2 --no-progress
-  if command -v nvidia-cuda-mps-control >/dev/null; then
-    export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
-    mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
-    if nvidia-cuda-mps-control -d; then
-      # Stop the daemon however this ends (a killed call would leave it on a warm machine).
-      trap 'echo quit | nvidia-cuda-mps-control' EXIT
-      transport_bench transport_mps_seg1 1
-      transport_bench transport_mps_seg0 0
-      echo quit | nvidia-cuda-mps-control
-      trap - EXIT
-    else
-      echo "   MPS daemon did not start" | tee -a "$out/summary.txt"
-    fi
-    unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+  if mps_start; then
+    transport_bench transport_mps_seg1 1
+    transport_bench transport_mps_seg0 0
+    mps_stop
   fi
   local f
   for f in "$out"/transport_*.json; do
@@ -301,6 +351,15 @@ stage_train_link() {
   done
 }
 
+# Issue 29's fixed ~10 ms per step (4-bit: 20.1 ms where compute and wire take 8.2): the MLP at 10 Gbit/s
+# again with the two ranks under MPS, every compressor and DDP variant in the same run as before.
+stage_train_mps() {
+  mps_start || return 0
+  link_run train_mlp_10gbit_mps 10gbit benchmarks/train_step.py --link-gbps 10 --steps 30 --warmup 5 \
+    --no-progress --compressors none maxmin:4 maxmin:8 maxmin:4+backward maxmin:4+auto "${TRAIN_DDP[@]}"
+  mps_stop
+}
+
 stage_auto_link() {
   link_run auto_mlp_10gbit 10gbit benchmarks/train_step.py --link-gbps 10 --steps 20 --warmup 5 --no-progress \
     --compressors none maxmin:4 maxmin:4+auto
@@ -321,7 +380,7 @@ stage_allreduce_link() {
 stage_tests_cpu() { step tests_cpu pytest -o addopts=-ra tests -q -m "not gpu"; }
 
 for s in "${stages[@]}"; do
-  if [[ $s != build ]] && ! built; then stage_build; fi
+  if [[ $s != build && $s != prebuild ]] && ! built; then stage_build; fi
   "stage_$s"
 done
 echo "exit status $status" | tee -a "$out/summary.txt"
