@@ -105,8 +105,9 @@ class CompressionConfig:
         platform. ``"nccl"``: one custom call per fusion buffer over jax_cgx's own NCCL
         communicators (GPU only; see :func:`jax_cgx.nccl.setup`). ``"tcp"``: one custom
         call per fusion buffer over jax_cgx's own TCP connections, the codec pipelined with
-        the wire (CPU only, SRA only; see :func:`jax_cgx.tcp.setup`). ``"auto"``: ``nccl``
-        on GPU and ``tcp`` on CPU when communicators exist for the mesh, otherwise ``xla``.
+        the wire (CPU only, SRA only; see :func:`jax_cgx.tcp.setup`). ``"auto"``: ``tcp``
+        on CPU when connections exist for the mesh, otherwise ``xla`` (on GPUs too: the nccl
+        backend measured slower than xla, so auto runs it only where asked for; it warns).
         All backends give bitwise the same result.
       algorithm: ``"sra"`` (scatter-reduce/all-gather: every value quantized twice) or
         ``"ring"`` (a ring reduce-scatter re-quantizing the partial sum at every hop, then

@@ -49,7 +49,7 @@ def communicators(cuda_mesh, monkeypatch):
 
 
 def test_nccl_backend_lowers_to_one_custom_call_per_buffer(communicators):
-    hlo = _lower(CompressionConfig(bits=4, bucket_size=64, pipeline_segments=3))
+    hlo = _lower(CompressionConfig(bits=4, bucket_size=64, pipeline_segments=3, backend="nccl"))
     calls = re.findall(r"custom_call @jax_cgx_nccl_allreduce\(", hlo)
     assert len(calls) == 1, hlo
     assert "comm_key = 1234" in hlo and "segments = 3" in hlo and "world = 4" in hlo
@@ -59,13 +59,28 @@ def test_nccl_backend_lowers_to_one_custom_call_per_buffer(communicators):
 
 
 def test_vmapped_rows_are_one_call_each(communicators):
-    hlo = _lower(CompressionConfig(bits=8), rows=3)
+    hlo = _lower(CompressionConfig(bits=8, backend="nccl"), rows=3)
     assert len(re.findall(r"custom_call @jax_cgx_nccl_allreduce\(", hlo)) == 3
 
 
 def test_xla_backend_and_auto_without_communicators_use_collectives(communicators):
     hlo = _lower(CompressionConfig(bits=4, backend="xla"))
     assert "jax_cgx_nccl_allreduce" not in hlo and "all_to_all" in hlo
+
+
+def test_auto_passes_over_the_communicators_and_warns_once(communicators, monkeypatch, caplog):
+    """The nccl backend measured slower than the xla backend: auto runs xla even where communicators
+    exist, and says so once per axes (a user who called jax_cgx.nccl.setup learns why it is unused)."""
+    from jax_cgx._src.backends import protocol
+
+    monkeypatch.setattr(protocol, "_warned", set())
+    with caplog.at_level("WARNING", logger="jax_cgx"):
+        hlo = _lower(CompressionConfig(bits=4, backend="auto"))
+        _lower(CompressionConfig(bits=8, backend="auto"))
+    assert "jax_cgx_nccl_allreduce" not in hlo and "all_to_all" in hlo
+    warnings = [r.getMessage() for r in caplog.records if "backend='auto' runs the xla backend" in r.getMessage()]
+    assert len(warnings) == 1, warnings
+    assert "axes 'd'" in warnings[0] and "measured 3x slower" in warnings[0] and "backend='nccl'" in warnings[0]
 
 
 def test_auto_without_communicators_is_xla_and_nccl_raises(cuda_mesh):
@@ -143,8 +158,9 @@ def test_sharded_collectives_lower_to_one_custom_call_per_buffer(communicators, 
     assert "has_side_effect = true" in hlo
     assert "all_to_all" not in hlo and "all_gather\"" not in hlo and "stablehlo.all_gather" not in hlo
     # vmapped rows: one call each; backend="xla": XLA's collectives, no custom call
-    assert len(re.findall(rf"custom_call @{_TARGETS[op]}\(", _lower_sharded(op, CompressionConfig(bits=8), rows=3))) == 3
+    assert len(re.findall(rf"custom_call @{_TARGETS[op]}\(", _lower_sharded(op, CompressionConfig(bits=8, backend="nccl"), rows=3))) == 3
     assert _TARGETS[op] not in _lower_sharded(op, CompressionConfig(bits=4, backend="xla"))
+    assert _TARGETS[op] not in _lower_sharded(op, CompressionConfig(bits=4, backend="auto"))  # passed over
 
 
 @pytest.mark.parametrize("op", ["psum_scatter", "all_gather"])

@@ -338,9 +338,12 @@ def test_choosing_the_nccl_backend(fake, monkeypatch, caplog):
 
     nccl.setup(mesh, ["a", ("a", "b")])
     with caplog.at_level(logging.DEBUG, logger="jax_cgx"):
-        backend, reason = sel("auto", "cuda", mesh, "a")
+        backend, reason = sel("nccl", "cuda", mesh, "a")
     assert backend == "nccl" and "communicators set up for axes 'a'" in reason
     assert "backend nccl for axes ('a',)" in caplog.text
+    # auto passes the communicators over (measured slower than xla), and says why
+    backend, reason = sel("auto", "cuda", mesh, "a")
+    assert backend == "xla" and "nccl: connected, but passed over: measured 3x slower" in reason
     assert sel("nccl", "cuda", mesh, ("a", "b"))[0] == "nccl"
     assert sel("nccl", "cuda", mesh.abstract_mesh, ("a", "b"))[0] == "nccl"
     backend, reason = sel("auto", "cuda", mesh, "b")
@@ -361,14 +364,14 @@ def test_choosing_the_nccl_backend(fake, monkeypatch, caplog):
     assert nccl.lookup(mesh.abstract_mesh, "a") is None
     backend, reason = sel("auto", "cuda", mesh.abstract_mesh, "a")
     assert backend == "xla" and "cannot tell them apart" in reason
-    assert sel("auto", "cuda", mesh, "a")[0] == "nccl"  # a concrete one can
+    assert sel("nccl", "cuda", mesh, "a")[0] == "nccl"  # a concrete one can
 
     # A device's platform is "gpu" (what a trace sees on the mesh's devices), its lowering "cuda".
     from jax._src import xla_bridge
 
     with monkeypatch.context() as m:
         m.setattr(xla_bridge, "backends", lambda: {"cuda": None, "cpu": None})
-        assert sel("nccl", "gpu", mesh, "a")[0] == "nccl" and sel("auto", "gpu", mesh, "a")[0] == "nccl"
+        assert sel("nccl", "gpu", mesh, "a")[0] == "nccl"
         m.setattr(xla_bridge, "backends", lambda: {"rocm": None, "cpu": None})
         with pytest.raises(nccl.NcclError, match="CUDA GPUs only.*'rocm'"):
             sel("nccl", "gpu", mesh, "a")

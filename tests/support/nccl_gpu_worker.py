@@ -117,9 +117,10 @@ def main() -> None:
                     assert used_nccl == (backend == "nccl"), (name, backend, used_nccl)
                     for rank, value in _local(out).items():
                         results[f"{name}/{dtype_name}/{backend}/rank{rank}"] = value.astype(np.float32)
-                # auto picks nccl once communicators exist (compiled, not run: only its choice matters)
+                # auto runs xla even where communicators exist (the nccl backend measured slower;
+                # compiled, not run: only its choice matters)
                 _, used_nccl = _psum(mesh, axes, spec, config.replace(backend="auto"), x)
-                assert used_nccl != cpu, f"{name}: backend='auto' picked {'nccl' if used_nccl else 'xla'}"
+                assert not used_nccl, f"{name}: backend='auto' picked nccl"
     # A pytree: a large leaf through the custom call next to small leaves that XLA sums
     # with its own NCCL collectives, in one program (ordering of both kinds of calls).
     mesh, axes, spec = meshes["flat"]

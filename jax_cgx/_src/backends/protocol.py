@@ -108,6 +108,9 @@ class Backend:
     families: Families | None = None  # the meshes connected here (None: needs none)
     communicator: str = "communicator"  # what one connection is called, for messages
     setup_hint: str = ""  # the call that connects a mesh: "jax_cgx.nccl.setup(mesh)"
+    # Why backend="auto" passes this backend over even where it is connected for a reduction ("":
+    # auto takes it there); backend=NAME still runs it. Logged as a warning, once per axes.
+    passed_over_by_auto: str = ""
 
     # ------------------------------------------------------------ what a backend implements
 
@@ -217,12 +220,22 @@ def registered() -> list[Backend]:
     return list(_registry.values())
 
 
+_warned: set[tuple[str, tuple[str, ...]]] = set()
+
+
+def _warn_once(backend: str, axes: tuple[str, ...], message: str) -> None:
+    if (backend, axes) not in _warned:
+        _warned.add((backend, axes))
+        log.warning(message)
+
+
 def choose(requested: str, reduction: Reduction, mesh, platform: str) -> tuple[str, str]:
     """The backend that runs ``reduction`` over ``mesh`` on ``platform``: ``(name, reason)``.
 
     ``requested`` is ``CompressionConfig.backend``. ``"xla"`` is always honoured; a named
     backend raises its error when it cannot run the reduction here; ``"auto"`` takes the first
-    backend that owns connections for ``(mesh, axes)`` and can run the reduction, else xla.
+    backend that owns connections for ``(mesh, axes)`` and can run the reduction, unless it is
+    :attr:`Backend.passed_over_by_auto` (then it warns once), else xla.
     """
     if requested not in BACKENDS:
         raise ValueError(f"jax_cgx: backend must be one of {BACKENDS}, got {requested!r}")
@@ -239,6 +252,12 @@ def choose(requested: str, reduction: Reduction, mesh, platform: str) -> tuple[s
             if backend.families is None:
                 continue
             why = backend.check(reduction, mesh, platform, requested=False)
+            if not why and backend.passed_over_by_auto:
+                why = f"connected, but passed over: {backend.passed_over_by_auto}"
+                _warn_once(backend.name, reduction.axes,
+                           f"jax_cgx: backend='auto' runs the xla backend for axes {_axes_text(reduction.axes)}, not "
+                           f"the {backend.communicator}s set up for them: {backend.passed_over_by_auto}. Pass "
+                           f"CompressionConfig(backend={backend.name!r}) to run them.")
             if not why:
                 choice = (backend.name, f"communicators set up for axes {_axes_text(reduction.axes)} on this mesh")
                 break

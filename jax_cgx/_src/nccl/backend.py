@@ -1,8 +1,8 @@
 """The nccl backend (:class:`NcclBackend`): the compressed collectives over jax_cgx's NCCL communicators.
 
-Chosen while tracing (:mod:`jax_cgx._src.backends`) for a reduction over axes whose mesh
-:func:`jax_cgx.nccl.setup` connected (``backend="auto"``), or asked for (``backend="nccl"``),
-on CUDA with NCCL compiled in, for any collective but error feedback's residuals. Each row of
+Run where asked for (``backend="nccl"``) over axes whose mesh :func:`jax_cgx.nccl.setup`
+connected, on CUDA with NCCL compiled in, for any collective but error feedback's residuals;
+``backend="auto"`` passes it over (measured slower than the xla backend: it warns once). Each row of
 a reduction is one custom call, with a workspace XLA allocates:
 
 - all-reduce: ``jax_cgx_nccl_allreduce`` (xla_ffi/nccl_allreduce.cc), SRA or ring over
@@ -124,6 +124,11 @@ class NcclBackend(backends.Backend):
     families = registry.connected
     communicator = "NCCL communicator"
     setup_hint = "jax_cgx.nccl.setup(mesh)"
+    # The one measurement so far (docs/gpu-results.md, H100, 2 ranks sharing the GPU over NCCL's
+    # sockets): bitwise the xla backend's results, 3x slower. Until a measurement shows it ahead
+    # somewhere, "auto" keeps the faster xla backend.
+    passed_over_by_auto = ("measured 3x slower than the xla backend (docs/nccl.md, 'Choosing the "
+                           "backend')")
     # timed_as "xla": policy="auto" prices and times it as the xla backend (it cannot set up a
     # probe mesh of NCCL communicators in the middle of a trace).
 
