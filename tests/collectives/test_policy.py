@@ -200,6 +200,19 @@ def test_near_tie_is_timed_on_the_backend_that_runs(monkeypatch, caplog, tcp):
             jax_cgx.tcp.teardown(mesh)
 
 
+@pytest.mark.parametrize("validated", [True, False])
+def test_buffers_are_timed_where_the_model_is_not_validated(monkeypatch, validated):
+    # No near-tie band: on a validated platform the model decides (psum on these virtual devices);
+    # elsewhere (a GPU) the buffer is timed whatever the model predicts, and the timing wins.
+    timed = _tie_on_measured_link(monkeypatch, psum_s=1.0, exchange_s=0.01)
+    monkeypatch.setattr(pricing, "TIE_BAND", 1.0)
+    if not validated:
+        monkeypatch.setattr(pricing, "VALIDATED_PLATFORMS", frozenset())
+    fn = _psum_fn(jax_cgx.CompressionConfig(bits=4, policy="auto"))
+    assert _uses_compression(fn, _tree()) == (not validated)
+    assert timed == ([] if validated else [(BIG + 300, "xla")])
+
+
 def test_given_link_rates_are_never_timed(monkeypatch):
     timed = _tie_on_measured_link(monkeypatch, psum_s=1.0, exchange_s=0.01)
     fn = _psum_fn(jax_cgx.CompressionConfig(bits=4, policy="auto", link_gbps=math.inf))
