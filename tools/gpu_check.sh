@@ -44,8 +44,9 @@
 #   mkdir -p .iproute && (cd .iproute && apt-get download iproute2 libbpf1 libmnl0 libxtables12 libelf1 \
 #     libcap2 libbsd0 libmd0 libdb5.3 libselinux1 libpcre2-8-0 libtirpc3)
 #
-# A device call runs at most 10 minutes, the build takes about 3 of them (on an H100, 16 cores;
-# seconds when the machine is still warm from an earlier call): docs/gpu-results.md plans which
+# A device call runs at most 10 minutes; the build took 72-78 s of them on an H200 (16 cores) before
+# it compiled in pieces (predicted now: ~30-35 s; seconds when the machine is still warm from an
+# earlier call): docs/gpu-results.md plans which
 # stages go together in one call (`tests_codec_gpu` alone takes about 7 minutes). Logs, JSON and
 # the results table go to OUTDIR (default: a temporary folder when $OUT is set, else
 # ./gpu-check); with $OUT set they are also packed into $OUT/gpu-check-<stages>.tar.gz,
@@ -121,31 +122,44 @@ device_test_build() {  # device_test_build PIPELINE MIN_BLOCKS [DIR]: builds DIR
     -I. -Icuda/tests cuda/tests/device_test.cu cuda/codec_kernels.cu -o "${3:-$out}/device_test_p$1_m$2"
 }
 
-# A variant built here before the call (stage prebuild), if it is for this GPU and this machine can run
-# it (ldd finds every library and symbol version): copied to $out instead of building it again.
+# What device_test is built from: prebuilt binaries count only while this is unchanged.
+sources_hash() {
+  cat cuda/*.cu cuda/*.cuh cuda/tests/*.cu cuda/tests/*.h xla_ffi/codec_math.h xla_ffi/cuda_kernels.h \
+    xla_ffi/float_type.h | sha256sum | cut -c1-16
+}
+
+# A variant built here before the call (stage prebuild), if it was built from these sources for this
+# GPU and this machine can run it (ldd finds every library and symbol version): copied to $out
+# instead of building it again.
 prebuilt() {  # prebuilt PIPELINE MIN_BLOCKS: true if $out/device_test_pP_mM came from .prebuilt/
-  local exe=".prebuilt/sm$sm/device_test_p$1_m$2"
-  [[ -x $exe ]] && ! ldd "$exe" 2>&1 | grep -q "not found" && cp "$exe" "$out/" && \
-    { cp ".prebuilt/sm$sm/device_test_build_p$1_m$2.log" "$out/" 2>/dev/null; true; } && \
-    echo "   device_test_p$1_m$2 from .prebuilt/sm$sm (built $(cat ".prebuilt/sm$sm/built" 2>/dev/null))" |
-      tee -a "$out/summary.txt"
+  local dir=".prebuilt/sm$sm" exe=".prebuilt/sm$sm/device_test_p$1_m$2"
+  [[ -x $exe && -f $dir/sources && $(cat "$dir/sources") == "$(sources_hash)" ]] || return 1
+  [[ $(ldd "$exe" 2>&1) != *"not found"* ]] || return 1
+  cp "$exe" "$out/" && cp "$dir/device_test_build_p$1_m$2.log" "$out/" 2>/dev/null
+  echo "   device_test_p$1_m$2 from $dir (built $(cat "$dir/built" 2>/dev/null))" | tee -a "$out/summary.txt"
 }
 
 stage_prebuild() {
   command -v nvcc >/dev/null || { echo "prebuild needs nvcc" >&2; status=1; return; }
-  mkdir -p ".prebuilt/sm$sm"
-  local v pids=()
+  local dir=".prebuilt/sm$sm"
+  rm -rf "$dir" && mkdir -p "$dir"
+  local v pids=() failed=0
   for v in "${VARIANTS[@]}"; do
     # shellcheck disable=SC2086
-    device_test_build $v ".prebuilt/sm$sm" >".prebuilt/sm$sm/device_test_build_p${v// /_m}.log" 2>&1 &
+    device_test_build $v "$dir" >"$dir/device_test_build_p${v// /_m}.log" 2>&1 &
     pids+=($!)
   done
   local i
   for i in "${!pids[@]}"; do
-    wait "${pids[$i]}" || { echo "build ${VARIANTS[$i]} FAILED, see .prebuilt/sm$sm" >&2; status=1; }
+    wait "${pids[$i]}" || { echo "build ${VARIANTS[$i]} FAILED, see $dir" >&2; failed=1; }
   done
-  echo "$(git rev-parse --short HEAD) $(nvcc --version | tail -1)" >".prebuilt/sm$sm/built"
-  ls -la ".prebuilt/sm$sm" | tee -a "$out/summary.txt"
+  if (( failed )); then
+    rm -f "$dir"/device_test_p*; status=1; return
+  fi
+  # The stamps `prebuilt` checks: which sources, and (for the log) which commit and compiler.
+  sources_hash >"$dir/sources"
+  echo "$(git rev-parse --short HEAD) $(nvcc --version | tail -1)" >"$dir/built"
+  ls -la "$dir"
 }
 
 stage_kernels() {
@@ -240,7 +254,7 @@ mps_start() {
 mps_stop() {
   echo quit | nvidia-cuda-mps-control
   trap - EXIT
-  cp /tmp/mps-log/control.log "$out/mps_control.log" 2>/dev/null
+  cp "$CUDA_MPS_LOG_DIRECTORY/control.log" "$out/mps_control.log" 2>/dev/null
   unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
 }
 

@@ -213,6 +213,15 @@ def test_buffers_are_timed_where_the_model_is_not_validated(monkeypatch, validat
     assert timed == ([] if validated else [(BIG + 300, "xla")])
 
 
+def test_buffers_too_slow_to_time_are_not_timed_anywhere(monkeypatch):
+    # Off the validated platforms the limit is the psum's predicted time alone: above it, the model decides.
+    timed = _tie_on_measured_link(monkeypatch, psum_s=1.0, exchange_s=0.01)
+    monkeypatch.setattr(pricing, "VALIDATED_PLATFORMS", frozenset())
+    monkeypatch.setattr(pricing, "_SETTLE_MAX_S", 1e-9)
+    assert not _uses_compression(_psum_fn(jax_cgx.CompressionConfig(bits=4, policy="auto")), _tree())
+    assert timed == []
+
+
 def test_given_link_rates_are_never_timed(monkeypatch):
     timed = _tie_on_measured_link(monkeypatch, psum_s=1.0, exchange_s=0.01)
     fn = _psum_fn(jax_cgx.CompressionConfig(bits=4, policy="auto", link_gbps=math.inf))

@@ -378,7 +378,8 @@ def test_choosing_the_nccl_backend(fake, monkeypatch, caplog):
 
     # Error feedback's residuals: the xla backend's alone.
     residual = backends.Reduction("compressed_psum", "psum", ("a",), 2, residual=True)
-    assert backends.choose("auto", residual, mesh, "cuda")[0] == "xla"
+    backend, reason = backends.choose("auto", residual, mesh, "cuda")
+    assert backend == "xla" and "residuals are computed by the xla backend only" in reason  # not merely passed over
     with pytest.raises(NotImplementedError, match=r"compressed_psum\(return_residual=True\).*xla backend only"):
         backends.choose("nccl", residual, mesh, "cuda")
 

@@ -103,7 +103,7 @@ class Backend:
     where: str = ""  # the platforms in words, for messages: "CUDA GPUs"
     ops: frozenset[str] = frozenset({"psum", "psum_scatter", "all_gather"})
     residuals: bool = False  # computes error feedback's residuals (return_residual=True)
-    timed_as: str = "xla"  # the backend policy="auto" times this one's near-ties on
+    timed_as: str = "xla"  # the backend policy="auto" times this one's buffers on (near-ties; all off CPU)
     error: type[Exception] = BackendError
     families: Families | None = None  # the meshes connected here (None: needs none)
     communicator: str = "communicator"  # what one connection is called, for messages

@@ -30,8 +30,8 @@ __all__ = ["explain", "Explanation", "LeafReport", "BufferReport"]
 @dataclasses.dataclass(frozen=True)
 class BufferReport:
     """One fusion buffer: its size, the policy, the decision and the two times (ms), predicted
-    by the cost model or, for a near-tie on a measured link, timed (``priced``: "model" or
-    "timed on <backend>")."""
+    by the cost model or, for a near-tie on a measured link (any buffer off CPU), timed (``priced``:
+    "model" or "timed on <backend>")."""
 
     index: int
     dtype: str

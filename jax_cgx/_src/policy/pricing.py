@@ -66,12 +66,13 @@ logger = logging.getLogger("jax_cgx")
 MIN_SPEEDUP = 1.1
 # Predictions closer than this factor are settled by timing the buffer itself (measured link only).
 TIE_BAND = 2.0
-# ...unless one timing (psum plus exchange, predicted) would take longer than this.
+# ...unless one timing would take longer than this, predicted: psum plus exchange on a validated
+# platform, the psum alone elsewhere (its compressed prediction is not trusted there).
 _SETTLE_MAX_S = 1.0
 # Platforms where the model's predictions were checked against measurements (docs/results.md, "Cost
 # model": every median within 25%, on CPUs). Elsewhere the model settles nothing it can time: every
-# buffer within the caps below is timed, not only near-ties (on the first GPU run, docs/gpu-results.md,
-# the model chose psum for a buffer that 4-bit sent 3.66x faster).
+# buffer within _SETTLE_MAX_S and _SETTLE_MAX_BUFFERS is timed, not only near-ties (on the first GPU
+# run, docs/gpu-results.md, the model chose psum for a buffer that 4-bit sent 3.66x faster).
 VALIDATED_PLATFORMS = frozenset({"cpu"})
 # Distinct buffers timed per process at most (each costs two compiles in the first trace); past
 # it the model decides. A count, not a time budget: every process must take the same decisions.
