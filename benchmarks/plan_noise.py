@@ -106,8 +106,8 @@ def main(argv=None) -> dict:
     planned = {f"within {budget}-bit bytes, {name}": plan(budget, errs)
                for budget in (4, 3) for name, errs in objectives.items()}
     leaves = next(iter(planned.values()))
-    plans = {f"uniform {b}-bit": [LeafPlan(p.path, p.size, b, 0.0, leaf_bytes(p.size, b, UNIFORM_BUCKET), UNIFORM_BUCKET)
-                                  for p in leaves] for b in (8, 4, 3)}
+    plans = {f"uniform {b}-bit": [LeafPlan(p.path, p.size, b, 0.0, leaf_bytes(p.size, b, UNIFORM_BUCKET),
+                                           UNIFORM_BUCKET) for p in leaves] for b in (8, 4, 3)}
     plans.update(planned)
     reference = score(plans["uniform 4-bit"])
     values = sum(p.size for p in plans["uniform 4-bit"])

@@ -72,7 +72,8 @@ def add_args(p: argparse.ArgumentParser, *, steps: int, batch: int, lr: float, l
                         "value's relative to its own square (adam) (default: %(default)s)")
     p.add_argument("--adaptive-bucket-sizes", type=int, nargs="+", metavar="B",
                    help="--adaptive: also choose each leaf's bucket size among these (default: --bucket-size's)")
-    p.add_argument("--adaptive-candidates", type=int, nargs="+", metavar="BITS", default=list(jax_cgx.adaptive.CANDIDATES),
+    p.add_argument("--adaptive-candidates", type=int, nargs="+", metavar="BITS",
+                   default=list(jax_cgx.adaptive.CANDIDATES),
                    help="--adaptive: the widths a leaf may get (default: %(default)s)")
     p.add_argument("--replan-every", type=int, default=100,
                    help="--adaptive: steps between plans (default: %(default)s)")

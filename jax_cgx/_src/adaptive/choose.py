@@ -195,10 +195,6 @@ def _errors(leaf, bucket_size: int, stochastic: bool, widths: tuple[int, ...], o
     # The last bucket holds n % bucket_size values: padding it with its own first value keeps its range.
     x = jnp.concatenate([x, jnp.broadcast_to(x[n - (n % bucket_size or bucket_size)], (pad,))]) if pad else x
     buckets = x.reshape(-1, bucket_size)
-    if second_moment is None:
-        square = buckets * buckets
-    else:  # the padding is masked below: zeros will do
-        square = jnp.pad(jnp.ravel(second_moment).astype(jnp.float32), (0, pad)).reshape(buckets.shape)
     low = buckets.min(axis=1, keepdims=True)
     high = buckets.max(axis=1, keepdims=True)
     span = high - low
@@ -214,7 +210,12 @@ def _errors(leaf, bucket_size: int, stochastic: bool, widths: tuple[int, ...], o
     f = t - jnp.floor(t)
     per_value = (f * (1 - f) if stochastic else jnp.minimum(f, 1 - f) ** 2) * step * step
     if objective == "adam":  # each value's error against its square: the noise's share of its Adam step
-        per_value = jnp.where(per_value > 0, per_value / jnp.where(per_value > 0, square[..., None] + per_value, 1), 0.0)
+        if second_moment is None:
+            square = buckets * buckets
+        else:  # the optimizer's running square; the padding is masked below, zeros will do
+            square = jnp.pad(jnp.ravel(second_moment).astype(jnp.float32), (0, pad)).reshape(buckets.shape)
+        noisy = per_value > 0
+        per_value = jnp.where(noisy, per_value / jnp.where(noisy, square[..., None] + per_value, 1), 0.0)
     out = jnp.sum(jnp.where(within[..., None], per_value, 0.0), axis=(0, 1))
     if objective == "relative":  # in units of the leaf's mean square: an optimizer normalizing each leaf
         mean_square = jnp.sum(jnp.where(within, buckets * buckets, 0.0)) / n
