@@ -132,7 +132,8 @@ sources_hash() {
 # GPU and this machine can run it (ldd finds every library and symbol version): copied to $out
 # instead of building it again.
 prebuilt() {  # prebuilt PIPELINE MIN_BLOCKS: true if $out/device_test_pP_mM came from .prebuilt/
-  local dir=".prebuilt/sm$sm" exe=".prebuilt/sm$sm/device_test_p$1_m$2"
+  local dir=".prebuilt/sm$sm"
+  local exe="$dir/device_test_p$1_m$2"
   [[ -x $exe && -f $dir/sources && $(cat "$dir/sources") == "$(sources_hash)" ]] || return 1
   [[ $(ldd "$exe" 2>&1) != *"not found"* ]] || return 1
   cp "$exe" "$out/" && cp "$dir/device_test_build_p$1_m$2.log" "$out/" 2>/dev/null
@@ -357,15 +358,17 @@ link_run() {  # link_run NAME RATE SCRIPT ARGS...: 2 ranks on the GPU over a RAT
 }
 
 TRAIN_DDP=(ddp:none ddp:fp16 ddp:powersgd:2)
+# The MLP step's run (train_link, train_mps): 30 steps, the first 5 left out, every compressor and DDP variant.
+TRAIN_COMMON=(--steps 30 --warmup 5 --no-progress)
+TRAIN_MLP=("${TRAIN_COMMON[@]}" --compressors none maxmin:4 maxmin:8 maxmin:4+backward maxmin:4+auto "${TRAIN_DDP[@]}")
 # TRAIN_RATES: the links to train over, in this order (default "10gbit unlimited").
 stage_train_link() {
-  local rate common=(--steps 30 --warmup 5 --no-progress)
+  local rate
   local lm=(--model charlm --d-model 512 --layers 4 --context 256 --batch-per-device 32)
   for rate in ${TRAIN_RATES:-10gbit unlimited}; do
     local gbps=(); [[ $rate == unlimited ]] || gbps=(--link-gbps "${rate%gbit}")
-    link_run "train_mlp_$rate" "$rate" benchmarks/train_step.py "${gbps[@]}" "${common[@]}" --compressors \
-      none maxmin:4 maxmin:8 maxmin:4+backward maxmin:4+auto "${TRAIN_DDP[@]}"
-    link_run "train_charlm_$rate" "$rate" benchmarks/train_step.py "${gbps[@]}" "${lm[@]}" "${common[@]}" \
+    link_run "train_mlp_$rate" "$rate" benchmarks/train_step.py "${gbps[@]}" "${TRAIN_MLP[@]}"
+    link_run "train_charlm_$rate" "$rate" benchmarks/train_step.py "${gbps[@]}" "${lm[@]}" "${TRAIN_COMMON[@]}" \
       --compressors none maxmin:4 maxmin:8 "${TRAIN_DDP[@]}"
   done
 }
@@ -374,8 +377,7 @@ stage_train_link() {
 # again with the two ranks under MPS, every compressor and DDP variant in the same run as before.
 stage_train_mps() {
   mps_start || return 0
-  link_run train_mlp_10gbit_mps 10gbit benchmarks/train_step.py --link-gbps 10 --steps 30 --warmup 5 \
-    --no-progress --compressors none maxmin:4 maxmin:8 maxmin:4+backward maxmin:4+auto "${TRAIN_DDP[@]}"
+  link_run train_mlp_10gbit_mps 10gbit benchmarks/train_step.py --link-gbps 10 "${TRAIN_MLP[@]}"
   mps_stop
 }
 
