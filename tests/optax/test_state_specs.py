@@ -104,16 +104,16 @@ def test_specs_are_the_ones_written_by_hand_before():
 
 def test_the_earlier_names_are_the_same_helper():
     # Applied to our bare states they give what they gave before: count P(), per-device leaves
-    # P(axis), zero-size placeholders and the momentum of an uncompressed leaf's mean P().
+    # P(axis), placeholders (optax.MaskedNode, no leaves) kept as they are, and the momentum of an uncompressed leaf's mean P().
     assert cgx_optax.compressed_mean_state_specs is cgx_optax.state_specs
     assert cgx_optax.topk_state_specs is cgx_optax.state_specs
     params = {"w": jnp.ones((64, 40)), "b": jnp.ones((40,))}
     mean = jax.eval_shape(_mean().init, params)
     assert cgx_optax.compressed_mean_state_specs(mean, "d") == cgx_optax.CompressedMeanState(
-        P(), {"w": P("d"), "b": P()})
+        P(), {"w": P("d"), "b": optax.MaskedNode()})
     topk = jax.eval_shape(cgx_optax.topk_mean("d", min_size=100).init, params)
     assert cgx_optax.topk_state_specs(topk, ("a", "b")) == cgx_optax.TopKState(
-        P(), {"w": P(("a", "b")), "b": P()}, {"w": P(("a", "b")), "b": P()})
+        P(), {"w": P(("a", "b")), "b": P()}, {"w": P(("a", "b")), "b": optax.MaskedNode()})
 
 
 def test_a_transformation_before_the_mean_is_refused_by_shard_map():
@@ -141,4 +141,4 @@ def test_multisteps_accumulator_of_a_scalar_is_refused():
     # After the mean, a MultiSteps accumulates means: replicated, scalars included.
     after = optax.chain(_mean(), optax.MultiSteps(optax.sgd(0.1), every_k_schedule=2))
     specs = cgx_optax.state_specs(jax.eval_shape(after.init, {"w": jnp.ones((64, 40)), "t": jnp.ones(())}), "d")
-    assert specs[1].acc_grads == {"w": P(), "t": P()} and specs[0].residual == {"w": P("d"), "t": P()}
+    assert specs[1].acc_grads == {"w": P(), "t": P()} and specs[0].residual == {"w": P("d"), "t": optax.MaskedNode()}

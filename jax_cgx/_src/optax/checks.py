@@ -10,9 +10,11 @@
 - :func:`step_is_finite`: whether a step's means are all finite, agreed by every rank that
   shares the state's count: the flag every transformation uses to keep its whole state
   unchanged on a non-finite step;
-- :func:`axes` (the axes to average over, checked), :func:`placeholder` (the zero-size
-  ``(0,)`` float32 state leaf kept where a transformation keeps nothing for a leaf) and
-  :func:`typed_like` (a state leaf ``init`` makes, typed as ``update`` will give it back).
+- :func:`check_axes` (the axes to average over, checked), :func:`placeholder` (``optax.MaskedNode()``,
+  optax's own "no state here", kept where a transformation keeps nothing for a leaf: a pytree
+  node without leaves, so checkpointers such as orbax have nothing to save, and no zero-size
+  array to refuse) and :func:`typed_like` (a state leaf ``init`` makes, typed as ``update`` will
+  give it back).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from jax import lax
 
 from jax_cgx._src import compat
@@ -32,7 +35,8 @@ from jax_cgx._src.arguments import (
     check_bool,  # noqa: F401  (the one check of a boolean argument)
 )
 
-PLACEHOLDER_SHAPE = (0,)
+# What a state's shape function returns for a leaf that keeps no state (see placeholder()).
+PLACEHOLDER_SHAPE = None
 
 _SEED_MIN, _SEED_MAX = -(2**63), 2**63 - 1  # what jax.random.key accepts
 
@@ -59,9 +63,20 @@ def typed_like(x: jax.Array, like, axes: tuple, *, per_rank: bool) -> jax.Array:
     return compat.ensure_varying(x, tuple(sorted(want)))
 
 
-def placeholder() -> jax.Array:
-    """The zero-size float32 state leaf of a leaf that keeps no state."""
-    return jnp.zeros(PLACEHOLDER_SHAPE, jnp.float32)
+def placeholder() -> optax.MaskedNode:
+    """The state entry of a leaf that keeps no state: ``optax.MaskedNode()``, as ``optax.masked``
+    keeps for the leaves it leaves out. It has no leaves: ``jit``, ``shard_map`` specs and
+    checkpointers pass over it (orbax refuses zero-size arrays, the placeholder used before)."""
+    return optax.MaskedNode()
+
+
+def is_placeholder(x) -> bool:
+    """Whether a state entry is :func:`placeholder`'s (``is_leaf`` for walks that must see it)."""
+    return isinstance(x, optax.MaskedNode)
+
+
+def _shape_text(shape) -> str:
+    return "no state (optax.MaskedNode())" if shape is None else f"shape {shape}"
 
 
 # --- arguments ------------------------------------------------------------------------------
@@ -164,14 +179,15 @@ def check_count(fn: str, count) -> None:
 
 
 def state_leaves(fn: str, field: str, updates, tree, expected_shape: Callable) -> list:
-    """The leaves of the state pytree ``tree`` (``state.<field>``), in the updates' flatten order.
+    """The entries of the state pytree ``tree`` (``state.<field>``), in the updates' flatten order.
 
-    ``tree`` must have the structure of ``updates`` and each of its leaves the shape
-    ``expected_shape(update_leaf)`` (a tuple); otherwise a ``ValueError`` names the leaf path,
-    the expected shape and the actual one.
+    ``tree`` must have the structure of ``updates``, each entry an array of the shape
+    ``expected_shape(update_leaf)`` (a tuple) or, where that is ``PLACEHOLDER_SHAPE``, the
+    :func:`placeholder`; otherwise a ``ValueError`` names the leaf path, the expected shape and
+    the actual one.
     """
     flat, treedef = jax.tree_util.tree_flatten_with_path(updates)
-    s_flat, s_treedef = jax.tree_util.tree_flatten_with_path(tree)
+    s_flat, s_treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_placeholder)
     if s_treedef != treedef:
         ours = [jax.tree_util.keystr(p) for p, _ in flat]
         theirs = [jax.tree_util.keystr(p) for p, _ in s_flat]
@@ -183,12 +199,15 @@ def state_leaves(fn: str, field: str, updates, tree, expected_shape: Callable) -
         raise ValueError(f"{fn}: state.{field} does not have the structure of the updates: {what}. {_FIX}")
     leaves = []
     for (path, g), (_, s) in zip(flat, s_flat):
-        want, got = tuple(expected_shape(g)), tuple(jnp.shape(s))
+        want = expected_shape(g)
+        want = None if want is None else tuple(want)
+        got = None if is_placeholder(s) else tuple(jnp.shape(s))
         if got != want:
             name = jax.tree_util.keystr(path)
             raise ValueError(
-                f"{fn}: state.{field}{name} has shape {got}, expected {want} (for the update {name} of "
-                f"shape {tuple(jnp.shape(g))} and dtype {jnp.result_type(g)}). {_FIX}"
+                f"{fn}: state.{field}{name} has {_shape_text(got)}, expected "
+                f"{want if None not in (got, want) else _shape_text(want)} (for the update "
+                f"{name} of shape {tuple(jnp.shape(g))} and dtype {jnp.result_type(g)}). {_FIX}"
             )
         leaves.append(s)
     return leaves

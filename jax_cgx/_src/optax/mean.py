@@ -44,8 +44,8 @@ class CompressedMeanState(NamedTuple):
     residual: with ``error_feedback``, this rank's error-feedback residual: a pytree like
       the parameters, each leaf in the parameter's dtype (zeros at init; it differs between
       ranks), except that leaves the layer filter always reduces exactly (``ndim <= 1``,
-      fewer than ``layer_min_size`` elements, non-float) hold a zero-size float32
-      placeholder ``(0,)``: they never lose anything. Without error feedback: ``()``.
+      fewer than ``layer_min_size`` elements, non-float) hold ``optax.MaskedNode()`` (no
+      leaves): they never lose anything. Without error feedback: ``()``.
     """
 
     count: jax.Array

@@ -27,15 +27,15 @@ The state is ``PowerSGDState(count, q, error)``:
 - ``count``: int32 scalar, the number of finite updates so far (warm-up while
   ``count < start_iter``);
 - ``q``: a pytree like the gradients. A compressed leaf's entry is its ``[m, r]`` float32 ``Q``
-  (the same on every rank) when ``warm_start``; every other entry is a ``(0,)`` float32
-  placeholder;
+  (the same on every rank) when ``warm_start``; every other entry is ``optax.MaskedNode()``
+  (no leaves);
 - ``error``: a pytree like the gradients. A compressed leaf's entry is its local error
   ``M - P Q^T`` in float32, in the leaf's shape (different on every rank) when
-  ``error_feedback``; every other entry is a ``(0,)`` float32 placeholder.
+  ``error_feedback``; every other entry is ``optax.MaskedNode()``.
 
 Shapes and dtypes never change across steps. ``count`` and ``q`` are replicated; ``error`` is
 per-rank: under ``jax.shard_map`` give it the spec ``P(axis_name)`` (each rank's error is a slice
-of a global array stacked along the leaf's first dimension; ``(0,)`` placeholders stay ``(0,)``)
+of a global array stacked along the leaf's first dimension)
 and ``count``/``q`` the spec ``P()``, as :func:`jax_cgx.optax.state_specs` gives them (for this
 state alone or inside any optax state); under ``jax.pmap`` every state leaf has the device axis.
 
@@ -97,8 +97,8 @@ class PowerSGDState(NamedTuple):
     """State of :func:`powersgd_mean` (see the module docstring for the layout)."""
 
     count: jax.Array  # int32 scalar: updates so far
-    q: Any  # pytree like the gradients: [m, r] float32 per compressed leaf (warm start), else (0,)
-    error: Any  # pytree like the gradients: leaf-shaped float32 per compressed leaf, else (0,)
+    q: Any  # pytree like the gradients: [m, r] float32 per compressed leaf (warm start), else MaskedNode
+    error: Any  # pytree like the gradients: leaf-shaped float32 per compressed leaf, else MaskedNode
 
 
 def _plan(shape, dtype, rank: int, min_compression_rate: float):

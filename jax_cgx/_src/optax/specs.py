@@ -10,8 +10,6 @@ states sit in (``chain``, ``named_chain``, ``inject_hyperparams``, ``MultiSteps`
 
 from __future__ import annotations
 
-import math
-
 import jax
 import optax
 from jax.sharding import PartitionSpec as P
@@ -25,10 +23,6 @@ __all__ = ["state_specs"]
 
 _MEANS = (CompressedMeanState, CastMeanState, PowerSGDState, TopKState)  # the states of jax_cgx's means
 _NODES = (*_MEANS, optax.MultiStepsState)  # what the walk stops at; everything else is a plain leaf
-
-
-def _size(x) -> int:
-    return math.prod(getattr(x, "shape", ()))
 
 
 def _holds_a_mean(tree) -> bool:
@@ -56,8 +50,7 @@ def state_specs(state, axis_name):
     - ``optax.MultiStepsState`` around one of jax_cgx's means: ``acc_grads``, the running mean of
       each device's own gradients, taken before the mean inside averages them.
 
-    **Replicated**, ``P()``: every other leaf. That is jax_cgx's step counts, the zero-size
-    placeholders, top-k's momentum of an uncompressed leaf's mean and PowerSGD's ``Q`` (means, the
+    **Replicated**, ``P()``: every other leaf. That is jax_cgx's step counts, top-k's momentum of an uncompressed leaf's mean and PowerSGD's ``Q`` (means, the
     same on every device), and all the state of optax's own transformations. The latter is right for
     a transformation that runs *after* jax_cgx's mean (``adam`` in the chain above,
     ``apply_if_finite``, schedules, ``inject_hyperparams``' hyperparameters): it is computed from the
@@ -68,14 +61,17 @@ def state_specs(state, axis_name):
     mistake does not pass silently: ``shard_map`` refuses to return a value that varies over
     ``axis_name`` with the spec ``P()``.
 
+    Where a transformation keeps nothing for a leaf its state holds ``optax.MaskedNode()``, a node
+    without leaves; the specs hold it too.
+
     Raises a ``ValueError`` for a ``MultiSteps`` accumulator of a scalar parameter: it differs
     between devices but has no axis for ``shard_map`` to split.
     """
     axes = checks.check_axes("jax_cgx.optax.state_specs", axis_name)
     split = P(axes[0] if len(axes) == 1 else axes)
 
-    def per_device(x):  # zero-size placeholders hold nothing per device
-        return split if _size(x) > 0 else P()
+    def per_device(x):  # placeholders (optax.MaskedNode) have no leaves: tree.map passes over them
+        return split
 
     def replicated(tree):
         return jax.tree.map(lambda _: P(), tree)
@@ -93,7 +89,8 @@ def state_specs(state, axis_name):
         if isinstance(x, CompressedMeanState):
             return CompressedMeanState(P(), jax.tree.map(per_device, x.residual))
         if isinstance(x, TopKState):  # u is per device only where v is: a compressed leaf
-            u = jax.tree.map(lambda u, v: per_device(u) if _size(v) > 0 else P(), x.u, x.v)
+            u = jax.tree.map(lambda u, v: u if checks.is_placeholder(u) else split if not checks.is_placeholder(v)
+                             else P(), x.u, x.v, is_leaf=checks.is_placeholder)
             return TopKState(P(), u, jax.tree.map(per_device, x.v))
         if isinstance(x, PowerSGDState):
             return PowerSGDState(P(), replicated(x.q), jax.tree.map(per_device, x.error))

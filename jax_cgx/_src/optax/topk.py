@@ -94,10 +94,10 @@ class TopKState(NamedTuple):
     count: int32 scalar, finite steps taken (the same on every rank).
     u: momentum, float32 (complex64 for complex leaves), a pytree like the parameters.
        Compressed leaves: this rank's momentum (differs between ranks). Uncompressed leaves:
-       the momentum of the mean (the same on every rank). A zero-size ``(0,)`` placeholder
+       the momentum of the mean (the same on every rank). ``optax.MaskedNode()`` (no leaves)
        where no momentum is kept (``momentum=0``, non-float leaves).
     v: accumulated velocity, float32, like the parameters for compressed leaves (this rank's),
-       a ``(0,)`` placeholder for the others.
+       ``optax.MaskedNode()`` for the others.
     """
 
     count: jax.Array
@@ -238,7 +238,7 @@ def topk_mean(
         finite = checks.step_is_finite(out, count, axes)
 
         def keep_if_finite(new, old):
-            return jnp.where(finite, new, old)
+            return old if checks.is_placeholder(old) else jnp.where(finite, new, old)
 
         new_state = TopKState(
             jnp.where(finite, optax.safe_int32_increment(count), count),
