@@ -20,6 +20,8 @@ of ``jax.lax.pmean(grads, axis_name)``, typically first in an ``optax.chain``::
                        per-device leaves ``P(axis)``, the rest ``P()``
                        (``compressed_mean_state_specs``, ``topk_state_specs``: the same
                        function under its earlier names)
+``resize_state``       any of those states, saved on W devices, laid out for W' (a restart on
+                       another device count: docs/checkpointing.md)
 =====================  ============================================================
 
 Every factory returns an ``optax.GradientTransformation`` with a NamedTuple state whose
@@ -31,7 +33,7 @@ gives a non-finite update for that step only and leaves the state bitwise unchan
 rank (``compressed_mean`` without error feedback and stochastic rounding, whose later updates do
 not depend on its state, skips that check and counts the step); a state that does not match the updates (structure or shapes) raises a ``ValueError``
 naming the leaf path and both shapes; a non-integer, bool or out-of-range count argument
-raises a ``ValueError`` when the transformation is built (the checks live in ``_checks``).
+raises a ``ValueError`` when the transformation is built (the checks live in ``jax_cgx._src.optax.checks``).
 Complex leaves are averaged exactly.
 """
 
@@ -48,6 +50,7 @@ from jax_cgx._src.optax.mean import (
     layer_filter,
 )
 from jax_cgx._src.optax.powersgd import PowerSGDState, powersgd_bytes, powersgd_mean
+from jax_cgx._src.optax.resize import resize_state
 from jax_cgx._src.optax.specs import compressed_mean_state_specs, state_specs, topk_state_specs
 from jax_cgx._src.optax.topk import TopKState, topk_bytes, topk_mean
 from jax_cgx._src.optax.zero import ShardedOptimizer, ShardedState, sharded
@@ -67,6 +70,7 @@ __all__ = [
     "topk_bytes",
     "topk_state_specs",
     "state_specs",
+    "resize_state",
     "sharded",
     "ShardedOptimizer",
     "ShardedState",
