@@ -431,6 +431,59 @@ def test_the_planner_keys_plans_on_width_and_bucket_size():
     assert planner.compiled(lambda configs: configs) is not None and planner.changes == 1
 
 
+def test_the_planner_refuses_a_gradient_of_other_shapes_or_dtypes():
+    # Before: another leaf shape was planned and adopted, sending 7.75x the budgeted bytes.
+    like = {"e": np.zeros(1 << 12, np.float32), "w": np.zeros(1 << 12, np.float32)}
+    planner = jax_cgx.adaptive.Planner(like, budget_bits=4, candidates=(2, 4, 8), every=1)
+    wide = {"e": _spiky(1, 1 << 15), "w": np.zeros(1 << 12, np.float32)}
+    with pytest.raises(ValueError, match=r"leaf \['e'\] has shape \(32768,\) .* made for shape \(4096,\)"):
+        planner.observe(0, wide)
+    with pytest.raises(ValueError, match=r"\['w'\] has shape \(4096,\) and dtype bfloat16"):
+        planner.observe(0, {"e": like["e"], "w": like["w"].astype(jnp.bfloat16)})
+    with pytest.raises(ValueError, match="structure"):
+        planner.observe(0, {"e": like["e"]})
+    assert planner.changes == 0 and planner.plans is None
+
+
+def test_the_planner_state_round_trips_through_orbax(tmp_path, caplog):
+    ocp = pytest.importorskip("orbax.checkpoint")
+    like = {"e": np.zeros(1 << 14, np.float32), "w": np.zeros(1 << 14, np.float32), "b": np.zeros(8, np.float32)}
+    settings = dict(budget_bits=4, candidates=(2, 3, 4, 6), bucket_sizes=(64, 512), every=1)
+    rng = np.random.default_rng(3)
+    grads = [{"e": _spiky(s, 1 << 14), "w": rng.standard_normal(1 << 14).astype(np.float32),
+              "b": np.ones(8, np.float32)} for s in range(4)]
+    planner = jax_cgx.adaptive.Planner(like, **settings)
+    fresh = jax_cgx.adaptive.Planner(like, **settings).state_dict()
+    assert planner.observe(0, grads[0])
+    planner.observe(1, grads[1])
+    ckpt = ocp.StandardCheckpointer()
+    ckpt.save(tmp_path / "planner", planner.state_dict())
+    ckpt.wait_until_finished()
+    restored = jax_cgx.adaptive.Planner(like, **settings)
+    with caplog.at_level("INFO", logger="jax_cgx"):
+        restored.load_state_dict(ckpt.restore(tmp_path / "planner"))
+    assert "restored a plan of 2 leaves" in caplog.text
+    assert restored.configs == planner.configs and restored.plans == planner.plans
+    assert restored.changes == planner.changes
+    # the same decisions afterwards
+    for step in (2, 3):
+        assert restored.observe(step, grads[step]) == planner.observe(step, grads[step])
+        assert restored.configs == planner.configs and restored.changes == planner.changes
+    # the uniform plan restores as uniform; another planner's state is refused, nothing changed
+    again = jax_cgx.adaptive.Planner(like, **settings)
+    again.load_state_dict(fresh)
+    assert again.plans is None and again.configs == jax_cgx.adaptive.Planner(like, **settings).configs
+    other = jax_cgx.adaptive.Planner({"e": like["e"]}, **settings)
+    with pytest.raises(ValueError, match="saved plan is for 2 planned leaves"):
+        other.load_state_dict(planner.state_dict())
+    narrow = jax_cgx.adaptive.Planner(like, **dict(settings, candidates=(4,), bucket_sizes=None))
+    with pytest.raises(ValueError, match="not among this planner's"):
+        narrow.load_state_dict(planner.state_dict())
+    with pytest.raises(ValueError, match="not a Planner.state_dict"):
+        narrow.load_state_dict({"bits": 4})
+    assert narrow.changes == 0
+
+
 def test_the_planner_warns_of_a_step_factory_made_anew_each_step(caplog):
     planner = jax_cgx.adaptive.Planner({"a": np.zeros(4096, np.float32)}, budget_bits=4)
     with caplog.at_level("WARNING", logger="jax_cgx"):

@@ -27,9 +27,12 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 
 from jax_cgx._src.adaptive.choose import (
     CANDIDATES,
+    EXACT,
     LeafPlan,
     _base,
     _bucket_sizes,
@@ -62,6 +65,10 @@ class Planner:
 
     The first plan, before any gradient, is uniform: the widest candidate within ``budget_bits``, in
     ``config``'s buckets. A plan is keyed by each leaf's ``(bits, bucket_size)``.
+
+    Checkpointing: :meth:`state_dict` is the adopted plan and its statistics as a dict of NumPy
+    arrays (what orbax saves beside the training state); :meth:`load_state_dict` puts them into a
+    planner made with the same ``like`` and settings (docs/checkpointing.md).
     """
 
     def __init__(self, like, *, budget_bits: float = 4.0, candidates: Sequence[int] = CANDIDATES,
@@ -80,6 +87,9 @@ class Planner:
         self.objective = _objective(objective, "Planner")
         with_paths, treedef = jax.tree_util.tree_flatten_with_path(like)
         planned = [lane(p, v, self.base, "Planner") == "quantized" for p, v in with_paths]
+        self._treedef = treedef
+        self._like = [(jax.tree_util.keystr(p), tuple(jnp.shape(v)), jnp.result_type(v)) for p, v in with_paths]
+        self._planned = [i for i, q in enumerate(planned) if q]
         uniform = max(b for b in cands if b <= budget)
         self._configs = treedef.unflatten([self.base.replace(bits=uniform) if q else self.base for q in planned])
         self._choices = tuple((uniform, self.base.bucket_size) for q in planned if q)
@@ -129,6 +139,7 @@ class Planner:
         enough; returns whether the plan changed. ``grads`` gives the structure either way."""
         if step % self.every:
             return False
+        self._check_like(grads)
         configs, plans, before = _choose(grads, self.budget_bits, self.candidates, self.base, self.exact, "Planner",
                                          current=self._choices, errors=errors, objective=self.objective,
                                          bucket_sizes=self.bucket_sizes)
@@ -141,3 +152,71 @@ class Planner:
         log.info("jax_cgx: step %d: new bit widths, predicted error %.4g (the previous plan's: %.4g)\n%s",
                  step, after, before, describe(plans))
         return True
+
+    def _check_like(self, grads) -> None:
+        """A ``ValueError`` unless ``grads`` has ``like``'s structure, shapes and dtypes: a plan made
+        for other shapes would send other bytes than the budget says."""
+        flat, treedef = jax.tree_util.tree_flatten_with_path(grads)
+        if treedef != self._treedef:
+            raise ValueError(f"Planner.observe: the gradient's structure {treedef} is not the structure of the "
+                             f"pytree the planner was made for ({self._treedef}): make the Planner with the "
+                             "parameters (or their jax.ShapeDtypeStructs) these gradients belong to")
+        for (path, leaf), (name, shape, dtype) in zip(flat, self._like):
+            got_shape, got_dtype = tuple(jnp.shape(leaf)), jnp.result_type(leaf)
+            if (got_shape, got_dtype) != (shape, dtype):
+                raise ValueError(
+                    f"Planner.observe: gradient leaf {name} has shape {got_shape} and dtype {got_dtype}, but the "
+                    f"planner was made for shape {shape} and dtype {dtype}: its byte budget and plan are for those. "
+                    "Make the Planner with the parameters these gradients belong to")
+
+    def state_dict(self) -> dict[str, np.ndarray]:
+        """The adopted plan and its statistics, as NumPy arrays (orbax, ``np.savez`` or any
+        checkpointer saves them): per planned leaf ``bits`` (32: sent exact), ``bucket_size`` (0 when
+        exact), ``size``, and, once a plan was adopted, its predicted ``error`` and ``bytes`` (NaN and
+        -1 while the plan is still the uniform one); ``changes``, the plans adopted so far."""
+        plans = self.plans
+        return {
+            "bits": np.array([b for b, _ in self._choices], np.int32),
+            "bucket_size": np.array([bucket or 0 for _, bucket in self._choices], np.int32),
+            "size": np.array([int(np.prod(self._like[i][1], dtype=np.int64)) for i in self._planned], np.int64),
+            "error": np.array([p.error for p in plans] if plans else [np.nan] * len(self._planned), np.float64),
+            "bytes": np.array([p.bytes for p in plans] if plans else [-1] * len(self._planned), np.int64),
+            "changes": np.array(self.changes, np.int64),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Adopt the plan of :meth:`state_dict` (from a planner made with the same ``like``, budget,
+        candidates and bucket sizes). Raises a ``ValueError`` naming what differs; nothing is changed
+        then. The compiled steps are not part of it: the first :meth:`compiled` after a restore
+        compiles the restored plan's step."""
+        try:
+            bits = np.asarray(state["bits"]).astype(np.int64).reshape(-1)
+            buckets = np.asarray(state["bucket_size"]).astype(np.int64).reshape(-1)
+            sizes = np.asarray(state["size"]).astype(np.int64).reshape(-1)
+            errors = np.asarray(state["error"], np.float64).reshape(-1)
+            nbytes = np.asarray(state["bytes"]).astype(np.int64).reshape(-1)
+            changes = int(np.asarray(state["changes"]))
+        except (KeyError, TypeError, ValueError) as err:
+            raise ValueError(f"Planner.load_state_dict: not a Planner.state_dict() ({err!r}): it needs bits, "
+                             "bucket_size, size, error, bytes and changes") from None
+        want = [int(np.prod(self._like[i][1], dtype=np.int64)) for i in self._planned]
+        if sizes.tolist() != want or not len(bits) == len(buckets) == len(errors) == len(nbytes) == len(want):
+            raise ValueError(f"Planner.load_state_dict: the saved plan is for {len(sizes)} planned leaves of sizes "
+                             f"{sizes.tolist()[:8]}, this planner plans {len(want)} of sizes {want[:8]}: make it "
+                             "with the parameters (like) and config of the run that saved it")
+        choices = tuple((int(b), None if b == EXACT else int(k)) for b, k in zip(bits, buckets))
+        allowed = {(b, k) for k in self.bucket_sizes for b in self.candidates} | ({(EXACT, None)} if self.exact else set())
+        if not set(choices) <= allowed:
+            raise ValueError(f"Planner.load_state_dict: the saved choices {sorted(set(choices) - allowed, key=str)} are "
+                             f"not among this planner's (bits, bucket_size) options {sorted(allowed, key=str)}: make "
+                             "it with the candidates, bucket sizes and exact= of the run that saved it")
+        configs = [self.base] * len(self._like)
+        for i, (b, k) in zip(self._planned, choices):
+            configs[i] = None if b == EXACT else self.base.replace(bits=b, bucket_size=k)
+        self._configs, self._choices = self._treedef.unflatten(configs), choices
+        self.plans = None if np.isnan(errors).all() else [
+            LeafPlan(self._like[i][0], int(n), b, float(e), int(nb), k)
+            for i, n, (b, k), e, nb in zip(self._planned, sizes, choices, errors, nbytes)]
+        self.changes = changes
+        log.info("jax_cgx: Planner: restored a plan of %d leaves (%d changes so far)%s", len(choices), changes,
+                 "" if self.plans is None else "\n" + describe(self.plans))
