@@ -12,7 +12,7 @@ def same_bits(a, b) -> bool:
         nan_a, nan_b = np.isnan(a.astype(np.float32)), np.isnan(b.astype(np.float32))
         if not np.array_equal(nan_a, nan_b):
             return False
-        view = {2: np.uint16, 4: np.uint32}[a.dtype.itemsize]
+        view = {2: np.uint16, 4: np.uint32, 8: np.uint64}[a.dtype.itemsize]
         return np.array_equal(a.view(view)[~nan_a], b.view(view)[~nan_b])
     return np.array_equal(a, b)
 
@@ -35,6 +35,6 @@ def assert_same_bits(a, b, what: str = "") -> None:
 def _elementwise_same(a, b):
     if a.dtype.kind == "f" or a.dtype.name == "bfloat16":
         fa, fb = a.astype(np.float32), b.astype(np.float32)
-        view = {2: np.uint16, 4: np.uint32}[a.dtype.itemsize]
+        view = {2: np.uint16, 4: np.uint32, 8: np.uint64}[a.dtype.itemsize]
         return (np.isnan(fa) & np.isnan(fb)) | (a.view(view) == b.view(view))
     return a == b
