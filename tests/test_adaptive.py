@@ -431,6 +431,13 @@ def test_the_planner_keys_plans_on_width_and_bucket_size():
     assert planner.compiled(lambda configs: configs) is not None and planner.changes == 1
 
 
+def test_a_budget_no_option_fits_is_a_clear_error():
+    # Before: "attempt to get argmin of an empty sequence".
+    with pytest.raises(ValueError, match=r"choose_bits: .*bucket sizes \[1\]: no plan fits the budget: .* takes 16384 "
+                                         r"bytes, the budget is 2112"):
+        choose_bits({"w": np.random.default_rng(0).standard_normal(4096).astype(np.float32)}, bucket_sizes=[1])
+
+
 def test_the_planner_refuses_a_gradient_of_other_shapes_or_dtypes():
     # Before: another leaf shape was planned and adopted, sending 7.75x the budgeted bytes.
     like = {"e": np.zeros(1 << 12, np.float32), "w": np.zeros(1 << 12, np.float32)}
@@ -500,7 +507,8 @@ def test_explain_shows_the_plan_per_leaf():
     configs, plans = choose_bits(tree, budget_bits=3, bucket_sizes=(64, 512), return_plan=True)
     for op in ("psum", "psum_scatter"):
         text = io.StringIO()
-        report = jax_cgx.explain(tree, world=2, config=configs, plans=plans, op=op, file=text)
+        tiled = {"tiled": True} if op == "psum_scatter" else {}  # as compressed_psum_scatter would need
+        report = jax_cgx.explain(tree, world=2, config=configs, plans=plans, op=op, file=text, **tiled)
         rows = {row.path: row for row in report.leaves}
         for p in plans:
             row = rows[p.path]

@@ -204,6 +204,38 @@ def test_pytree_batch_and_errors():
         jax_cgx.data_parallel_value_and_grad(None, mesh=mesh)
 
 
+def test_an_empty_batch_is_refused_by_name():
+    # Before: NaN silently (or an error from inside XLA's partitioner).
+    mesh = _mesh()
+    params, x, y = _problem()
+    grad_fn = jax_cgx.data_parallel_value_and_grad(_loss, mesh=mesh)
+    with pytest.raises(ValueError, match=r"batch argument 0 \(`x`\) has no rows: .* Skip empty batches"):
+        grad_fn(params, x[:0], y[:0])
+
+
+@pytest.mark.parametrize("in_backward", [True, False])
+def test_integer_parameters_need_allow_int_and_get_float0(in_backward):
+    mesh = _mesh()
+    params, x, y = _problem()
+    with_int = dict(params, steps=np.int32(3))
+
+    def loss(p, x, y):
+        return _loss(p, x, y) * p["steps"].astype(jnp.float32)
+
+    exact = jax_cgx.CompressionConfig(bits=32)
+    refused = jax_cgx.data_parallel_value_and_grad(loss, mesh=mesh, in_backward=in_backward, config=exact)
+    with pytest.raises(ValueError, match=r"params\['steps'\] is int32, which has no gradient: pass allow_int=True"):
+        refused(with_int, x, y)
+    grad_fn = jax_cgx.data_parallel_value_and_grad(loss, mesh=mesh, in_backward=in_backward, config=exact,
+                                                   allow_int=True)
+    value, grads = jax.jit(grad_fn)(*_placed(mesh, with_int, x, y))
+    want_value, want = jax.value_and_grad(loss, allow_int=True)(with_int, x, y)
+    assert grads["steps"].dtype == jax.dtypes.float0
+    np.testing.assert_allclose(value, want_value, rtol=1e-6)
+    for k in params:
+        np.testing.assert_allclose(grads[k], want[k], rtol=1e-5, atol=1e-6, err_msg=k)
+
+
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
 def test_explicit_mesh_errors_name_the_argument_and_the_fix(jit):
     # jax.make_mesh's default axes are Explicit, where shard_map refuses an argument whose type has

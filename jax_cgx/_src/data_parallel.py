@@ -73,7 +73,7 @@ DEFAULT_BUCKET_MB = 4.0
 
 def data_parallel_value_and_grad(fun: Callable[..., Any], *, mesh, axis_name: str | tuple[str, ...] = "data",
                                  config: ConfigSpec = None, has_aux: bool = False, in_backward: bool = True,
-                                 bucket_mb: float = DEFAULT_BUCKET_MB) -> Callable[..., Any]:
+                                 bucket_mb: float = DEFAULT_BUCKET_MB, allow_int: bool = False) -> Callable[..., Any]:
     """``jax.value_and_grad(fun)`` over a batch sharded along ``axis_name``, the gradient
     averaged over the devices with :func:`~jax_cgx.compressed_pmean`.
 
@@ -96,6 +96,9 @@ def data_parallel_value_and_grad(fun: Callable[..., Any], *, mesh, axis_name: st
         (the default), or the whole tree after it (``False``).
       bucket_mb: with ``in_backward``, the size (MiB) buckets of small leaves are filled to;
         a leaf of at least this size is a bucket of its own.
+      allow_int: as for ``jax.grad``: integer (and bool) leaves of ``params`` get ``float0``
+        gradients, which are not averaged (there is nothing to send). Without it such a leaf
+        raises a ``ValueError`` naming it.
 
     Returns:
       ``grad_fn(params, *batch, key=None, **kwargs)`` returning ``(loss, grads)``
@@ -110,6 +113,7 @@ def data_parallel_value_and_grad(fun: Callable[..., Any], *, mesh, axis_name: st
         raise TypeError(f"data_parallel_value_and_grad: fun must be callable, got {type(fun).__name__}")
     has_aux = check_bool("data_parallel_value_and_grad", "has_aux", has_aux)
     in_backward = check_bool("data_parallel_value_and_grad", "in_backward", in_backward)
+    allow_int = check_bool("data_parallel_value_and_grad", "allow_int", allow_int)
     bucket_bytes = _bucket_bytes(bucket_mb)
     axes = check_axes("data_parallel_value_and_grad", axis_name)
     names = tuple(getattr(mesh, "axis_names", ()))
@@ -138,11 +142,12 @@ def data_parallel_value_and_grad(fun: Callable[..., Any], *, mesh, axis_name: st
             # new ones: an NNX Variable (BatchNorm's statistics) may only be written where it was made.
             return fun(mine, *batch, **jax.tree.unflatten(treedef, leaves))
 
+        value_and_grad = jax.value_and_grad(differentiated, has_aux=has_aux, allow_int=allow_int)
         if in_backward:
-            value, grads = jax.value_and_grad(differentiated, has_aux=has_aux)(params)
+            value, grads = value_and_grad(params)
         else:
-            value, grads = jax.value_and_grad(differentiated, has_aux=has_aux)(lax.pcast(params, axes, to="varying"))
-            grads = compressed_pmean(grads, axes, config, key=key)
+            value, grads = value_and_grad(_varying_copy(params, axes))
+            grads = _without_float0(lambda g: compressed_pmean(g, axes, config, key=key), grads)
         return jax.tree.map(lambda v: lax.pmean(v, axes), value), grads
 
     def grad_fn(params, *batch, key: jax.Array | None = None, **kwargs):
@@ -150,6 +155,7 @@ def data_parallel_value_and_grad(fun: Callable[..., Any], *, mesh, axis_name: st
             raise TypeError("data_parallel_value_and_grad: grad_fn(params, *batch) needs at least one batch "
                             "argument to split over the devices")
         _check_batch(batch, axes, world, arg_names)
+        _check_params(params, allow_int)
         if explicit:
             _check_placement(params, key, kwargs, batch, mesh, axes, arg_names)
         # Manual over the data axes only: other mesh axes (e.g. "model") stay with the partitioner.
@@ -193,15 +199,51 @@ def buckets(nbytes: Sequence[int], bucket_bytes: int) -> list[tuple[int, ...]]:
     return out
 
 
+def _differentiable(leaf) -> bool:
+    return jnp.issubdtype(jnp.result_type(leaf), jnp.inexact)
+
+
+def _check_params(params, allow_int: bool) -> None:
+    if allow_int:
+        return
+    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+        if not _differentiable(leaf):
+            raise ValueError(
+                f"data_parallel_value_and_grad: params{jax.tree_util.keystr(path)} is {jnp.result_type(leaf)}, "
+                "which has no gradient: pass allow_int=True (as for jax.grad: its gradient is float0, and nothing "
+                "is averaged for it), or pass it as a keyword argument of grad_fn instead of in params")
+
+
+def _varying_copy(params, axes):
+    """``params`` typed as varying over ``axes`` (each device's own gradient), but for integer
+    leaves: their float0 gradients stay replicated, as the result's spec says."""
+    return jax.tree.map(lambda v: lax.pcast(v, axes, to="varying") if _differentiable(v) else v, params)
+
+
+def _without_float0(reduce, grads):
+    """``reduce`` applied to the gradients that are not ``float0`` (an integer leaf's, under
+    ``allow_int``: nothing to average); those are returned as they are."""
+    leaves, treedef = jax.tree.flatten(grads)
+    real = [i for i, g in enumerate(leaves) if jnp.result_type(g) != jax.dtypes.float0]
+    reduced = reduce([leaves[i] for i in real])
+    for i, g in zip(real, reduced):
+        leaves[i] = g
+    return treedef.unflatten(leaves)
+
+
 def _marked(params, axes: tuple, config: ConfigSpec, key, bucket_bytes: int):
     """``params`` with each bucket of leaves marked by :func:`reduce_in_backward`, its config the
     leaves' own (a config pytree or function is resolved on the whole tree, with its paths)."""
     with_paths, treedef = jax.tree_util.tree_flatten_with_path(params)
     paths, leaves = [p for p, _ in with_paths], [v for _, v in with_paths]
     configs = leaf_configs(config, params, paths, "data_parallel_value_and_grad")
-    nbytes = [math.prod(jnp.shape(v)) * jnp.result_type(v).itemsize for v in leaves]
+    # Integer leaves (allow_int) have float0 gradients: nothing to average, so no bucket.
+    nbytes = [math.prod(jnp.shape(v)) * jnp.result_type(v).itemsize if _differentiable(v) else 0 for v in leaves]
     out = list(leaves)
     for b, members in enumerate(buckets(nbytes, bucket_bytes)):
+        members = tuple(i for i in members if _differentiable(leaves[i]))
+        if not members:
+            continue
         bucket_key = None if key is None else jax.random.fold_in(key, b)
         marked = reduce_in_backward(tuple(leaves[i] for i in members), axes, tuple(configs[i] for i in members),
                                     key=bucket_key)
@@ -236,6 +278,9 @@ def _check_batch(batch, axes, world: int, names: list[str]) -> None:
                 raise ValueError(f"data_parallel_value_and_grad: {where} is a scalar; every batch leaf needs a "
                                  f"leading dimension to split over {axes} (pass a constant as a keyword "
                                  "argument of grad_fn: it reaches fun whole, on every device)")
+            if shape[0] == 0:
+                raise ValueError(f"data_parallel_value_and_grad: {where} has no rows: each of the {world} devices "
+                                 "would take the mean of an empty shard (NaN). Skip empty batches before the step")
             if shape[0] % world:
                 raise ValueError(f"data_parallel_value_and_grad: {where} has {shape[0]} rows, not divisible by "
                                  f"the {world} devices along {axes}; use a batch size that is a multiple of {world}")

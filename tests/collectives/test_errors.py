@@ -264,3 +264,18 @@ def test_rank_counts_are_checked(world, inner, message):
     with pytest.raises(ValueError, match=f"explain: {message}"):
         jax_cgx.explain(tree, config=config, world=world, inner_world=inner, file=None)
     assert bytes_on_wire(tree, np.int64(8), config) == bytes_on_wire(tree, 8, config)  # numpy ints are ints
+
+
+def test_explain_over_one_rank_and_the_scatter_refusals():
+    tree = {"w": jax.ShapeDtypeStruct((64, 64), jnp.float32), "odd": jax.ShapeDtypeStruct((7,), jnp.float32)}
+    # one rank: nothing moves, every leaf exact (before: ZeroDivisionError while printing)
+    report = jax_cgx.explain(tree, world=1, config=CompressionConfig(bits=4), file=None)
+    assert [r.how for r in report.leaves] == ["exact", "exact"] and report.buffers == []
+    assert "over 1 ranks" in str(report)
+    # what compressed_psum_scatter refuses, explain refuses with its words (before: a plan was printed)
+    with pytest.raises(ValueError, match=r"leaf \['odd'\] has 7 entries along scatter_dimension 0, not divisible"):
+        jax_cgx.explain(tree, world=4, op="psum_scatter", tiled=True, file=None)
+    with pytest.raises(ValueError, match=r"with tiled=False it must equal the number of ranks, 4"):
+        jax_cgx.explain({"w": tree["w"]}, world=4, op="psum_scatter", file=None)
+    report = jax_cgx.explain({"w": tree["w"]}, world=4, op="psum_scatter", tiled=True, file=None)
+    assert report.leaves[0].how == "compressed"

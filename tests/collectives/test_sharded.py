@@ -384,12 +384,13 @@ def test_policy_auto_times_a_sharded_near_tie_with_its_own_collectives(op, fresh
 def test_explain_shows_the_sharded_decisions(op, fresh_policy):
     tree = {"w": jax.ShapeDtypeStruct((W * 4096,), jnp.float32), "i": jax.ShapeDtypeStruct((W,), jnp.int32)}
     fast = jax_cgx.CompressionConfig(bits=4, bucket_size=BUCKET, policy="auto", link_gbps=float("inf"))
-    report = jax_cgx.explain(tree, world=W, config=fast, op=op, file=None)
+    tiled = {"tiled": True} if op == "psum_scatter" else {}  # as compressed_psum_scatter would need
+    report = jax_cgx.explain(tree, world=W, config=fast, op=op, file=None, **tiled)
     assert {r.path: r.how for r in report.leaves} == {"['w']": "lax (auto)", "['i']": "exact"}
     (buf,) = report.buffers
     assert not buf.compressed and buf.values == W * 4096 and buf.priced == "model"
     assert str(report).startswith(f"compressed_{op} over {W} ranks") and "lax ms" in str(report)
-    slow = jax_cgx.explain(tree, world=W, config=fast.replace(link_gbps=0.1), op=op, file=None)
+    slow = jax_cgx.explain(tree, world=W, config=fast.replace(link_gbps=0.1), op=op, file=None, **tiled)
     assert slow.buffers[0].compressed and slow.leaves[1].how == "compressed"
     with pytest.raises(ValueError, match="op must be one of"):
         jax_cgx.explain(tree, world=W, op="psum_gather")

@@ -307,7 +307,11 @@ def _choose(grads, budget_bits, candidates, config, exact: bool, api: str, curre
                              "inf or nan); choose from a finite gradient")
     sizes = [int(np.size(leaves[i])) for i in chosen]
     options = [_all(n, dict(zip(quantized, row)), choices) for n, row in zip(sizes, errors)]
-    picks = solve(options, sum(leaf_bytes(n, budget_bits, base.bucket_size) for n in sizes))
+    try:
+        picks = solve(options, sum(leaf_bytes(n, budget_bits, base.bucket_size) for n in sizes))
+    except ValueError as err:
+        raise ValueError(f"{api}: budget_bits={budget_bits} (in buckets of {base.bucket_size}) with candidates "
+                         f"{list(cands)} and bucket sizes {list(buckets)}: {err}") from None
     uniform_choice = (int(budget_bits), base.bucket_size)
     if int(budget_bits) == budget_bits and uniform_choice in quantized:
         uniform = [next(o for o in opts if o[2] == uniform_choice) for opts in options]
@@ -351,6 +355,11 @@ def solve(options: list[list[tuple[int, float, Any]]], budget: float) -> list[tu
     costs = [np.array([math.ceil(o[0] / unit - 1e-9) for o in opts], np.int64) for opts in options]
     errors = [np.array([o[1] for o in opts], np.float64) for opts in options]
     rest = np.cumsum([0] + [int(c.min()) for c in costs[::-1]])[::-1]  # the least the leaves after i cost
+    if rest[0] > limit:
+        cheapest = sum(min(o[0] for o in opts) for opts in options)
+        raise ValueError(f"no plan fits the budget: the cheapest option of every leaf together takes {cheapest:.6g} "
+                         f"bytes, the budget is {budget:.6g}. Offer cheaper options (narrower candidates, larger "
+                         "bucket sizes: each bucket sends its own scale and minimum) or raise the budget")
     cost, err = np.zeros(1, np.int64), np.zeros(1, np.float64)
     steps = []  # per leaf: (the frontier point each new point extends, the option it takes)
     for i, (c, e) in enumerate(zip(costs, errors)):

@@ -20,7 +20,8 @@ import jax
 import numpy as np
 
 from jax_cgx._src import backends, compat
-from jax_cgx._src.collectives import scatter_gather
+from jax_cgx._src.arguments import check_bool
+from jax_cgx._src.collectives import reduce_scatter, scatter_gather
 from jax_cgx._src.collectives.plan import ConfigSpec, check_ranks, make_plan
 from jax_cgx._src.policy import pricing
 
@@ -118,7 +119,8 @@ _API = {"psum": "compressed_psum", "psum_scatter": "compressed_psum_scatter", "a
 
 
 def explain(x, axis_name=None, config: ConfigSpec = None, *, world: int | None = None,
-            inner_world: int | None = None, op: str = "psum", file: TextIO | None = sys.stdout,
+            inner_world: int | None = None, op: str = "psum", scatter_dimension: int = 0, tiled: bool = False,
+            file: TextIO | None = sys.stdout,
             plans: Sequence | None = None) -> Explanation:
     """Print, and return, how ``compressed_psum(x, axis_name, config)`` reduces each leaf
     (``op="psum_scatter"`` / ``"all_gather"``: how ``compressed_psum_scatter`` /
@@ -132,6 +134,9 @@ def explain(x, axis_name=None, config: ConfigSpec = None, *, world: int | None =
       world: the number of ranks the sum runs over (instead of ``axis_name``).
       inner_world: the inner axis's size, for hierarchical configs given ``world``.
       op: the collective: "psum", "psum_scatter" or "all_gather".
+      scatter_dimension, tiled: with ``op="psum_scatter"``, as for
+        :func:`~jax_cgx.compressed_psum_scatter`: a leaf it would refuse is refused here, with its
+        error.
       file: where to print (``None``: only return the :class:`Explanation`).
       plans: the :class:`~jax_cgx.adaptive.LeafPlan` table of the plan ``config`` came from
         (``choose_bits(..., return_plan=True)``, ``Planner.plans``): each planned leaf's predicted
@@ -151,7 +156,7 @@ def explain(x, axis_name=None, config: ConfigSpec = None, *, world: int | None =
         axes = None
     world, inner_world = check_ranks("explain", world, inner_world)
     if op != "psum":
-        result = _explain_sharded(x, config, world, op)
+        result = _explain_sharded(x, config, world, op, scatter_dimension, tiled)
         result = dataclasses.replace(result, leaves=_with_plans(result.leaves, plans))
         if file is not None:
             print(result, file=file)
@@ -163,7 +168,7 @@ def explain(x, axis_name=None, config: ConfigSpec = None, *, world: int | None =
     buffers: list[BufferReport] = []
     leaf_buffers: dict[int, list[int]] = {}
     figures = None
-    for group, members in plan.groups.items():
+    for group, members in (plan.groups.items() if world > 1 else ()):  # one rank: nothing moves, all exact
         bounds = np.cumsum([0] + [plan.sizes[i] for i in members])
         decisions = plan.decisions.get(group)
         for k, (start, stop) in enumerate(plan.buffers(group)):
@@ -195,23 +200,29 @@ def explain(x, axis_name=None, config: ConfigSpec = None, *, world: int | None =
             how = "psum (auto)"
         elif plan.lanes[i] != "quantized":
             how = plan.lanes[i]
+        elif world == 1:
+            how = "exact"
         else:
             kinds = {buffers[b].compressed for b in mine}
             how = "compressed" if kinds == {True} else "psum (auto)" if kinds == {False} else "mixed (auto)"
         dtype = np.dtype(leaf.dtype)
         leaves_out.append(LeafReport(jax.tree_util.keystr(path), tuple(np.shape(leaf)), dtype.name,
                                      plan.sizes[i] * dtype.itemsize, how, tuple(mine),
-                                     *_width(plan.lanes[i], plan.configs[i])))
+                                     *_width(plan.lanes[i] if world > 1 else "exact", plan.configs[i])))
     result = Explanation(world, _with_plans(leaves_out, plans), buffers, figures)
     if file is not None:
         print(result, file=file)
     return result
 
 
-def _explain_sharded(x, config: ConfigSpec, world: int, op: str) -> Explanation:
+def _explain_sharded(x, config: ConfigSpec, world: int, op: str, scatter_dimension: int, tiled: bool) -> Explanation:
     """:func:`explain` for the reduce-scatter or the all-gather: their lanes and fusion buffers
     (:mod:`jax_cgx._src.collectives.scatter_gather`), each buffer priced as that collective."""
     leaves = scatter_gather.Leaves(x, config, _API[op])
+    if op == "psum_scatter":  # what compressed_psum_scatter refuses, refused with its words
+        tiled = check_bool("explain", "tiled", tiled)
+        for i, leaf in enumerate(leaves.leaves):
+            reduce_scatter.check_shape(leaves.name(i), tuple(np.shape(leaf)), scatter_dimension, tiled, world)
     buffers: list[BufferReport] = []
     leaf_buffers: dict[int, int] = {}
     figures = None

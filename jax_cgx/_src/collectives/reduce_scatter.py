@@ -127,7 +127,7 @@ register(compressed_reduce_scatter_residual_p, abstract_eval=_residual_abstract_
 
 # ------------------------------------------------------------------ leaves as blocks and back
 
-def _check_shape(name: str, shape: tuple, dim: int, tiled: bool, world: int) -> int:
+def check_shape(name: str, shape: tuple, dim: int, tiled: bool, world: int) -> int:
     """``dim`` normalized; raises like lax when the leaf cannot be scattered over ``world`` ranks."""
     if not -len(shape) <= dim < len(shape):
         raise ValueError(f"{API}: scatter_dimension={dim} is out of range for leaf {name} of shape {shape}")
@@ -213,7 +213,7 @@ def compressed_psum_scatter(x, axis_name, config: ConfigSpec = None, *, scatter_
     compat.check_axis_names(axes, API)
     world = int(np.prod([lax.axis_size(a) for a in axes]))
     leaves = Leaves(x, config, API)
-    dims = [_check_shape(leaves.name(i), leaf.shape, scatter_dimension, tiled, world)
+    dims = [check_shape(leaves.name(i), leaf.shape, scatter_dimension, tiled, world)
             for i, leaf in enumerate(leaves.leaves)]
     check_key(leaves, key, API)
     check_varying(API, leaves.paths, leaves.leaves, leaves.lanes, axes)
