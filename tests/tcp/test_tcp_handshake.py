@@ -93,7 +93,7 @@ def _echo(sock, seen: list):
 
 def _forged(shake, world, rank, mac=None):
     return handshake.GREETING.pack(handshake.MAGIC, handshake.VERSION, 0, rank, world, shake.key,
-                                   mac or secrets.token_bytes(32))
+                                   bytes(handshake.NONCE_BYTES), mac or secrets.token_bytes(32))
 
 
 ATTACKS = {
@@ -105,6 +105,10 @@ ATTACKS = {
     # a rank the listener does not wait for
     "wrong rank": (lambda g, shake, key: shake.greeting(key, 0, 0), "expected a rank above 0"),
     "older jax_cgx": (lambda g, shake, key: handshake._OLD_MAGIC + bytes(12), "older jax_cgx"),
+    "version 2": (lambda g, shake, key: handshake.MAGIC + (2).to_bytes(2, "big") + bytes(62), "greeting version 2"),
+    # the listener key right (inside the trust model), but not the process that claimed rank 1's connection
+    # (which, in one process, has claimed it before the listener reads this)
+    "second claim": (lambda g, shake, key: shake.greeting(key, 1, 0), "a duplicate claim of rank 1"),
     "short": (lambda g, shake, key: shake.greeting(key, 1, 0)[:20], "closed the connection after 20"),
 }
 
@@ -149,6 +153,51 @@ def test_silent_and_held_connections_do_not_hold_setup(monkeypatch, strangers, c
     summary = [r.getMessage() for r in caplog.records if "connected after rejecting" in r.getMessage()]
     dropped_count = re.search(r"(\d+) too many pending", summary[0]) if summary else None
     assert dropped_count and int(dropped_count.group(1)) >= 300 - handshake.MAX_PENDING, summary
+
+
+def test_a_duplicate_claim_fails_the_real_rank_at_once_naming_it(monkeypatch, strangers, caplog):
+    """A second process that claims rank 1 first (the listener key and the store in hand) is taken by
+    rank 0; the real rank 1 fails at once, its error naming the duplicate claim (before: it spent its
+    whole timeout on refused connections, and nothing said why)."""
+
+    def attack(g, shake, listener, keys):
+        claims = handshake.Claims(None, lifecycle._kv_key(g, "claims"), g.description)
+        nonce = claims.claim(1, 0)  # the impostor's claim, made first
+        s = _dial(listener)
+        strangers.append(s)
+        s.sendall(shake.greeting(keys[0], 1, 0, nonce))
+
+    start = time.monotonic()
+    with pytest.raises(TcpError, match=r"another process claimed rank 1's connection to rank 0 of .* first: a "
+                                       r"duplicate claim of rank 1"):
+        _set_up_under_attack(monkeypatch, attack, timeout_s=20)
+    assert time.monotonic() - start < 10
+    handshake.Claims._local.clear()
+
+
+def test_a_second_claim_is_refused_and_logged_on_the_listener(caplog):
+    shake = handshake.GroupHandshake(key=123, generation=0, index=0, world=2, description="test group",
+                                     claims=handshake.Claims(None, "test/claims", "test group"))
+    listeners = _listeners()
+    real_nonce = shake.claims.claim(1, 0)
+    impostor = handshake.connect(listeners[0].address, shake.greeting(listeners[0].key, 1, 0, bytes(16)),
+                                 time.monotonic() + 5, "rank 0")
+    real = handshake.connect(listeners[0].address, shake.greeting(listeners[0].key, 1, 0, real_nonce),
+                             time.monotonic() + 5, "rank 0")
+    try:
+        with caplog.at_level(logging.WARNING, logger="jax_cgx"):
+            got = shake.accept(listeners, time.monotonic() + 10)
+        (message,) = _rejections(caplog)
+        assert "a duplicate claim of rank 1" in message, message
+        assert impostor.recv(1) == b""  # closed
+        got[0][1].sendall(b"x")
+        assert real.recv(1) == b"x"  # the real one was taken
+    finally:
+        shake.claims.forget()
+        for sock in [impostor, real, *got[0].values()]:
+            sock.close()
+        for listener in listeners.values():
+            listener.close()
 
 
 def _listeners(n=1):

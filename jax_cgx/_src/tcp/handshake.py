@@ -9,12 +9,21 @@ Who may connect. Each listener, for each set-up attempt, has a fresh random 32-b
 key-value store (one process: kept in memory) and never sent over a tcp connection.
 A greeting is::
 
-    magic "cgxT", version, claimed rank, world, family key,
+    magic "cgxT", version, claimed rank, world, family key, claim nonce,
     HMAC-SHA256(listener key, DOMAIN | family key | generation | group index | world |
-                from rank | to rank)
+                from rank | to rank | claim nonce)
 
 so only a process that read the store (a process of this job, this attempt) can make
 one, and a greeting made for one listener, rank or attempt is worthless for another.
+
+Duplicate claims. Before it connects, rank ``r``'s process *claims* its connection to rank
+``r0`` (:class:`Claims`): it publishes a fresh random nonce under the connection's key, which
+the store keeps only once. The greeting carries the nonce; the listener accepts a greeting
+only if it carries the nonce published for that connection. So a second process claiming
+rank ``r`` (one started with the same rank, or of a stale attempt holding this attempt's
+key) is refused, logged at WARNING on the listener, whichever connects first; and if it
+claimed first, the real rank's set-up fails at once with a :class:`TcpError` naming the
+duplicate claim, instead of spending its timeout on refused connections.
 The accepting side serves its listeners and every pending connection at once
 (:mod:`selectors`): a connection that sends anything else, claims a rank that is not
 expected or already connected, or sends nothing within :data:`GREETING_TIMEOUT_S` is
@@ -43,7 +52,7 @@ import time
 
 from jax_cgx._src.backends.protocol import BackendError
 
-__all__ = ["GREETING", "GREETING_TIMEOUT_S", "MAX_PENDING", "GroupHandshake", "Listener", "TcpError", "connect",
+__all__ = ["GREETING", "GREETING_TIMEOUT_S", "MAX_PENDING", "Claims", "GroupHandshake", "Listener", "TcpError", "connect",
            "open_listener", "parse_published"]
 
 log = logging.getLogger("jax_cgx")
@@ -54,13 +63,14 @@ class TcpError(BackendError):
 
 
 MAGIC = b"cgxT"
-VERSION = 2
-# magic, version, flags (0), claimed rank, world, family key, MAC.
-GREETING = struct.Struct("!4sHHIIq32s")
-DOMAIN = b"jax_cgx.tcp greeting v2\0"
+VERSION = 3
+# magic, version, flags (0), claimed rank, world, family key, claim nonce, MAC.
+GREETING = struct.Struct("!4sHHIIq16s32s")
+DOMAIN = b"jax_cgx.tcp greeting v3\0"
 # What version 1 (no MAC) sent first: its magic, a native little-endian uint32.
 _OLD_MAGIC = struct.pack("<I", 0x63677874)
 KEY_BYTES = 32
+NONCE_BYTES = 16
 # A connection must have sent its whole greeting this long after it was accepted (at most
 # the set-up timeout).
 GREETING_TIMEOUT_S = 10.0
@@ -153,6 +163,64 @@ def connect(address: str, greeting: bytes, deadline: float, what: str) -> socket
         return sock
 
 
+class Claims:
+    """Which process claimed each connection of one group's set-up attempt (module docstring).
+
+    ``client``: the ``jax.distributed`` key-value store client, or None (one process: the
+    claims are kept in memory); ``prefix``: the group's attempt's key in the store.
+    """
+
+    _local: dict[str, str] = {}  # one process: claims of its attempts in progress
+
+    def __init__(self, client, prefix: str, description: str):
+        self.client, self.prefix, self.description = client, prefix, description
+        self._mine: list[str] = []
+
+    def _key(self, from_rank: int, to_rank: int) -> str:
+        return f"{self.prefix}/claim/{from_rank}/{to_rank}"
+
+    def claim(self, from_rank: int, to_rank: int) -> bytes:
+        """A fresh nonce, published as rank ``from_rank``'s claim of its connection to ``to_rank``;
+        a :class:`TcpError` naming the duplicate when another process claimed it first."""
+        nonce = secrets.token_bytes(NONCE_BYTES)
+        key = self._key(from_rank, to_rank)
+        try:
+            if self.client is None:
+                if key in self._local:
+                    raise KeyError(key)
+                self._local[key] = nonce.hex()
+            else:
+                self.client.key_value_set(key, nonce.hex())  # kept once: a second set fails
+        except Exception as err:  # noqa: BLE001 - the store's ALREADY_EXISTS
+            raise TcpError(
+                f"jax_cgx.tcp.setup: another process claimed rank {from_rank}'s connection to rank {to_rank} of "
+                f"{self.description} first: a duplicate claim of rank {from_rank} (two processes started with the "
+                "same rank, or a process of an earlier attempt still running), which rank "
+                f"{to_rank} may have taken for this one. Stop the other process and set up again "
+                f"({type(err).__name__}: {err})") from None
+        self._mine.append(key)
+        return nonce
+
+    def lookup(self, from_rank: int, to_rank: int) -> bytes | None:
+        """The nonce rank ``from_rank``'s process published for the connection, None if none was."""
+        key = self._key(from_rank, to_rank)
+        try:
+            value = self._local.get(key) if self.client is None else self.client.key_value_try_get(key)
+        except Exception:  # noqa: BLE001 - the store's NOT_FOUND
+            return None
+        try:
+            return bytes.fromhex(value) if value else None
+        except ValueError:
+            return None
+
+    def forget(self) -> None:
+        """Drop this process's in-memory claims once the group is connected (or failed)."""
+        if self.client is None:
+            for key in self._mine:
+                self._local.pop(key, None)
+        self._mine.clear()
+
+
 @dataclasses.dataclass
 class _Pending:
     sock: socket.socket
@@ -171,19 +239,21 @@ class GroupHandshake:
     index: int  # the group's index in its family
     world: int
     description: str
+    claims: Claims | None = None  # None: claims are not checked (tests of the greeting alone)
 
-    def mac(self, listener_key: bytes, from_rank: int, to_rank: int) -> bytes:
+    def mac(self, listener_key: bytes, from_rank: int, to_rank: int, nonce: bytes) -> bytes:
         fields = struct.pack("!qIIIII", self.key, self.generation, self.index, self.world, from_rank, to_rank)
-        return hmac.new(listener_key, DOMAIN + fields, hashlib.sha256).digest()
+        return hmac.new(listener_key, DOMAIN + fields + nonce, hashlib.sha256).digest()
 
-    def greeting(self, listener_key: bytes, from_rank: int, to_rank: int) -> bytes:
-        """What rank ``from_rank`` sends the listener of rank ``to_rank`` (whose key is ``listener_key``)."""
-        return GREETING.pack(MAGIC, VERSION, 0, from_rank, self.world, self.key,
-                             self.mac(listener_key, from_rank, to_rank))
+    def greeting(self, listener_key: bytes, from_rank: int, to_rank: int, nonce: bytes = bytes(NONCE_BYTES)) -> bytes:
+        """What rank ``from_rank`` sends the listener of rank ``to_rank`` (whose key is ``listener_key``),
+        with the ``nonce`` of its claim of the connection."""
+        return GREETING.pack(MAGIC, VERSION, 0, from_rank, self.world, self.key, nonce,
+                             self.mac(listener_key, from_rank, to_rank, nonce))
 
     def check(self, data: bytes, listener_key: bytes, to_rank: int) -> tuple[int, str, str]:
         """(claimed rank, "", "") for a good greeting to rank ``to_rank``, else (-1, why, kind)."""
-        magic, version, _, rank, world, key, mac = GREETING.unpack(data)
+        magic, version, _, rank, world, key, nonce, mac = GREETING.unpack(data)
         if magic != MAGIC:
             return -1, f"not a jax_cgx greeting (it began {bytes(data[:8])!r})", "not a jax_cgx greeting"
         if version != VERSION:
@@ -191,9 +261,19 @@ class GroupHandshake:
         if key != self.key or world != self.world or not to_rank < rank < world:
             return -1, (f"its greeting claims rank {rank} of {world} of family {key:#x}; expected a rank above "
                         f"{to_rank} of {self.world} of family {self.key:#x}"), "unexpected claim"
-        if not hmac.compare_digest(mac, self.mac(listener_key, rank, to_rank)):
+        if not hmac.compare_digest(mac, self.mac(listener_key, rank, to_rank, nonce)):
             return -1, (f"its greeting (claiming rank {rank}) has a wrong MAC: it is not from a process of this "
                         "job's set-up (another job, a stale attempt, or a forgery)"), "wrong MAC"
+        if self.claims is not None:
+            claimed = self.claims.lookup(rank, to_rank)
+            if claimed is None:
+                return -1, (f"its greeting claims rank {rank}, but rank {rank}'s process has not claimed this "
+                            "connection (it does before connecting): a process holding this attempt's listener key "
+                            f"that is not rank {rank}"), "unclaimed"
+            if not hmac.compare_digest(claimed, nonce):
+                return -1, (f"a duplicate claim of rank {rank}: rank {rank}'s process claimed this connection with "
+                            "another nonce, so this connection is from a second process claiming that rank (two "
+                            "processes started with the same rank, or one of an earlier attempt)"), "duplicate claim"
         return rank, "", ""
 
     def accept(self, listeners: dict[int, Listener], deadline: float) -> dict[int, dict[int, socket.socket]]:
@@ -243,6 +323,10 @@ class GroupHandshake:
                     why = ("a greeting of an older jax_cgx (without a MAC)" if p.data[:4] == _OLD_MAGIC
                            else f"not a jax_cgx greeting (it began {bytes(p.data[:8])!r})")
                     return reject(p, why, "not a jax_cgx greeting")
+                if len(p.data) >= 6 and (version := struct.unpack("!H", p.data[4:6])[0]) != VERSION:
+                    # another greeting size: waiting for this one's would only time out
+                    return reject(p, f"greeting version {version}, this is {VERSION} (another jax_cgx version)",
+                                  "another version")
             rank, why, kind = self.check(bytes(p.data), listeners[p.to_rank].key, p.to_rank)
             if rank >= 0 and rank in got[p.to_rank]:
                 rank, why, kind = -1, f"rank {rank} is connected already (a replayed greeting?)", "duplicate"

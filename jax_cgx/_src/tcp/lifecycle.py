@@ -28,7 +28,7 @@ from jax_cgx._src.arguments import DEFAULT_TIMEOUT_S, timeout_seconds
 from jax_cgx._src.backends.groups import Families, PlannedGroup, groups_array, mesh_ident, mesh_parts, wanted_families
 from jax_cgx._src.backends.protocol import CommunicatorInfo
 from jax_cgx._src.tcp import handshake
-from jax_cgx._src.tcp.handshake import GroupHandshake, Listener, TcpError
+from jax_cgx._src.tcp.handshake import Claims, GroupHandshake, Listener, TcpError
 
 __all__ = ["DEFAULT_TIMEOUT_S", "HOST_ENV", "TIMEOUT_ENV", "CommunicatorInfo", "TcpError", "communicators",
            "lookup", "setup", "teardown"]
@@ -124,7 +124,7 @@ def _check_devices(devices: np.ndarray) -> None:
         )
 
 
-def _kv_key(g: PlannedGroup, rank: int) -> str:
+def _kv_key(g: PlannedGroup, rank: int | str) -> str:
     return f"{KV_PREFIX}/{g.key:016x}/{g.generation}/{g.index}/{rank}"
 
 
@@ -192,17 +192,19 @@ def _connect_group(g: PlannedGroup, members: list[tuple[int, int]], listeners: d
                    addresses: list[tuple[str, bytes]], timeout_s: float) -> None:
     """Connects and authenticates this process's ``members`` [(ordinal, rank)] of ``g`` and
     registers their communicators; closes the members' listeners either way."""
-    shake = GroupHandshake(g.key, g.generation, g.index, g.world, g.description)
+    claims = Claims(_kv_client() if jax.process_count() > 1 else None, _kv_key(g, "claims"), g.description)
+    shake = GroupHandshake(g.key, g.generation, g.index, g.world, g.description, claims)
     deadline = time.monotonic() + timeout_s
     sockets: dict[int, dict] = {rank: {} for _, rank in members}
     try:
-        # 1. Every member connects to the ranks below it (the peer's kernel completes the TCP
-        #    handshake from its listen backlog: nothing waits on an accept) and greets them.
+        # 1. Every member claims its connections to the ranks below it, connects (the peer's
+        #    kernel completes the TCP handshake from its listen backlog: nothing waits on an
+        #    accept) and greets them.
         for _, rank in members:
             for peer in range(rank):
                 address, key = addresses[peer]
-                sockets[rank][peer] = handshake.connect(address, shake.greeting(key, rank, peer), deadline,
-                                                        f"rank {peer} of {g.description}")
+                greeting = shake.greeting(key, rank, peer, claims.claim(rank, peer))
+                sockets[rank][peer] = handshake.connect(address, greeting, deadline, f"rank {peer} of {g.description}")
         # 2. Then accepts the ranks above it, each proving it read this attempt's listener key.
         for rank, accepted in shake.accept(listeners, deadline).items():
             sockets[rank].update(accepted)
@@ -212,6 +214,7 @@ def _connect_group(g: PlannedGroup, members: list[tuple[int, int]], listeners: d
                 sock.close()
         raise
     finally:
+        claims.forget()
         for listener in listeners.values():
             listener.close()
     # The C++ communicators own the descriptors from here (tcp_adopt closes them on an error).
