@@ -20,6 +20,10 @@
   and any that failed after it before they were stopped. A script that calls
   ``jax_cgx.distributed.initialize()`` ends at once on an uncaught exception or a non-zero
   ``sys.exit``, instead of waiting in jax's shutdown barrier for the other processes.
+- A process that stops responding is named, not only the processes it brought down: when jax's
+  coordination service aborts the healthy processes because one stopped sending heartbeats
+  (SIGABRT, after about 100 s), the launcher names the process jax's log names, and any process
+  the kernel shows stopped (SIGSTOP, a debugger); the exit status is still the first failure's.
 - ``--timeout SECONDS`` limits the whole job: when it passes, the launcher names the
   processes still running, stops them and exits with 124 (as timeout(1) does).
 - Stopping means SIGTERM, then SIGKILL after ``--grace`` seconds (default 5). jax catches
@@ -99,8 +103,9 @@ def _die_with_launcher() -> None:
         _PRCTL(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
 
 
-def _pump(stream, prefix: str, out) -> None:
-    """Copy a process's output to ``out``, each line prefixed, until the process closes it.
+def _pump(stream, prefix: str, out, watch: Callable[[str], None] | None = None) -> None:
+    """Copy a process's output to ``out``, each line prefixed, until the process closes it; each
+    line also goes to ``watch``.
 
     Bytes, decoded leniently: a byte that is not UTF-8 must not stop the copying (the process
     would block on a full pipe, and the job hang). If ``out`` goes away (``| head``), keep
@@ -108,13 +113,67 @@ def _pump(stream, prefix: str, out) -> None:
     """
     writing = True
     for raw in iter(stream.readline, b""):
+        line = raw.decode("utf-8", errors="replace")
+        if watch is not None:
+            watch(line)
         if writing:
             try:
-                out.write(prefix + raw.decode("utf-8", errors="replace"))
+                out.write(prefix + line)
                 out.flush()
             except (OSError, ValueError):  # a closed or broken pipe: drain the rest unread
                 writing = False
     stream.close()
+
+
+# What jax's coordination service logs before it aborts the healthy processes: the marker, then
+# the unhealthy tasks (jax.distributed process ids: the launcher's ranks), one line of ids.
+_HEARTBEAT_MARKER = "stopped sending heartbeats"
+
+
+class HeartbeatWatch:
+    """The ranks jax's coordination service reported as no longer sending heartbeats, read off
+    the processes' output as it goes by."""
+
+    def __init__(self):
+        self.unhealthy: set[int] = set()
+        self._lock = threading.Lock()
+
+    def watcher(self) -> Callable[[str], None]:
+        """A line watcher for one process's output (each keeps its own place)."""
+        expecting = [False]
+
+        def watch(line: str) -> None:
+            if _HEARTBEAT_MARKER in line:
+                expecting[0] = True
+                tail = line.split(_HEARTBEAT_MARKER, 1)[1].lstrip("):").strip()
+                if tail:
+                    self._add(tail)
+                return
+            if expecting[0]:
+                expecting[0] = self._add(line)
+
+        return watch
+
+    def _add(self, text: str) -> bool:
+        """Record the task ids in ``text`` (``1`` or ``1, 3``); False if it holds none."""
+        ids = [t for t in text.replace(",", " ").split()]
+        if not ids or not all(t.isdigit() for t in ids):
+            return False
+        with self._lock:
+            self.unhealthy.update(int(t) for t in ids)
+        return True
+
+
+def process_state(pid: int) -> str | None:
+    """The kernel's one-letter state of a process (``R``, ``S``, ``D``, ``T`` stopped, ``t``
+    traced, ``Z``), or None where it cannot be read (not Linux, already reaped)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            data = f.read()
+    except OSError:
+        return None
+    fields = data.rpartition(")")[2].split()  # the command name, in parentheses, may hold spaces
+    return fields[0] if fields else None
 
 
 def describe_status(status: int) -> str:
@@ -150,6 +209,7 @@ class ProcessGroup:
         # ends: the first failure is the one that happened first, not the lowest rank.
         self.ended: list[tuple[int, int]] = []
         self._changed = threading.Condition()
+        self.heartbeats = HeartbeatWatch()
         width = len(str(len(commands) - 1))
         for rank, (argv, env) in enumerate(zip(commands, envs)):
             try:
@@ -168,7 +228,8 @@ class ProcessGroup:
                 self.close()
                 raise
             self.procs.append(proc)
-            pump = threading.Thread(target=_pump, args=(proc.stdout, f"[{rank:>{width}}] ", sys.stdout), daemon=True)
+            pump = threading.Thread(target=_pump, args=(proc.stdout, f"[{rank:>{width}}] ", sys.stdout,
+                                                        self.heartbeats.watcher()), daemon=True)
             pump.start()
             self.pumps.append(pump)
             threading.Thread(target=self._note_end, args=(rank, proc), daemon=True).start()
@@ -183,6 +244,22 @@ class ProcessGroup:
         with self._changed:
             done = {rank for rank, _ in self.ended}
         return [rank for rank in range(len(self.procs)) if rank not in done]
+
+    def unresponsive(self) -> dict[int, str]:
+        """Ranks that stopped responding while still alive, and why the launcher thinks so: jax's
+        coordination service said so in the output, or the kernel shows the process stopped."""
+        out: dict[int, list[str]] = {}
+        running = set(self.running())
+        for rank in sorted(self.heartbeats.unhealthy):
+            if 0 <= rank < len(self.procs):
+                out.setdefault(rank, []).append("jax's coordination service reported that it stopped sending "
+                                                "heartbeats")
+        for rank in sorted(running):
+            state = process_state(self.procs[rank].pid)
+            if state in ("T", "t"):
+                out.setdefault(rank, []).append(f"it is {'stopped' if state == 'T' else 'stopped by a debugger'} "
+                                                f"(process state {state}: SIGSTOP, Ctrl-Z or a debugger)")
+        return {rank: " and ".join(why) for rank, why in sorted(out.items())}
 
     def failures(self) -> list[tuple[int, int]]:
         """``(rank, returncode)`` of every process that failed so far, the first first."""
@@ -272,6 +349,8 @@ class Job(ProcessGroup):
         code = 0
         if not self.wait_for_end_or_failure(deadline):
             running = self.running()
+            for r, why in self.unresponsive().items():
+                _say(f"process {r} stopped responding: {why}")
             _say(f"--timeout {timeout:g} s passed with {_ranks(running)} still running; stopping "
                  f"them (SIGTERM, then SIGKILL after --grace {grace:g} s). Their output above shows "
                  "where they were; raise --timeout if the job needs longer")
@@ -281,6 +360,12 @@ class Job(ProcessGroup):
             running = self.running()
             (rank, status), others = failed[0], failed[1:]
             code = exit_code(status)
+            culprits = {r: why for r, why in self.unresponsive().items() if r not in {f for f, _ in failed}}
+            if culprits:
+                _say("; ".join(f"process {r} stopped responding: {why}" for r, why in culprits.items())
+                     + f". Because of it process {rank} {describe_status(status)} (jax aborts the healthy "
+                     "processes when one stops sending heartbeats); see the output of "
+                     + ", ".join(f"[{r}]" for r in culprits) + " above")
             _say(f"process {rank} {describe_status(status)}; see its output above (lines starting [{rank}])"
                  + "".join(f"; then process {r} {describe_status(c)}" for r, c in others)
                  + (f"; stopping {_ranks(running)}" if running else ""))

@@ -255,6 +255,36 @@ def test_the_process_that_failed_first_is_named_first(tmp_path):
     assert "jax_cgx.launch: process 1 was killed by SIGSEGV (status 139)" in run.stderr, _log(run)
 
 
+@pytest.mark.multiprocess
+def test_a_stopped_rank_is_named_not_the_survivor_jax_aborts(tmp_path):
+    # Rank 1 stops itself (SIGSTOP: a hung node); jax's heartbeat (5 s here, 100 s by default)
+    # aborts rank 0. Before, the launcher reported only "process 0 was killed by SIGABRT".
+    script = _script(tmp_path, "import os, signal, time\n"
+                     "import jax_cgx\n"
+                     "jax_cgx.distributed.initialize(heartbeat_timeout_seconds=5)\n"
+                     "if int(os.environ['JAX_CGX_PROCESS_ID']) == 1: os.kill(os.getpid(), signal.SIGSTOP)\n"
+                     "time.sleep(120)\n")
+    run = subprocess.run([*LAUNCH, "-n", "2", "--timeout", "90", "--grace", "1", script], capture_output=True,
+                         text=True, timeout=150)
+    assert run.returncode == 128 + signal.SIGABRT, _log(run)
+    assert ("jax_cgx.launch: process 1 stopped responding: jax's coordination service reported that it stopped "
+            "sending heartbeats and it is stopped (process state T") in run.stderr, _log(run)
+    assert "Because of it process 0 was killed by SIGABRT" in run.stderr, _log(run)
+
+
+def test_the_heartbeat_watch_reads_jax_s_report():
+    watch = launch.HeartbeatWatch()
+    lines = watch.watcher()
+    for line in ("E1127 coordination_service.cc:1549] ... UNAVAILABLE: The following tasks are unhealthy (stopped "
+                 "sending heartbeats):\n", "1\n", "The tasks have crashed. Check the task logs\n", "2\n"):
+        lines(line)
+    assert watch.unhealthy == {1}  # ids only right after the marker
+    lines("... (stopped sending heartbeats): 3, 4\n")
+    assert watch.unhealthy == {1, 3, 4}
+    assert launch.process_state(os.getpid()) in ("R", "S")
+    assert launch.process_state(2**22 + 12345) is None
+
+
 def test_the_script_gets_its_arguments_as_given(tmp_path):
     script = _script(tmp_path, "import sys; print(sys.argv[1:])\n")
     for given in (["--", "a", "--b"], ["a", "--", "-n", "3"], []):
