@@ -38,6 +38,7 @@ from jax_cgx._src.collectives import (  # noqa: E402
 )
 from jax_cgx._src.config import CompressionConfig  # noqa: E402
 from jax_cgx._src.data_parallel import data_parallel_value_and_grad  # noqa: E402
+from jax_cgx._src.errors import PeerError  # noqa: E402
 
 __version__ = "0.1.0"
 
@@ -52,6 +53,7 @@ __all__ = [
     "data_parallel_value_and_grad",
     "explain",
     "calibrate",
+    "PeerError",
     "Quantized",
     "quantize",
     "dequantize",

@@ -138,8 +138,7 @@ class HeartbeatWatch:
         self.unhealthy: set[int] = set()
         self._lock = threading.Lock()
 
-    def watcher(self) -> Callable[[str], None]:
-        """A line watcher for one process's output (each keeps its own place)."""
+    def watcher(self) -> Callable[[str], None]:  # one per process's output: each keeps its own place
         expecting = [False]
 
         def watch(line: str) -> None:
@@ -156,7 +155,7 @@ class HeartbeatWatch:
 
     def _add(self, text: str) -> bool:
         """Record the task ids in ``text`` (``1`` or ``1, 3``); False if it holds none."""
-        ids = [t for t in text.replace(",", " ").split()]
+        ids = text.replace(",", " ").split()
         if not ids or not all(t.isdigit() for t in ids):
             return False
         with self._lock:
@@ -165,8 +164,7 @@ class HeartbeatWatch:
 
 
 def process_state(pid: int) -> str | None:
-    """The kernel's one-letter state of a process (``R``, ``S``, ``D``, ``T`` stopped, ``t``
-    traced, ``Z``), or None where it cannot be read (not Linux, already reaped)."""
+    """The kernel's state of a process (``R``, ``S``, ``T`` stopped, ``t`` traced, ...); None if unknown."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             data = f.read()
@@ -250,15 +248,12 @@ class ProcessGroup:
         coordination service said so in the output, or the kernel shows the process stopped."""
         out: dict[int, list[str]] = {}
         running = set(self.running())
-        for rank in sorted(self.heartbeats.unhealthy):
-            if 0 <= rank < len(self.procs):
-                out.setdefault(rank, []).append("jax's coordination service reported that it stopped sending "
-                                                "heartbeats")
+        for rank in sorted(r for r in self.heartbeats.unhealthy if 0 <= r < len(self.procs)):
+            out.setdefault(rank, []).append("jax's coordination service reported that it stopped sending heartbeats")
         for rank in sorted(running):
             state = process_state(self.procs[rank].pid)
             if state in ("T", "t"):
-                out.setdefault(rank, []).append(f"it is {'stopped' if state == 'T' else 'stopped by a debugger'} "
-                                                f"(process state {state}: SIGSTOP, Ctrl-Z or a debugger)")
+                out.setdefault(rank, []).append(f"it is stopped (process state {state}: SIGSTOP, Ctrl-Z or a debugger)")
         return {rank: " and ".join(why) for rank, why in sorted(out.items())}
 
     def failures(self) -> list[tuple[int, int]]:

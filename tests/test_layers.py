@@ -16,9 +16,10 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "jax_cgx"
 COMPILED = {"jax_cgx._cpu", "jax_cgx._cuda"}  # extension modules: what _src/extensions loads
 
-BASE = {"compat", "arguments", "config"}
+BASE = {"compat", "arguments", "config", "errors"}
 ALLOWED: dict[str, set[str]] = {
     "config": set(),
+    "errors": set(),
     "compat": set(),
     "arguments": {"compat"},
     "allocator": set(),

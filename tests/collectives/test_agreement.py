@@ -99,7 +99,7 @@ def _both(monkeypatch, descriptions, timeout="5", timeouts=None):
             return  # never reaches the point
         try:
             agreement._agree(store, "jax_cgx/agree/x/0", (0, 1), json.dumps(descriptions[me]), "the point")
-        except ValueError as err:
+        except (ValueError, jax_cgx.PeerError) as err:
             errors[me] = str(err)
 
     threads = [threading.Thread(target=one, args=(me,)) for me in (0, 1)]
@@ -129,6 +129,11 @@ def test_a_process_that_never_arrives_is_named_after_the_timeout(monkeypatch):
     assert "process 0 waited 0.2 s at the point" in errors[0] and "for process 1, which did not reach" in errors[0]
     errors = _both(monkeypatch, [None, _pairs()], timeout="0.2")
     assert "process 1 waited 0.2 s at the point" in errors[1] and "for process 0, which did not reach" in errors[1]
+    # a fault of a peer: jax_cgx.PeerError, a jax.errors.JaxRuntimeError as jax's own collectives' failures
+    with pytest.raises(jax.errors.JaxRuntimeError, match="which did not reach this point") as info:
+        agreement._raise_on({"seen": {"0": json.dumps(_pairs())}, "missing": [1]}, 0, 0, json.dumps(_pairs()),
+                            "the point", 0.2)
+    assert isinstance(info.value, jax_cgx.PeerError)
 
 
 @pytest.mark.parametrize("bad", [0, 1])

@@ -70,8 +70,8 @@ def main() -> None:
                     os._exit(0)
             jax.block_until_ready(f(x))
             return "no error"
-        except Exception as err:  # the test checks the message
-            return str(err)
+        except Exception as err:  # the test checks the message, and the type of a peer's fault
+            return ("(a JaxRuntimeError) " if isinstance(err, jax.errors.JaxRuntimeError) else "") + str(err)
 
     path = os.path.join(out_dir, f"process{pid}.txt")
     if mode == "mismatch":

@@ -42,6 +42,8 @@ def test_a_peer_that_leaves_fails_the_call(tmp_path):
     assert "jax_cgx_tcp_allreduce" in message and ("closed the connection" in message or "no bytes moved" in message
                                                    or "Connection reset" in message), message
     assert float(elapsed) < 30
+    # the type jax raises for its own collectives' failures: one `except` serves both backends
+    assert message.startswith("(a JaxRuntimeError) "), message
 
 
 def test_ranks_running_different_reductions_fail_with_both_named(tmp_path):

@@ -37,6 +37,7 @@ from jax.interpreters import mlir
 
 from jax_cgx._src.arguments import DEFAULT_TIMEOUT_S, timeout_seconds
 from jax_cgx._src.compat import context_mesh
+from jax_cgx._src.errors import PeerError
 
 __all__ = ["check", "describe", "fields", "participants", "TIMEOUT_ENV"]
 
@@ -190,7 +191,7 @@ def _exchange(client, prefix: str, processes: tuple[int, ...], mine: str, where:
         try:
             verdict = json.loads(client.blocking_key_value_get(f"{prefix}/verdict", remaining()))
         except Exception as err:  # noqa: BLE001 - the store's timeout error
-            raise ValueError(
+            raise PeerError(
                 f"jax_cgx: process {me} waited {wait:g} s at {where}, {describe(json.loads(mine))}, for process "
                 f"{first}, which did not reach this point (it runs a different program here, failed, or is still "
                 f"busy). {_RULE} More time: {TIMEOUT_ENV}. ({type(err).__name__}: {err})"
@@ -222,7 +223,7 @@ def _raise_on(verdict: dict, me: int, first: int, mine: str, where: str, wait: f
             f"jax_cgx: process {p} runs a different reduction ({describe(a)}) than process {first} ({describe(b)}) "
             f"at {where}{also}: they differ in {_differing(a, b)}. {_RULE}")
     if missing:
-        raise ValueError(
+        raise PeerError(
             f"jax_cgx: process {first} waited {wait:g} s at {where}, {describe(json.loads(theirs))}, for process"
             f"{'es' if len(missing) > 1 else ''} {', '.join(map(str, missing))}, which did not reach this point "
             f"(a different program here, a failure, or still busy). {_RULE} More time: {TIMEOUT_ENV}.")

@@ -51,8 +51,10 @@ import struct
 import time
 
 from jax_cgx._src.backends.protocol import BackendError
+from jax_cgx._src.errors import PeerError
 
-__all__ = ["GREETING", "GREETING_TIMEOUT_S", "MAX_PENDING", "Claims", "GroupHandshake", "Listener", "TcpError", "connect",
+__all__ = ["GREETING", "GREETING_TIMEOUT_S", "MAX_PENDING", "Claims", "GroupHandshake", "Listener", "TcpError",
+           "TcpPeerError", "connect",
            "open_listener", "parse_published"]
 
 log = logging.getLogger("jax_cgx")
@@ -60,6 +62,11 @@ log = logging.getLogger("jax_cgx")
 
 class TcpError(BackendError):
     """The tcp backend cannot do what was asked (set-up, a missing communicator, a dead peer)."""
+
+
+class TcpPeerError(TcpError, PeerError):
+    """Set-up failed because of a peer: it never connected, refused, or was claimed twice. Both a
+    :class:`TcpError` and a :class:`~jax_cgx.PeerError` (a ``jax.errors.JaxRuntimeError``)."""
 
 
 MAGIC = b"cgxT"
@@ -150,16 +157,16 @@ def connect(address: str, greeting: bytes, deadline: float, what: str) -> socket
             sock = socket.create_connection((host, port), timeout=max(left, 0.05))
         except (ConnectionRefusedError, TimeoutError, InterruptedError) as err:
             if time.monotonic() + 0.05 >= deadline:
-                raise TcpError(f"connecting to {what} at {address} failed: {err}") from err
+                raise TcpPeerError(f"connecting to {what} at {address} failed: {err}") from err
             time.sleep(0.05)
             continue
         except OSError as err:
-            raise TcpError(f"connecting to {what} at {address} failed: {err}") from err
+            raise TcpPeerError(f"connecting to {what} at {address} failed: {err}") from err
         try:
             sock.sendall(greeting)  # fits a socket buffer: never waits for the peer's accept
         except OSError as err:
             sock.close()
-            raise TcpError(f"greeting {what} at {address} failed: {err}") from err
+            raise TcpPeerError(f"greeting {what} at {address} failed: {err}") from err
         return sock
 
 
@@ -192,7 +199,7 @@ class Claims:
             else:
                 self.client.key_value_set(key, nonce.hex())  # kept once: a second set fails
         except Exception as err:  # noqa: BLE001 - the store's ALREADY_EXISTS
-            raise TcpError(
+            raise TcpPeerError(
                 f"jax_cgx.tcp.setup: another process claimed rank {from_rank}'s connection to rank {to_rank} of "
                 f"{self.description} first: a duplicate claim of rank {from_rank} (two processes started with the "
                 "same rank, or a process of an earlier attempt still running), which rank "
@@ -372,7 +379,7 @@ class GroupHandshake:
                 for p in [p for p in pending.values() if p.deadline <= now]:
                     reject(p, f"it sent no complete greeting within {wait_greeting:g} s", "no greeting in time")
                 if now >= deadline:
-                    raise TcpError(self._timed_out(missing(), deadline - start, rejected))
+                    raise TcpPeerError(self._timed_out(missing(), deadline - start, rejected))
                 until = min([deadline, *(p.deadline for p in pending.values())])
                 for item, _ in sel.select(max(until - now, 0.0)):
                     if isinstance(item.data, _Pending):

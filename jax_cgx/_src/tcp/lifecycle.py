@@ -27,8 +27,9 @@ from jax_cgx._src import extensions
 from jax_cgx._src.arguments import DEFAULT_TIMEOUT_S, timeout_seconds
 from jax_cgx._src.backends.groups import Families, PlannedGroup, groups_array, mesh_ident, mesh_parts, wanted_families
 from jax_cgx._src.backends.protocol import CommunicatorInfo
+from jax_cgx._src.errors import PeerError
 from jax_cgx._src.tcp import handshake
-from jax_cgx._src.tcp.handshake import Claims, GroupHandshake, Listener, TcpError
+from jax_cgx._src.tcp.handshake import Claims, GroupHandshake, Listener, TcpError, TcpPeerError
 
 __all__ = ["DEFAULT_TIMEOUT_S", "HOST_ENV", "TIMEOUT_ENV", "CommunicatorInfo", "TcpError", "communicators",
            "lookup", "setup", "teardown"]
@@ -179,7 +180,7 @@ def _addresses(plan: list[PlannedGroup], listeners: dict[tuple, Listener], proce
                 try:
                     out[gk][rank] = client.blocking_key_value_get(_kv_key(g, rank), remaining_ms)
                 except Exception as err:
-                    raise TcpError(
+                    raise TcpPeerError(
                         f"jax_cgx.tcp.setup: timed out after {timeout_s:g} s waiting for process "
                         f"{d.process_index} to publish the address of rank {rank} of {g.description}. Did every "
                         "process call jax_cgx.tcp.setup with the same mesh and axes, in the same order? "
@@ -290,7 +291,8 @@ def setup(mesh, axes=None, *, timeout_s: float | None = None):
                     try:
                         _connect_group(g, members, mine, addresses[g.index, g.key], wait)
                     except Exception as err:
-                        raise TcpError(
+                        error = TcpPeerError if isinstance(err, PeerError) else TcpError
+                        raise error(
                             f"jax_cgx.tcp.setup: connecting {g.description} (members (ordinal, rank) "
                             f"{members} of {g.world}) failed: {err}"
                         ) from err
