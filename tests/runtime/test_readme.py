@@ -18,7 +18,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
-DOCUMENTS = [README]  # Markdown files whose python blocks must run as written
+DOCUMENTS = [README, ROOT / "docs" / "checkpointing.md"]  # Markdown files whose python blocks must run as written
 PYTHON = {"python", "py", "python3"}
 NOT_RUN = re.compile(r"<!--\s*not run:\s*(?P<why>.*?)\s*-->")
 FENCE = re.compile(r"^(?P<indent> *)(?P<fence>```+|~~~+)\s*(?P<lang>[^\s`]*)")
