@@ -1,9 +1,11 @@
 """jax_cgx.data_parallel_value_and_grad: a plain jax.jit step with compressed gradient averaging
-(jax_cgx/_src/data_parallel.py); and jax_cgx.optax reachable after ``import jax_cgx``."""
+(jax_cgx/_src/data_parallel/); and jax_cgx.optax reachable after ``import jax_cgx``."""
 
+import functools
 import re
 import subprocess
 import sys
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -329,3 +331,141 @@ def test_other_mesh_axes_stay_with_the_partitioner(axis_type):
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
     for k in ref:
         np.testing.assert_allclose(grads[k], ref[k], rtol=2e-5, atol=1e-7, err_msg=k)
+
+
+# --- what a transformer's step returns and takes (issue 47) ---------------------------------------
+
+def test_the_mesh_comes_from_the_context():
+    mesh = _mesh(AxisType.Explicit)
+    params, x, y = _placed(mesh, *_problem())
+    grad_fn = jax_cgx.data_parallel_value_and_grad(_loss, config=jax_cgx.CompressionConfig(bits=32))
+    with pytest.raises(ValueError, match=r"no mesh: pass mesh=, or call grad_fn inside jax.set_mesh\(mesh\)"):
+        grad_fn(params, x, y)
+    want = jax.jit(jax_cgx.data_parallel_value_and_grad(_loss, mesh=mesh, config=jax_cgx.CompressionConfig(bits=32)))(
+        params, x, y)
+    with jax.set_mesh(mesh):
+        got = jax.jit(grad_fn)(params, x, y)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # `with mesh:`, jax's older form: still honored
+        with mesh:
+            legacy = jax.jit(grad_fn)(params, x, y)
+    for tree in (got, legacy):
+        for a, b in zip(jax.tree.leaves(tree), jax.tree.leaves(want)):
+            assert_same_bits(np.asarray(a), np.asarray(b))
+
+
+def _logits_loss(params, x, y):
+    logits = jnp.tanh(x @ params["w1"] + params["b1"]) @ params["w2"]
+    return jnp.mean((logits - y) ** 2), {"logits": logits, "rows": jnp.float32(x.shape[0])}
+
+
+@pytest.mark.parametrize("mode", ["mean", "sum", "batch", "per_device"])
+def test_aux_modes(mode, caplog):
+    mesh = _mesh()
+    params, x, y = _problem()
+    grad_fn = jax_cgx.data_parallel_value_and_grad(_logits_loss, mesh=mesh, has_aux=True, aux=mode,
+                                                   config=jax_cgx.CompressionConfig(bits=32))
+    if mode == "batch":  # every aux leaf must have the device's rows first
+        with pytest.raises(ValueError, match=r"aux='batch', but aux\['rows'\] is a scalar"):
+            grad_fn(params, x, y)
+        grad_fn = jax_cgx.data_parallel_value_and_grad(lambda p, x, y: (_logits_loss(p, x, y)[0],
+                                                                       _logits_loss(p, x, y)[1]["logits"]),
+                                                       mesh=mesh, has_aux=True, aux=mode,
+                                                       config=jax_cgx.CompressionConfig(bits=32))
+    with caplog.at_level("WARNING", logger="jax_cgx"):
+        (loss, extra), _ = grad_fn(params, x, y)
+    logits = np.asarray(_logits_loss(params, x, y)[1]["logits"])
+    shards = logits.reshape(W, -1, logits.shape[-1])
+    if mode == "batch":
+        np.testing.assert_allclose(extra, logits, rtol=1e-5, atol=1e-6)  # the whole batch's rows, as unsharded
+        assert extra.sharding.spec[0] == "data"
+    elif mode == "per_device":
+        np.testing.assert_allclose(extra["logits"], shards, rtol=1e-5, atol=1e-6)
+        np.testing.assert_array_equal(extra["rows"], np.full(W, ROWS // W))
+    elif mode == "sum":
+        assert float(extra["rows"]) == ROWS
+    else:
+        np.testing.assert_allclose(extra["logits"], shards.mean(0), rtol=1e-5)
+        assert "aux['logits'] has the device's 4 rows first; aux='mean' averages it" in caplog.text
+    with pytest.raises(ValueError, match="aux must be one of"):
+        jax_cgx.data_parallel_value_and_grad(_loss, mesh=mesh, aux="gather")
+
+
+def _weighted_loss(params, x, y, weights):
+    per_row = jnp.mean((jnp.tanh(x @ params["w1"] + params["b1"]) @ params["w2"] - y) ** 2, axis=-1)
+    return jnp.sum(per_row * weights), jnp.sum(weights)
+
+
+@pytest.mark.parametrize("in_backward", [True, False])
+def test_a_weighted_loss_is_the_unsharded_weighted_mean(in_backward):
+    # Each device holds a different number of real (weight 1) rows: the mean of the devices' means
+    # is not the batch's weighted mean; weighted=True gives the latter, as one unsharded step would.
+    mesh = _mesh()
+    params, x, y = _problem()
+    per_device = ROWS // W
+    real = np.arange(W) % per_device + 1  # device d holds d % 4 + 1 real rows, the rest padding
+    weights = (np.arange(per_device)[None, :] < real[:, None]).astype(np.float32).reshape(ROWS)
+    def unsharded(p):
+        total, weight = _weighted_loss(p, x, y, weights)
+        return total / weight
+    want_loss, want = jax.value_and_grad(unsharded)(params)
+    grad_fn = jax_cgx.data_parallel_value_and_grad(_weighted_loss, mesh=mesh, weighted=True, in_backward=in_backward,
+                                                   config=jax_cgx.CompressionConfig(bits=32))
+    loss, grads = grad_fn(params, x, y, weights)
+    np.testing.assert_allclose(loss, want_loss, rtol=1e-6)
+    for k in params:
+        np.testing.assert_allclose(grads[k], want[k], rtol=1e-5, atol=1e-7, err_msg=k)
+    naive = jax_cgx.data_parallel_value_and_grad(lambda p, x, y, w: jnp.divide(*_weighted_loss(p, x, y, w)),
+                                                 mesh=mesh, config=jax_cgx.CompressionConfig(bits=32))
+    assert abs(float(naive(params, x, y, weights)[0]) - float(want_loss)) > 1e-3  # what weighted=True fixes
+
+
+def _dropout_loss(params, x, y, *, rng):
+    h = jnp.tanh(x @ params["w1"] + params["b1"])
+    keep = jax.random.bernoulli(rng, 0.5, h.shape)
+    return jnp.mean(((h * keep) @ params["w2"] - y) ** 2)
+
+
+def test_device_keys_draw_a_mask_per_device_and_undeclared_keys_are_refused():
+    mesh = _mesh()
+    params, x, y = _problem()
+    key = jax.random.key(5)
+    exact = jax_cgx.CompressionConfig(bits=32)
+    with pytest.raises(ValueError, match=r"keyword argument rng is a PRNG key: every device would draw the same "
+                                         r"random numbers .* device_keys=\('rng',\)"):
+        jax_cgx.data_parallel_value_and_grad(_dropout_loss, mesh=mesh, config=exact)(params, x, y, rng=key)
+    with pytest.raises(ValueError, match="device_keys names 'dropout'"):
+        jax_cgx.data_parallel_value_and_grad(_dropout_loss, mesh=mesh, device_keys="dropout")(params, x, y, rng=key)
+    grad_fn = jax_cgx.data_parallel_value_and_grad(_dropout_loss, mesh=mesh, device_keys=("rng",), config=exact)
+    loss, grads = grad_fn(params, x, y, rng=key)
+    # The unsharded step with device d's rows masked by fold_in(key, d): the same loss and gradient.
+    xs, ys = x.reshape(W, -1, x.shape[1]), y.reshape(W, -1, y.shape[1])
+
+    def reference(p):
+        return jnp.mean(jnp.stack([_dropout_loss(p, xs[d], ys[d], rng=jax.random.fold_in(key, d)) for d in range(W)]))
+
+    want_loss, want = jax.value_and_grad(reference)(params)
+    np.testing.assert_allclose(loss, want_loss, rtol=1e-6)
+    for k in params:
+        np.testing.assert_allclose(grads[k], want[k], rtol=1e-5, atol=1e-7, err_msg=k)
+    shared = jax_cgx.data_parallel_value_and_grad(_dropout_loss, mesh=mesh, shared_keys=("rng",), config=exact)
+    assert float(shared(params, x, y, rng=key)[0]) != float(loss)  # one mask for every device: another loss
+    raw = jax.random.PRNGKey(5)  # a raw uint32[2] key is a key too
+    with pytest.raises(ValueError, match="is a PRNG key"):
+        jax_cgx.data_parallel_value_and_grad(_dropout_loss, mesh=mesh, config=exact)(params, x, y, rng=raw)
+
+
+def test_a_closed_over_per_row_array_is_refused_by_name():
+    mesh = _mesh()
+    params, x, y = _problem()
+    positions = np.arange(ROWS, dtype=np.float32)[:, None]
+
+    def loss_fn(p, x, y):
+        return _loss(p, x + positions, y)
+
+    with pytest.raises(ValueError, match=r"fun closes over `positions` \(float32\[32, 1\]\), whose leading dimension "
+                                         r"is the batch's 32 rows: .* Pass per-row arrays .* as batch arguments"):
+        jax_cgx.data_parallel_value_and_grad(loss_fn, mesh=mesh)(params, x, y)
+    with pytest.raises(ValueError, match=r"functools.partial keyword 'positions'"):
+        jax_cgx.data_parallel_value_and_grad(functools.partial(lambda p, x, y, positions: _loss(p, x + positions, y),
+                                                               positions=positions), mesh=mesh)(params, x, y)

@@ -145,3 +145,16 @@ def lowering_platform(platform: str) -> str:
 def context_mesh(ctx):
     """The mesh of the shard_map/pmap whose body a lowering rule is lowering (None outside one)."""
     return getattr(ctx.module_context.axis_context, "mesh", None)
+
+
+def current_mesh():
+    """The mesh of the context: ``jax.set_mesh``'s (an ``AbstractMesh`` where only that is set), or
+    ``with mesh:``'s; None outside both."""
+    from jax._src import mesh as mesh_lib
+
+    abstract = mesh_lib.get_abstract_mesh()
+    if not abstract.empty:
+        return abstract
+
+    physical = mesh_lib.thread_resources.env.physical_mesh
+    return None if physical.empty else physical

@@ -1,0 +1,345 @@
+"""``data_parallel_value_and_grad``: compressed gradient averaging for a plain ``jax.jit`` step.
+
+Most JAX training steps are a ``jax.jit`` of ``jax.value_and_grad`` over a batch sharded along
+a mesh axis, and the partitioner inserts the gradient all-reduce itself: by the time the
+gradient is a value the program can see, it has been summed in float32 and there is nothing
+left to compress. Compressing it needs each device's *own* gradient, which exists only inside
+``shard_map``, taken with respect to a copy of the parameters typed as varying over the axis
+(``lax.pcast(params, axis, to="varying")``; with the replicated parameters themselves, JAX's
+transpose of the implicit broadcast would psum the gradient first).
+
+:func:`data_parallel_value_and_grad` writes that once::
+
+    grad_fn = jax_cgx.data_parallel_value_and_grad(loss_fn, config=CompressionConfig(bits=4))  # mesh: jax.set_mesh's
+
+    @jax.jit
+    def step(params, opt_state, x, y):
+        loss, grads = grad_fn(params, x, y)          # grads: the compressed mean, replicated
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+``loss_fn(params, *batch)`` is the loss of one device's shard of the batch (a mean over its
+rows); every batch argument is split along its leading axis over ``axis_name``. With
+``bits=32`` the result is ``jax.value_and_grad(loss_fn)`` of the whole batch, to float32
+rounding (the mean of the shards' means), for a loss whose rows do not depend on each other:
+a layer with batch statistics (BatchNorm) sees only its device's rows (docs/flax.md).
+
+What a transformer's step returns and takes (lm1b's, say) has its own switches: ``aux=`` says
+what becomes of ``has_aux``'s auxiliary output (averaged, summed, the whole batch's rows, or one
+per device); ``weighted=True`` takes a loss that is a sum over tokens with its normalizer (the
+result is the whole batch's weighted mean, whatever each device holds); ``device_keys=`` names
+the PRNG keys each device folds its index into (dropout), and an undeclared key is refused,
+since it would draw the same mask on every device. Every per-row array must be a batch argument:
+one ``fun`` closes over is refused when its rows are the batch's.
+
+Keyword arguments of ``grad_fn`` reach ``loss_fn`` the same on every device and are not
+differentiated: model state (BatchNorm statistics), a PRNG key, a step number. They are
+arguments rather than closures because ``shard_map`` cannot close over values sharded on
+``Explicit`` mesh axes, and they are rebuilt in the trace ``loss_fn`` runs in because a mutable
+pytree node (an NNX ``Variable``) may only be written in the trace that made it.
+
+By default each gradient is averaged **in the backward pass**, as PyTorch DDP does: the
+parameters' leaves are gathered, last first (the order backward produces them), into buckets of
+about ``bucket_mb`` (a leaf at least that large is a bucket of its own, with no copy into a fusion
+buffer), and each bucket is :func:`~jax_cgx.compressed_pmean`'d as soon as the backward pass has
+produced all of its gradients (:func:`~jax_cgx.reduce_in_backward` on each bucket). The result is
+bitwise that of ``compressed_pmean`` applied to each bucket (leaves in their tree order, bucket
+``b``'s key ``fold_in(key, b)``); ``in_backward=False`` averages the whole tree in one
+``compressed_pmean`` after the backward pass instead. The two differ only in how the values are cut
+into exchanges (within the same error bound); docs/performance.md has what each costs.
+
+Optimizer states that differ from device to device (error feedback, top-k and PowerSGD
+residuals: :mod:`jax_cgx.optax`) cannot live in a replicated ``jit`` state; those transforms
+run inside ``shard_map`` (docs/training.md has the recipe).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import numbers
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
+
+from jax_cgx._src import compat
+from jax_cgx._src.arguments import check_axes, check_bool
+from jax_cgx._src.collectives.backward import reduce_in_backward
+from jax_cgx._src.collectives.plan import ConfigSpec, leaf_configs
+from jax_cgx._src.collectives.psum import compressed_pmean
+from jax_cgx._src.data_parallel import checks
+from jax_cgx._src.data_parallel.checks import API, differentiable
+
+__all__ = ["data_parallel_value_and_grad", "buckets", "DEFAULT_BUCKET_MB", "AUX_MODES"]
+
+log = logging.getLogger("jax_cgx")
+
+# DDP's default bucket is 25 MB. Ours is smaller: a bucket of many leaves is copied into a fusion
+# buffer, and a leaf of at least this size needs no copy (docs/performance.md).
+DEFAULT_BUCKET_MB = 4.0
+# What becomes of has_aux's auxiliary output (see data_parallel_value_and_grad).
+AUX_MODES = ("mean", "sum", "batch", "per_device")
+
+
+def data_parallel_value_and_grad(fun: Callable[..., Any], *, mesh=None, axis_name: str | tuple[str, ...] = "data",
+                                 config: ConfigSpec = None, has_aux: bool = False, aux: str = "mean",
+                                 weighted: bool = False, device_keys: Sequence[str] = (),
+                                 shared_keys: Sequence[str] = (), in_backward: bool = True,
+                                 bucket_mb: float = DEFAULT_BUCKET_MB, allow_int: bool = False) -> Callable[..., Any]:
+    """``jax.value_and_grad(fun)`` over a batch sharded along ``axis_name``, the gradient
+    averaged over the devices with :func:`~jax_cgx.compressed_pmean`.
+
+    Args:
+      fun: ``fun(params, *batch, **kwargs) -> loss`` (a scalar; with ``has_aux``, ``(loss, aux)``),
+        the loss of one device's shard of the batch. Every per-row array (inputs, targets,
+        positions, segmentation, weights) must be a batch argument: an array ``fun`` closes over
+        whose leading dimension is the batch's rows is refused.
+      mesh: the ``jax.sharding.Mesh`` (or ``AbstractMesh``) the batch is sharded over; its axes
+        may be ``Auto`` or ``Explicit``. None (the default): the mesh of the context at each call
+        (``jax.set_mesh(mesh)`` or ``with mesh:``); a ``ValueError`` if there is none. Only
+        ``axis_name``'s axes are mapped by hand; others (a ``"model"`` axis) stay with XLA's
+        partitioner. Where every mesh axis is one of ``axis_name``'s and ``Explicit``
+        (``jax.make_mesh``'s default), JAX moves no argument between shardings: place the batch
+        with ``jax.device_put(x, NamedSharding(mesh, P(axis_name)))`` and ``params`` replicated;
+        a ``ValueError`` names any argument that is not.
+      axis_name: the mesh axis (or axes) the batch's leading dimension is split over.
+      config: as for :func:`~jax_cgx.compressed_pmean`: a ``CompressionConfig``, a pytree of
+        them matching ``params``, a function of a leaf's path, or None (``CompressionConfig()``'s
+        defaults, 4 bits; torch_cgx's where its ``CGX_*`` variables are set).
+      has_aux: ``fun`` returns ``(loss, aux)``.
+      aux: with ``has_aux``, what each leaf of ``aux`` becomes: ``"mean"`` (the default: averaged
+        over the devices, like the loss), ``"sum"`` (summed: counts, weight sums), ``"batch"``
+        (each leaf has the device's rows first, as logits do: the whole batch's rows, split over
+        the devices as the batch is; nothing is sent), ``"per_device"`` (a new leading axis, one
+        entry per device). ``"mean"`` warns once of a leaf whose leading dimension is a device's
+        rows (logits averaged over devices are seldom meant).
+      weighted: ``fun`` returns ``(loss_sum, weight_sum)`` instead of a loss (with ``has_aux``,
+        ``((loss_sum, weight_sum), aux)``), lm1b's ``compute_weighted_cross_entropy``'s pair:
+        the loss and the gradient are those of ``sum(loss_sum) / sum(weight_sum)`` over every
+        device, the unsharded step's weighted mean however many real tokens each device holds
+        (a mean of the devices' means is that only when they all hold the same number).
+      device_keys: names of keyword arguments of ``grad_fn`` that are PRNG keys each device folds
+        its index into (``jax.random.fold_in(key, device)``): dropout with a different mask on
+        every device's rows, as one unsharded step would draw.
+      shared_keys: names of keyword arguments that are PRNG keys meant to be the same on every
+        device. Any other keyword argument that is a PRNG key raises a ``ValueError``.
+      in_backward: average each bucket of gradients as soon as the backward pass has produced it
+        (the default), or the whole tree after it (``False``).
+      bucket_mb: with ``in_backward``, the size (MiB) buckets of small leaves are filled to;
+        a leaf of at least this size is a bucket of its own.
+      allow_int: as for ``jax.grad``: integer (and bool) leaves of ``params`` get ``float0``
+        gradients, which are not averaged (there is nothing to send). Without it such a leaf
+        raises a ``ValueError`` naming it.
+
+    Returns:
+      ``grad_fn(params, *batch, key=None, **kwargs)`` returning ``(loss, grads)``
+      (``((loss, aux), grads)`` with ``has_aux``), replicated (``aux`` as ``aux=`` says). Call it
+      inside ``jax.jit`` or on its own. ``params`` is replicated; each ``batch`` argument is a
+      pytree whose leaves have a leading dimension divisible by the number of devices along
+      ``axis_name``. ``key``: a PRNG key for stochastic rounding, the same on every device
+      (jax_cgx's, not passed to ``fun``). ``kwargs``: pytrees passed on as
+      ``fun(params, *batch, **kwargs)``, replicated (the same on every device, not split; the
+      ``device_keys`` folded per device) and not differentiated.
+    """
+    if not callable(fun):
+        raise TypeError(f"{API}: fun must be callable, got {type(fun).__name__}")
+    has_aux = check_bool(API, "has_aux", has_aux)
+    weighted = check_bool(API, "weighted", weighted)
+    in_backward = check_bool(API, "in_backward", in_backward)
+    allow_int = check_bool(API, "allow_int", allow_int)
+    if aux not in AUX_MODES:
+        raise ValueError(f"{API}: aux must be one of {AUX_MODES}, got {aux!r}")
+    device_keys, shared_keys = _names("device_keys", device_keys), _names("shared_keys", shared_keys)
+    if both := set(device_keys) & set(shared_keys):
+        raise ValueError(f"{API}: {sorted(both)} are in both device_keys and shared_keys: a key is one or the other")
+    bucket_bytes = _bucket_bytes(bucket_mb)
+    axes = check_axes(API, axis_name)
+    if mesh is not None:
+        _layout(mesh, axes)  # checked now, when given
+    arg_names = checks.argument_names(fun)
+    warned = [False]
+
+    def local(world, rows, params, key, kwargs, *batch):
+        kwargs = dict(kwargs)
+        if device_keys:
+            me = lax.axis_index(axes)
+            for name in device_keys:
+                kwargs[name] = jax.tree.map(lambda k: jax.random.fold_in(k, me), kwargs[name])
+        leaves, treedef = jax.tree.flatten(kwargs)
+
+        def differentiated(params):
+            # Each device's own gradient: with respect to params typed as varying (as the
+            # transpose of the implicit broadcast of replicated params would psum it), averaged in
+            # backward by the marks, which type them so themselves.
+            mine = _marked(params, axes, config, key, bucket_bytes) if in_backward else params
+            # kwargs' pytree nodes rebuilt in the trace fun runs in, as jax.jit gives its function
+            # new ones: an NNX Variable (BatchNorm's statistics) may only be written where it was made.
+            out = fun(mine, *batch, **jax.tree.unflatten(treedef, leaves))
+            if not weighted:
+                return out
+            (total, weight), extra = out if has_aux else (out, None)
+            # The gradients are averaged over the devices: each device's sum is scaled by W / the
+            # whole batch's weight, so the average is sum(loss sums)' gradient / sum(weight sums).
+            overall = lax.psum(lax.stop_gradient(jnp.asarray(weight, jnp.result_type(total))), axes)
+            scaled = total * (world / overall)
+            return (scaled, extra) if has_aux else scaled
+
+        value_and_grad = jax.value_and_grad(differentiated, has_aux=has_aux, allow_int=allow_int)
+        if in_backward:
+            value, grads = value_and_grad(params)
+        else:
+            value, grads = value_and_grad(_varying_copy(params, axes))
+            grads = _without_float0(lambda g: compressed_pmean(g, axes, config, key=key), grads)
+        if not has_aux:
+            return lax.pmean(value, axes), grads
+        loss, extra = value
+        return (lax.pmean(loss, axes), _reduce_aux(extra, aux, axes, rows // world, warned)), grads
+
+    def grad_fn(params, *batch, key: jax.Array | None = None, **kwargs):
+        if not batch:
+            raise TypeError(f"{API}: grad_fn(params, *batch) needs at least one batch argument to split over the "
+                            "devices")
+        the_mesh = mesh if mesh is not None else _context_mesh()
+        world, batch_spec, explicit = _layout(the_mesh, axes)
+        rows = checks.check_batch(batch, axes, world, arg_names)
+        checks.check_params(params, allow_int)
+        checks.check_closures(fun, rows, world)
+        checks.check_keys(kwargs, device_keys, shared_keys)
+        if explicit:
+            checks.check_placement(params, key, kwargs, batch, the_mesh, axes, arg_names)
+        aux_spec = batch_spec if aux in ("batch", "per_device") else P()
+        out_specs = (((P(), aux_spec) if has_aux else P()), P())
+        # Manual over the data axes only: other mesh axes (e.g. "model") stay with the partitioner.
+        mapped = jax.shard_map(lambda *a: local(world, rows, *a), mesh=the_mesh,
+                               in_specs=(P(), P(), P(), *(batch_spec,) * len(batch)), out_specs=out_specs,
+                               axis_names=frozenset(axes))
+        return mapped(params, key, kwargs, *batch)
+
+    return grad_fn
+
+
+def _names(what: str, names) -> tuple[str, ...]:
+    names = (names,) if isinstance(names, str) else tuple(names)
+    if not all(isinstance(n, str) for n in names):
+        raise TypeError(f"{API}: {what} must be names of keyword arguments (strings), got {names!r}")
+    return names
+
+
+def _context_mesh():
+    mesh = compat.current_mesh()
+    if mesh is None:
+        raise ValueError(f"{API}: no mesh: pass mesh=, or call grad_fn inside jax.set_mesh(mesh) (or `with mesh:`)")
+    return mesh
+
+
+def _layout(mesh, axes: tuple) -> tuple[int, P, bool]:
+    """``(devices along axes, the batch's spec, whether every mesh axis is a manual Explicit one)``."""
+    names = tuple(getattr(mesh, "axis_names", ()))
+    missing = [a for a in axes if a not in names]
+    if missing:
+        raise ValueError(f"{API}: axis {missing[0]!r} is not an axis of the mesh (its axes: {names}); pass "
+                         "axis_name= one of them")
+    world = math.prod(mesh.shape[a] for a in axes)
+    # shard_map moves arguments to its in_specs itself, except on a mesh whose axes are all
+    # manual and Explicit: there an argument whose type has another sharding is an error about
+    # a shard_map the caller never wrote. Such arguments are checked (checks.check_placement), and named.
+    types = dict(zip(names, getattr(mesh, "axis_types", ())))
+    explicit = set(names) == set(axes) and all(types.get(a) == AxisType.Explicit for a in axes)
+    return world, P(axes if len(axes) > 1 else axes[0]), explicit
+
+
+def _reduce_aux(extra, mode: str, axes: tuple, rows: int, warned: list):
+    if mode == "mean":
+        for path, leaf in jax.tree_util.tree_flatten_with_path(extra)[0]:
+            shape = jnp.shape(leaf)
+            if not warned[0] and rows > 1 and len(shape) >= 1 and shape[0] == rows:
+                warned[0] = True
+                log.warning("jax_cgx: %s: aux%s has the device's %d rows first; aux='mean' averages it over the "
+                            "devices. For the whole batch's rows (logits, per-token values) pass aux='batch'",
+                            API, jax.tree_util.keystr(path), rows)
+        return jax.tree.map(lambda v: lax.pmean(v, axes), extra)
+    if mode == "sum":
+        return jax.tree.map(lambda v: lax.psum(v, axes), extra)
+    if mode == "per_device":
+        return jax.tree.map(lambda v: jnp.asarray(v)[None], extra)
+    for path, leaf in jax.tree_util.tree_flatten_with_path(extra)[0]:  # "batch"
+        if jnp.ndim(leaf) == 0:
+            raise ValueError(f"{API}: aux='batch', but aux{jax.tree_util.keystr(path)} is a scalar, not the device's "
+                             "rows: use aux='mean', 'sum' or 'per_device' for it")
+    return extra
+
+
+def _bucket_bytes(bucket_mb) -> int:
+    if isinstance(bucket_mb, bool) or not isinstance(bucket_mb, numbers.Real) or not bucket_mb > 0 \
+            or not math.isfinite(bucket_mb):
+        raise ValueError(f"{API}: bucket_mb must be a positive number of MiB, got {bucket_mb!r}")
+    return max(1, int(bucket_mb * 2**20))
+
+
+def buckets(nbytes: Sequence[int], bucket_bytes: int) -> list[tuple[int, ...]]:
+    """The leaves (indices into ``nbytes``, each leaf's size in bytes) averaged together in the
+    backward pass, in the order their last gradient is expected.
+
+    Leaves are taken last first, the order backward produces a model's layers in. A leaf of at
+    least ``bucket_bytes`` is a bucket of its own: its exchange starts as soon as it exists and
+    needs no copy into a fusion buffer (on the step of docs/performance.md, fusing the 16 MiB
+    weights cost more in copies than a bucket's extra exchange). Smaller leaves (biases,
+    normalization scales, a small model's layers) fill a bucket until it holds ``bucket_bytes``.
+    Within a bucket, leaves keep their tree order.
+    """
+    out, pending, filled = [], [], 0
+    for i in reversed(range(len(nbytes))):
+        if nbytes[i] >= bucket_bytes:
+            out.append((i,))
+            continue
+        pending.append(i)
+        filled += nbytes[i]
+        if filled >= bucket_bytes:
+            out.append(tuple(sorted(pending)))
+            pending, filled = [], 0
+    if pending:
+        out.append(tuple(sorted(pending)))
+    return out
+
+
+def _varying_copy(params, axes):
+    """``params`` typed as varying over ``axes`` (each device's own gradient), but for integer
+    leaves: their float0 gradients stay replicated, as the result's spec says."""
+    return jax.tree.map(lambda v: lax.pcast(v, axes, to="varying") if differentiable(v) else v, params)
+
+
+def _without_float0(reduce, grads):
+    """``reduce`` applied to the gradients that are not ``float0`` (an integer leaf's, under
+    ``allow_int``: nothing to average); those are returned as they are."""
+    leaves, treedef = jax.tree.flatten(grads)
+    real = [i for i, g in enumerate(leaves) if jnp.result_type(g) != jax.dtypes.float0]
+    reduced = reduce([leaves[i] for i in real])
+    for i, g in zip(real, reduced):
+        leaves[i] = g
+    return treedef.unflatten(leaves)
+
+
+def _marked(params, axes: tuple, config: ConfigSpec, key, bucket_bytes: int):
+    """``params`` with each bucket of leaves marked by :func:`reduce_in_backward`, its config the
+    leaves' own (a config pytree or function is resolved on the whole tree, with its paths)."""
+    with_paths, treedef = jax.tree_util.tree_flatten_with_path(params)
+    paths, leaves = [p for p, _ in with_paths], [v for _, v in with_paths]
+    configs = leaf_configs(config, params, paths, "data_parallel_value_and_grad")
+    # Integer leaves (allow_int) have float0 gradients: nothing to average, so no bucket.
+    nbytes = [math.prod(jnp.shape(v)) * jnp.result_type(v).itemsize if differentiable(v) else 0 for v in leaves]
+    out = list(leaves)
+    for b, members in enumerate(buckets(nbytes, bucket_bytes)):
+        members = tuple(i for i in members if differentiable(leaves[i]))
+        if not members:
+            continue
+        bucket_key = None if key is None else jax.random.fold_in(key, b)
+        marked = reduce_in_backward(tuple(leaves[i] for i in members), axes, tuple(configs[i] for i in members),
+                                    key=bucket_key)
+        for i, leaf in zip(members, marked):
+            out[i] = leaf
+    return treedef.unflatten(out)
