@@ -409,3 +409,21 @@ def test_bytes_on_wire_alone_never_measures_collectively(monkeypatch):
             bytes_on_wire(tree, 8, auto, op=op)
     assert bytes_on_wire(tree, 8, jax_cgx.CompressionConfig(bits=4)) > 0  # "always" needs no figures
     pricing.reset()
+
+
+@pytest.mark.parametrize("op", ["psum", "psum_scatter"])
+def test_explain_measures_nothing_for_a_policy_that_does_not_decide(monkeypatch, op):
+    # Before: explain(config=CompressionConfig(policy="always")) calibrated "auto" anyway (3.7 s).
+    tree = {"w": jax.ShapeDtypeStruct((W * 4096,), jnp.float32)}
+    config = jax_cgx.CompressionConfig(bits=4, policy="always")
+    calls = []
+    real = pricing._calibrate_platform
+    monkeypatch.setattr(pricing, "_calibrate_platform", lambda *a: calls.append(a) or real(*a))
+    tiled = {"tiled": True} if op == "psum_scatter" else {}
+    report = jax_cgx.explain(tree, world=W, config=config, op=op, file=None, **tiled)
+    assert not calls and [b.priced for b in report.buffers] == ["not priced"]
+    assert "not priced: the policy is not 'auto'" in str(report)
+    jax_cgx.calibrate()  # measured now: the same report is priced, with nothing more measured
+    calls.clear()
+    report = jax_cgx.explain(tree, world=W, config=config, op=op, file=None, **tiled)
+    assert not calls and report.buffers[0].priced == "model" and report.buffers[0].psum_ms > 0

@@ -94,9 +94,13 @@ class Explanation:
             lines.append(_table(
                 ["buffer", "dtype", "bits", "MiB", "policy", "compressed", "psum ms" if self.op == "psum" else "lax ms",
                  "compressed ms", "speedup", "priced"],
-                [[str(b.index), b.dtype, str(b.bits), f"{b.mib:.4g}", b.policy, "yes" if b.compressed else "no",
-                  f"{b.psum_ms:.3g}", f"{b.compressed_ms:.3g}", f"{b.psum_ms / b.compressed_ms:.2f}x", b.priced]
+                [[str(b.index), b.dtype, str(b.bits), f"{b.mib:.4g}", b.policy, "yes" if b.compressed else "no"]
+                 + ([f"{b.psum_ms:.3g}", f"{b.compressed_ms:.3g}", f"{b.psum_ms / b.compressed_ms:.2f}x"]
+                    if b.priced != "not priced" else ["-", "-", "-"]) + [b.priced]
                  for b in self.buffers]))
+            if any(b.priced == "not priced" for b in self.buffers):
+                lines.append("  not priced: the policy is not 'auto' and this machine is not measured yet "
+                             "(jax_cgx.calibrate() measures it; policy='auto' does on its first use)")
         return "\n".join(lines)
 
 
@@ -112,7 +116,13 @@ def _or_dash(value, form: str = "{}") -> str:
 
 
 def _priced(d: pricing.Decision | None) -> str:
-    return "-" if d is None else f"timed on {d.backend}" if d.measured else "model"
+    return "not priced" if d is None else f"timed on {d.backend}" if d.measured else "model"
+
+
+def _figures_for(config) -> pricing.Figures | None:
+    """What a buffer is priced with: measured for policy="auto" (what it decides with), and for any
+    other policy only what is known already: explain measures nothing it was not asked to."""
+    return pricing.figures(config) if config.policy == "auto" else pricing.known_figures(config)
 
 
 _API = {"psum": "compressed_psum", "psum_scatter": "compressed_psum_scatter", "all_gather": "compressed_all_gather"}
@@ -173,11 +183,12 @@ def explain(x, axis_name=None, config: ConfigSpec = None, *, world: int | None =
         decisions = plan.decisions.get(group)
         for k, (start, stop) in enumerate(plan.buffers(group)):
             d = decisions[k] if decisions else None
-            if d is None and world > 1:  # "always": what "auto" would have predicted
+            known = _figures_for(group.config)
+            if d is None and known is not None:  # "always": what "auto" would have predicted, if measured already
                 d = pricing.decide(stop - start, group.dtype, world, group.config, inner_world=inner_world,
                                   backend=backends.get(plan.backends.get(group, "xla")).timed_as, log=False,
                                   measure=False)
-            figures = figures or (pricing.figures(group.config) if world > 1 else None)
+            figures = figures or known
             index = len(buffers)
             buffers.append(BufferReport(
                 index, group.dtype.name, group.config.bits, stop - start, group.config.policy,
@@ -191,7 +202,7 @@ def explain(x, axis_name=None, config: ConfigSpec = None, *, world: int | None =
             leaf_buffers.setdefault(i, []).append(len(buffers))
         buffers.append(BufferReport(len(buffers), group.dtype.name, group.config.bits, values, "auto", False,
                                     d.psum_s * 1e3, d.compressed_s * 1e3, _priced(d)))
-        figures = figures or pricing.figures(group.config)
+        figures = figures or _figures_for(group.config)
 
     leaves_out = []
     for i, (path, leaf) in enumerate(zip(paths, leaves)):
@@ -228,15 +239,18 @@ def _explain_sharded(x, config: ConfigSpec, world: int, op: str, scatter_dimensi
     figures = None
     for group, members in (scatter_gather.buffers(leaves, world, op) if world > 1 else []):
         values = sum(leaves.leaves[i].size for i in members)
-        # Under "always", what "auto" would have predicted; timings only where taken before (collective).
-        d = pricing.decide(values, group.dtype, world, group.config, op=op, log=False, measure=False,
-                          copied=scatter_gather.copied(members, world, op))
-        figures = figures or pricing.figures(group.config)
+        # Under "always", what "auto" would have predicted where the machine is measured already;
+        # timings only where taken before (collective).
+        known = _figures_for(group.config)
+        d = None if known is None else pricing.decide(values, group.dtype, world, group.config, op=op, log=False,
+                                                      measure=False, copied=scatter_gather.copied(members, world, op))
+        figures = figures or known
         compress = group.config.policy != "auto" or d.compress
         for i in members:
             leaf_buffers[i] = len(buffers)
         buffers.append(BufferReport(len(buffers), group.dtype.name, group.config.bits, values, group.config.policy,
-                                    compress, d.psum_s * 1e3, d.compressed_s * 1e3, _priced(d)))
+                                    compress, 0.0 if d is None else d.psum_s * 1e3,
+                                    0.0 if d is None else d.compressed_s * 1e3, _priced(d)))
     reports = []
     for i, (kind, leaf) in enumerate(zip(leaves.lanes, leaves.leaves)):
         mine = leaf_buffers.get(i)

@@ -263,6 +263,19 @@ def figures(config: CompressionConfig | None = None, platform: str | None = None
     return fig
 
 
+def known_figures(config: CompressionConfig | None = None, platform: str | None = None) -> Figures | None:
+    """:func:`figures` where everything they need is measured (or given) already, else None: never
+    measures (what a report on a policy other than "auto" may price with)."""
+    platform = platform or jax.default_backend()
+    link_gbps, source = None, None
+    if config is not None and config.link_gbps is not None:
+        link_gbps, source = config.link_gbps, "CompressionConfig.link_gbps"
+    elif (env := _env_link()[0]) is not None:
+        link_gbps, source = env, "JAX_CGX_LINK_GBPS"
+    with _lock:
+        return _cached(platform, link_gbps, source)
+
+
 def calibrate(platform: str | None = None) -> Figures:
     """Measure this machine's link and codec now (collective: call it on every process).
 
