@@ -140,7 +140,8 @@ def test_bad_arguments_say_what_was_wrong():
 def test_the_planner_replans_with_bounded_compilations(caplog):
     r = np.random.default_rng(4)
     like = {"a": np.zeros(1 << 13, np.float32), "b": np.zeros(1 << 13, np.float32)}
-    planner = jax_cgx.adaptive.Planner(like, budget_bits=4, candidates=(2, 3, 4, 6, 8), every=10, min_gain=0.05)
+    planner = jax_cgx.adaptive.Planner(like, budget_bits=4, candidates=(2, 3, 4, 6, 8), bucket_sizes=None, every=10,
+                                       min_gain=0.05)  # widths only
     assert {c.bits for c in jax.tree.leaves(planner.configs)} == {4} and planner.plans is None
     made = []
 
@@ -520,3 +521,39 @@ def test_explain_shows_the_plan_per_leaf():
     assert "predicted error" not in str(jax_cgx.explain(tree, world=2, config=configs, file=None))
     with pytest.raises(ValueError, match=r"plans name leaves the tree lacks: \[\"\['b'\]\"\]"):
         jax_cgx.explain({"a": tree["a"]}, world=2, config=configs["a"], plans=plans, file=None)
+
+
+def test_observe_loss_feeds_the_planner_from_the_helper(caplog):
+    # One line in the loop, no second gradient function: the errors of each device's own gradient,
+    # the same as the hand-written shard_map of planner.leaf_errors, compiled once whatever the plan.
+    from jax.sharding import NamedSharding
+
+    from jax_cgx._src.data_parallel import step as dp_step
+
+    mesh = jax.make_mesh((8,), ("data",))
+    rng = np.random.default_rng(0)
+    params = {"e": jnp.asarray(rng.standard_normal((64, 256)) / 8, jnp.float32),
+              "w": jnp.asarray(rng.standard_normal((256, 8)) / 20, jnp.float32)}
+    x = jax.device_put(jnp.asarray(rng.standard_cauchy((64, 64)), jnp.float32), NamedSharding(mesh, P("data")))
+
+    def loss_fn(p, x):
+        return jnp.mean((jnp.tanh(x @ p["e"]) @ p["w"]) ** 2)
+
+    planner = jax_cgx.adaptive.Planner(params, budget_bits=4, every=2, min_gain=0.0)
+    assert planner.bucket_sizes == (64, 512, 4096)  # offered by default
+    by_hand = jax.jit(jax.shard_map(
+        lambda p, x: planner.leaf_errors(jax.grad(loss_fn)(jax.lax.pcast(p, "data", to="varying"), x), "data"),
+        mesh=mesh, in_specs=(P(), P("data")), out_specs=P()))
+    observer = jax_cgx.data_parallel_value_and_grad(loss_fn, mesh=mesh)
+    np.testing.assert_allclose(observer.leaf_errors(planner.leaf_errors, params, x), by_hand(params, x), rtol=1e-5)
+    before = dp_step._errors_program.cache_info().currsize
+    with caplog.at_level("INFO", logger="jax_cgx"):
+        assert not planner.observe_loss(1, observer, params, x)  # not a planning step: nothing computed
+        assert dp_step._errors_program.cache_info().currsize == before
+        changed = planner.observe_loss(2, observer, params, x)
+        other = jax_cgx.data_parallel_value_and_grad(loss_fn, mesh=mesh, config=planner.configs)  # another plan's
+        assert not planner.observe_loss(4, other, params, x)  # the same gradient: the plan stays
+    assert changed and "the bit widths stay" in caplog.text and "it is the best plan" in caplog.text
+    assert dp_step._errors_program.cache_info().currsize == before  # one program for every plan
+    with pytest.raises(TypeError, match="grad_fn must be a jax_cgx.data_parallel_value_and_grad function"):
+        planner.observe_loss(0, loss_fn, params, x)

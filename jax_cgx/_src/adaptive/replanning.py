@@ -46,7 +46,11 @@ from jax_cgx._src.arguments import check_bool
 from jax_cgx._src.collectives.plan import lane
 from jax_cgx._src.config import CompressionConfig
 
-__all__ = ["Planner"]
+__all__ = ["AUTO_BUCKET_SIZES", "Planner"]
+
+# The bucket sizes a Planner offers by default, beside its config's (docs/training.md measured
+# plans over these: the embedding's rows in 64, the rest in 512 or 4096).
+AUTO_BUCKET_SIZES = (64, 512, 4096)
 
 log = logging.getLogger("jax_cgx")
 
@@ -57,7 +61,10 @@ class Planner:
     Args:
       like: a pytree with the gradient's structure, shapes and dtypes (the parameters, or
         ``jax.ShapeDtypeStruct``s).
-      budget_bits, candidates, bucket_sizes, config, exact: as for :func:`~jax_cgx.adaptive.choose_bits`.
+      budget_bits, candidates, config, exact: as for :func:`~jax_cgx.adaptive.choose_bits`.
+      bucket_sizes: the bucket sizes a leaf may get, as for :func:`~jax_cgx.adaptive.choose_bits`;
+        ``"auto"`` (the default): :data:`AUTO_BUCKET_SIZES` and ``config``'s bucket size; None:
+        ``config``'s alone (then only widths change).
       every: re-plan at steps ``0, every, 2 every, ...`` (``observe``'s ``step``).
       objective: as for :func:`~jax_cgx.adaptive.choose_bits`.
       min_gain: adopt a new plan only when its predicted error is at most ``1 - min_gain`` times
@@ -72,7 +79,7 @@ class Planner:
     """
 
     def __init__(self, like, *, budget_bits: float = 4.0, candidates: Sequence[int] = CANDIDATES,
-                 bucket_sizes: Sequence[int] | None = None, config: CompressionConfig | None = None,
+                 bucket_sizes: Sequence[int] | str | None = "auto", config: CompressionConfig | None = None,
                  exact: bool = True, every: int = 100, min_gain: float = 0.05, objective: str = "squared"):
         budget, cands = _check(budget_bits, candidates, "Planner")
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
@@ -80,6 +87,10 @@ class Planner:
         if isinstance(min_gain, bool) or not isinstance(min_gain, (int, float)) or not 0 <= min_gain < 1:
             raise ValueError(f"Planner: min_gain must be in [0, 1), got {min_gain!r}")
         self.base = _base(config, "Planner")
+        if isinstance(bucket_sizes, str) and bucket_sizes == "auto":
+            # A plan gains most from buckets sized to each leaf's spread (an embedding's few wide rows
+            # in small buckets, smooth leaves in large ones): offered by default, with config's own.
+            bucket_sizes = sorted({*AUTO_BUCKET_SIZES, self.base.bucket_size})
         self.bucket_sizes = _bucket_sizes(bucket_sizes, self.base, "Planner")
         self.budget_bits, self.candidates = budget, cands
         self.exact = check_bool("Planner", "exact", exact)
@@ -146,6 +157,9 @@ class Planner:
         after = sum(p.error for p in plans)
         choices = tuple(p.choice for p in plans)
         if choices == self._choices or after > (1 - self.min_gain) * before:
+            why = ("it is the best plan for this gradient" if choices == self._choices else
+                   f"the best plan's predicted error, {after:.4g}, is not {self.min_gain:.0%} below it (min_gain)")
+            log.info("jax_cgx: step %d: the bit widths stay: predicted error %.4g; %s", step, before, why)
             return False
         self._configs, self._choices, self.plans = configs, choices, plans
         self.changes += 1
@@ -168,6 +182,23 @@ class Planner:
                     f"Planner.observe: gradient leaf {name} has shape {got_shape} and dtype {got_dtype}, but the "
                     f"planner was made for shape {shape} and dtype {dtype}: its byte budget and plan are for those. "
                     "Make the Planner with the parameters these gradients belong to")
+
+    def observe_loss(self, step: int, grad_fn, params, *batch, **kwargs) -> bool:
+        """:meth:`observe` fed by :func:`jax_cgx.data_parallel_value_and_grad` itself: at a planning
+        step, the errors of each device's own gradient of ``grad_fn``'s loss at ``params`` on the
+        batch (``grad_fn(params, *batch, **kwargs)``'s arguments; any plan's ``grad_fn`` of the same
+        loss and options: its config plays no part, and the errors' program is compiled once);
+        elsewhere nothing is computed. Returns whether the plan changed::
+
+            params, opt_state, loss = planner.compiled(make_step)(params, opt_state, x, y)
+            planner.observe_loss(step, grad_fn, params, x, y)
+        """
+        if step % self.every:
+            return False
+        if not callable(getattr(grad_fn, "leaf_errors", None)):
+            raise TypeError("Planner.observe_loss: grad_fn must be a jax_cgx.data_parallel_value_and_grad function "
+                            f"(it computes each device's gradient), got {type(grad_fn).__name__}")
+        return self.observe(step, params, errors=grad_fn.leaf_errors(self.leaf_errors, params, *batch, **kwargs))
 
     def state_dict(self) -> dict[str, np.ndarray]:
         """The adopted plan and its statistics, as NumPy arrays (orbax, ``np.savez`` or any

@@ -55,6 +55,7 @@ run inside ``shard_map`` (docs/training.md has the recipe).
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import numbers
@@ -164,31 +165,15 @@ def data_parallel_value_and_grad(fun: Callable[..., Any], *, mesh=None, axis_nam
     arg_names = checks.argument_names(fun)
     warned = [False]
 
+    objective = functools.partial(_objective, fun, axes=axes, has_aux=has_aux, weighted=weighted,
+                                  device_keys=device_keys)
+
     def local(world, rows, params, key, kwargs, *batch):
-        kwargs = dict(kwargs)
-        if device_keys:
-            me = lax.axis_index(axes)
-            for name in device_keys:
-                kwargs[name] = jax.tree.map(lambda k: jax.random.fold_in(k, me), kwargs[name])
-        leaves, treedef = jax.tree.flatten(kwargs)
-
-        def differentiated(params):
-            # Each device's own gradient: with respect to params typed as varying (as the
-            # transpose of the implicit broadcast of replicated params would psum it), averaged in
-            # backward by the marks, which type them so themselves.
-            mine = _marked(params, axes, config, key, bucket_bytes) if in_backward else params
-            # kwargs' pytree nodes rebuilt in the trace fun runs in, as jax.jit gives its function
-            # new ones: an NNX Variable (BatchNorm's statistics) may only be written where it was made.
-            out = fun(mine, *batch, **jax.tree.unflatten(treedef, leaves))
-            if not weighted:
-                return out
-            (total, weight), extra = out if has_aux else (out, None)
-            # The gradients are averaged over the devices: each device's sum is scaled by W / the
-            # whole batch's weight, so the average is sum(loss sums)' gradient / sum(weight sums).
-            overall = lax.psum(lax.stop_gradient(jnp.asarray(weight, jnp.result_type(total))), axes)
-            scaled = total * (world / overall)
-            return (scaled, extra) if has_aux else scaled
-
+        # Each device's own gradient: with respect to params typed as varying (as the transpose of
+        # the implicit broadcast of replicated params would psum it), averaged in backward by the
+        # marks, which type them so themselves.
+        mark = (lambda p: _marked(p, axes, config, key, bucket_bytes)) if in_backward else (lambda p: p)
+        differentiated = objective(world, batch, kwargs, mark)
         value_and_grad = jax.value_and_grad(differentiated, has_aux=has_aux, allow_int=allow_int)
         if in_backward:
             value, grads = value_and_grad(params)
@@ -200,7 +185,8 @@ def data_parallel_value_and_grad(fun: Callable[..., Any], *, mesh=None, axis_nam
         loss, extra = value
         return (lax.pmean(loss, axes), _reduce_aux(extra, aux, axes, rows // world, warned)), grads
 
-    def grad_fn(params, *batch, key: jax.Array | None = None, **kwargs):
+    def checked(params, batch, key, kwargs):
+        """The mesh, world, batch spec and rows of a call, after checking what it was given."""
         if not batch:
             raise TypeError(f"{API}: grad_fn(params, *batch) needs at least one batch argument to split over the "
                             "devices")
@@ -212,6 +198,10 @@ def data_parallel_value_and_grad(fun: Callable[..., Any], *, mesh=None, axis_nam
         checks.check_keys(kwargs, device_keys, shared_keys)
         if explicit:
             checks.check_placement(params, key, kwargs, batch, the_mesh, axes, arg_names)
+        return the_mesh, world, batch_spec, rows
+
+    def grad_fn(params, *batch, key: jax.Array | None = None, **kwargs):
+        the_mesh, world, batch_spec, rows = checked(params, batch, key, kwargs)
         aux_spec = batch_spec if aux in ("batch", "per_device") else P()
         out_specs = (((P(), aux_spec) if has_aux else P()), P())
         # Manual over the data axes only: other mesh axes (e.g. "model") stay with the partitioner.
@@ -220,7 +210,56 @@ def data_parallel_value_and_grad(fun: Callable[..., Any], *, mesh=None, axis_nam
                                axis_names=frozenset(axes))
         return mapped(params, key, kwargs, *batch)
 
+    def leaf_errors(errors_of, params, *batch, **kwargs):
+        """``errors_of(grads, axes)`` of each device's own gradient of ``fun`` (not reduced), under
+        ``jax.jit``, compiled once per ``errors_of`` and shapes whatever the plan (``config`` plays no
+        part): what :meth:`jax_cgx.adaptive.Planner.observe_loss` feeds its planner with."""
+        the_mesh, world, batch_spec, _ = checked(params, batch, None, kwargs)
+        return _errors_program(fun, has_aux, weighted, device_keys, errors_of, the_mesh, axes, world, batch_spec,
+                               len(batch), allow_int)(params, kwargs, *batch)
+
+    grad_fn.leaf_errors = leaf_errors
     return grad_fn
+
+
+def _objective(fun, world, batch, kwargs, mark, *, axes, has_aux, weighted, device_keys):
+    """What a device differentiates: ``fun`` of its shard (``mark`` applied to the parameters), its
+    device keys folded with its index, a weighted loss scaled to the whole batch's weight."""
+    kwargs = dict(kwargs)
+    if device_keys:
+        me = lax.axis_index(axes)
+        for name in device_keys:
+            kwargs[name] = jax.tree.map(lambda k: jax.random.fold_in(k, me), kwargs[name])
+    leaves, treedef = jax.tree.flatten(kwargs)
+
+    def differentiated(params):
+        # kwargs' pytree nodes rebuilt in the trace fun runs in, as jax.jit gives its function new
+        # ones: an NNX Variable (BatchNorm's statistics) may only be written where it was made.
+        out = fun(mark(params), *batch, **jax.tree.unflatten(treedef, leaves))
+        if not weighted:
+            return out
+        (total, weight), extra = out if has_aux else (out, None)
+        # The gradients are averaged over the devices: each device's sum is scaled by W / the whole
+        # batch's weight, so the average is sum(loss sums)' gradient / sum(weight sums).
+        overall = lax.psum(lax.stop_gradient(jnp.asarray(weight, jnp.result_type(total))), axes)
+        scaled = total * (world / overall)
+        return (scaled, extra) if has_aux else scaled
+
+    return differentiated
+
+
+@functools.lru_cache(maxsize=64)
+def _errors_program(fun, has_aux, weighted, device_keys, errors_of, mesh, axes, world, batch_spec, n_batch, allow_int):
+    """The jitted shard_map of :func:`data_parallel_value_and_grad`'s ``leaf_errors``: one per loss,
+    options and ``errors_of``, shared by the grad_fns of every plan."""
+    def local(params, kwargs, *batch):
+        differentiated = _objective(fun, world, batch, kwargs, lambda p: p, axes=axes, has_aux=has_aux,
+                                    weighted=weighted, device_keys=device_keys)
+        loss = (lambda p: differentiated(p)[0]) if has_aux else differentiated
+        return errors_of(jax.grad(loss, allow_int=allow_int)(_varying_copy(params, axes)), axes)
+
+    return jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), *(batch_spec,) * n_batch), out_specs=P(),
+                                 axis_names=frozenset(axes)))
 
 
 def _names(what: str, names) -> tuple[str, ...]:
