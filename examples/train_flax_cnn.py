@@ -64,13 +64,12 @@ def make_loss_fn(graphdef):
 
     def loss_fn(params, x, y, *, batch_stats, dropout_key):
         model = nnx.merge(graphdef, params, batch_stats)
-        # dropout_key is the same on every device; folding in the device's index gives each
-        # device its own dropout mask.
-        logits = model(x, rngs=jax.random.fold_in(dropout_key, jax.lax.axis_index(AXIS)))
+        # dropout_key is this device's own (device_keys below): each device draws its own mask.
+        logits = model(x, rngs=dropout_key)
         loss = optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
-        # has_aux averages aux over the devices (lax.pmean): the running statistics become their
-        # mean over the devices; the gathered logits, the same on every device, stay as they are.
-        return loss, (nnx.state(model, nnx.BatchStat), jax.lax.all_gather(logits, AXIS, tiled=True))
+        # aux=("mean", "batch") below: the running statistics become their mean over the devices,
+        # the logits the whole batch's rows.
+        return loss, (nnx.state(model, nnx.BatchStat), logits)
 
     return loss_fn
 
@@ -82,7 +81,8 @@ def make_train_step(mesh, config):
     def train_step(model, optimizer, metrics, x, y, dropout_key):
         graphdef, params, batch_stats = nnx.split(model, nnx.Param, nnx.BatchStat)
         grad_fn = jax_cgx.data_parallel_value_and_grad(make_loss_fn(graphdef), mesh=mesh, axis_name=AXIS,
-                                                       config=config, has_aux=True)
+                                                       config=config, has_aux=True, aux=("mean", "batch"),
+                                                       device_keys=("dropout_key",))
         # x and y are split over the devices; keyword arguments reach loss_fn whole, undifferentiated.
         (loss, (batch_stats, logits)), grads = grad_fn(params, x, y, batch_stats=batch_stats,
                                                        dropout_key=dropout_key)

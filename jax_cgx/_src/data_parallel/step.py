@@ -88,7 +88,7 @@ AUX_MODES = ("mean", "sum", "batch", "per_device")
 
 
 def data_parallel_value_and_grad(fun: Callable[..., Any], *, mesh=None, axis_name: str | tuple[str, ...] = "data",
-                                 config: ConfigSpec = None, has_aux: bool = False, aux: str = "mean",
+                                 config: ConfigSpec = None, has_aux: bool = False, aux: Any = "mean",
                                  weighted: bool = False, device_keys: Sequence[str] = (),
                                  shared_keys: Sequence[str] = (), in_backward: bool = True,
                                  bucket_mb: float = DEFAULT_BUCKET_MB, allow_int: bool = False) -> Callable[..., Any]:
@@ -117,8 +117,10 @@ def data_parallel_value_and_grad(fun: Callable[..., Any], *, mesh=None, axis_nam
         over the devices, like the loss), ``"sum"`` (summed: counts, weight sums), ``"batch"``
         (each leaf has the device's rows first, as logits do: the whole batch's rows, split over
         the devices as the batch is; nothing is sent), ``"per_device"`` (a new leading axis, one
-        entry per device). ``"mean"`` warns once of a leaf whose leading dimension is a device's
-        rows (logits averaged over devices are seldom meant).
+        entry per device); or a pytree prefix of ``aux`` holding these names, one mode per
+        subtree (``("mean", "batch")`` for ``(batch_stats, logits)``). ``"mean"`` warns once of a
+        leaf whose leading dimension is a device's rows (logits averaged over devices are seldom
+        meant).
       weighted: ``fun`` returns ``(loss_sum, weight_sum)`` instead of a loss (with ``has_aux``,
         ``((loss_sum, weight_sum), aux)``), lm1b's ``compute_weighted_cross_entropy``'s pair:
         the loss and the gradient are those of ``sum(loss_sum) / sum(weight_sum)`` over every
@@ -153,8 +155,10 @@ def data_parallel_value_and_grad(fun: Callable[..., Any], *, mesh=None, axis_nam
     weighted = check_bool(API, "weighted", weighted)
     in_backward = check_bool(API, "in_backward", in_backward)
     allow_int = check_bool(API, "allow_int", allow_int)
-    if aux not in AUX_MODES:
-        raise ValueError(f"{API}: aux must be one of {AUX_MODES}, got {aux!r}")
+    modes = jax.tree.leaves(aux, is_leaf=lambda m: isinstance(m, str))
+    if not modes or not all(isinstance(m, str) and m in AUX_MODES for m in modes):
+        raise ValueError(f"{API}: aux must be one of {AUX_MODES}, or a pytree prefix of the aux holding them, "
+                         f"got {aux!r}")
     device_keys, shared_keys = _names("device_keys", device_keys), _names("shared_keys", shared_keys)
     if both := set(device_keys) & set(shared_keys):
         raise ValueError(f"{API}: {sorted(both)} are in both device_keys and shared_keys: a key is one or the other")
@@ -202,7 +206,8 @@ def data_parallel_value_and_grad(fun: Callable[..., Any], *, mesh=None, axis_nam
 
     def grad_fn(params, *batch, key: jax.Array | None = None, **kwargs):
         the_mesh, world, batch_spec, rows = checked(params, batch, key, kwargs)
-        aux_spec = batch_spec if aux in ("batch", "per_device") else P()
+        aux_spec = jax.tree.map(lambda m: batch_spec if m in ("batch", "per_device") else P(), aux,
+                                is_leaf=lambda m: isinstance(m, str))
         out_specs = (((P(), aux_spec) if has_aux else P()), P())
         # Manual over the data axes only: other mesh axes (e.g. "model") stay with the partitioner.
         mapped = jax.shard_map(lambda *a: local(world, rows, *a), mesh=the_mesh,
@@ -292,7 +297,15 @@ def _layout(mesh, axes: tuple) -> tuple[int, P, bool]:
     return world, P(axes if len(axes) > 1 else axes[0]), explicit
 
 
-def _reduce_aux(extra, mode: str, axes: tuple, rows: int, warned: list):
+def _reduce_aux(extra, modes, axes: tuple, rows: int, warned: list):
+    """Each subtree of ``extra`` as its mode in ``modes`` (a prefix of it) says."""
+    if not isinstance(modes, str):
+        try:
+            return jax.tree.map(lambda m, sub: _reduce_aux(sub, m, axes, rows, warned), modes, extra,
+                                is_leaf=lambda m: isinstance(m, str))
+        except ValueError as err:
+            raise ValueError(f"{API}: aux={modes!r} is not a pytree prefix of the aux fun returns: {err}") from None
+    mode = modes
     if mode == "mean":
         for path, leaf in jax.tree_util.tree_flatten_with_path(extra)[0]:
             shape = jnp.shape(leaf)
