@@ -3,6 +3,7 @@
     sudo python benchmarks/netem/run.py --processes 2 --rate 1gbit
     sudo python benchmarks/netem/run.py --processes 4 --rate 10gbit -- --sizes-mib 16 64 --bits 2 4 8 -n 5
     sudo python benchmarks/netem/run.py -p 2 --rate 10gbit --gpu --script benchmarks/train_step.py -- --link-gbps 10
+    sudo python benchmarks/netem/run.py --nodes 2 --per-node 2 --rate 1gbit -- --two-level --sizes-mib 64 --bits 4
     sudo python benchmarks/netem/run.py --processes 2 --rate unlimited --dry-run   # print the plan only
     sudo python benchmarks/netem/run.py --cleanup                                  # leftovers of crashed runs
 
@@ -12,6 +13,13 @@ pair whose other end (``p<i>``) is a port of the bridge: a switch with one port 
 rate, ``tc qdisc ... tbf`` shapes both ends of every pair (``eth0``: what the host sends, ``p<i>``:
 what it receives), so each host's link carries RATE in each direction, like a NIC on a switch.
 Nothing is added to the root namespace but ``/etc/netns/<namespace>/hosts``.
+
+Nodes (``--nodes N --per-node M``): the namespace is a node's, ``cgx<TAG>-<k>`` for node ``k`` with
+10.77.0.<k+1>, and its M processes share it: they reach each other over its own address, unshaped,
+as processes of one machine do, and only the links between nodes are shaped. Each process gets
+``JAX_CGX_LOCAL_RANK`` (its index in the node) and ``JAX_CGX_LOCAL_COUNT=M``; ``--two-level`` makes
+the all-reduce benchmark build the ``("node", "local")`` mesh from them. ``-p N`` is ``--nodes N
+--per-node 1``.
 
 Process i runs ``benchmarks/allreduce.py`` (or ``--script``) in namespace i, with the hostname
 ``cgx<TAG>-<i>`` (its own UTS namespace) resolving to its address: gloo binds to the address
@@ -93,7 +101,7 @@ def _rate_arg(text: str) -> str:
 class Plan:
     """Everything a run does, as data: namespaces, commands, files, environments (built without root)."""
 
-    processes: int
+    processes: int  # in all: nodes x per_node
     rate: str = "unlimited"  # a tc rate, or "unlimited"
     mtu: int = 1500
     burst: str | None = None  # tbf burst; default: 2 ms at the rate, at least 64 KiB
@@ -101,10 +109,13 @@ class Plan:
     port: int = 12321
     gpu: bool = False  # every process on GPU 0, NCCL over the namespaces' links (see environment)
     tag: str = dataclasses.field(default_factory=lambda: str(os.getpid()))
+    per_node: int = 1  # processes sharing a node's namespace (its unshaped inside)
 
     def __post_init__(self):
         if not 1 <= self.processes <= 250:
             raise ValueError("processes must be between 1 and 250")
+        if self.per_node < 1 or self.processes % self.per_node:
+            raise ValueError(f"{self.processes} processes are not whole nodes of {self.per_node}")
         if not 68 <= self.mtu <= 65535:
             raise ValueError("mtu must be between 68 and 65535")
         if not self.tag.isdigit():
@@ -115,19 +126,31 @@ class Plan:
     def bridge_ns(self) -> str:
         return f"cgx{self.tag}-br"
 
+    @property
+    def nodes(self) -> int:
+        return self.processes // self.per_node
+
+    def node(self, rank: int) -> int:
+        return rank // self.per_node
+
     def ns(self, rank: int) -> str:
-        return f"cgx{self.tag}-{rank}"
+        """The namespace of process ``rank`` (its node's)."""
+        return f"cgx{self.tag}-{self.node(rank)}"
 
     def hostname(self, rank: int) -> str:
         return self.ns(rank)
 
     def address(self, rank: int) -> str:
-        return f"{SUBNET}.{rank + 1}"
+        return f"{SUBNET}.{self.node(rank) + 1}"
+
+    def first(self, node: int) -> int:
+        """The first process of ``node`` (names a node by one of its processes)."""
+        return node * self.per_node
 
     @property
     def namespaces(self) -> list[str]:
         """Every namespace of the run, the bridge's last (deleted last)."""
-        return [self.ns(i) for i in range(self.processes)] + [self.bridge_ns]
+        return [self.ns(self.first(k)) for k in range(self.nodes)] + [self.bridge_ns]
 
     @property
     def coordinator(self) -> str:
@@ -158,8 +181,9 @@ class Plan:
             ["ip", "-n", b, "link", "add", "br0", "type", "bridge"],
             ["ip", "-n", b, "link", "set", "br0", "up"],
         ]
-        for i in range(self.processes):
-            ns, port = self.ns(i), f"p{i}"
+        for k in range(self.nodes):
+            i = self.first(k)
+            ns, port = self.ns(i), f"p{k}"
             cmds += [
                 ["ip", "netns", "add", ns],
                 ["ip", "-n", ns, "link", "set", "lo", "up"],
@@ -178,10 +202,11 @@ class Plan:
 
     def files(self) -> dict[Path, str]:
         """/etc/netns/<ns>/hosts: `ip netns exec` binds it over /etc/hosts inside the namespace."""
-        peers = "".join(f"{self.address(j)}\t{self.hostname(j)}\n" for j in range(self.processes))
+        firsts = [self.first(k) for k in range(self.nodes)]
+        peers = "".join(f"{self.address(j)}\t{self.hostname(j)}\n" for j in firsts)
         return {
             NETNS_ETC / self.ns(i) / "hosts": f"127.0.0.1\tlocalhost\n::1\tlocalhost\n{peers}"
-            for i in range(self.processes)
+            for i in firsts
         }
 
     def environment(self, rank: int, base: dict[str, str] | None = None) -> dict[str, str]:
@@ -190,8 +215,8 @@ class Plan:
         env.update(
             JAX_CGX_PROCESS_ID=str(rank),
             JAX_CGX_NUM_PROCESSES=str(self.processes),
-            JAX_CGX_LOCAL_RANK="0",
-            JAX_CGX_LOCAL_COUNT="1",
+            JAX_CGX_LOCAL_RANK=str(rank % self.per_node),
+            JAX_CGX_LOCAL_COUNT=str(self.per_node),
             JAX_CGX_COORDINATOR=self.coordinator,
             XLA_FLAGS=" ".join([*flags, "--xla_force_host_platform_device_count=1"]),
             PYTHONUNBUFFERED="1",
@@ -219,7 +244,8 @@ class Plan:
     def annotation(self) -> dict:
         """What this launcher adds to every result record."""
         return dict(
-            netem_processes=self.processes, netem_rate=self.rate, netem_rate_bps=self.rate_bps,
+            netem_processes=self.processes, netem_nodes=self.nodes, netem_per_node=self.per_node,
+            netem_rate=self.rate, netem_rate_bps=self.rate_bps,
             netem_mtu=self.mtu, netem_tbf_burst=self.tbf_burst if self.rate_bps else None,
             netem_tbf_latency=self.latency if self.rate_bps else None, netem_gpu=self.gpu,
         )
@@ -268,6 +294,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         usage="%(prog)s [options] [-- benchmark arguments]",
     )
     p.add_argument("-p", "--processes", type=int, default=2, help="processes, one namespace each (default 2)")
+    p.add_argument("--nodes", type=int, help="nodes, one namespace each, joined by the shaped links (instead of -p)")
+    p.add_argument("--per-node", type=int, default=1,
+                   help="with --nodes: processes per node, in its namespace, unshaped between them (default 1)")
     p.add_argument("--rate", type=_rate_arg, default="1gbit",
                    help="link rate per host and direction, any tc rate (1gbit, 10gbit, 500mbit) or "
                         "'unlimited' (default 1gbit)")
@@ -291,7 +320,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     args.bench_args = DEFAULT_BENCH_ARGS if bench is None else bench
     try:
-        args.plan = Plan(args.processes, args.rate, args.mtu, args.burst, args.latency, args.port, gpu=args.gpu)
+        processes = args.processes if args.nodes is None else args.nodes * args.per_node
+        if args.nodes is None and args.per_node != 1:
+            raise ValueError("--per-node needs --nodes")
+        args.plan = Plan(processes, args.rate, args.mtu, args.burst, args.latency, args.port, gpu=args.gpu,
+                         per_node=args.per_node)
     except ValueError as e:
         p.error(str(e))
     return args
@@ -514,7 +547,8 @@ def main(argv: list[str] | None = None) -> int:
             output.unlink()  # a stale file must not pass for this run's results
         t0 = time.monotonic()
         network.build()
-        print(f"netem: {plan.processes} processes, rate {plan.rate}, MTU {plan.mtu}, namespaces "
+        shape = f"{plan.nodes} nodes of {plan.per_node} processes" if plan.per_node > 1 else f"{plan.processes} processes"
+        print(f"netem: {shape}, rate {plan.rate}, MTU {plan.mtu}, namespaces "
               f"{plan.ns(0)}..{plan.ns(plan.processes - 1)} (bridge in {plan.bridge_ns}); "
               f"built in {time.monotonic() - t0:.1f} s", flush=True)
         network.start(bench_argv, args.python)

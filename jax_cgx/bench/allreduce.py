@@ -146,8 +146,20 @@ def run(args: argparse.Namespace) -> list[dict]:
         jax_cgx.distributed.initialize()
     devices = jax.devices()
     world = len(devices)
-    mesh = jax.make_mesh((world,), ("d",), axis_types=(jax.sharding.AxisType.Explicit,), devices=devices)
-    sharding = NamedSharding(mesh, P("d"))
+    if args.two_level:
+        # Nodes of JAX_CGX_LOCAL_COUNT processes (benchmarks/netem/run.py --nodes N --per-node M):
+        # a ("node", "local") mesh, every reduction over both axes, flat or hierarchical.
+        per_node = jax_cgx.distributed.detect().local_count * jax.local_device_count()
+        if world % per_node:
+            raise SystemExit(f"--two-level: {world} devices are not whole nodes of {per_node}")
+        mesh = jax.make_mesh((world // per_node, per_node), ("node", "local"),
+                             axis_types=(jax.sharding.AxisType.Explicit,) * 2, devices=devices)
+        axes = ("node", "local")
+    else:
+        mesh = jax.make_mesh((world,), ("d",), axis_types=(jax.sharding.AxisType.Explicit,), devices=devices)
+        axes = ("d",)
+    spec = P(axes if len(axes) > 1 else axes[0])
+    sharding = NamedSharding(mesh, spec)
     backends = args.backends or (["xla", "nccl"] if devices[0].platform == "gpu" and world > 1 else ["xla"])
     if "nccl" in backends:
         jax_cgx.nccl.setup(mesh)
@@ -157,14 +169,16 @@ def run(args: argparse.Namespace) -> list[dict]:
 
     def reducer(reduce):
         body = lambda v: reduce(v[0])[None]  # noqa: E731
-        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("d"), out_specs=P("d")))
+        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec))
+    axis = axes if len(axes) > 1 else axes[0]
+    layouts = [False] if not args.two_level else [h == "hierarchical" for h in args.layouts]
 
     def local(out) -> np.ndarray:
         return np.asarray(out.addressable_shards[0].data, np.float32)[0]
 
     sizes = sizes_in_bytes(args)
-    combos = [(op, *c) for op in args.ops for c in itertools.product(args.bits, args.bucket_sizes, backends)
-              if op == "psum" or c[2] != "tcp"]
+    combos = [(op, *c) for op in args.ops for c in itertools.product(args.bits, args.bucket_sizes, backends, layouts)
+              if (op == "psum" or c[2] != "tcp") and (op == "psum" or not c[3])]
     records = []
     with _progress(len(sizes) * (len(args.ops) + len(combos)), jax.process_index() == 0 and args.progress) as bar:
         for size in sizes:
@@ -178,25 +192,27 @@ def run(args: argparse.Namespace) -> list[dict]:
                     (world, m), sharding,
                     lambda idx, m=m: np.random.default_rng(idx[0].start or 0).standard_normal((1, m)).astype(dtype),
                 )
-                plain = reducer(lambda v, f=lax_op: f(v, "d"))
+                plain = reducer(lambda v, f=lax_op: f(v, axis))
                 t_plain = median_time(plain, x, args.repeats, args.warmup)
                 exact = local(plain(x))
                 bar.advance(f"{size / 2**20:g} MiB {op}")
                 like = jax.ShapeDtypeStruct((m,), dtype)
                 wire_plain = bytes_on_wire(like, world, jax_cgx.CompressionConfig(bits=32), op=op)
                 factor = bus(world) if world > 1 else 1.0
-                for _, bits, bucket, backend in [c for c in combos if c[0] == op]:
+                for _, bits, bucket, backend, hierarchical in [c for c in combos if c[0] == op]:
                     config = jax_cgx.CompressionConfig(
                         bits=bits, bucket_size=bucket, fusion_buffer_mb=max(1024, 2 * size / 2**20), backend=backend,
                         algorithm=args.algorithm, min_size=0, policy=args.policy, pipeline_segments=args.segments,
+                        hierarchical=hierarchical,
                     )
-                    compressed = reducer(lambda v, c=config, f=cgx_op: f(v, "d", c, impl=args.impl))
+                    compressed = reducer(lambda v, c=config, f=cgx_op: f(v, axis, c, impl=args.impl))
                     t = median_time(compressed, x, args.repeats, args.warmup)
                     err = float(np.max(np.abs(local(compressed(x)) - exact)))
                     records.append(
                         dict(
                             op=op, devices=world, platform=devices[0].platform, backend=backend, policy=args.policy,
-                            algorithm=args.algorithm, dtype=dtype.name, size_bytes=nbytes, size_mib=nbytes / 2**20,
+                            algorithm="hierarchical" if hierarchical else args.algorithm,
+                            mesh="x".join(map(str, mesh.devices.shape)), dtype=dtype.name, size_bytes=nbytes, size_mib=nbytes / 2**20,
                             count=n, bits=bits, bucket_size=bucket, psum_ms=t_plain * 1e3, compressed_ms=t * 1e3,
                             psum_algbw_gbs=nbytes / t_plain / 1e9, psum_busbw_gbs=nbytes / t_plain / 1e9 * factor,
                             algbw_gbs=nbytes / t / 1e9, busbw_gbs=nbytes / t / 1e9 * factor, speedup=t_plain / t,
@@ -242,6 +258,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ops", nargs="+", choices=list(_OPS), default=["psum"],
                    help="collectives to time against lax's (default: psum)")
     p.add_argument("--algorithm", default="sra", choices=["sra", "ring"])
+    p.add_argument("--two-level", action="store_true",
+                   help="a ('node', 'local') mesh of JAX_CGX_LOCAL_COUNT processes per node (benchmarks/netem/run.py "
+                        "--nodes N --per-node M), every reduction over both axes")
+    p.add_argument("--layouts", nargs="+", choices=["flat", "hierarchical"], default=["flat", "hierarchical"],
+                   help="with --two-level: the compressed psum flat over both axes (--algorithm), hierarchical "
+                        "(exact within a node, compressed across nodes), or both side by side (default)")
     p.add_argument("--segments", type=integer(0), default=0,
                    help="CompressionConfig.pipeline_segments: messages per exchange, 0 = by size (default)")
     p.add_argument("--policy", default="always", choices=["always", "auto"],

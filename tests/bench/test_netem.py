@@ -3,6 +3,7 @@
 import importlib.util
 import json
 import os
+import dataclasses
 import pathlib
 import shutil
 import signal
@@ -287,3 +288,29 @@ def test_sigterm_tears_everything_down(tmp_path):
     assert "got SIGTERM" in log
     assert _leftovers(proc.pid) == []
     assert not (tmp_path / "r.json").exists()
+
+
+def test_nodes_share_a_namespace_and_only_links_between_nodes_are_shaped():
+    """--nodes 2 --per-node 2: two namespaces, each holding two processes that reach each other
+    over the node's own address (unshaped); tbf on each node's link only; each process knows its
+    place in its node (JAX_CGX_LOCAL_RANK / _COUNT, what --two-level builds the mesh from)."""
+    args = netem.parse_args(["--nodes", "2", "--per-node", "2", "--rate", "1gbit"])
+    plan = dataclasses.replace(args.plan, tag="31")
+    assert (plan.processes, plan.nodes, plan.per_node) == (4, 2, 2)
+    assert [plan.ns(r) for r in range(4)] == ["cgx31-0", "cgx31-0", "cgx31-1", "cgx31-1"]
+    assert [plan.address(r) for r in range(4)] == ["10.77.0.1", "10.77.0.1", "10.77.0.2", "10.77.0.2"]
+    assert plan.namespaces == ["cgx31-0", "cgx31-1", "cgx31-br"]
+    cmds = plan.setup_commands()
+    assert sum(c[:2] == ["ip", "netns"] and c[2] == "add" for c in cmds) == 3  # two nodes and the bridge
+    shaped = [(c[2], c[6]) for c in cmds if c[0] == "tc"]
+    assert shaped == [("cgx31-0", "eth0"), ("cgx31-br", "p0"), ("cgx31-1", "eth0"), ("cgx31-br", "p1")]
+    assert sorted(plan.files()) == [pathlib.Path(f"/etc/netns/cgx31-{k}/hosts") for k in range(2)]
+    for rank in range(4):
+        env = plan.environment(rank, {})
+        assert env["JAX_CGX_LOCAL_RANK"] == str(rank % 2) and env["JAX_CGX_LOCAL_COUNT"] == "2"
+        assert env["JAX_CGX_NUM_PROCESSES"] == "4"
+    assert plan.annotation()["netem_nodes"] == 2 and plan.annotation()["netem_per_node"] == 2
+    with pytest.raises(ValueError, match="not whole nodes"):
+        netem.Plan(3, "1gbit", tag="1", per_node=2)
+    with pytest.raises(SystemExit):
+        netem.parse_args(["-p", "4", "--per-node", "2"])  # --per-node needs --nodes
