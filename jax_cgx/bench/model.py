@@ -16,7 +16,7 @@ import re
 import numpy as np
 
 from jax_cgx._src.arguments import BITS, integer, number
-from jax_cgx._src.policy.cost_model import CodecRates, LinkModel, encoded_chunk_bytes, predict
+from jax_cgx._src.policy.cost_model import CodecRates, LinkModel, encoded_chunk_bytes, predict, predict_nodes
 
 __all__ = ["CodecRates", "LinkModel", "encoded_chunk_bytes", "predict", "parse_rate"]
 
@@ -51,6 +51,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host-cores", type=int, default=None,
                    help="all ranks share one machine with this many cores (as benchmarks/netem runs "
                         "them); default: a core per rank")
+    p.add_argument("--per-node", type=integer(1), default=1,
+                   help="ranks per node, sharing its link (benchmarks/netem/run.py --nodes N --per-node M); "
+                        "--world is then the ranks in all")
+    p.add_argument("--hierarchical", action="store_true",
+                   help="with --per-node: the hierarchical all-reduce (exact inside a node) instead of flat")
     p.add_argument("--measured", nargs="*", default=[],
                    help="`bench allreduce --output` JSON files to compare with (rows matched on world/size/bits)")
 
@@ -62,6 +67,10 @@ def main(args: argparse.Namespace) -> None:
     for path in args.measured:
         with open(path) as f:
             for r in json.load(f):
+                if (r.get("algorithm") == "hierarchical") != args.hierarchical:
+                    continue
+                if args.per_node > 1 and r.get("mesh") != f"{r['devices'] // args.per_node}x{args.per_node}":
+                    continue
                 measured.setdefault((r["devices"], round(r["size_mib"], 3), r["bits"]), []).append(r)
     link = LinkModel(args.link, args.latency_ms / 1e3)
 
@@ -77,7 +86,13 @@ def main(args: argparse.Namespace) -> None:
         for mib in args.sizes_mib:
             for bits in args.bits:
                 rates = CodecRates.from_codec_json(args.codec_json, bits)
-                p = predict(mib * 2**20, world, bits, args.bucket_size, link, rates, args.host_cores, args.segments)
+                if args.per_node > 1:
+                    p = predict_nodes(mib * 2**20, world // args.per_node, args.per_node, bits, args.bucket_size,
+                                      link, rates, hierarchical=args.hierarchical, host_cores=args.host_cores,
+                                      segments=args.segments)
+                else:
+                    p = predict(mib * 2**20, world, bits, args.bucket_size, link, rates, args.host_cores,
+                                args.segments)
                 runs = measured.get((world, round(mib, 3), bits), [])
                 row = [str(world), f"{mib:g}", str(bits), f"{p['psum'] * 1e3:.1f}", f"{p['compressed'] * 1e3:.1f}",
                        f"{p['speedup']:.2f}"]

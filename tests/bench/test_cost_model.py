@@ -66,3 +66,24 @@ def test_measured_reduce_rate_replaces_the_estimate():
     size, link = 64 * 2**20, LinkModel(125e6)
     slow_reduce = CodecRates(quantize=2e9, dequantize=3e9, add=5e9, reduce=1e9)
     assert predict(size, 2, 4, 512, link, slow_reduce)["codec"] == pytest.approx(size / 2e9 + size / 1e9 + size / 3e9)
+
+
+def test_nodes_share_their_link():
+    # 2 nodes of 2 ranks: flat SRA's all_to_all sends m(W - m) chunks over each node's link, its
+    # all_gather ring (W - 1); hierarchical sends S/m over the nodes, the m ranks sharing each link.
+    from jax_cgx._src.policy.cost_model import encoded_chunk_bytes, predict_nodes
+
+    size, link = 64 * 2**20, LinkModel(125e6, 0.0)  # 1 Gbit/s
+    one_per_node = predict(size, 4, 4, 512, link, RATES)
+    assert predict_nodes(size, 4, 1, 4, 512, link, RATES) == one_per_node
+    flat = predict_nodes(size, 2, 2, 4, 512, link, RATES)
+    enc = encoded_chunk_bytes(size, 4, 4, 512)
+    assert flat["wire"] == pytest.approx(one_per_node["wire"] - 6 * enc / 125e6 + (2 * 2 + 3) * enc / 125e6)
+    assert flat["codec"] == one_per_node["codec"] and flat["psum"] == one_per_node["psum"]
+    hier = predict_nodes(size, 2, 2, 4, 512, link, RATES, hierarchical=True)
+    cross = predict(size / 2, 2, 4, 512, LinkModel(62.5e6, 0.0), RATES)
+    assert hier["compressed"] == pytest.approx(cross["compressed"] + 2 * (1 / 2) * size / RATES.add)
+    # the link is the bottleneck: hierarchical sends fewer bytes over it than flat
+    slow = LinkModel(1e6, 0.0)
+    assert predict_nodes(size, 2, 2, 4, 512, slow, RATES, hierarchical=True)["compressed"] < \
+        predict_nodes(size, 2, 2, 4, 512, slow, RATES)["compressed"]

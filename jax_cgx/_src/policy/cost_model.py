@@ -46,7 +46,7 @@ import json
 
 from jax_cgx._src.exchange import wire as _wire
 
-__all__ = ["CodecRates", "LinkModel", "encoded_chunk_bytes", "predict", "OPS", "WIRE_COPIES"]
+__all__ = ["CodecRates", "LinkModel", "encoded_chunk_bytes", "predict", "predict_nodes", "OPS", "WIRE_COPIES"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,3 +147,46 @@ def predict(size_bytes: float, world: int, bits: int, bucket_size: int, link: Li
     compressed = wire + codec + copies
     return dict(psum=psum, compressed=compressed, wire=wire, codec=codec, copies=copies, messages=messages,
                 speedup=psum / compressed if compressed > 0 else float("inf"))
+
+
+def predict_nodes(size_bytes: float, nodes: int, per_node: int, bits: int, bucket_size: int, link: LinkModel,
+                  rates: CodecRates, *, hierarchical: bool = False, host_cores: int | None = None,
+                  segments: int = 0, itemsize: int = 4, message_cap: int | None = _wire.CPU_MESSAGE_BYTES,
+                  share: float | None = None) -> dict[str, float]:
+    """:func:`predict` for ``nodes`` nodes of ``per_node`` ranks each, every node on one link of
+    ``link.bandwidth`` bytes/s each way (its ranks share it), ranks of one node exchanging at memory
+    speed. A reduction over all ``nodes * per_node`` ranks:
+
+    * flat (the compressed SRA over every rank): the all_to_all sends each rank's ``W - m`` off-node
+      chunks, ``m (W - m) E`` over each node's link; the all_gather is gloo's ring, which crosses
+      each node's link once per step, ``(W - 1) E`` (``W = n m`` ranks, ``m = per_node``); psum is
+      priced as :func:`predict`'s ring, which crosses each link once per step too;
+    * hierarchical: an exact reduce-scatter and all-gather inside the node (``2 (m-1)/m S`` at
+      memory speed), then :func:`predict`'s compressed all-reduce of ``S / m`` over the ``n`` nodes,
+      the ``m`` ranks' exchanges sharing each link (a link of ``bandwidth / m`` each).
+    """
+    world = nodes * per_node
+    if per_node == 1 or world < 2:
+        return predict(size_bytes, world, bits, bucket_size, link, rates, host_cores, segments, itemsize=itemsize,
+                       message_cap=message_cap, share=share)
+    if share is None:
+        share = 1.0 if host_cores is None else max(1.0, world / host_cores)
+    flat = predict(size_bytes, world, bits, bucket_size, link, rates, segments=segments, itemsize=itemsize,
+                   message_cap=message_cap, share=share)
+    if not hierarchical:
+        f = float(size_bytes) / itemsize * 4
+        enc = encoded_chunk_bytes(f, world, bits, bucket_size)
+        per_rank_wire = 2 * (world - 1) * enc / link.bandwidth
+        shared_wire = (per_node * (world - per_node) + (world - 1)) * enc / link.bandwidth
+        wire = flat["wire"] - per_rank_wire + shared_wire
+        compressed = wire + flat["codec"] + flat["copies"]
+        return dict(flat, wire=wire, compressed=compressed,
+                    speedup=flat["psum"] / compressed if compressed > 0 else float("inf"))
+    inner = share * 2 * (per_node - 1) / per_node * float(size_bytes) / rates.add
+    cross = predict(float(size_bytes) / per_node, nodes, bits, bucket_size,
+                    LinkModel(link.bandwidth / per_node, link.latency), rates, segments=segments, itemsize=itemsize,
+                    message_cap=message_cap, share=share)
+    compressed = inner + cross["compressed"]
+    return dict(psum=flat["psum"], compressed=compressed, wire=cross["wire"], codec=cross["codec"],
+                copies=cross["copies"] + inner, messages=cross["messages"],
+                speedup=flat["psum"] / compressed if compressed > 0 else float("inf"))
