@@ -2,7 +2,7 @@
 
 import argparse
 
-from jax_cgx.bench import allreduce, codec, model, phases
+from jax_cgx.bench import allreduce, codec, model, phases, scale
 
 
 def main(argv=None) -> None:
@@ -24,6 +24,10 @@ def main(argv=None) -> None:
                        description=phases.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     phases.add_arguments(p)
     p.set_defaults(run=phases.main)
+    p = sub.add_parser("scale", help="the all-reduce predicted for many nodes of GPUs (cost model)",
+                       description=scale.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    scale.add_arguments(p)
+    p.set_defaults(run=scale.main)
     args = parser.parse_args(argv)
     args.run(args)
 

@@ -87,3 +87,21 @@ def test_nodes_share_their_link():
     slow = LinkModel(1e6, 0.0)
     assert predict_nodes(size, 2, 2, 4, 512, slow, RATES, hierarchical=True)["compressed"] < \
         predict_nodes(size, 2, 2, 4, 512, slow, RATES)["compressed"]
+
+
+def test_the_scale_table(tmp_path, capsys):
+    # python -m jax_cgx.bench scale: the model's table past this machine, with the exact psum's two
+    # forms; a slow link between nodes of 8 GPUs makes the hierarchical form the fastest.
+    import json
+
+    from jax_cgx.bench.__main__ import main
+
+    out = tmp_path / "scale.json"
+    main(["scale", "--nodes", "2", "128", "--gbps", "10", "400", "--bits", "4", "--output", str(out)])
+    rows = json.loads(out.read_text())
+    assert [(r["gbps"], r["nodes"]) for r in rows] == [(10, 2), (10, 128), (400, 2), (400, 128)]
+    for r in rows:
+        assert r["gpus"] == 8 * r["nodes"] and r["hierarchical_s"] < r["flat_s"]
+        best = min(r["psum_ring_s"], r["psum_hierarchical_s"])
+        assert r["hierarchical_speedup"] == pytest.approx(best / r["hierarchical_s"])
+    assert "predicted all-reduce of 1e+09 float32 values" in capsys.readouterr().out

@@ -152,7 +152,7 @@ def predict(size_bytes: float, world: int, bits: int, bucket_size: int, link: Li
 def predict_nodes(size_bytes: float, nodes: int, per_node: int, bits: int, bucket_size: int, link: LinkModel,
                   rates: CodecRates, *, hierarchical: bool = False, host_cores: int | None = None,
                   segments: int = 0, itemsize: int = 4, message_cap: int | None = _wire.CPU_MESSAGE_BYTES,
-                  share: float | None = None) -> dict[str, float]:
+                  share: float | None = None, inner_bandwidth: float | None = None) -> dict[str, float]:
     """:func:`predict` for ``nodes`` nodes of ``per_node`` ranks each, every node on one link of
     ``link.bandwidth`` bytes/s each way (its ranks share it), ranks of one node exchanging at memory
     speed. A reduction over all ``nodes * per_node`` ranks:
@@ -162,7 +162,8 @@ def predict_nodes(size_bytes: float, nodes: int, per_node: int, bits: int, bucke
       each node's link once per step, ``(W - 1) E`` (``W = n m`` ranks, ``m = per_node``); psum is
       priced as :func:`predict`'s ring, which crosses each link once per step too;
     * hierarchical: an exact reduce-scatter and all-gather inside the node (``2 (m-1)/m S`` at
-      memory speed), then :func:`predict`'s compressed all-reduce of ``S / m`` over the ``n`` nodes,
+      ``inner_bandwidth`` bytes/s per rank, NVLink's say; None: at memory speed, ``rates.add``,
+      as processes of one CPU machine exchange), then :func:`predict`'s compressed all-reduce of ``S / m`` over the ``n`` nodes,
       the ``m`` ranks' exchanges sharing each link (a link of ``bandwidth / m`` each).
     """
     world = nodes * per_node
@@ -182,7 +183,8 @@ def predict_nodes(size_bytes: float, nodes: int, per_node: int, bits: int, bucke
         compressed = wire + flat["codec"] + flat["copies"]
         return dict(flat, wire=wire, compressed=compressed,
                     speedup=flat["psum"] / compressed if compressed > 0 else float("inf"))
-    inner = share * 2 * (per_node - 1) / per_node * float(size_bytes) / rates.add
+    inner_rate = rates.add if inner_bandwidth is None else inner_bandwidth
+    inner = (share if inner_bandwidth is None else 1.0) * 2 * (per_node - 1) / per_node * float(size_bytes) / inner_rate
     cross = predict(float(size_bytes) / per_node, nodes, bits, bucket_size,
                     LinkModel(link.bandwidth / per_node, link.latency), rates, segments=segments, itemsize=itemsize,
                     message_cap=message_cap, share=share)
