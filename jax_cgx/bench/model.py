@@ -56,6 +56,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "--world is then the ranks in all")
     p.add_argument("--hierarchical", action="store_true",
                    help="with --per-node: the hierarchical all-reduce (exact inside a node) instead of flat")
+    p.add_argument("--inner-gbps", type=number(0, above=True), default=None,
+                   help="with --hierarchical: what each rank sends inside its node per second, GB/s (CPU processes: "
+                        "gloo over loopback, e.g. 1.4; default: memory speed)")
     p.add_argument("--measured", nargs="*", default=[],
                    help="`bench allreduce --output` JSON files to compare with (rows matched on world/size/bits)")
 
@@ -89,7 +92,8 @@ def main(args: argparse.Namespace) -> None:
                 if args.per_node > 1:
                     p = predict_nodes(mib * 2**20, world // args.per_node, args.per_node, bits, args.bucket_size,
                                       link, rates, hierarchical=args.hierarchical, host_cores=args.host_cores,
-                                      segments=args.segments)
+                                      segments=args.segments,
+                                      inner_bandwidth=None if args.inner_gbps is None else args.inner_gbps * 1e9)
                 else:
                     p = predict(mib * 2**20, world, bits, args.bucket_size, link, rates, args.host_cores,
                                 args.segments)

@@ -161,9 +161,11 @@ def predict_nodes(size_bytes: float, nodes: int, per_node: int, bits: int, bucke
       chunks, ``m (W - m) E`` over each node's link; the all_gather is gloo's ring, which crosses
       each node's link once per step, ``(W - 1) E`` (``W = n m`` ranks, ``m = per_node``); psum is
       priced as :func:`predict`'s ring, which crosses each link once per step too;
-    * hierarchical: an exact reduce-scatter and all-gather inside the node (``2 (m-1)/m S`` at
-      ``inner_bandwidth`` bytes/s per rank, NVLink's say; None: at memory speed, ``rates.add``,
-      as processes of one CPU machine exchange), then :func:`predict`'s compressed all-reduce of ``S / m`` over the ``n`` nodes,
+    * hierarchical: an exact reduce-scatter and all-gather inside the node, ``2 (m-1)/m S`` sent by
+      each rank at ``inner_bandwidth`` bytes/s (NVLink's; for CPU processes of one machine, gloo over
+      loopback TCP: about 1.4 GB/s measured on a 2-core machine, docs/multinode.md, where pricing it
+      at memory speed put the 2x2 prediction 95% under the measurement; None: memory speed,
+      ``rates.add``), slowed by ``share`` as the other compute, then :func:`predict`'s compressed all-reduce of ``S / m`` over the ``n`` nodes,
       the ``m`` ranks' exchanges sharing each link (a link of ``bandwidth / m`` each).
     """
     world = nodes * per_node
@@ -184,7 +186,7 @@ def predict_nodes(size_bytes: float, nodes: int, per_node: int, bits: int, bucke
         return dict(flat, wire=wire, compressed=compressed,
                     speedup=flat["psum"] / compressed if compressed > 0 else float("inf"))
     inner_rate = rates.add if inner_bandwidth is None else inner_bandwidth
-    inner = (share if inner_bandwidth is None else 1.0) * 2 * (per_node - 1) / per_node * float(size_bytes) / inner_rate
+    inner = share * 2 * (per_node - 1) / per_node * float(size_bytes) / inner_rate
     cross = predict(float(size_bytes) / per_node, nodes, bits, bucket_size,
                     LinkModel(link.bandwidth / per_node, link.latency), rates, segments=segments, itemsize=itemsize,
                     message_cap=message_cap, share=share)
