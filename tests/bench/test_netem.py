@@ -1,9 +1,9 @@
 """benchmarks/netem/run.py: the plan it builds (no root needed), and, as root, a real shaped 2-process run."""
 
+import dataclasses
 import importlib.util
 import json
 import os
-import dataclasses
 import pathlib
 import shutil
 import signal
