@@ -170,8 +170,7 @@ def process_state(pid: int) -> str | None:
             data = f.read()
     except OSError:
         return None
-    fields = data.rpartition(")")[2].split()  # the command name, in parentheses, may hold spaces
-    return fields[0] if fields else None
+    return (data.rpartition(")")[2].split() or [None])[0]  # the command name, in parentheses, may hold spaces
 
 
 def describe_status(status: int) -> str:
@@ -355,6 +354,7 @@ class Job(ProcessGroup):
             running = self.running()
             (rank, status), others = failed[0], failed[1:]
             code = exit_code(status)
+            self.pumps[rank].join(timeout=2)  # its last lines (jax's heartbeat report) read first
             culprits = {r: why for r, why in self.unresponsive().items() if r not in {f for f, _ in failed}}
             if culprits:
                 _say("; ".join(f"process {r} stopped responding: {why}" for r, why in culprits.items())

@@ -492,6 +492,16 @@ def test_the_planner_state_round_trips_through_orbax(tmp_path, caplog):
     assert narrow.changes == 0
 
 
+def test_a_planner_restores_its_own_uniform_plan_whatever_its_bucket_sizes():
+    # config's bucket size outside the bucket sizes offered: the uniform plan it starts from is its own.
+    like = {"a": np.zeros(4096, np.float32)}
+    settings = dict(bucket_sizes=(64, 4096), config=jax_cgx.CompressionConfig(bucket_size=128))
+    state = jax_cgx.adaptive.Planner(like, **settings).state_dict()
+    again = jax_cgx.adaptive.Planner(like, **settings)
+    again.load_state_dict(state)
+    assert again.configs == jax_cgx.adaptive.Planner(like, **settings).configs
+
+
 def test_the_planner_warns_of_a_step_factory_made_anew_each_step(caplog):
     planner = jax_cgx.adaptive.Planner({"a": np.zeros(4096, np.float32)}, budget_bits=4)
     with caplog.at_level("WARNING", logger="jax_cgx"):

@@ -142,3 +142,26 @@ def test_multisteps_accumulator_of_a_scalar_is_refused():
     after = optax.chain(_mean(), optax.MultiSteps(optax.sgd(0.1), every_k_schedule=2))
     specs = cgx_optax.state_specs(jax.eval_shape(after.init, {"w": jnp.ones((64, 40)), "t": jnp.ones(())}), "d")
     assert specs[1].acc_grads == {"w": P(), "t": P()} and specs[0].residual == {"w": P("d"), "t": optax.MaskedNode()}
+
+
+def test_the_means_work_inside_optax_masked():
+    # optax.masked hands its inner transformation MaskedNode updates where the mask is False; the
+    # state's own placeholders are MaskedNode too: the state check takes both (before: refused).
+    mesh = mesh_1d()
+    params = {"w": jnp.ones((64, 40)), "b": jnp.ones((40,)), "skip": jnp.ones((64, 40))}
+    mask = {"w": True, "b": True, "skip": False}
+    for inner in (_mean(), cgx_optax.topk_mean("d", 0.05, min_size=100), cgx_optax.powersgd_mean("d", start_iter=0)):
+        tx = optax.masked(inner, mask)
+        specs = cgx_optax.state_specs(jax.eval_shape(tx.init, params), "d")
+        state = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs))(params)
+        g = jax.device_put(jax.tree.map(lambda p: jnp.stack([p * (i + 1) for i in range(W)]), params),
+                           NamedSharding(mesh, P("d")))
+        def local(g, s):
+            updates, s = tx.update(jax.tree.map(lambda v: v[0], g), s)
+            skipped = updates.pop("skip")
+            return updates, skipped[None], s
+
+        step = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P("d"), specs), out_specs=(P(), P("d"), specs)))
+        updates, skipped, _ = step(g, state)
+        np.testing.assert_array_equal(skipped, np.asarray(g["skip"]))  # each device's own, left alone by the mask
+        assert updates["w"].shape == (64, 40)

@@ -162,7 +162,7 @@ def test_a_duplicate_claim_fails_the_real_rank_at_once_naming_it(monkeypatch, st
 
     def attack(g, shake, listener, keys):
         claims = handshake.Claims(None, lifecycle._kv_key(g, "claims"), g.description)
-        nonce = claims.claim(1, 0)  # the impostor's claim, made first
+        nonce = claims.claim(1, 0, keys[0])  # the impostor's claim, made first
         s = _dial(listener)
         strangers.append(s)
         s.sendall(shake.greeting(keys[0], 1, 0, nonce))
@@ -179,7 +179,7 @@ def test_a_second_claim_is_refused_and_logged_on_the_listener(caplog):
     shake = handshake.GroupHandshake(key=123, generation=0, index=0, world=2, description="test group",
                                      claims=handshake.Claims(None, "test/claims", "test group"))
     listeners = _listeners()
-    real_nonce = shake.claims.claim(1, 0)
+    real_nonce = shake.claims.claim(1, 0, listeners[0].key)
     impostor = handshake.connect(listeners[0].address, shake.greeting(listeners[0].key, 1, 0, bytes(16)),
                                  time.monotonic() + 5, "rank 0")
     real = handshake.connect(listeners[0].address, shake.greeting(listeners[0].key, 1, 0, real_nonce),

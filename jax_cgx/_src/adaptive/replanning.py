@@ -104,6 +104,7 @@ class Planner:
         uniform = max(b for b in cands if b <= budget)
         self._configs = treedef.unflatten([self.base.replace(bits=uniform) if q else self.base for q in planned])
         self._choices = tuple((uniform, self.base.bucket_size) for q in planned if q)
+        self._initial = self._choices
         self.plans: list[LeafPlan] | None = None  # the adopted plan's table (None: still uniform)
         self.changes = 0
         self._compiled: dict[tuple, Any] = {}
@@ -236,7 +237,8 @@ class Planner:
                              f"{sizes.tolist()[:8]}, this planner plans {len(want)} of sizes {want[:8]}: make it "
                              "with the parameters (like) and config of the run that saved it")
         choices = tuple((int(b), None if b == EXACT else int(k)) for b, k in zip(bits, buckets))
-        allowed = {(b, k) for k in self.bucket_sizes for b in self.candidates} | ({(EXACT, None)} if self.exact else set())
+        allowed = ({(b, k) for k in self.bucket_sizes for b in self.candidates} | ({(EXACT, None)} if self.exact else set())
+                   | set(self._initial))  # the uniform plan a planner starts from
         if not set(choices) <= allowed:
             raise ValueError(f"Planner.load_state_dict: the saved choices {sorted(set(choices) - allowed, key=str)} are "
                              f"not among this planner's (bits, bucket_size) options {sorted(allowed, key=str)}: make "

@@ -9,8 +9,9 @@ registers, :func:`jax_cgx._src.backends.register_lowering`, before it hands the 
 and the descriptions are compared across the
 processes through the ``jax.distributed`` key-value store: every process other than the first
 publishes its description, the first reads them and publishes a verdict, and every process
-raises the same :class:`ValueError`, naming both settings, when they differ (or when a process
-did not reach the point within ``$JAX_CGX_AGREE_TIMEOUT_S``, 300 s by default). Lowering happens
+raises the same :class:`ValueError`, naming both settings, when they differ; a process that did not
+reach the point within ``$JAX_CGX_AGREE_TIMEOUT_S`` (300 s by default) is named in a
+:class:`~jax_cgx.PeerError` instead (a fault of a peer, a ``jax.errors.JaxRuntimeError``). Lowering happens
 once per compile, so this costs one store round trip per reduction per compile, and nothing at
 run time.
 

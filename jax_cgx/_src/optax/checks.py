@@ -187,8 +187,14 @@ def state_leaves(fn: str, field: str, updates, tree, expected_shape: Callable) -
     the actual one.
     """
     flat, treedef = jax.tree_util.tree_flatten_with_path(updates)
-    s_flat, s_treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_placeholder)
-    if s_treedef != treedef:
+    try:
+        # Up to the updates' structure: a placeholder where an update has a leaf is that leaf's entry,
+        # and where the updates hold an empty node (optax.masked's MaskedNode) so does the state.
+        entries = treedef.flatten_up_to(tree)
+    except (ValueError, TypeError):
+        entries = None
+    if entries is None:
+        s_flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_placeholder)[0]
         ours = [jax.tree_util.keystr(p) for p, _ in flat]
         theirs = [jax.tree_util.keystr(p) for p, _ in s_flat]
         missing = [p for p in ours if p not in set(theirs)]
@@ -198,7 +204,7 @@ def state_leaves(fn: str, field: str, updates, tree, expected_shape: Callable) -
         what = "; ".join(parts) or f"the containers differ (state: {s_treedef}, updates: {treedef})"
         raise ValueError(f"{fn}: state.{field} does not have the structure of the updates: {what}. {_FIX}")
     leaves = []
-    for (path, g), (_, s) in zip(flat, s_flat):
+    for (path, g), s in zip(flat, entries):
         want = expected_shape(g)
         want = None if want is None else tuple(want)
         got = None if is_placeholder(s) else tuple(jnp.shape(s))

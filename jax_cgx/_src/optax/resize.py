@@ -83,7 +83,8 @@ class _Resizer:
         old = got[0] // shape[0]
         self.old_worlds.add(old)
         blocks = jnp.reshape(leaf, (old, *shape))
-        mean = (jnp.sum(blocks.astype(jnp.float32), axis=0) / old).astype(leaf.dtype) if old > 1 else blocks[0]
+        wide = jnp.promote_types(leaf.dtype, jnp.float32)  # complex leaves keep their imaginary part
+        mean = (jnp.sum(blocks.astype(wide), axis=0) / old).astype(leaf.dtype) if old > 1 else blocks[0]
         return jnp.concatenate([mean] * self.world, axis=0) if self.world > 1 else mean
 
     # --- the ZeRO state: flat, padded per parameter ----------------------------------------------
@@ -141,7 +142,8 @@ class _Resizer:
         old = total // length
         self.old_worlds.add(old)
         blocks = jnp.reshape(flat, (old, length))[:, :n]
-        mean = jnp.sum(blocks.astype(jnp.float32), axis=0) / old if old > 1 else blocks[0].astype(jnp.float32)
+        wide = jnp.promote_types(flat.dtype, jnp.float32)
+        mean = jnp.sum(blocks.astype(wide), axis=0) / old if old > 1 else blocks[0].astype(wide)
         return jnp.tile(self._repad(mean.astype(flat.dtype), n), self.world)
 
     def _paths(self, path):

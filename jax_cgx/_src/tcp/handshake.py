@@ -183,22 +183,29 @@ class Claims:
         self.client, self.prefix, self.description = client, prefix, description
         self._mine: list[str] = []
 
-    def _key(self, from_rank: int, to_rank: int) -> str:
-        return f"{self.prefix}/claim/{from_rank}/{to_rank}"
+    def _key(self, from_rank: int, to_rank: int, listener_key: bytes) -> str:
+        # The listener's key is fresh for each set-up attempt: a retry after a failed one (the same
+        # generation) claims under other keys, not those its own first attempt left in the store.
+        attempt = hashlib.sha256(listener_key).hexdigest()[:16]
+        return f"{self.prefix}/claim/{from_rank}/{to_rank}/{attempt}"
 
-    def claim(self, from_rank: int, to_rank: int) -> bytes:
-        """A fresh nonce, published as rank ``from_rank``'s claim of its connection to ``to_rank``;
-        a :class:`TcpError` naming the duplicate when another process claimed it first."""
+    def claim(self, from_rank: int, to_rank: int, listener_key: bytes) -> bytes:
+        """A fresh nonce, published as rank ``from_rank``'s claim of its connection to ``to_rank``
+        (whose listener key is ``listener_key``); a :class:`TcpPeerError` naming the duplicate when
+        another process claimed it first."""
         nonce = secrets.token_bytes(NONCE_BYTES)
-        key = self._key(from_rank, to_rank)
+        key = self._key(from_rank, to_rank, listener_key)
         try:
             if self.client is None:
                 if key in self._local:
-                    raise KeyError(key)
+                    raise KeyError(f"ALREADY_EXISTS: {key}")
                 self._local[key] = nonce.hex()
             else:
                 self.client.key_value_set(key, nonce.hex())  # kept once: a second set fails
-        except Exception as err:  # noqa: BLE001 - the store's ALREADY_EXISTS
+        except Exception as err:  # noqa: BLE001 - the store's error, told apart by its text
+            if "already" not in str(err).lower():  # not a duplicate: the store itself failed
+                raise TcpError(f"jax_cgx.tcp.setup: publishing rank {from_rank}'s claim of its connection to rank "
+                               f"{to_rank} of {self.description} in the key-value store failed: {err}") from err
             raise TcpPeerError(
                 f"jax_cgx.tcp.setup: another process claimed rank {from_rank}'s connection to rank {to_rank} of "
                 f"{self.description} first: a duplicate claim of rank {from_rank} (two processes started with the "
@@ -208,9 +215,9 @@ class Claims:
         self._mine.append(key)
         return nonce
 
-    def lookup(self, from_rank: int, to_rank: int) -> bytes | None:
+    def lookup(self, from_rank: int, to_rank: int, listener_key: bytes) -> bytes | None:
         """The nonce rank ``from_rank``'s process published for the connection, None if none was."""
-        key = self._key(from_rank, to_rank)
+        key = self._key(from_rank, to_rank, listener_key)
         try:
             value = self._local.get(key) if self.client is None else self.client.key_value_try_get(key)
         except Exception:  # noqa: BLE001 - the store's NOT_FOUND
@@ -272,7 +279,7 @@ class GroupHandshake:
             return -1, (f"its greeting (claiming rank {rank}) has a wrong MAC: it is not from a process of this "
                         "job's set-up (another job, a stale attempt, or a forgery)"), "wrong MAC"
         if self.claims is not None:
-            claimed = self.claims.lookup(rank, to_rank)
+            claimed = self.claims.lookup(rank, to_rank, listener_key)
             if claimed is None:
                 return -1, (f"its greeting claims rank {rank}, but rank {rank}'s process has not claimed this "
                             "connection (it does before connecting): a process holding this attempt's listener key "

@@ -204,7 +204,7 @@ def _connect_group(g: PlannedGroup, members: list[tuple[int, int]], listeners: d
         for _, rank in members:
             for peer in range(rank):
                 address, key = addresses[peer]
-                greeting = shake.greeting(key, rank, peer, claims.claim(rank, peer))
+                greeting = shake.greeting(key, rank, peer, claims.claim(rank, peer, key))
                 sockets[rank][peer] = handshake.connect(address, greeting, deadline, f"rank {peer} of {g.description}")
         # 2. Then accepts the ranks above it, each proving it read this attempt's listener key.
         for rank, accepted in shake.accept(listeners, deadline).items():
