@@ -194,7 +194,7 @@ def state_leaves(fn: str, field: str, updates, tree, expected_shape: Callable) -
     except (ValueError, TypeError):
         entries = None
     if entries is None:
-        s_flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_placeholder)[0]
+        s_flat, s_treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_placeholder)
         ours = [jax.tree_util.keystr(p) for p, _ in flat]
         theirs = [jax.tree_util.keystr(p) for p, _ in s_flat]
         missing = [p for p in ours if p not in set(theirs)]
