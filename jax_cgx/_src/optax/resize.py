@@ -52,7 +52,9 @@ class _Resizer:
     """One walk over a state: the new leaves, and a tally of what was done for the log line."""
 
     def __init__(self, params, world: int):
-        self.param_leaves, self.param_def = jax.tree.flatten(params)
+        with_paths, self.param_def = jax.tree_util.tree_flatten_with_path(params)
+        self.param_leaves = [leaf for _, leaf in with_paths]
+        self.param_paths = [p for p, _ in with_paths]
         self.world = world
         self.old_worlds: set[int] = set()
         self.done: Counter = Counter()
@@ -64,7 +66,8 @@ class _Resizer:
         if _empty(tree):  # no per-device state kept (error_feedback=False)
             return tree
         out = []
-        for p, leaf, name in zip(self.param_leaves, self.param_def.flatten_up_to(tree), self._paths(path)):
+        names = [jax.tree_util.keystr((*path, *p)) for p in self.param_paths]
+        for p, leaf, name in zip(self.param_leaves, self.param_def.flatten_up_to(tree), names):
             if checks.is_placeholder(leaf):
                 out.append(leaf)
                 continue
@@ -82,9 +85,7 @@ class _Resizer:
                              "the state as saved (global arrays, as shard_map with jax_cgx.optax.state_specs gives them)")
         old = got[0] // shape[0]
         self.old_worlds.add(old)
-        blocks = jnp.reshape(leaf, (old, *shape))
-        wide = jnp.promote_types(leaf.dtype, jnp.float32)  # complex leaves keep their imaginary part
-        mean = (jnp.sum(blocks.astype(wide), axis=0) / old).astype(leaf.dtype) if old > 1 else blocks[0]
+        mean = _device_mean(jnp.reshape(leaf, (old, *shape)))
         return jnp.concatenate([mean] * self.world, axis=0) if self.world > 1 else mean
 
     # --- the ZeRO state: flat, padded per parameter ----------------------------------------------
@@ -141,14 +142,14 @@ class _Resizer:
                              f"flat gradients of length {length}")
         old = total // length
         self.old_worlds.add(old)
-        blocks = jnp.reshape(flat, (old, length))[:, :n]
-        wide = jnp.promote_types(flat.dtype, jnp.float32)
-        mean = jnp.sum(blocks.astype(wide), axis=0) / old if old > 1 else blocks[0].astype(wide)
-        return jnp.tile(self._repad(mean.astype(flat.dtype), n), self.world)
+        return jnp.tile(self._repad(_device_mean(jnp.reshape(flat, (old, length))[:, :n]), n), self.world)
 
-    def _paths(self, path):
-        return [jax.tree_util.keystr((*path, *p)) for p, _ in jax.tree_util.tree_flatten_with_path(
-            self.param_def.unflatten(self.param_leaves))[0]]
+
+def _device_mean(blocks):
+    """The mean of the devices' blocks (axis 0), summed in at least float32 (complex leaves keep their
+    imaginary part), in the blocks' dtype; one device's block comes back bitwise."""
+    wide = jnp.promote_types(blocks.dtype, jnp.float32)
+    return (jnp.sum(blocks.astype(wide), axis=0) / blocks.shape[0]).astype(blocks.dtype)
 
 
 def _empty(tree) -> bool:

@@ -184,6 +184,15 @@ def _env_link() -> tuple[float | None, ValueError | None]:
         return None, err
 
 
+def _given_link(config: CompressionConfig | None) -> tuple[float | None, str | None, ValueError | None]:
+    """``(Gbit/s, where it was given, the error of a malformed JAX_CGX_LINK_GBPS)``: the config's link
+    rate, else the environment's, else ``(None, None, ...)`` (to be measured)."""
+    if config is not None and config.link_gbps is not None:
+        return config.link_gbps, "CompressionConfig.link_gbps", None
+    env, bad_env = _env_link()
+    return env, (None if env is None else "JAX_CGX_LINK_GBPS"), bad_env
+
+
 def _calibrate_platform(platform: str, link_gbps: float | None, source: str | None) -> Figures:
     """Measure what is missing and agree on it with every process; runs on a fresh thread."""
     t0 = time.perf_counter()
@@ -242,15 +251,9 @@ def figures(config: CompressionConfig | None = None, platform: str | None = None
     process must call this, directly or through a first trace); later calls are free.
     """
     platform = platform or jax.default_backend()
-    link_gbps, source = None, None
-    if config is not None and config.link_gbps is not None:
-        link_gbps, source = config.link_gbps, "CompressionConfig.link_gbps"
-    else:
-        env, bad_env = _env_link()
-        if bad_env and platform in _measured_rates:  # agreed on already: no peer waits for us
-            raise bad_env
-        if env is not None:
-            link_gbps, source = env, "JAX_CGX_LINK_GBPS"
+    link_gbps, source, bad_env = _given_link(config)
+    if bad_env and platform in _measured_rates:  # agreed on already: no peer waits for us
+        raise bad_env
     with _lock:
         fig = _cached(platform, link_gbps, source)
         if fig is None and getattr(_alone, "on", False) and jax.process_count() > 1:
@@ -267,11 +270,7 @@ def known_figures(config: CompressionConfig | None = None, platform: str | None 
     """:func:`figures` where everything they need is measured (or given) already, else None: never
     measures (what a report on a policy other than "auto" may price with)."""
     platform = platform or jax.default_backend()
-    link_gbps, source = None, None
-    if config is not None and config.link_gbps is not None:
-        link_gbps, source = config.link_gbps, "CompressionConfig.link_gbps"
-    elif (env := _env_link()[0]) is not None:
-        link_gbps, source = env, "JAX_CGX_LINK_GBPS"
+    link_gbps, source, _ = _given_link(config)
     with _lock:
         return _cached(platform, link_gbps, source)
 
