@@ -158,7 +158,8 @@ def run(args: argparse.Namespace) -> list[dict]:
     else:
         mesh = jax.make_mesh((world,), ("d",), axis_types=(jax.sharding.AxisType.Explicit,), devices=devices)
         axes = ("d",)
-    spec = P(axes if len(axes) > 1 else axes[0])
+    axis = axes if len(axes) > 1 else axes[0]
+    spec = P(axis)
     sharding = NamedSharding(mesh, spec)
     backends = args.backends or (["xla", "nccl"] if devices[0].platform == "gpu" and world > 1 else ["xla"])
     if "nccl" in backends:
@@ -170,7 +171,6 @@ def run(args: argparse.Namespace) -> list[dict]:
     def reducer(reduce):
         body = lambda v: reduce(v[0])[None]  # noqa: E731
         return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec))
-    axis = axes if len(axes) > 1 else axes[0]
     layouts = [False] if not args.two_level else [h == "hierarchical" for h in args.layouts]
 
     def local(out) -> np.ndarray:

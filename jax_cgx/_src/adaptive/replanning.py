@@ -23,6 +23,7 @@ a word transformer, 29 s of compiling per new plan instead of 5 s.)
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -101,6 +102,7 @@ class Planner:
         self._treedef = treedef
         self._like = [(jax.tree_util.keystr(p), tuple(jnp.shape(v)), jnp.result_type(v)) for p, v in with_paths]
         self._planned = [i for i, q in enumerate(planned) if q]
+        self._sizes = [math.prod(self._like[i][1]) for i in self._planned]  # the planned leaves' values
         uniform = max(b for b in cands if b <= budget)
         self._configs = treedef.unflatten([self.base.replace(bits=uniform) if q else self.base for q in planned])
         self._choices = tuple((uniform, self.base.bucket_size) for q in planned if q)
@@ -210,7 +212,7 @@ class Planner:
         return {
             "bits": np.array([b for b, _ in self._choices], np.int32),
             "bucket_size": np.array([bucket or 0 for _, bucket in self._choices], np.int32),
-            "size": np.array([int(np.prod(self._like[i][1], dtype=np.int64)) for i in self._planned], np.int64),
+            "size": np.array(self._sizes, np.int64),
             "error": np.array([p.error for p in plans] if plans else [np.nan] * len(self._planned), np.float64),
             "bytes": np.array([p.bytes for p in plans] if plans else [-1] * len(self._planned), np.int64),
             "changes": np.array(self.changes, np.int64),
@@ -231,7 +233,7 @@ class Planner:
         except (KeyError, TypeError, ValueError) as err:
             raise ValueError(f"Planner.load_state_dict: not a Planner.state_dict() ({err!r}): it needs bits, "
                              "bucket_size, size, error, bytes and changes") from None
-        want = [int(np.prod(self._like[i][1], dtype=np.int64)) for i in self._planned]
+        want = self._sizes
         if sizes.tolist() != want or not len(bits) == len(buckets) == len(errors) == len(nbytes) == len(want):
             raise ValueError(f"Planner.load_state_dict: the saved plan is for {len(sizes)} planned leaves of sizes "
                              f"{sizes.tolist()[:8]}, this planner plans {len(want)} of sizes {want[:8]}: make it "
