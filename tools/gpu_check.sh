@@ -33,7 +33,11 @@
 #                    (it chose psum there on 2026-11-27, where 4-bit was 3.66x faster)
 #   reference_gpu    the pure-JAX reference compiled by XLA:GPU against the CUDA kernels, bitwise
 #   allreduce_link   issue 30: psum vs the xla and nccl backends (all-reduce, reduce-scatter,
-#                    all-gather; 64 and 256 MiB) over the same 10 Gbit/s link
+#                    all-gather; 64 and 256 MiB) over the same 10 Gbit/s link, and on loopback
+#   allreduce_mps    the same over the 10 Gbit/s link, the two ranks under MPS
+#   auto_loopback    policy="auto" on the MLP, loopback sockets, no MPS (it chose psum there once)
+#   train_charlm_mps the transformer at 10 Gbit/s under MPS, jax_cgx beside DDP
+#   train_launch_mps the MLP on loopback under `python -m jax_cgx.launch --mps`
 #   tests_cpu        the rest of the test suite (long: a call of its own)
 #   prebuild         HERE, not on the GPU machine: the device_test variants for sm_90 into .prebuilt/
 #                    (~35 s of one core each), which `kernels` and `profile_codec` then take instead of
@@ -59,7 +63,8 @@ if [[ "${1:-}" == "-o" ]]; then out=$2; shift 2; fi
 out="${out:-${OUT:+${TMPDIR:-/tmp}/gpu-check}}"
 out="${out:-gpu-check}"
 all=(build kernels profile_codec tests_codec_gpu tests_nccl_gpu bench_codec bench_allreduce bench_sharded
-     nccl_transport train_step train_link train_mps auto_link reference_gpu allreduce_link tests_cpu)
+     nccl_transport train_step train_link train_mps auto_link reference_gpu allreduce_link allreduce_mps
+     auto_loopback train_charlm_mps train_launch_mps tests_cpu)
 # Not in the default run: prebuild runs where there is no GPU.
 [[ " $* " == *" prebuild "* ]] && all+=(prebuild)
 stages=("$@")
@@ -113,8 +118,8 @@ from jax_cgx import _cuda; assert _cuda.nccl_compiled(); print('cuda extension o
 }
 
 # Build-time variants of the quantizing kernels (cuda/quantize_kernels.cuh):
-# "PIPELINE MIN_BLOCKS", the first being the default build.
-VARIANTS=("0 1" "0 3" "1 1" "1 3")
+# "PIPELINE MIN_BLOCKS", the first being the default build (xla_ffi/cuda_kernels.h).
+VARIANTS=("1 1" "0 1" "0 3" "1 3")
 sm=${JAX_CGX_CUDA_ARCHITECTURES%%-*}
 device_test_build() {  # device_test_build PIPELINE MIN_BLOCKS [DIR]: builds DIR/device_test_pP_mM (DIR: $out)
   nvcc -std=c++17 -O3 --fmad=false --expt-relaxed-constexpr -arch="sm_$sm" \
@@ -388,14 +393,50 @@ stage_auto_link() {
   pack
 }
 
-# Issue 30: the nccl backend against the xla backend and psum on the same link, automatic
-# segmentation and one segment (two NCCL calls per all-reduce, as the xla backend makes).
+# Issue 30: the nccl backend against the xla backend and psum on the same link, and on loopback
+# sockets, with the library's default segmentation (one segment since 2026-11-27, after 8 measured
+# 2-3x slower on two processes sharing the GPU: two NCCL calls per all-reduce, as the xla backend).
+ALLREDUCE_BACKENDS=(--sizes-mib 64 256 --bits 4 --ops psum psum_scatter all_gather --backends xla nccl
+                    --repeats 5 --no-progress)
 stage_allreduce_link() {
-  local common=(--sizes-mib 64 256 --bits 4 --ops psum psum_scatter all_gather --backends xla nccl
-                --repeats 5 --no-progress)
-  link_run allreduce_10gbit 10gbit benchmarks/allreduce.py "${common[@]}"
-  link_run allreduce_10gbit_seg1 10gbit benchmarks/allreduce.py "${common[@]}" --segments 1
-  link_run allreduce_unlimited unlimited benchmarks/allreduce.py "${common[@]}"
+  link_run allreduce_10gbit 10gbit benchmarks/allreduce.py "${ALLREDUCE_BACKENDS[@]}"
+  link_run allreduce_unlimited unlimited benchmarks/allreduce.py "${ALLREDUCE_BACKENDS[@]}"
+}
+
+# The same over the 10 Gbit/s link with the ranks under MPS (closer to one process per GPU).
+stage_allreduce_mps() {
+  mps_start || return 0
+  link_run allreduce_10gbit_mps 10gbit benchmarks/allreduce.py "${ALLREDUCE_BACKENDS[@]}"
+  mps_stop
+}
+
+# policy="auto" where it chose psum on 2026-11-27 (loopback, no MPS: 4-bit 2.64x faster), now that
+# the GPU's codec rates are timed on 64 MiB in batches.
+stage_auto_loopback() {
+  step auto_mlp_loopback python -m jax_cgx.launch -n 2 benchmarks/train_step.py --share-gpu --steps 20 \
+    --warmup 5 --no-progress --compressors none maxmin:4 maxmin:4+auto --output "$out/auto_mlp_loopback.json"
+  grep "policy=" "$out/auto_mlp_loopback.log" >>"$out/summary.txt" 2>/dev/null
+  [[ -f "$out/auto_mlp_loopback.json" ]] && python tools/results_table.py "$out/auto_mlp_loopback.json" >>"$out/summary.txt" 2>&1
+  pack
+}
+
+# The transformer at 10 Gbit/s with the ranks under MPS (target: 4-bit >= 3x psum).
+stage_train_charlm_mps() {
+  mps_start || return 0
+  link_run train_charlm_10gbit_mps 10gbit benchmarks/train_step.py --link-gbps 10 --model charlm --d-model 512 \
+    --layers 4 --context 256 --batch-per-device 32 "${TRAIN_COMMON[@]}" --compressors none maxmin:4 maxmin:8 \
+    maxmin:4+auto "${TRAIN_DDP[@]}"
+  mps_stop
+}
+
+# The documented one-liner: the launcher's --mps (its own daemon), the MLP on loopback sockets.
+stage_train_launch_mps() {
+  step train_mlp_unlimited_launch_mps python -m jax_cgx.launch -n 2 --mps benchmarks/train_step.py --share-gpu \
+    "${TRAIN_COMMON[@]}" --compressors none maxmin:4 maxmin:8 maxmin:4+auto "${TRAIN_DDP[@]}" \
+    --output "$out/train_mlp_unlimited_launch_mps.json"
+  [[ -f "$out/train_mlp_unlimited_launch_mps.json" ]] &&
+    python tools/results_table.py "$out/train_mlp_unlimited_launch_mps.json" >>"$out/summary.txt" 2>&1
+  pack
 }
 
 stage_tests_cpu() { step tests_cpu pytest -o addopts=-ra tests -q -m "not gpu"; }

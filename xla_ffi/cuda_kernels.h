@@ -19,8 +19,11 @@
 
 // Build-time variants of the quantizing kernels (cuda/quantize_kernels.cuh
 // says what each does; cuda/tests/device_test.cu times them side by side).
+// The pipelined grid is the default since it measured fastest on an H100
+// (docs/gpu-results.md, 2026-11-27, 256 MiB: dequantize 75-81% of a copy's
+// bandwidth where the per-bucket grid reached 60-69%; quantize 37-42% in both).
 #ifndef JAX_CGX_CODEC_PIPELINE
-#define JAX_CGX_CODEC_PIPELINE 0
+#define JAX_CGX_CODEC_PIPELINE 1
 #endif
 #ifndef JAX_CGX_QUANTIZE_MIN_BLOCKS
 #define JAX_CGX_QUANTIZE_MIN_BLOCKS 1

@@ -171,9 +171,15 @@ inline xla::ffi::Error CheckUsable(std::string_view target, const NcclApi& api, 
   return xla::ffi::Error::Success();
 }
 
-// Auto segmentation aims at this many bytes of input per chunk segment.
+// Auto segmentation (pipeline_segments=0): one segment per chunk. On the GPU the
+// kernels quantize 256 MiB in ~0.3 ms, so cutting a chunk to overlap quantizing with
+// sending hides almost nothing, while every segment costs its own NCCL calls; where
+// two processes share a GPU each call waits for the other's turn on it. Measured
+// on an H100 (docs/gpu-results.md, 2026-11-27), 256 MiB 4-bit all-reduce over 2 ranks:
+// 8 segments 73.9 ms, one 30.3 ms (the xla backend 26-31 ms); under MPS level.
+// pipeline_segments > 0 still cuts as asked.
 inline constexpr int64_t kAutoSegmentBytes = int64_t{16} << 20;
-inline constexpr int kAutoMaxSegments = 8;
+inline constexpr int kAutoMaxSegments = 1;
 
 // Payload bytes of one encoding of m values (the kernels' row layout).
 inline int64_t RowBytes(int64_t m, int64_t bucket_size, int bits) {

@@ -56,7 +56,8 @@ def _ordered_subsets(names):
 
 
 def _cpu_meshes():
-    devs = np.array(jax.devices())
+    # The 8 virtual CPU devices (conftest) even where a GPU is JAX's default backend.
+    devs = np.array(jax.devices("cpu"))
     perm = np.random.default_rng(1).permutation(8)
     return [
         Mesh(devs, ("x",)),
@@ -120,8 +121,8 @@ def test_groups_name_or_tuple_and_errors():
 
 def test_family_key_stable_and_distinct():
     m1, m2, m3 = _cpu_meshes()
-    reordered = Mesh(np.array(jax.devices())[::-1], ("x",))
-    renamed = Mesh(np.array(jax.devices()), ("y",))
+    reordered = Mesh(np.array(jax.devices("cpu"))[::-1], ("x",))
+    renamed = Mesh(np.array(jax.devices("cpu")), ("y",))
     keys = {
         "m1/x": nccl.family_key(m1, "x"),
         "reordered/x": nccl.family_key(reordered, "x"),

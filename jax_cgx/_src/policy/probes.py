@@ -35,6 +35,13 @@ __all__ = ["ExchangeFit", "Timed", "measure_rates", "measure_link", "time_exchan
 _PROBE_BYTES = (64 * 1024, 2**20, 16 * 2**20)
 # The codec probe's buffer: large enough to stream from memory, small enough to be quick.
 _CODEC_PROBE_VALUES = 2**20
+# On a GPU one call on 4 MiB is ~10 us of the device's time but ~0.1 ms of dispatch and wait,
+# and whole milliseconds where another process holds the GPU: there the codec is timed on
+# 64 MiB, in batches of calls dispatched back to back, as a step runs them. (Measured on an
+# H100, 2026-11-27, single calls on 4 MiB: a copy at 1.8 GB/s where it runs at 1.5 TB/s,
+# which priced a 64 MiB buffer's fusion copies at 75 ms and kept it uncompressed.)
+_GPU_CODEC_PROBE_VALUES = 2**24
+_GPU_CODEC_BATCH = 10
 _REPEATS = 5
 _AXIS = "jax_cgx_link_probe"
 # Runs of each when timing a buffer: a near-tie needs more than the probe's five.
@@ -81,17 +88,30 @@ def _median_time(fn: Callable[[], object]) -> float:
     return _median_times(fn)[0]
 
 
+def _batched(fn: Callable[[], object], calls: int) -> Callable[[], object]:
+    """``fn`` called ``calls`` times back to back (one stream runs them in order: the last
+    result ready means all are)."""
+    def run():
+        for _ in range(calls - 1):
+            fn()
+        return fn()
+    return run
+
+
 def measure_rates(device) -> CodecRates:
+    """Bytes of float32 per second this device quantizes (4 bits), dequantizes and copies."""
     config = CompressionConfig(bits=4)
-    x = jax.device_put(jax.random.normal(jax.random.key(0), (_CODEC_PROBE_VALUES,), jnp.float32), device)
+    on_cpu = device.platform == "cpu"
+    values, calls = (_CODEC_PROBE_VALUES, 1) if on_cpu else (_GPU_CODEC_PROBE_VALUES, _GPU_CODEC_BATCH)
+    x = jax.device_put(jax.random.normal(jax.random.key(0), (values,), jnp.float32), device)
     quantize = jax.jit(lambda a: codec.quantize(a, config))
     dequantize = jax.jit(codec.dequantize)
     copy = jax.jit(lambda a: -a)  # one read and one write of every byte
     q = quantize(x)
-    nbytes = x.size * 4
-    return CodecRates(quantize=nbytes / _median_time(lambda: quantize(x)),
-                      dequantize=nbytes / _median_time(lambda: dequantize(q)),
-                      add=nbytes / _median_time(lambda: copy(x)))
+    nbytes = x.size * 4 * calls
+    return CodecRates(quantize=nbytes / _median_time(_batched(lambda: quantize(x), calls)),
+                      dequantize=nbytes / _median_time(_batched(lambda: dequantize(q), calls)),
+                      add=nbytes / _median_time(_batched(lambda: copy(x), calls)))
 
 
 def _mesh(devices) -> jax.sharding.Mesh:
