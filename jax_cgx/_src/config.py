@@ -118,8 +118,9 @@ class CompressionConfig:
         exchange over the other axes, and all-gather back over the inner axis.
       pipeline_segments: how the exchange is cut, 0..64; 0 picks by size. nccl and tcp
         backends: each chunk is split into this many segments so that quantizing one
-        segment overlaps sending the previous (by size: about 16 MiB of input per segment
-        on nccl, 1 MiB on tcp). xla backend: every collective's per-peer message is sent
+        segment overlaps sending the previous (by size: one segment on nccl, where the
+        GPU's kernels leave nothing worth overlapping and every segment costs NCCL calls;
+        about 1 MiB of input per segment on tcp). xla backend: every collective's per-peer message is sent
         as this many messages; by size, at most 256 KiB each on CPU with several
         processes (gloo runs large two-way messages at half the line rate of a slow
         link), one message elsewhere. Never changes the result.
