@@ -177,8 +177,13 @@ def run(args: argparse.Namespace) -> list[dict]:
         return np.asarray(out.addressable_shards[0].data, np.float32)[0]
 
     sizes = sizes_in_bytes(args)
-    combos = [(op, *c) for op in args.ops for c in itertools.product(args.bits, args.bucket_sizes, backends, layouts)
-              if (op == "psum" or c[2] != "tcp") and (op == "psum" or not c[3])]
+    algorithms = args.algorithm if isinstance(args.algorithm, list) else [args.algorithm]
+    policies = args.policy if isinstance(args.policy, list) else [args.policy]
+    combos = [(op, *c) for op in args.ops
+              for c in itertools.product(args.bits, args.bucket_sizes, backends, layouts, algorithms, policies)
+              if (op == "psum" or c[2] != "tcp") and (op == "psum" or not c[3])
+              # auto chooses the form over nodes itself: one row of it, not one per layout and algorithm
+              and (c[5] == "always" or not args.two_level or (c[3] == layouts[0] and c[4] == algorithms[0]))]
     records = []
     with _progress(len(sizes) * (len(args.ops) + len(combos)), jax.process_index() == 0 and args.progress) as bar:
         for size in sizes:
@@ -199,10 +204,10 @@ def run(args: argparse.Namespace) -> list[dict]:
                 like = jax.ShapeDtypeStruct((m,), dtype)
                 wire_plain = bytes_on_wire(like, world, jax_cgx.CompressionConfig(bits=32), op=op)
                 factor = bus(world) if world > 1 else 1.0
-                for _, bits, bucket, backend, hierarchical in [c for c in combos if c[0] == op]:
+                for _, bits, bucket, backend, hierarchical, algorithm, policy in [c for c in combos if c[0] == op]:
                     config = jax_cgx.CompressionConfig(
                         bits=bits, bucket_size=bucket, fusion_buffer_mb=max(1024, 2 * size / 2**20), backend=backend,
-                        algorithm=args.algorithm, min_size=0, policy=args.policy, pipeline_segments=args.segments,
+                        algorithm=algorithm, min_size=0, policy=policy, pipeline_segments=args.segments,
                         hierarchical=hierarchical,
                     )
                     compressed = reducer(lambda v, c=config, f=cgx_op: f(v, axis, c, impl=args.impl))
@@ -210,8 +215,9 @@ def run(args: argparse.Namespace) -> list[dict]:
                     err = float(np.max(np.abs(local(compressed(x)) - exact)))
                     records.append(
                         dict(
-                            op=op, devices=world, platform=devices[0].platform, backend=backend, policy=args.policy,
-                            algorithm="hierarchical" if hierarchical else args.algorithm,
+                            op=op, devices=world, platform=devices[0].platform, backend=backend, policy=policy,
+                            algorithm=("auto" if policy == "auto" and args.two_level
+                                       else f"hierarchical {algorithm}" if hierarchical else algorithm),
                             mesh="x".join(map(str, mesh.devices.shape)), dtype=dtype.name, size_bytes=nbytes, size_mib=nbytes / 2**20,
                             count=n, bits=bits, bucket_size=bucket, psum_ms=t_plain * 1e3, compressed_ms=t * 1e3,
                             psum_algbw_gbs=nbytes / t_plain / 1e9, psum_busbw_gbs=nbytes / t_plain / 1e9 * factor,
@@ -259,7 +265,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "with jax_cgx.nccl.setup / jax_cgx.tcp.setup")
     p.add_argument("--ops", nargs="+", choices=list(_OPS), default=["psum"],
                    help="collectives to time against lax's (default: psum)")
-    p.add_argument("--algorithm", default="sra", choices=["sra", "ring"])
+    p.add_argument("--algorithm", default=["sra"], choices=["sra", "ring"], nargs="+",
+                   help="the compressed all-reduce's algorithm(s), side by side (default sra)")
     p.add_argument("--two-level", action="store_true",
                    help="a ('node', 'local') mesh of JAX_CGX_LOCAL_COUNT processes per node (benchmarks/netem/run.py "
                         "--nodes N --per-node M), every reduction over both axes")
@@ -268,9 +275,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(exact within a node, compressed across nodes), or both side by side (default)")
     p.add_argument("--segments", type=integer(0), default=0,
                    help="CompressionConfig.pipeline_segments: messages per exchange, 0 = by size (default)")
-    p.add_argument("--policy", default="always", choices=["always", "auto"],
-                   help="CompressionConfig.policy of the compressed rows (auto: lax where the cost model, "
-                        "measured in the first trace, finds it faster; default %(default)s)")
+    p.add_argument("--policy", default=["always"], choices=["always", "auto"], nargs="+",
+                   help="CompressionConfig.policy of the compressed rows, side by side (auto: lax where the cost "
+                        "model, measured in the first trace, finds it faster; with --two-level also the form it "
+                        "chooses, in one row; default always)")
     p.add_argument("--impl", default="auto", choices=["kernel", "reference", "auto"])
     p.add_argument("-n", "--repeats", type=integer(1), default=10, help="timed calls per point (median)")
     p.add_argument("-w", "--warmup", type=integer(0), default=1, help="untimed calls first")
@@ -307,7 +315,7 @@ def plot(records: list[dict], path: str) -> None:
         ax.grid(True, alpha=0.3)
     ax_bw.legend(fontsize=7)
     ax_sp.legend(fontsize=7)
-    fig.suptitle(f"jax_cgx vs lax: {r0['devices']} x {r0['platform']}, {r0['dtype']}, {r0['algorithm']}")
+    fig.suptitle(f"jax_cgx vs lax: {r0['devices']} x {r0['platform']}, {r0['dtype']}, mesh {r0['mesh']}")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -325,6 +333,7 @@ def main(args: argparse.Namespace) -> None:
             str(r["bits"]),
             str(r["bucket_size"]),
             r["backend"],
+            r["algorithm"] + ("" if r.get("policy", "always") == "always" or r["algorithm"] == "auto" else ", auto"),
             f"{r['psum_ms'] * 1e3:.0f}",
             f"{r['psum_busbw_gbs']:.2f}",
             f"{r['compressed_ms'] * 1e3:.0f}",
@@ -337,10 +346,9 @@ def main(args: argparse.Namespace) -> None:
         for r in records
     ]
     r0 = records[0]
-    policy = "" if r0.get("policy", "always") == "always" else f", policy={r0['policy']}"
-    title = (f"jax_cgx vs lax: {r0['devices']} x {r0['platform']} devices, {r0['algorithm']}{policy} "
+    title = (f"jax_cgx vs lax: {r0['devices']} x {r0['platform']} devices, mesh {r0['mesh']} "
              "(algbw/busbw from the uncompressed size, nccl-tests convention)")
-    columns = ["op", "size (B)", "count", "type", "bits", "bucket", "backend", "lax us", "lax busbw",
+    columns = ["op", "size (B)", "count", "type", "bits", "bucket", "backend", "form", "lax us", "lax busbw",
                "cgx us", "algbw GB/s", "busbw GB/s", "speedup", "fewer bytes", "max |err|"]
     print_table(title, columns, rows)
     if args.output:

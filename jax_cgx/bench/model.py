@@ -70,7 +70,8 @@ def main(args: argparse.Namespace) -> None:
     for path in args.measured:
         with open(path) as f:
             for r in json.load(f):
-                if (r.get("algorithm") == "hierarchical") != args.hierarchical:
+                # "hierarchical" (older files) or "hierarchical sra"/"hierarchical ring"; auto's rows aside
+                if r.get("algorithm") == "auto" or str(r.get("algorithm")).startswith("hierarchical") != args.hierarchical:
                     continue
                 if args.per_node > 1 and r.get("mesh") != f"{r['devices'] // args.per_node}x{args.per_node}":
                     continue

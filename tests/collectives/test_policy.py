@@ -457,3 +457,93 @@ def test_gpu_codec_probe_times_batches_of_large_calls(monkeypatch):
     assert seen == [4096, probes._CODEC_PROBE_VALUES]
     assert batches == [probes._GPU_CODEC_BATCH] * 3 + [1] * 3
     assert all(r > 0 for r in (gpu.quantize, gpu.dequantize, gpu.add, cpu.quantize, cpu.dequantize, cpu.add))
+
+
+# ------------------------------------------------------------------ forms over nodes (issue 48)
+
+_MEASURED = "measured over 8 devices"
+
+
+def _figures(link_gbps: float) -> pricing.Figures:
+    rates = cost_model.CodecRates(quantize=20e9, dequantize=30e9, add=10e9)
+    return pricing.Figures(cost_model.LinkModel(link_gbps * 1e9 / 8, 1e-4), rates, "cpu", _MEASURED)
+
+
+def _fake_machine(monkeypatch, *, link_gbps, inside_gbps, across_gbps, timed=None):
+    """Figures, per-level links and (optionally) timings by form, all faked: nothing is measured."""
+    fig = _figures(link_gbps)
+    monkeypatch.setattr(pricing, "figures", lambda config=None, platform=None: fig)
+    monkeypatch.setattr(pricing, "levels",
+                        lambda fig, inner, measure=True: (inside_gbps * 1e9 / 8, across_gbps * 1e9 / 8))
+    settled = []
+
+    def settle(values, dtype, world, config, backend, fig, measure=True, op="psum", bodies=None, inner_world=None):
+        if timed is None:
+            return None
+        settled.append((pricing._form(config), inner_world))
+        return timed["psum"], timed[pricing._form(config)]
+
+    monkeypatch.setattr(pricing, "_settle", settle)
+    return settled
+
+
+def test_forms_over_one_axis_and_over_nodes():
+    c = jax_cgx.CompressionConfig(bits=4, policy="auto")
+    assert pricing.forms(c, 8, None) == [c] and pricing.forms(c, 8, 8) == [c] and pricing.forms(c, 8, 1) == [c]
+    over_nodes = pricing.forms(c.replace(algorithm="ring"), 8, 4)
+    assert over_nodes[0] == c.replace(algorithm="ring")  # the configured form first
+    assert {pricing._form(f) for f in over_nodes} == {"sra", "ring", "hierarchical sra", "hierarchical ring"}
+    # error feedback keeps the configured level
+    assert {pricing._form(f) for f in pricing.forms(c, 8, 4, residual=True)} == {"sra", "ring"}
+
+
+def test_the_fastest_timed_form_is_chosen_and_logged(monkeypatch, caplog):
+    times = {"psum": 0.800, "sra": 0.166, "ring": 0.154, "hierarchical sra": 0.183, "hierarchical ring": 0.190}
+    settled = _fake_machine(monkeypatch, link_gbps=1, inside_gbps=11, across_gbps=0.5, timed=times)
+    c = jax_cgx.CompressionConfig(bits=4, policy="auto")
+    with caplog.at_level(logging.INFO, logger="jax_cgx"):
+        chosen = pricing.choose_form([16 << 20], np.float32, 4, c, inner_world=2)
+    assert pricing._form(chosen) == "ring" and chosen.policy == "auto" and chosen.bits == 4
+    assert sorted(settled) == sorted((f, 2) for f in times if f != "psum")  # every form timed, on the nodes
+    assert re.search(r"policy='auto': ring for 1 buffer.*nodes of 2.*sra \d.* ms measured.*hierarchical ring",
+                     caplog.text)
+    # within SWITCH_SPEEDUP of the configured form: the configured one stays
+    times.update(ring=0.166 / 1.04)
+    pricing.reset()
+    assert pricing.choose_form([16 << 20], np.float32, 4, c, inner_world=2) == c
+    # no form compresses: the configured one stays (every buffer is psum'd anyway)
+    times.update(psum=0.1)
+    assert pricing.choose_form([16 << 20], np.float32, 4, c, inner_world=2) == c
+
+
+@pytest.mark.parametrize("inside_gbps, expected", [(800, "hierarchical"), (2, "flat")])
+def test_the_model_weighs_the_inside_of_a_node(monkeypatch, inside_gbps, expected):
+    """Untimed (the model alone): a fast inside of a node (NVLink) makes hierarchical the fastest
+    form across a 10 Gbit/s network; an inside as slow as the network makes it the slowest."""
+    _fake_machine(monkeypatch, link_gbps=10, inside_gbps=inside_gbps, across_gbps=10 / 8)
+    c = jax_cgx.CompressionConfig(bits=4, policy="auto")
+    chosen = pricing.choose_form([64 << 20], np.float32, 64, c, inner_world=8, measure=False)
+    assert chosen.hierarchical == (expected == "hierarchical")
+    hier = pricing.decide(64 << 20, np.float32, 64, c.replace(hierarchical=True), inner_world=8, measure=False,
+                          log=False)
+    flat = pricing.decide(64 << 20, np.float32, 64, c, inner_world=8, measure=False, log=False)
+    assert (hier.compressed_s < flat.compressed_s) == (expected == "hierarchical")
+
+
+def test_the_chosen_form_is_what_runs(monkeypatch):
+    """make_plan re-keys an auto group to the chosen form: the reduction runs it, bitwise as the same
+    form configured with policy='always'."""
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("node", "local"))
+    monkeypatch.setattr(pricing, "choose_form",
+                        lambda sizes, dtype, world, config, **kw: config.replace(algorithm="ring", hierarchical=True))
+    monkeypatch.setattr(pricing, "decide", lambda values, dtype, world, config, **kw: pricing.Decision(True, 1.0, 0.1))
+    x = jnp.asarray(np.random.default_rng(3).standard_normal((8, 5000)), jnp.float32)
+
+    def run(config):
+        body = lambda v: jax_cgx.compressed_psum(v[0], ("node", "local"), config)[None]  # noqa: E731
+        return np.asarray(jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(("node", "local")),
+                                                out_specs=P(("node", "local"))))(x))
+
+    auto = run(jax_cgx.CompressionConfig(bits=4, bucket_size=64, policy="auto"))
+    assert_same_bits(auto, run(jax_cgx.CompressionConfig(bits=4, bucket_size=64, algorithm="ring", hierarchical=True)))
+    assert not np.array_equal(auto, run(jax_cgx.CompressionConfig(bits=4, bucket_size=64)))  # not flat SRA's bits

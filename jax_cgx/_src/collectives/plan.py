@@ -189,8 +189,30 @@ def make_plan(paths, leaves, spec: ConfigSpec, tree, world: int | None = None,
     for group in groups:
         plan.backends[group] = _backend(group.config, axes, world, inner_world, impl, residual)
     for group in [g for g in groups if g.config.policy == "auto"]:
+        group = _choose_form(plan, group, world, inner_world, axes, impl, residual, measure)
         _decide(plan, group, world, inner_world, backends.get(plan.backends[group]).timed_as, measure)
     return plan
+
+
+def _choose_form(plan: Plan, group: Group, world: int, inner_world: int | None, axes, impl: str, residual: bool,
+                 measure: bool) -> Group:
+    """``policy="auto"`` over nodes: the group re-keyed to the form (flat or hierarchical, SRA or
+    ring) :func:`~jax_cgx._src.policy.pricing.choose_form` prices fastest; the group itself where
+    that is its own form (or another group already has the chosen config)."""
+    sizes = [stop - start for start, stop in plan.buffers(group)]
+    chosen = pricing.choose_form(sizes, group.dtype, world, group.config, inner_world=inner_world,
+                                 backend=backends.get(plan.backends[group]).timed_as, measure=measure,
+                                 residual=residual)
+    moved = Group(group.dtype, chosen)
+    if chosen == group.config or moved in plan.groups:
+        return group
+    members = plan.groups.pop(group)
+    del plan.backends[group]
+    plan.groups[moved] = members
+    plan.backends[moved] = _backend(chosen, axes, world, inner_world, impl, residual)
+    for i in members:
+        plan.configs[i] = chosen
+    return moved
 
 
 def _backend(config: CompressionConfig, axes, world: int, inner_world: int | None, impl: str, residual: bool) -> str:

@@ -152,7 +152,8 @@ def predict(size_bytes: float, world: int, bits: int, bucket_size: int, link: Li
 def predict_nodes(size_bytes: float, nodes: int, per_node: int, bits: int, bucket_size: int, link: LinkModel,
                   rates: CodecRates, *, hierarchical: bool = False, host_cores: int | None = None,
                   segments: int = 0, itemsize: int = 4, message_cap: int | None = _wire.CPU_MESSAGE_BYTES,
-                  share: float | None = None, inner_bandwidth: float | None = None) -> dict[str, float]:
+                  share: float | None = None, inner_bandwidth: float | None = None,
+                  cross_bandwidth: float | None = None) -> dict[str, float]:
     """:func:`predict` for ``nodes`` nodes of ``per_node`` ranks each, every node on one link of
     ``link.bandwidth`` bytes/s each way (its ranks share it), ranks of one node exchanging at memory
     speed. A reduction over all ``nodes * per_node`` ranks:
@@ -167,8 +168,13 @@ def predict_nodes(size_bytes: float, nodes: int, per_node: int, bits: int, bucke
       at memory speed put the 2x2 prediction 95% under the measurement; None: memory speed,
       ``rates.add``), slowed by ``share`` as the other compute, then :func:`predict`'s compressed all-reduce of ``S / m`` over the ``n`` nodes,
       the ``m`` ranks' exchanges sharing each link (a link of ``bandwidth / m`` each).
+
+    ``cross_bandwidth``: bytes/s each rank moves across nodes while every rank of its node does
+    (measured by ``policy="auto"`` over the outer axis); None: ``bandwidth / m``, one shared link
+    per node. Where each rank has a link of its own it equals ``bandwidth``.
     """
     world = nodes * per_node
+    cross = link.bandwidth / per_node if cross_bandwidth is None else cross_bandwidth
     if per_node == 1 or world < 2:
         return predict(size_bytes, world, bits, bucket_size, link, rates, host_cores, segments, itemsize=itemsize,
                        message_cap=message_cap, share=share)
@@ -180,7 +186,7 @@ def predict_nodes(size_bytes: float, nodes: int, per_node: int, bits: int, bucke
         f = float(size_bytes) / itemsize * 4
         enc = encoded_chunk_bytes(f, world, bits, bucket_size)
         per_rank_wire = 2 * (world - 1) * enc / link.bandwidth
-        shared_wire = (per_node * (world - per_node) + (world - 1)) * enc / link.bandwidth
+        shared_wire = (world - per_node) * enc / cross + (world - 1) * enc / link.bandwidth
         wire = flat["wire"] - per_rank_wire + shared_wire
         compressed = wire + flat["codec"] + flat["copies"]
         return dict(flat, wire=wire, compressed=compressed,
@@ -188,7 +194,7 @@ def predict_nodes(size_bytes: float, nodes: int, per_node: int, bits: int, bucke
     inner_rate = rates.add if inner_bandwidth is None else inner_bandwidth
     inner = share * 2 * (per_node - 1) / per_node * float(size_bytes) / inner_rate
     cross = predict(float(size_bytes) / per_node, nodes, bits, bucket_size,
-                    LinkModel(link.bandwidth / per_node, link.latency), rates, segments=segments, itemsize=itemsize,
+                    LinkModel(cross, link.latency), rates, segments=segments, itemsize=itemsize,
                     message_cap=message_cap, share=share)
     compressed = inner + cross["compressed"]
     return dict(psum=flat["psum"], compressed=compressed, wire=cross["wire"], codec=cross["codec"],

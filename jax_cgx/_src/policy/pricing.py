@@ -52,11 +52,11 @@ import numpy as np
 from jax_cgx._src.config import CompressionConfig, link_gbps_from_env
 from jax_cgx._src.exchange import wire as _wire
 from jax_cgx._src.policy import probes
-from jax_cgx._src.policy.cost_model import CodecRates, LinkModel, predict
+from jax_cgx._src.policy.cost_model import CodecRates, LinkModel, predict, predict_nodes
 from jax_cgx._src.policy.probes import ExchangeFit, Timed
 
-__all__ = ["Figures", "Decision", "ExchangeFit", "Timed", "calibrate", "figures", "decide",
-           "MIN_SPEEDUP", "TIE_BAND", "VALIDATED_PLATFORMS"]
+__all__ = ["Figures", "Decision", "ExchangeFit", "Timed", "calibrate", "figures", "decide", "choose_form", "forms",
+           "levels", "MIN_SPEEDUP", "SWITCH_SPEEDUP", "TIE_BAND", "VALIDATED_PLATFORMS"]
 
 logger = logging.getLogger("jax_cgx")
 
@@ -123,6 +123,9 @@ _measured_link: dict[str, tuple[LinkModel, ExchangeFit, str]] = {}
 _measured_rates: dict[str, CodecRates] = {}
 # (platform, values, dtype, config, backend) -> (psum seconds, exchange seconds), agreed.
 _settled: dict[tuple, tuple[float, float]] = {}
+# (platform, inner) -> bytes/s per rank (inside a node, across nodes), agreed: the two axes of a
+# reduction over nodes of `inner` devices (probes.measure_levels).
+_measured_levels: dict[tuple[str, int], tuple[float, float]] = {}
 _logged: set = set()
 
 
@@ -294,14 +297,48 @@ def reset() -> None:
     with _lock:
         _measured_link.clear()
         _measured_rates.clear()
+        _measured_levels.clear()
         _settled.clear()
         _logged.clear()
 
 
 def _time_exchange(devices, values: int, dtype, config: CompressionConfig, backend: str,
-                   bodies: Timed | None = None) -> tuple[float, float]:
+                   bodies: Timed | None = None, inner: int | None = None) -> tuple[float, float]:
     """:func:`~jax_cgx._src.policy.probes.time_exchange`, the slowest process's."""
-    return tuple(_agree(list(probes.time_exchange(devices, values, dtype, config, backend, bodies)), np.max))
+    return tuple(_agree(list(probes.time_exchange(devices, values, dtype, config, backend, bodies, inner)), np.max))
+
+
+def _two_level(world: int, inner_world: int | None) -> bool:
+    """A reduction over nodes of ``inner_world`` ranks: two axes, each with more than one rank."""
+    return inner_world is not None and 1 < inner_world < world
+
+
+def levels(fig: Figures, inner_world: int, measure: bool = True) -> tuple[float, float] | None:
+    """Bytes/s per rank ``(inside a node, across nodes)`` of a reduction over nodes of
+    ``inner_world`` devices (consecutive in ``jax.devices()``, as ``jax.make_mesh`` lays them
+    out), measured once per process and agreed (collective); None where the link is given rather
+    than measured (nothing is measured over the network then), or where not measured yet and
+    ``measure=False``."""
+    devices = jax.devices(fig.platform)
+    if not fig.link_measured or len(devices) % inner_world:
+        return None
+    key = (fig.platform, inner_world)
+    with _lock:
+        if key not in _measured_levels:
+            if not measure:
+                return None
+            t0 = time.perf_counter()
+            inside, across = _outside_trace(
+                lambda: _agree(list(probes.measure_levels(devices, inner_world, fig.rates, fig.share)), np.min))
+            _measured_levels[key] = (inside, across)
+            logger.info("jax_cgx: policy='auto': nodes of %d devices measured in %.2f s: %s per rank inside a node, "
+                        "%s per rank across nodes (every rank at once)", inner_world, time.perf_counter() - t0,
+                        _gbits(inside), _gbits(across))
+        return _measured_levels[key]
+
+
+def _gbits(rate: float) -> str:
+    return "unlimited" if rate == float("inf") else f"{rate * 8 / 1e9:.3g} Gbit/s"
 
 
 def _names(op: str) -> tuple[str, str]:
@@ -310,15 +347,18 @@ def _names(op: str) -> tuple[str, str]:
 
 
 def _settle(values: int, dtype, world: int, config: CompressionConfig, backend: str, fig: Figures,
-            measure: bool = True, op: str = "psum", bodies: Timed | None = None) -> tuple[float, float] | None:
+            measure: bool = True, op: str = "psum", bodies: Timed | None = None,
+            inner_world: int | None = None) -> tuple[float, float] | None:
     """The measured ``(psum, exchange)`` seconds of this buffer, or None where it cannot be
-    timed alone: the reduction does not span every device, or is hierarchical, or
+    timed alone: the reduction does not span every device, or is hierarchical over one level
+    (``inner_world``: over nodes of that many devices, timed on a two-level mesh), or
     ``_SETTLE_MAX_BUFFERS`` were timed already. ``measure=False``: only what was timed before
     (timing is collective; :func:`jax_cgx.explain` may run on one process)."""
     devices = jax.devices(fig.platform)
-    if len(devices) != world or config.hierarchical:
+    inner = inner_world if _two_level(world, inner_world) and op == "psum" else None
+    if len(devices) != world or (config.hierarchical and inner is None) or (inner and len(devices) % inner):
         return None
-    key = (fig.platform, values, np.dtype(dtype).name, config, backend, op)
+    key = (fig.platform, values, np.dtype(dtype).name, config, backend, op, inner)
     with _lock:
         if key not in _settled and not measure:
             return None
@@ -332,12 +372,15 @@ def _settle(values: int, dtype, world: int, config: CompressionConfig, backend: 
             if op != "psum" and bodies is None:
                 raise ValueError(f"policy: timing a {op} buffer needs its programs (decide(..., bodies=...))")
             t0 = time.perf_counter()
-            _settled[key] = _outside_trace(lambda: _time_exchange(devices, values, dtype, config, backend, bodies))
+            _settled[key] = _outside_trace(
+                lambda: _time_exchange(devices, values, dtype, config, backend, bodies, inner))
             prefix, lax_name = _names(op)
-            logger.info("jax_cgx: policy='auto': %stimed a %.4g MiB %s buffer over %d ranks in %.2f s (%s %.3g ms, "
-                        "compressed exchange on %s %.3g ms)", prefix, values * np.dtype(dtype).itemsize / 2**20,
-                        np.dtype(dtype).name, world, time.perf_counter() - t0, lax_name, _settled[key][0] * 1e3,
-                        backend, _settled[key][1] * 1e3)
+            logger.info("jax_cgx: policy='auto': %stimed a %.4g MiB %s buffer over %d ranks%s in %.2f s (%s %.3g ms, "
+                        "compressed exchange %son %s %.3g ms)", prefix, values * np.dtype(dtype).itemsize / 2**20,
+                        np.dtype(dtype).name, world, f" (nodes of {inner})" if inner else "",
+                        time.perf_counter() - t0, lax_name, _settled[key][0] * 1e3,
+                        f"({_form(config, inner)}) " if inner else "", backend,
+                        _settled[key][1] * 1e3)
         return _settled[key]
 
 
@@ -383,15 +426,35 @@ def decide(values: int, dtype, world: int, config: CompressionConfig, *, inner_w
             fit *= (p["codec"] + p["copies"]) / (whole["codec"] + whole["copies"])
         return p["wire"] + max(p["codec"] + p["copies"], fit)
 
+    def fitted(p: dict[str, float], nbytes: float) -> float:  # the wire, and the larger of codec and fit
+        return p["wire"] + max(p["codec"] + p["copies"], fig.exchange.seconds(nbytes / itemsize * 4))
+
     psum = model(size, world)["psum"]
+    # Over nodes (op psum, two axes): each axis's measured link prices its part.
+    level = levels(fig, inner_world, measure) if _two_level(world, inner_world) and op == "psum" else None
     if config.hierarchical and inner_world and inner_world > 1:
-        inner = fig.share * 2 * (inner_world - 1) / inner_world * size / fig.rates.add
-        compressed = inner + exchange(size / inner_world, world // inner_world)
+        inside, across = level if level else (fig.rates.add, None)  # before measuring: memory speed
+        inner = fig.share * 2 * (inner_world - 1) / inner_world * size / inside
+        if across is None:
+            compressed = inner + exchange(size / inner_world, world // inner_world)
+        else:
+            cross = predict(size / inner_world, world // inner_world, config.bits, config.bucket_size,
+                            LinkModel(across, fig.link.latency), fig.rates, segments=config.pipeline_segments,
+                            itemsize=itemsize, message_cap=_wire.message_cap([fig.platform]), share=fig.share)
+            compressed = inner + fitted(cross, size / inner_world)
+    elif level is not None:  # flat over nodes: its all_to_all crosses at the shared rate
+        p = predict_nodes(size, world // inner_world, inner_world, config.bits, config.bucket_size, fig.link,
+                          fig.rates, segments=config.pipeline_segments, itemsize=itemsize,
+                          message_cap=_wire.message_cap([fig.platform]), share=fig.share, cross_bandwidth=level[1])
+        compressed = fitted(p, size)
     else:
         compressed = exchange(size, world)
     measured = None
-    if fig.link_measured and _worth_timing(psum, compressed, fig.platform):
-        measured = _settle(values, dtype, world, config, backend, fig, measure, op, bodies)
+    # Over nodes every form is timed (within the caps): the forms are close and the model was
+    # checked on one such topology only, while auto must pick the fastest of four.
+    if fig.link_measured and (_worth_timing(psum, compressed, fig.platform)
+                              or (level is not None and psum < _SETTLE_MAX_S)):
+        measured = _settle(values, dtype, world, config, backend, fig, measure, op, bodies, inner_world)
     if measured is not None:
         # What the step adds to a compressed buffer: its leaves copied in, its result sliced out.
         psum, compressed = measured[0], measured[1] + fig.share * copied * size / fig.rates.add
@@ -406,3 +469,63 @@ def decide(values: int, dtype, world: int, config: CompressionConfig, *, inner_w
                     np.dtype(dtype).name, world, config.bits, "measured" if decision.measured else "predicted",
                     compressed * 1e3, backend, psum * 1e3, lax_name)
     return decision
+
+
+def _form(config: CompressionConfig, inner: int | None = None) -> str:
+    """How a config reduces, for log lines: "ring", "sra", "hierarchical sra"."""
+    return ("hierarchical " if config.hierarchical and (inner is None or inner > 1) else "") + config.algorithm
+
+
+# policy="auto" switches a group to another form only where it is priced this much faster than the
+# configured one (forms within a few percent are a tie: keep what the user wrote).
+SWITCH_SPEEDUP = 1.05
+
+
+def forms(config: CompressionConfig, world: int, inner_world: int | None, residual: bool = False
+          ) -> list[CompressionConfig]:
+    """The forms ``policy="auto"`` weighs for ``config``'s group, the configured one first: over
+    nodes (two axes), flat and hierarchical SRA and ring; over one axis only the configured form
+    (there the model's validated choice is compress or not, and SRA and ring differ in bits).
+    Error feedback's residuals keep the configured level (flat or hierarchical)."""
+    if not _two_level(world, inner_world):
+        return [config]
+    levels_ = (config.hierarchical,) if residual else (False, True)
+    out = [config]
+    for hierarchical in levels_:
+        for algorithm in ("sra", "ring"):
+            c = config.replace(algorithm=algorithm, hierarchical=hierarchical)
+            if c not in out:
+                out.append(c)
+    return out
+
+
+def choose_form(buffers: list[int], dtype, world: int, config: CompressionConfig, *,
+                inner_world: int | None = None, backend: str = "xla", measure: bool = True, residual: bool = False,
+                log: bool = True) -> CompressionConfig:
+    """The form (algorithm, flat or hierarchical) ``policy="auto"`` runs a group of fusion buffers
+    of ``buffers`` values each in: the one whose buffers cost least, each buffer at the lesser of
+    its psum and its compressed exchange (:func:`decide`, timed where it times), unless that is
+    within :data:`SWITCH_SPEEDUP` of the configured form. Logged once with every form's price."""
+    candidates = forms(config, world, inner_world, residual)
+    if len(candidates) == 1 or world < 2:
+        return config
+    priced, psums = [], None
+    for c in candidates:
+        ds = [decide(v, dtype, world, c, inner_world=inner_world, backend=backend, log=False, measure=measure)
+              for v in buffers]
+        # One psum price per buffer for every form (each form's timing measures the psum again:
+        # their noise must not pick the form).
+        psums = psums or [d.psum_s for d in ds]
+        priced.append((sum(d.compressed_s if d.compress else p for d, p in zip(ds, psums)), c,
+                       any(d.measured for d in ds), any(d.compress for d in ds)))
+    best = min(priced, key=lambda p: p[0])
+    chosen = best[1] if best[3] and best[0] * SWITCH_SPEEDUP < priced[0][0] else config
+    key = ("form", tuple(buffers), np.dtype(dtype).name, world, inner_world, config, backend)
+    if log and key not in _logged:
+        _logged.add(key)
+        nodes = f" (nodes of {inner_world})" if _two_level(world, inner_world) else ""
+        logger.info("jax_cgx: policy='auto': %s for %d buffer(s) of %s over %d ranks%s (%s; psum %.3g ms)",
+                    _form(chosen), len(buffers), np.dtype(dtype).name, world, nodes,
+                    ", ".join(f"{_form(c)} {t * 1e3:.3g} ms{' measured' if m else ''}" for t, c, m, _ in priced),
+                    sum(psums) * 1e3)
+    return chosen

@@ -28,7 +28,7 @@ from jax_cgx._src.exchange.all_reduce import (  # the primitive: the pytree API 
 )
 from jax_cgx._src.policy.cost_model import CodecRates, LinkModel, predict
 
-__all__ = ["ExchangeFit", "Timed", "measure_rates", "measure_link", "time_exchange"]
+__all__ = ["ExchangeFit", "Timed", "measure_rates", "measure_link", "measure_levels", "time_exchange"]
 
 # The probe's sizes per device: fixed costs dominate the first; the slope between the other two
 # gives the rates (measured: a 4 MiB probe put the loopback at 4.5 Gbit/s, where 64 MiB psums ran at 6.7).
@@ -44,6 +44,8 @@ _GPU_CODEC_PROBE_VALUES = 2**24
 _GPU_CODEC_BATCH = 10
 _REPEATS = 5
 _AXIS = "jax_cgx_link_probe"
+# A two-level probe mesh's axes: nodes, and the devices of one node.
+_LEVELS = ("jax_cgx_probe_node", "jax_cgx_probe_local")
 # Runs of each when timing a buffer: a near-tie needs more than the probe's five.
 _SETTLE_REPEATS = 9
 
@@ -118,9 +120,15 @@ def _mesh(devices) -> jax.sharding.Mesh:
     return jax.sharding.Mesh(np.array(devices), (_AXIS,))
 
 
+def _two_level_mesh(devices, inner: int) -> jax.sharding.Mesh:
+    """``devices`` as nodes of ``inner`` consecutive devices: how ``jax.make_mesh((nodes, inner),
+    ...)`` lays out ``jax.devices()`` (process by process)."""
+    return jax.sharding.Mesh(np.array(devices).reshape(-1, inner), _LEVELS)
+
+
 def _over(mesh, body, values: int, dtype) -> Callable[[], jax.Array]:
     """``body`` (a per-device function) compiled over ``mesh``, ready to run on ``values`` values per device."""
-    spec = jax.sharding.PartitionSpec(_AXIS)
+    spec = jax.sharding.PartitionSpec(tuple(mesh.axis_names))
     fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False))
     make = jax.jit(lambda: jnp.ones((mesh.size * values,), dtype) * 0.5,
                    out_shardings=jax.sharding.NamedSharding(mesh, spec))
@@ -168,25 +176,55 @@ def measure_link(devices, rates: CodecRates, share: float) -> tuple[LinkModel, E
     return link, fit
 
 
+def measure_levels(devices, inner: int, rates: CodecRates, share: float) -> tuple[float, float]:
+    """Bytes/s per rank ``(inside a node, across nodes)`` for ``devices`` as nodes of ``inner``
+    consecutive devices (:func:`_two_level_mesh`).
+
+    Times psums over each axis of the two-level mesh, every group at once (all nodes reduce
+    inside at once; every rank of a node crosses at once, sharing what the node has), at the
+    probe's two larger sizes, and fits their slopes as :func:`measure_link` does.
+    """
+    mesh = _two_level_mesh(devices, inner)
+
+    def rate(axis: str, m: int) -> float:
+        if m < 2:
+            return float("inf")
+        t = [_time_over(mesh, lambda v: jax.lax.psum(v, axis), n // 4, np.float32) for n in _PROBE_BYTES[1:]]
+        slope = (t[1] - t[0]) / (_PROBE_BYTES[2] - _PROBE_BYTES[1])
+        wire_slope = slope - share * (m - 1) / m / rates.add
+        return 2 * (m - 1) / m / wire_slope if wire_slope > 0 else float("inf")
+
+    return rate(_LEVELS[1], inner), rate(_LEVELS[0], len(devices) // inner)
+
+
 def time_exchange(devices, values: int, dtype, config: CompressionConfig, backend: str,
-                  bodies: Timed | None = None) -> tuple[float, float]:
+                  bodies: Timed | None = None, inner: int | None = None) -> tuple[float, float]:
     """Median seconds of the uncompressed collective (``bodies``; default psum) and the compressed
     one on ``values`` values per device over ``devices``, on ``backend``, on this process. A
-    backend that owns connections connects a mesh of the probe's own for it."""
-    mesh = _mesh(devices)
+    backend that owns connections connects a mesh of the probe's own for it. ``inner``: over
+    both axes of the two-level mesh of nodes of ``inner`` devices (a hierarchical config needs it)."""
     config = config.replace(policy="always", backend=backend)
     world = len(devices)
-    lax_fn, compressed_fn = bodies or (
-        jax.lax.psum,
-        lambda v, axis, c: compressed_sum(v, (axis,), world, c, None, "auto", backend=backends.choose_in_trace(
-            c.backend, reduction((axis,), world, c))))
+    if inner is not None:
+        from jax_cgx._src.collectives.psum import compressed_psum  # the two-level path as users run it
+
+        mesh = _two_level_mesh(devices, inner)
+        lax_fn, compressed_fn = bodies or (jax.lax.psum, lambda v, axes, c: compressed_psum(v, axes, c))
+        axis = _LEVELS
+    else:
+        mesh = _mesh(devices)
+        axis = _AXIS
+        lax_fn, compressed_fn = bodies or (
+            jax.lax.psum,
+            lambda v, axis, c: compressed_sum(v, (axis,), world, c, None, "auto", backend=backends.choose_in_trace(
+                c.backend, reduction((axis,), world, c))))
     owner = backends.get(backend)
     if owner.families is not None:
         owner.setup(mesh)
     try:
         psum, exchange = _median_times(
-            _over(mesh, lambda v: lax_fn(v, _AXIS), values, dtype),
-            _over(mesh, lambda v: compressed_fn(v, _AXIS, config), values, dtype),
+            _over(mesh, lambda v: lax_fn(v, axis), values, dtype),
+            _over(mesh, lambda v: compressed_fn(v, axis, config), values, dtype),
             repeats=_SETTLE_REPEATS)
     finally:
         if owner.families is not None:
