@@ -153,7 +153,7 @@ def _tie_on_measured_link(monkeypatch, psum_s: float, exchange_s: float) -> list
     monkeypatch.setattr(pricing, "_SETTLE_MAX_S", math.inf)
     timed = []
 
-    def fake(devices, values, dtype, config, backend, bodies=None):
+    def fake(devices, values, dtype, config, backend, bodies=None, inner=None):
         assert len(devices) == W and config.policy == "auto"
         timed.append((values, backend))
         return psum_s, exchange_s
