@@ -11,9 +11,7 @@
 - At most ``MAX_PROCESSES`` processes (the larger of 256 and 4 per CPU core): each is a
   whole Python interpreter with JAX, so a larger ``-n`` is refused before anything starts.
   Simulate more devices with ``--devices-per-process``, or use several machines.
-- ``--mps``: processes that share one GPU run under a private CUDA MPS control daemon, started
-  before them and stopped after, so their kernels share the GPU instead of taking turns on it
-  (2 ranks on one H100: the MLP's 4-bit step 19.9 ms without, 7.8 ms with; docs/gpu-results.md).
+- ``--mps``: processes sharing one GPU run under a private CUDA MPS daemon (``jax_cgx._src.mps``).
 - Standard input goes to process 0 only; the others read ``/dev/null`` (as mpirun does), so
   piped input is never split between processes by which reads first.
 - Prefixes every line of output with the rank (bytes that are not UTF-8 are replaced, and
@@ -42,7 +40,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import math
 import os
 import signal
 import socket
@@ -54,7 +51,7 @@ from collections.abc import Callable
 
 from jax_cgx import allocator
 from jax_cgx._src import mps
-from jax_cgx._src.arguments import integer
+from jax_cgx._src.arguments import integer, number
 from jax_cgx.distributed import COORDINATOR_VARIABLE, RANK_VARIABLES
 
 
@@ -374,20 +371,6 @@ class Job(ProcessGroup):
         return code
 
 
-def _seconds(minimum_exclusive: bool):
-    def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
-        if not math.isfinite(value) or value < 0 or (minimum_exclusive and value == 0):
-            bound = "greater than 0" if minimum_exclusive else "0 or more"
-            raise argparse.ArgumentTypeError(f"must be a finite number of seconds, {bound}; got {text}")
-        return value
-
-    return parse
-
-
 # A job launcher's world size, as each of its processes sees it.
 _OUTER_SIZES = {"OMPI_COMM_WORLD_SIZE": "mpirun (Open MPI)", "PMI_SIZE": "mpirun (MPICH)",
                 "SLURM_STEP_NUM_TASKS": "srun"}
@@ -413,10 +396,10 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"number of processes (at least 1, at most {MAX_PROCESSES} here)")
     parser.add_argument("--devices-per-process", type=integer(1), default=None, metavar="K",
                         help="simulated CPU devices per process (at least 1; leave out on GPUs)")
-    parser.add_argument("--timeout", type=_seconds(minimum_exclusive=True), default=None, metavar="SECONDS",
+    parser.add_argument("--timeout", type=number(0, above=True), default=None, metavar="SECONDS",
                         help=f"stop every process and exit {TIMEOUT_EXIT} if the job is still running after "
                              "this many seconds (default: no limit)")
-    parser.add_argument("--grace", type=_seconds(minimum_exclusive=False), default=5.0, metavar="SECONDS",
+    parser.add_argument("--grace", type=number(0), default=5.0, metavar="SECONDS",
                         help="seconds between SIGTERM and SIGKILL when stopping (default 5)")
     parser.add_argument("--mps", action="store_true",
                         help="run the processes under a private CUDA MPS daemon (several processes sharing "
@@ -438,15 +421,12 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"this launcher is one of several processes {outer}: each would start a job of its own. "
                      "Run the script under that launcher directly (jax_cgx.distributed.initialize() reads "
                      "each process's rank from it), or start python -m jax_cgx.launch once")
-    command = [sys.executable, args.script, *args.args]
-    with contextlib.ExitStack() as stack:
-        if args.mps:
-            try:
-                os.environ.update(stack.enter_context(mps.daemon(_say)))
-            except mps.MpsError as e:
-                _say(str(e))
-                return 2
-        return _run(command, args)
+    try:
+        with mps.daemon(_say) if args.mps else contextlib.nullcontext():  # the processes its clients
+            return _run([sys.executable, args.script, *args.args], args)
+    except mps.MpsError as e:
+        _say(str(e))
+        return 2
 
 
 def _run(command: list[str], args: argparse.Namespace) -> int:

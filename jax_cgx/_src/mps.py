@@ -40,8 +40,9 @@ def _control_log(log_dir: str) -> str:
 
 @contextlib.contextmanager
 def daemon(say: Callable[[str], None]) -> Iterator[dict[str, str]]:
-    """Run a private MPS control daemon while in the block; yields the environment variables
-    (``CUDA_MPS_PIPE_DIRECTORY``, ``CUDA_MPS_LOG_DIRECTORY``) that make a process its client."""
+    """Run a private MPS control daemon while in the block, with this process's environment set
+    (``CUDA_MPS_PIPE_DIRECTORY``, ``CUDA_MPS_LOG_DIRECTORY``) so that what it starts are its
+    clients; yields those variables. The environment is restored after."""
     exe = shutil.which(CONTROL)
     if exe is None:
         raise MpsError(f"--mps: {CONTROL} is not on PATH. It comes with NVIDIA's driver (the nvidia-utils "
@@ -66,9 +67,16 @@ def daemon(say: Callable[[str], None]) -> Iterator[dict[str, str]]:
                            "and permission to run it; or leave out --mps")
         say(f"started a CUDA MPS control daemon ({PIPE_VARIABLE}={variables[PIPE_VARIABLE]}): the processes' "
             "kernels share the GPU instead of taking turns")
+        before = {name: os.environ.get(name) for name in variables}
+        os.environ.update(variables)
         try:
             yield variables
         finally:
+            for name, value in before.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
             try:
                 stopped = subprocess.run([exe], input="quit\n", env=env, capture_output=True, text=True,
                                          timeout=_COMMAND_TIMEOUT_S)

@@ -18,11 +18,12 @@ import argparse
 from jax_cgx._src.arguments import integer, number
 from jax_cgx._src.policy.cost_model import CodecRates, LinkModel, predict_nodes
 
-# Float32 input bytes per second through JAX on one H100 (docs/gpu-results.md, 256 MiB, bucket
-# 512): quantize, dequantize, the fused W=4 dequantize-sum-requantize, and a device copy.
+# Float32 input bytes per second on one H100, 256 MiB, bucket 512 (docs/gpu-results.md): quantize,
+# dequantize and a device copy from the bare launchers of the default (pipelined) build, 2026-11-27;
+# the fused W=4 dequantize-sum-requantize as measured through JAX (2026-11-25).
 H100_RATES = {
-    4: CodecRates(quantize=2**28 / 0.406e-3, dequantize=2**28 / 0.285e-3, add=2**28 / 0.321e-3, reduce=742e9),
-    8: CodecRates(quantize=2**28 / 0.530e-3, dequantize=2**28 / 0.310e-3, add=2**28 / 0.321e-3, reduce=742e9),
+    4: CodecRates(quantize=2**28 / 0.273e-3, dequantize=2**28 / 0.135e-3, add=2**28 / 0.180e-3, reduce=742e9),
+    8: CodecRates(quantize=2**28 / 0.289e-3, dequantize=2**28 / 0.141e-3, add=2**28 / 0.180e-3, reduce=742e9),
 }
 H100_RATES[2] = H100_RATES[4]
 
@@ -39,6 +40,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="each GPU's exact exchange inside its node, GB/s (default 300: NVLink, NCCL's bus bandwidth)")
     p.add_argument("--latency-us", type=number(0), default=20.0, help="fixed cost per message across nodes (µs)")
     p.add_argument("--output", help="also write the rows to this .json or .csv file")
+    p.add_argument("--plot", help="write the speedup over the faster exact psum against GPUs to this PNG, one "
+                                  "panel per link rate (needs matplotlib)")
 
 
 def rows(args: argparse.Namespace) -> list[dict]:
@@ -78,3 +81,32 @@ def main(args: argparse.Namespace) -> None:
                   f"{r['hierarchical_speedup']:.2f}"] for r in records])
     if args.output:
         save(records, args.output)
+    if args.plot:
+        plot(records, args.plot)
+
+
+def plot(records: list[dict], path: str) -> None:
+    """Speedup over the faster exact psum against GPUs, flat and hierarchical at each width; one panel per link."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rates = sorted({r["gbps"] for r in records})
+    fig, axes = plt.subplots(1, len(rates), figsize=(4 * len(rates), 3.6), sharey=True, squeeze=False)
+    for ax, gbps in zip(axes[0], rates):
+        for bits in sorted({r["bits"] for r in records}):
+            rs = [r for r in records if r["gbps"] == gbps and r["bits"] == bits]
+            gpus = [r["gpus"] for r in rs]
+            (line,) = ax.plot(gpus, [r["hierarchical_speedup"] for r in rs], marker="o", label=f"{bits}-bit hierarchical")
+            ax.plot(gpus, [r["flat_speedup"] for r in rs], marker="x", linestyle="--", color=line.get_color(),
+                    label=f"{bits}-bit flat")
+        ax.axhline(1.0, color="grey", linewidth=0.8)
+        ax.set_xscale("log", base=2)
+        ax.set_title(f"{gbps:g} Gbit/s between nodes")
+        ax.set_xlabel("GPUs")
+    axes[0][0].set_ylabel("x faster than exact psum")
+    axes[0][-1].legend(fontsize=7)
+    fig.suptitle("predicted all-reduce of a 1B-parameter float32 gradient (cost model, H100 codec rates)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)

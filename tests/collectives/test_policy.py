@@ -21,7 +21,7 @@ from processes import SUPPORT, run_all
 
 import jax_cgx
 from jax_cgx._src.collectives import bytes_on_wire
-from jax_cgx._src.policy import cost_model, pricing
+from jax_cgx._src.policy import cost_model, forms, pricing
 from jax_cgx.launch import free_port
 
 W = 8
@@ -480,8 +480,8 @@ def _fake_machine(monkeypatch, *, link_gbps, inside_gbps, across_gbps, timed=Non
     def settle(values, dtype, world, config, backend, fig, measure=True, op="psum", bodies=None, inner_world=None):
         if timed is None:
             return None
-        settled.append((pricing._form(config), inner_world))
-        return timed["psum"], timed[pricing._form(config)]
+        settled.append((pricing.form_name(config), inner_world))
+        return timed["psum"], timed[pricing.form_name(config)]
 
     monkeypatch.setattr(pricing, "_settle", settle)
     return settled
@@ -489,12 +489,12 @@ def _fake_machine(monkeypatch, *, link_gbps, inside_gbps, across_gbps, timed=Non
 
 def test_forms_over_one_axis_and_over_nodes():
     c = jax_cgx.CompressionConfig(bits=4, policy="auto")
-    assert pricing.forms(c, 8, None) == [c] and pricing.forms(c, 8, 8) == [c] and pricing.forms(c, 8, 1) == [c]
-    over_nodes = pricing.forms(c.replace(algorithm="ring"), 8, 4)
+    assert forms.forms(c, 8, None) == [c] and forms.forms(c, 8, 8) == [c] and forms.forms(c, 8, 1) == [c]
+    over_nodes = forms.forms(c.replace(algorithm="ring"), 8, 4)
     assert over_nodes[0] == c.replace(algorithm="ring")  # the configured form first
-    assert {pricing._form(f) for f in over_nodes} == {"sra", "ring", "hierarchical sra", "hierarchical ring"}
+    assert {pricing.form_name(f) for f in over_nodes} == {"sra", "ring", "hierarchical sra", "hierarchical ring"}
     # error feedback keeps the configured level
-    assert {pricing._form(f) for f in pricing.forms(c, 8, 4, residual=True)} == {"sra", "ring"}
+    assert {pricing.form_name(f) for f in forms.forms(c, 8, 4, residual=True)} == {"sra", "ring"}
 
 
 def test_the_fastest_timed_form_is_chosen_and_logged(monkeypatch, caplog):
@@ -502,18 +502,18 @@ def test_the_fastest_timed_form_is_chosen_and_logged(monkeypatch, caplog):
     settled = _fake_machine(monkeypatch, link_gbps=1, inside_gbps=11, across_gbps=0.5, timed=times)
     c = jax_cgx.CompressionConfig(bits=4, policy="auto")
     with caplog.at_level(logging.INFO, logger="jax_cgx"):
-        chosen = pricing.choose_form([16 << 20], np.float32, 4, c, inner_world=2)
-    assert pricing._form(chosen) == "ring" and chosen.policy == "auto" and chosen.bits == 4
+        chosen = forms.choose_form([16 << 20], np.float32, 4, c, inner_world=2)
+    assert pricing.form_name(chosen) == "ring" and chosen.policy == "auto" and chosen.bits == 4
     assert sorted(settled) == sorted((f, 2) for f in times if f != "psum")  # every form timed, on the nodes
     assert re.search(r"policy='auto': ring for 1 buffer.*nodes of 2.*sra \d.* ms measured.*hierarchical ring",
                      caplog.text)
     # within SWITCH_SPEEDUP of the configured form: the configured one stays
     times.update(ring=0.166 / 1.04)
     pricing.reset()
-    assert pricing.choose_form([16 << 20], np.float32, 4, c, inner_world=2) == c
+    assert forms.choose_form([16 << 20], np.float32, 4, c, inner_world=2) == c
     # no form compresses: the configured one stays (every buffer is psum'd anyway)
     times.update(psum=0.1)
-    assert pricing.choose_form([16 << 20], np.float32, 4, c, inner_world=2) == c
+    assert forms.choose_form([16 << 20], np.float32, 4, c, inner_world=2) == c
 
 
 @pytest.mark.parametrize("inside_gbps, expected", [(800, "hierarchical"), (2, "flat")])
@@ -522,7 +522,7 @@ def test_the_model_weighs_the_inside_of_a_node(monkeypatch, inside_gbps, expecte
     form across a 10 Gbit/s network; an inside as slow as the network makes it the slowest."""
     _fake_machine(monkeypatch, link_gbps=10, inside_gbps=inside_gbps, across_gbps=10 / 8)
     c = jax_cgx.CompressionConfig(bits=4, policy="auto")
-    chosen = pricing.choose_form([64 << 20], np.float32, 64, c, inner_world=8, measure=False)
+    chosen = forms.choose_form([64 << 20], np.float32, 64, c, inner_world=8, measure=False)
     assert chosen.hierarchical == (expected == "hierarchical")
     hier = pricing.decide(64 << 20, np.float32, 64, c.replace(hierarchical=True), inner_world=8, measure=False,
                           log=False)
@@ -534,7 +534,7 @@ def test_the_chosen_form_is_what_runs(monkeypatch):
     """make_plan re-keys an auto group to the chosen form: the reduction runs it, bitwise as the same
     form configured with policy='always'."""
     mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("node", "local"))
-    monkeypatch.setattr(pricing, "choose_form",
+    monkeypatch.setattr(forms, "choose_form",
                         lambda sizes, dtype, world, config, **kw: config.replace(algorithm="ring", hierarchical=True))
     monkeypatch.setattr(pricing, "decide", lambda values, dtype, world, config, **kw: pricing.Decision(True, 1.0, 0.1))
     x = jnp.asarray(np.random.default_rng(3).standard_normal((8, 5000)), jnp.float32)

@@ -309,11 +309,11 @@ def test_the_launcher_refuses_to_run_as_one_of_an_mpirun_job(tmp_path, capsys, m
         (["-n", "two"], "argument -n/--nproc: 'two' is not a whole number"),
         (["-n", "2", "--devices-per-process", "0"], "argument --devices-per-process: must be at least 1, got 0"),
         (["-n", "2", "--devices-per-process", "-1"], "argument --devices-per-process: must be at least 1, got -1"),
-        (["-n", "2", "--timeout", "0"], "argument --timeout: must be a finite number of seconds, greater than 0"),
-        (["-n", "2", "--timeout", "-5"], "argument --timeout: must be a finite number of seconds, greater than 0"),
-        (["-n", "2", "--timeout", "nan"], "argument --timeout: must be a finite number of seconds, greater than 0"),
-        (["-n", "2", "--grace", "-1"], "argument --grace: must be a finite number of seconds, 0 or more"),
-        (["-n", "2", "--grace", "inf"], "argument --grace: must be a finite number of seconds, 0 or more"),
+        (["-n", "2", "--timeout", "0"], "argument --timeout: must be a finite number > 0"),
+        (["-n", "2", "--timeout", "-5"], "argument --timeout: must be a finite number > 0"),
+        (["-n", "2", "--timeout", "nan"], "argument --timeout: must be a finite number > 0"),
+        (["-n", "2", "--grace", "-1"], "argument --grace: must be a finite number >= 0"),
+        (["-n", "2", "--grace", "inf"], "argument --grace: must be a finite number >= 0"),
     ],
 )
 def test_bad_arguments_are_rejected_before_starting_anything(tmp_path, capsys, options, message):

@@ -32,7 +32,7 @@ from jax_cgx._src import backends, compat
 from jax_cgx._src.codec import SUPPORTED_DTYPES
 from jax_cgx._src.config import MAX_FUSION_BUFFERS, CompressionConfig, check_environment, default_config
 from jax_cgx._src.exchange.all_reduce import reduction
-from jax_cgx._src.policy import pricing
+from jax_cgx._src.policy import forms, pricing
 
 __all__ = ["ConfigSpec", "Group", "Plan", "make_plan", "check_ranks", "leaf_configs", "lane", "check_varying"]
 
@@ -197,10 +197,10 @@ def make_plan(paths, leaves, spec: ConfigSpec, tree, world: int | None = None,
 def _choose_form(plan: Plan, group: Group, world: int, inner_world: int | None, axes, impl: str, residual: bool,
                  measure: bool) -> Group:
     """``policy="auto"`` over nodes: the group re-keyed to the form (flat or hierarchical, SRA or
-    ring) :func:`~jax_cgx._src.policy.pricing.choose_form` prices fastest; the group itself where
+    ring) :func:`~jax_cgx._src.policy.forms.choose_form` prices fastest; the group itself where
     that is its own form (or another group already has the chosen config)."""
     sizes = [stop - start for start, stop in plan.buffers(group)]
-    chosen = pricing.choose_form(sizes, group.dtype, world, group.config, inner_world=inner_world,
+    chosen = forms.choose_form(sizes, group.dtype, world, group.config, inner_world=inner_world,
                                  backend=backends.get(plan.backends[group]).timed_as, measure=measure,
                                  residual=residual)
     moved = Group(group.dtype, chosen)

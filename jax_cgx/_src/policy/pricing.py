@@ -1,37 +1,16 @@
-"""``policy="auto"``: compress a fusion buffer only where the cost model predicts a gain.
+"""``policy="auto"``: compress a fusion buffer only where it is predicted (or timed) faster.
 
-Compression pays on slow links and costs on fast ones (docs/performance.md). With
-``CompressionConfig(policy="auto")`` every fusion buffer is priced twice by
-:mod:`jax_cgx._src.policy.cost_model`, as a plain ``psum`` (or the sharded collectives' lax
-op) and as the compressed exchange, and is compressed only when that is predicted
-:data:`MIN_SPEEDUP` (1.1) times faster; leaves only in losing buffers are reduced by lax,
-exactly as without jax_cgx (:mod:`jax_cgx._src.collectives.plan`, ``sharded``).
-
-The figures the model needs are measured once per process, the first time they are needed
-(or by :func:`calibrate`):
-
-- **the link**: each rank's rate and per-message latency, from a timed ``psum`` of two sizes
-  over all devices (the slope gives the rate, the intercept the latency), unless
-  ``CompressionConfig.link_gbps`` or ``JAX_CGX_LINK_GBPS`` gives the rate (then with no
-  latency term: nothing is measured over the network);
-- **the codec**: quantize, dequantize and copy throughput of this machine's first device.
-
-The model prices clear cases well and near-ties poorly (docs/performance.md). So when the link is
-measured (not given) and the two predictions lie within :data:`TIE_BAND` of each other, the buffer
-is settled by timing a psum and the compressed exchange of exactly its size, over all devices, on
-the backend that will run it (for ``tcp`` the probe connects a mesh of its own), once per process.
-Outside :data:`VALIDATED_PLATFORMS` (the CPU, where the model was checked against measurements) every
-buffer is timed so, near-tie or not: on GPUs the model has been wrong.
-
-Every process must take the same decisions, or their programs would not match. So the figures
-are agreed before anyone uses them: every process measures, the measurements are gathered, and
-all take the slowest (the collective runs at the pace of its slowest rank). Measuring is
-therefore collective: every process has to reach it, as every process reaches the first trace
-of a step that uses ``compressed_psum`` (and ``JAX_CGX_LINK_GBPS``, which skips the link probe,
-must be set on every process or on none: the first calibration checks it, and raises). A
-decision is a Python bool computed while tracing, from shapes and those figures: static under
-``jit``. Each figure set and each distinct decision is logged once at INFO on the ``jax_cgx``
-logger; :func:`jax_cgx.explain` shows them for a pytree. The probes themselves are
+Every fusion buffer is priced twice by :mod:`jax_cgx._src.policy.cost_model`, as the lax
+collective and as the compressed exchange, and is compressed only where that is :data:`MIN_SPEEDUP`
+times faster; leaves only in losing buffers are reduced by lax (:mod:`jax_cgx._src.collectives.plan`).
+The figures (the link's rate and latency from timed psums over all devices, unless
+``link_gbps``/``JAX_CGX_LINK_GBPS`` gives the rate; the codec's rates) are measured once per
+process, collectively, and agreed (every process takes the slowest), so that all take the same
+decisions: each is a Python bool computed while tracing, static under ``jit``. Near-ties
+(:data:`TIE_BAND`), every buffer outside :data:`VALIDATED_PLATFORMS`, and every form over nodes
+are settled by timing the buffer itself on the backend that runs it. Figures and decisions are
+logged once at INFO on the ``jax_cgx`` logger; docs/performance.md ("Never slower: policy='auto'",
+"Near-ties timed") and docs/multinode.md tell the whole story; the probes are
 :mod:`jax_cgx._src.policy.probes`.
 """
 
@@ -55,8 +34,8 @@ from jax_cgx._src.policy import probes
 from jax_cgx._src.policy.cost_model import CodecRates, LinkModel, predict, predict_nodes
 from jax_cgx._src.policy.probes import ExchangeFit, Timed
 
-__all__ = ["Figures", "Decision", "ExchangeFit", "Timed", "calibrate", "figures", "decide", "choose_form", "forms",
-           "levels", "MIN_SPEEDUP", "SWITCH_SPEEDUP", "TIE_BAND", "VALIDATED_PLATFORMS"]
+__all__ = ["Figures", "Decision", "ExchangeFit", "Timed", "calibrate", "figures", "decide", "levels", "form_name",
+           "MIN_SPEEDUP", "TIE_BAND", "VALIDATED_PLATFORMS"]
 
 logger = logging.getLogger("jax_cgx")
 
@@ -96,9 +75,7 @@ class Figures:
         return self.link_source.startswith("measured")
 
     def describe(self) -> str:
-        bw = self.link.bandwidth
-        link = "unlimited" if bw == float("inf") else f"{bw * 8 / 1e9:.3g} Gbit/s"
-        return (f"link {link} per rank each way, {self.link.latency * 1e3:.3g} ms per message "
+        return (f"link {_gbits(self.link.bandwidth)} per rank each way, {self.link.latency * 1e3:.3g} ms per message "
                 f"({self.link_source}); {self.platform} codec: quantize {self.rates.quantize / 1e9:.3g} GB/s, "
                 f"dequantize {self.rates.dequantize / 1e9:.3g} GB/s, copy {self.rates.add / 1e9:.3g} GB/s"
                 + (f", {self.share:g} devices per core" if self.share > 1 else "")
@@ -127,6 +104,10 @@ _settled: dict[tuple, tuple[float, float]] = {}
 # reduction over nodes of `inner` devices (probes.measure_levels).
 _measured_levels: dict[tuple[str, int], tuple[float, float]] = {}
 _logged: set = set()
+
+
+def _gbits(rate: float) -> str:
+    return "unlimited" if rate == float("inf") else f"{rate * 8 / 1e9:.3g} Gbit/s"
 
 
 def _outside_trace(fn: Callable):
@@ -308,37 +289,28 @@ def _time_exchange(devices, values: int, dtype, config: CompressionConfig, backe
     return tuple(_agree(list(probes.time_exchange(devices, values, dtype, config, backend, bodies, inner)), np.max))
 
 
-def _two_level(world: int, inner_world: int | None) -> bool:
+def two_level(world: int, inner_world: int | None) -> bool:
     """A reduction over nodes of ``inner_world`` ranks: two axes, each with more than one rank."""
     return inner_world is not None and 1 < inner_world < world
 
 
 def levels(fig: Figures, inner_world: int, measure: bool = True) -> tuple[float, float] | None:
-    """Bytes/s per rank ``(inside a node, across nodes)`` of a reduction over nodes of
-    ``inner_world`` devices (consecutive in ``jax.devices()``, as ``jax.make_mesh`` lays them
-    out), measured once per process and agreed (collective); None where the link is given rather
-    than measured (nothing is measured over the network then), or where not measured yet and
-    ``measure=False``."""
+    """Bytes/s per rank ``(inside a node, across nodes)`` over nodes of ``inner_world`` devices
+    (:func:`~jax_cgx._src.policy.probes.measure_levels`), measured once and agreed (collective);
+    None where the link is given (nothing is measured over the network) or ``measure=False``."""
     devices = jax.devices(fig.platform)
     if not fig.link_measured or len(devices) % inner_world:
         return None
     key = (fig.platform, inner_world)
     with _lock:
-        if key not in _measured_levels:
-            if not measure:
-                return None
+        if key not in _measured_levels and measure:
             t0 = time.perf_counter()
-            inside, across = _outside_trace(
-                lambda: _agree(list(probes.measure_levels(devices, inner_world, fig.rates, fig.share)), np.min))
-            _measured_levels[key] = (inside, across)
+            _measured_levels[key] = inside, across = _outside_trace(
+                lambda: tuple(_agree(list(probes.measure_levels(devices, inner_world, fig.rates, fig.share)), np.min)))
             logger.info("jax_cgx: policy='auto': nodes of %d devices measured in %.2f s: %s per rank inside a node, "
                         "%s per rank across nodes (every rank at once)", inner_world, time.perf_counter() - t0,
                         _gbits(inside), _gbits(across))
-        return _measured_levels[key]
-
-
-def _gbits(rate: float) -> str:
-    return "unlimited" if rate == float("inf") else f"{rate * 8 / 1e9:.3g} Gbit/s"
+        return _measured_levels.get(key)
 
 
 def _names(op: str) -> tuple[str, str]:
@@ -355,7 +327,7 @@ def _settle(values: int, dtype, world: int, config: CompressionConfig, backend: 
     ``_SETTLE_MAX_BUFFERS`` were timed already. ``measure=False``: only what was timed before
     (timing is collective; :func:`jax_cgx.explain` may run on one process)."""
     devices = jax.devices(fig.platform)
-    inner = inner_world if _two_level(world, inner_world) and op == "psum" else None
+    inner = inner_world if two_level(world, inner_world) and op == "psum" else None
     if len(devices) != world or (config.hierarchical and inner is None) or (inner and len(devices) % inner):
         return None
     key = (fig.platform, values, np.dtype(dtype).name, config, backend, op, inner)
@@ -379,7 +351,7 @@ def _settle(values: int, dtype, world: int, config: CompressionConfig, backend: 
                         "compressed exchange %son %s %.3g ms)", prefix, values * np.dtype(dtype).itemsize / 2**20,
                         np.dtype(dtype).name, world, f" (nodes of {inner})" if inner else "",
                         time.perf_counter() - t0, lax_name, _settled[key][0] * 1e3,
-                        f"({_form(config, inner)}) " if inner else "", backend,
+                        f"({form_name(config, inner)}) " if inner else "", backend,
                         _settled[key][1] * 1e3)
         return _settled[key]
 
@@ -431,7 +403,7 @@ def decide(values: int, dtype, world: int, config: CompressionConfig, *, inner_w
 
     psum = model(size, world)["psum"]
     # Over nodes (op psum, two axes): each axis's measured link prices its part.
-    level = levels(fig, inner_world, measure) if _two_level(world, inner_world) and op == "psum" else None
+    level = levels(fig, inner_world, measure) if two_level(world, inner_world) and op == "psum" else None
     if config.hierarchical and inner_world and inner_world > 1:
         inside, across = level if level else (fig.rates.add, None)  # before measuring: memory speed
         inner = fig.share * 2 * (inner_world - 1) / inner_world * size / inside
@@ -471,61 +443,7 @@ def decide(values: int, dtype, world: int, config: CompressionConfig, *, inner_w
     return decision
 
 
-def _form(config: CompressionConfig, inner: int | None = None) -> str:
+def form_name(config: CompressionConfig, inner: int | None = None) -> str:
     """How a config reduces, for log lines: "ring", "sra", "hierarchical sra"."""
     return ("hierarchical " if config.hierarchical and (inner is None or inner > 1) else "") + config.algorithm
 
-
-# policy="auto" switches a group to another form only where it is priced this much faster than the
-# configured one (forms within a few percent are a tie: keep what the user wrote).
-SWITCH_SPEEDUP = 1.05
-
-
-def forms(config: CompressionConfig, world: int, inner_world: int | None, residual: bool = False
-          ) -> list[CompressionConfig]:
-    """The forms ``policy="auto"`` weighs for ``config``'s group, the configured one first: over
-    nodes (two axes), flat and hierarchical SRA and ring; over one axis only the configured form
-    (there the model's validated choice is compress or not, and SRA and ring differ in bits).
-    Error feedback's residuals keep the configured level (flat or hierarchical)."""
-    if not _two_level(world, inner_world):
-        return [config]
-    levels_ = (config.hierarchical,) if residual else (False, True)
-    out = [config]
-    for hierarchical in levels_:
-        for algorithm in ("sra", "ring"):
-            c = config.replace(algorithm=algorithm, hierarchical=hierarchical)
-            if c not in out:
-                out.append(c)
-    return out
-
-
-def choose_form(buffers: list[int], dtype, world: int, config: CompressionConfig, *,
-                inner_world: int | None = None, backend: str = "xla", measure: bool = True, residual: bool = False,
-                log: bool = True) -> CompressionConfig:
-    """The form (algorithm, flat or hierarchical) ``policy="auto"`` runs a group of fusion buffers
-    of ``buffers`` values each in: the one whose buffers cost least, each buffer at the lesser of
-    its psum and its compressed exchange (:func:`decide`, timed where it times), unless that is
-    within :data:`SWITCH_SPEEDUP` of the configured form. Logged once with every form's price."""
-    candidates = forms(config, world, inner_world, residual)
-    if len(candidates) == 1 or world < 2:
-        return config
-    priced, psums = [], None
-    for c in candidates:
-        ds = [decide(v, dtype, world, c, inner_world=inner_world, backend=backend, log=False, measure=measure)
-              for v in buffers]
-        # One psum price per buffer for every form (each form's timing measures the psum again:
-        # their noise must not pick the form).
-        psums = psums or [d.psum_s for d in ds]
-        priced.append((sum(d.compressed_s if d.compress else p for d, p in zip(ds, psums)), c,
-                       any(d.measured for d in ds), any(d.compress for d in ds)))
-    best = min(priced, key=lambda p: p[0])
-    chosen = best[1] if best[3] and best[0] * SWITCH_SPEEDUP < priced[0][0] else config
-    key = ("form", tuple(buffers), np.dtype(dtype).name, world, inner_world, config, backend)
-    if log and key not in _logged:
-        _logged.add(key)
-        nodes = f" (nodes of {inner_world})" if _two_level(world, inner_world) else ""
-        logger.info("jax_cgx: policy='auto': %s for %d buffer(s) of %s over %d ranks%s (%s; psum %.3g ms)",
-                    _form(chosen), len(buffers), np.dtype(dtype).name, world, nodes,
-                    ", ".join(f"{_form(c)} {t * 1e3:.3g} ms{' measured' if m else ''}" for t, c, m, _ in priced),
-                    sum(psums) * 1e3)
-    return chosen

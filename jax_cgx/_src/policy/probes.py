@@ -26,6 +26,7 @@ from jax_cgx._src.exchange.all_reduce import (  # the primitive: the pytree API 
     compressed_sum,
     reduction,
 )
+from jax_cgx._src.exchange.hierarchical import reduce_hierarchical
 from jax_cgx._src.policy.cost_model import CodecRates, LinkModel, predict
 
 __all__ = ["ExchangeFit", "Timed", "measure_rates", "measure_link", "measure_levels", "time_exchange"]
@@ -206,10 +207,16 @@ def time_exchange(devices, values: int, dtype, config: CompressionConfig, backen
     config = config.replace(policy="always", backend=backend)
     world = len(devices)
     if inner is not None:
-        from jax_cgx._src.collectives.psum import compressed_psum  # the two-level path as users run it
-
         mesh = _two_level_mesh(devices, inner)
-        lax_fn, compressed_fn = bodies or (jax.lax.psum, lambda v, axes, c: compressed_psum(v, axes, c))
+
+        def over_nodes(v, axes, c):  # flat over both axes, or exact inside the node and compressed across
+            chosen = backends.choose_in_trace(c.backend, reduction(axes[:-1] if c.hierarchical else axes,
+                                                                   world // inner if c.hierarchical else world, c))
+            if c.hierarchical:
+                return reduce_hierarchical(v, axes, world, c, None, "auto", backend=chosen)
+            return compressed_sum(v, axes, world, c, None, "auto", backend=chosen)
+
+        lax_fn, compressed_fn = bodies or (jax.lax.psum, over_nodes)
         axis = _LEVELS
     else:
         mesh = _mesh(devices)
