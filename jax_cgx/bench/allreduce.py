@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import logging
 import os
 import time
 
@@ -146,6 +147,10 @@ def run(args: argparse.Namespace) -> list[dict]:
         jax_cgx.distributed.initialize()
     devices = jax.devices()
     world = len(devices)
+    if "auto" in (args.policy if isinstance(args.policy, list) else [args.policy]) and jax.process_index() == 0:
+        # policy="auto"'s figures and decisions, as a user sees them with INFO logs.
+        logging.basicConfig(format="%(message)s")
+        logging.getLogger("jax_cgx").setLevel(logging.INFO)
     if args.two_level:
         # Nodes of JAX_CGX_LOCAL_COUNT processes (benchmarks/netem/run.py --nodes N --per-node M):
         # a ("node", "local") mesh, every reduction over both axes, flat or hierarchical.
