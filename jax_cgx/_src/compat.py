@@ -158,3 +158,13 @@ def current_mesh():
 
     physical = mesh_lib.thread_resources.env.physical_mesh
     return None if physical.empty else physical
+
+
+def trace_platform() -> str:
+    """The platform of the mesh being traced over (the enclosing ``shard_map``'s), else JAX's
+    default backend (inside ``pmap`` or outside a mesh)."""
+    import jax
+
+    mesh = jax.sharding.get_abstract_mesh()
+    device = None if mesh.empty else getattr(mesh, "abstract_device", None)
+    return getattr(device, "platform", None) or jax.default_backend()

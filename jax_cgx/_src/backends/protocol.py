@@ -273,11 +273,7 @@ def choose_in_trace(requested: str, reduction: Reduction) -> str:
     """:func:`choose` for a reduction being traced: over the mesh of the enclosing ``shard_map``
     (none inside ``pmap`` or outside a mesh) on that mesh's platform (else JAX's default)."""
     mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty:
-        mesh = None
-    device = getattr(mesh, "abstract_device", None)
-    platform = getattr(device, "platform", None) or jax.default_backend()
-    return choose(requested, reduction, mesh, platform)[0]
+    return choose(requested, reduction, None if mesh.empty else mesh, compat.trace_platform())[0]
 
 
 # ---------------------------------------------------------------------------- lowering
