@@ -547,3 +547,21 @@ def test_the_chosen_form_is_what_runs(monkeypatch):
     auto = run(jax_cgx.CompressionConfig(bits=4, bucket_size=64, policy="auto"))
     assert_same_bits(auto, run(jax_cgx.CompressionConfig(bits=4, bucket_size=64, algorithm="ring", hierarchical=True)))
     assert not np.array_equal(auto, run(jax_cgx.CompressionConfig(bits=4, bucket_size=64)))  # not flat SRA's bits
+
+
+def test_forms_over_nodes_time_the_psum_once(monkeypatch):
+    """Each form's compressed exchange is timed; the buffer's psum only with the first (the same op)."""
+    fig = _figures(1)
+    monkeypatch.setattr(pricing, "figures", lambda config=None, platform=None: fig)
+    monkeypatch.setattr(pricing, "levels", lambda fig, inner, measure=True: (10e9 / 8, 0.5e9 / 8))
+    calls = []
+
+    def timing(devices, values, dtype, config, backend, bodies=None, inner=None, psum_s=None):
+        calls.append((pricing.form_name(config), inner, psum_s))
+        return (0.8 if psum_s is None else psum_s), 0.2
+
+    monkeypatch.setattr(pricing, "_time_exchange", timing)
+    c = jax_cgx.CompressionConfig(bits=4, policy="auto")
+    forms.choose_form([1 << 16], np.float32, 8, c, inner_world=4)
+    assert [f for f, _, _ in calls] == ["sra", "ring", "hierarchical sra", "hierarchical ring"]
+    assert [(inner, psum) for _, inner, psum in calls] == [(4, None)] + [(4, 0.8)] * 3

@@ -283,10 +283,10 @@ def reset() -> None:
         _logged.clear()
 
 
-def _time_exchange(devices, values: int, dtype, config: CompressionConfig, backend: str,
-                   bodies: Timed | None = None, inner: int | None = None) -> tuple[float, float]:
+def _time_exchange(devices, values: int, dtype, config: CompressionConfig, backend: str, bodies: Timed | None = None,
+                   inner: int | None = None, **known) -> tuple[float, float]:
     """:func:`~jax_cgx._src.policy.probes.time_exchange`, the slowest process's."""
-    return tuple(_agree(list(probes.time_exchange(devices, values, dtype, config, backend, bodies, inner)), np.max))
+    return tuple(_agree(list(probes.time_exchange(devices, values, dtype, config, backend, bodies, inner, **known)), np.max))
 
 
 def two_level(world: int, inner_world: int | None) -> bool:
@@ -344,8 +344,10 @@ def _settle(values: int, dtype, world: int, config: CompressionConfig, backend: 
             if op != "psum" and bodies is None:
                 raise ValueError(f"policy: timing a {op} buffer needs its programs (decide(..., bodies=...))")
             t0 = time.perf_counter()
-            _settled[key] = _outside_trace(
-                lambda: _time_exchange(devices, values, dtype, config, backend, bodies, inner))
+            # Over nodes another form of this buffer (all of the key but the config) timed its psum: not again.
+            same = [t for k, t in _settled.items() if inner and k[:3] + k[4:] == key[:3] + key[4:]]
+            _settled[key] = _outside_trace(lambda: _time_exchange(
+                devices, values, dtype, config, backend, bodies, inner, **({"psum_s": same[0][0]} if same else {})))
             prefix, lax_name = _names(op)
             logger.info("jax_cgx: policy='auto': %stimed a %.4g MiB %s buffer over %d ranks%s in %.2f s (%s %.3g ms, "
                         "compressed exchange %son %s %.3g ms)", prefix, values * np.dtype(dtype).itemsize / 2**20,
@@ -359,9 +361,8 @@ def _settle(values: int, dtype, world: int, config: CompressionConfig, backend: 
 def _worth_timing(psum: float, compressed: float, platform: str) -> bool:
     """Whether a buffer predicted at ``psum`` and ``compressed`` seconds is timed: a near-tie on a
     platform whose predictions were validated; any buffer elsewhere, its compressed prediction untrusted."""
-    if platform in VALIDATED_PLATFORMS:
-        return psum / TIE_BAND < compressed < psum * TIE_BAND and psum + compressed < _SETTLE_MAX_S
-    return psum < _SETTLE_MAX_S
+    tie = psum / TIE_BAND < compressed < psum * TIE_BAND and psum + compressed < _SETTLE_MAX_S
+    return tie if platform in VALIDATED_PLATFORMS else psum < _SETTLE_MAX_S
 
 
 def decide(values: int, dtype, world: int, config: CompressionConfig, *, inner_world: int | None = None,

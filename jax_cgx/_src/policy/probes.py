@@ -199,11 +199,14 @@ def measure_levels(devices, inner: int, rates: CodecRates, share: float) -> tupl
 
 
 def time_exchange(devices, values: int, dtype, config: CompressionConfig, backend: str,
-                  bodies: Timed | None = None, inner: int | None = None) -> tuple[float, float]:
+                  bodies: Timed | None = None, inner: int | None = None, psum_s: float | None = None
+                  ) -> tuple[float, float]:
     """Median seconds of the uncompressed collective (``bodies``; default psum) and the compressed
     one on ``values`` values per device over ``devices``, on ``backend``, on this process. A
     backend that owns connections connects a mesh of the probe's own for it. ``inner``: over
-    both axes of the two-level mesh of nodes of ``inner`` devices (a hierarchical config needs it)."""
+    both axes of the two-level mesh of nodes of ``inner`` devices (a hierarchical config needs it).
+    ``psum_s``: the uncompressed collective's time, known already (another form of the same
+    buffer timed it): only the compressed one is timed."""
     config = config.replace(policy="always", backend=backend)
     world = len(devices)
     if inner is not None:
@@ -229,10 +232,11 @@ def time_exchange(devices, values: int, dtype, config: CompressionConfig, backen
     if owner.families is not None:
         owner.setup(mesh)
     try:
-        psum, exchange = _median_times(
-            _over(mesh, lambda v: lax_fn(v, axis), values, dtype),
-            _over(mesh, lambda v: compressed_fn(v, axis, config), values, dtype),
-            repeats=_SETTLE_REPEATS)
+        compressed = _over(mesh, lambda v: compressed_fn(v, axis, config), values, dtype)
+        if psum_s is not None:
+            return psum_s, _median_times(compressed, repeats=_SETTLE_REPEATS)[0]
+        psum, exchange = _median_times(_over(mesh, lambda v: lax_fn(v, axis), values, dtype), compressed,
+                                       repeats=_SETTLE_REPEATS)
     finally:
         if owner.families is not None:
             owner.teardown(mesh)
