@@ -547,6 +547,10 @@ def test_the_chosen_form_is_what_runs(monkeypatch):
     auto = run(jax_cgx.CompressionConfig(bits=4, bucket_size=64, policy="auto"))
     assert_same_bits(auto, run(jax_cgx.CompressionConfig(bits=4, bucket_size=64, algorithm="ring", hierarchical=True)))
     assert not np.array_equal(auto, run(jax_cgx.CompressionConfig(bits=4, bucket_size=64)))  # not flat SRA's bits
+    # explain shows the form each buffer runs in
+    report = jax_cgx.explain({"w": jnp.ones((5000,))}, config=jax_cgx.CompressionConfig(bits=4, policy="auto"),
+                             world=8, inner_world=4, file=None)
+    assert [b.form for b in report.buffers] == ["hierarchical ring"] and "hierarchical ring" in str(report)
 
 
 def test_forms_over_nodes_time_the_psum_once(monkeypatch):

@@ -43,6 +43,7 @@ class BufferReport:
     psum_ms: float
     compressed_ms: float
     priced: str = "model"
+    form: str = "sra"  # how it is reduced: "sra", "ring", "hierarchical sra", ... (policy="auto" over nodes chooses)
 
     @property
     def mib(self) -> float:
@@ -92,9 +93,9 @@ class Explanation:
              + [",".join(map(str, r.buffers)) or "-"] for r in self.leaves]))
         if self.buffers:
             lines.append(_table(
-                ["buffer", "dtype", "bits", "MiB", "policy", "compressed", "psum ms" if self.op == "psum" else "lax ms",
-                 "compressed ms", "speedup", "priced"],
-                [[str(b.index), b.dtype, str(b.bits), f"{b.mib:.4g}", b.policy, "yes" if b.compressed else "no"]
+                ["buffer", "dtype", "bits", "MiB", "policy", "form", "compressed",
+                 "psum ms" if self.op == "psum" else "lax ms", "compressed ms", "speedup", "priced"],
+                [[str(b.index), b.dtype, str(b.bits), f"{b.mib:.4g}", b.policy, b.form, "yes" if b.compressed else "no"]
                  + ([f"{b.psum_ms:.3g}", f"{b.compressed_ms:.3g}", f"{b.psum_ms / b.compressed_ms:.2f}x"]
                     if b.priced != "not priced" else ["-", "-", "-"]) + [b.priced]
                  for b in self.buffers]))
@@ -193,7 +194,8 @@ def explain(x, axis_name=None, config: ConfigSpec = None, *, world: int | None =
             buffers.append(BufferReport(
                 index, group.dtype.name, group.config.bits, stop - start, group.config.policy,
                 decisions is None or decisions[k].compress,
-                0.0 if d is None else d.psum_s * 1e3, 0.0 if d is None else d.compressed_s * 1e3, _priced(d)))
+                0.0 if d is None else d.psum_s * 1e3, 0.0 if d is None else d.compressed_s * 1e3, _priced(d),
+                pricing.form_name(group.config, inner_world)))
             for j, i in enumerate(members):
                 if bounds[j] < stop and bounds[j + 1] > start:
                     leaf_buffers.setdefault(i, []).append(index)
@@ -201,7 +203,8 @@ def explain(x, axis_name=None, config: ConfigSpec = None, *, world: int | None =
         for i in moved:
             leaf_buffers.setdefault(i, []).append(len(buffers))
         buffers.append(BufferReport(len(buffers), group.dtype.name, group.config.bits, values, "auto", False,
-                                    d.psum_s * 1e3, d.compressed_s * 1e3, _priced(d)))
+                                    d.psum_s * 1e3, d.compressed_s * 1e3, _priced(d),
+                                    pricing.form_name(group.config, inner_world)))
         figures = figures or _figures_for(group.config)
 
     leaves_out = []
