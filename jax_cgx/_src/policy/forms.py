@@ -47,9 +47,10 @@ def choose_form(buffers: list[int], dtype, world: int, config: CompressionConfig
                 inner_world: int | None = None, backend: str = "xla", measure: bool = True, residual: bool = False,
                 log: bool = True) -> CompressionConfig:
     """The form (algorithm, flat or hierarchical) ``policy="auto"`` runs a group of fusion buffers
-    of ``buffers`` values each in: the one whose buffers cost least, each buffer at the lesser of
-    its psum and its compressed exchange (:func:`~jax_cgx._src.policy.pricing.decide`, timed where it times), unless that is
-    within :data:`SWITCH_SPEEDUP` of the configured form. Logged once with every form's price."""
+    of ``buffers`` values each in: the one whose buffers cost least, each buffer at its psum or its
+    compressed exchange as :func:`~jax_cgx._src.policy.pricing.decide` decides (timed where it
+    times), unless that is within :data:`SWITCH_SPEEDUP` of the configured form. Logged once with
+    every form's price."""
     candidates = forms(config, world, inner_world, residual)
     if len(candidates) == 1 or world < 2:
         return config
@@ -57,8 +58,8 @@ def choose_form(buffers: list[int], dtype, world: int, config: CompressionConfig
     for c in candidates:
         ds = [pricing.decide(v, dtype, world, c, inner_world=inner_world, backend=backend, log=False, measure=measure)
               for v in buffers]
-        # One psum price per buffer for every form (each form's timing measures the psum again:
-        # their noise must not pick the form).
+        # One psum price per buffer for every form, the first form's (the same op: a psum's own
+        # noise must not pick the form).
         psums = psums or [d.psum_s for d in ds]
         priced.append((sum(d.compressed_s if d.compress else p for d, p in zip(ds, psums)), c,
                        any(d.measured for d in ds), any(d.compress for d in ds)))
