@@ -147,7 +147,9 @@ def run(args: argparse.Namespace) -> list[dict]:
         jax_cgx.distributed.initialize()
     devices = jax.devices()
     world = len(devices)
-    if "auto" in (args.policy if isinstance(args.policy, list) else [args.policy]) and jax.process_index() == 0:
+    algorithms = args.algorithm if isinstance(args.algorithm, list) else [args.algorithm]
+    policies = args.policy if isinstance(args.policy, list) else [args.policy]
+    if "auto" in policies and jax.process_index() == 0:
         # policy="auto"'s figures and decisions, as a user sees them with INFO logs.
         logging.basicConfig(format="%(message)s")
         logging.getLogger("jax_cgx").setLevel(logging.INFO)
@@ -182,8 +184,6 @@ def run(args: argparse.Namespace) -> list[dict]:
         return np.asarray(out.addressable_shards[0].data, np.float32)[0]
 
     sizes = sizes_in_bytes(args)
-    algorithms = args.algorithm if isinstance(args.algorithm, list) else [args.algorithm]
-    policies = args.policy if isinstance(args.policy, list) else [args.policy]
     combos = [(op, *c) for op in args.ops
               for c in itertools.product(args.bits, args.bucket_sizes, backends, layouts, algorithms, policies)
               if (op == "psum" or c[2] != "tcp") and (op == "psum" or not c[3])

@@ -98,7 +98,8 @@ _lock = threading.RLock()
 # By platform: what the probe measured over all devices (link, exchange, where it was measured).
 _measured_link: dict[str, tuple[LinkModel, ExchangeFit, str]] = {}
 _measured_rates: dict[str, CodecRates] = {}
-# (platform, values, dtype, config, backend) -> (psum seconds, exchange seconds), agreed.
+# ((platform, values, dtype, backend, op, inner), config) -> (psum seconds, exchange seconds), agreed:
+# the buffer apart from the config, whose forms over nodes share one psum timing.
 _settled: dict[tuple, tuple[float, float]] = {}
 # (platform, inner) -> bytes/s per rank (inside a node, across nodes), agreed: the two axes of a
 # reduction over nodes of `inner` devices (probes.measure_levels).
@@ -330,7 +331,8 @@ def _settle(values: int, dtype, world: int, config: CompressionConfig, backend: 
     inner = inner_world if two_level(world, inner_world) and op == "psum" else None
     if len(devices) != world or (config.hierarchical and inner is None) or (inner and len(devices) % inner):
         return None
-    key = (fig.platform, values, np.dtype(dtype).name, config, backend, op, inner)
+    buffer = (fig.platform, values, np.dtype(dtype).name, backend, op, inner)
+    key = (buffer, config)
     with _lock:
         if key not in _settled and not measure:
             return None
@@ -344,8 +346,8 @@ def _settle(values: int, dtype, world: int, config: CompressionConfig, backend: 
             if op != "psum" and bodies is None:
                 raise ValueError(f"policy: timing a {op} buffer needs its programs (decide(..., bodies=...))")
             t0 = time.perf_counter()
-            # Over nodes another form of this buffer (all of the key but the config) timed its psum: not again.
-            same = [t for k, t in _settled.items() if inner and k[:3] + k[4:] == key[:3] + key[4:]]
+            # Over nodes another form of this buffer timed its psum already: not again.
+            same = [t for (b, _), t in _settled.items() if inner and b == buffer]
             _settled[key] = _outside_trace(lambda: _time_exchange(
                 devices, values, dtype, config, backend, bodies, inner, **({"psum_s": same[0][0]} if same else {})))
             prefix, lax_name = _names(op)
@@ -384,23 +386,24 @@ def decide(values: int, dtype, world: int, config: CompressionConfig, *, inner_w
     itemsize = np.dtype(dtype).itemsize
     size = values * itemsize
 
-    def model(nbytes: float, ranks: int, of: str = op) -> dict[str, float]:
-        return predict(nbytes, ranks, config.bits, config.bucket_size, fig.link, fig.rates,
+    def model(nbytes: float, ranks: int, of: str = op, link: LinkModel = fig.link) -> dict[str, float]:
+        return predict(nbytes, ranks, config.bits, config.bucket_size, link, fig.rates,
                        segments=config.pipeline_segments, itemsize=itemsize,
                        message_cap=_wire.message_cap([fig.platform]), share=fig.share, op=of)
 
-    def exchange(nbytes: float, ranks: int) -> float:
+    def fitted(p: dict[str, float], nbytes: float, share_of_fit: float = 1.0) -> float:
+        """The wire, and the larger of the modelled codec and the measured fit (scaled)."""
+        return p["wire"] + max(p["codec"] + p["copies"], share_of_fit * fig.exchange.seconds(nbytes / itemsize * 4))
+
+    def exchange(nbytes: float, ranks: int, link: LinkModel = fig.link) -> float:
         if ranks < 2:
             return 0.0
-        p = model(nbytes, ranks)
-        fit = fig.exchange.seconds(nbytes / itemsize * 4)
-        if op != "psum":  # the fit was measured on all-reduces: this collective's share of their compute
-            whole = model(nbytes, ranks, "psum")
-            fit *= (p["codec"] + p["copies"]) / (whole["codec"] + whole["copies"])
-        return p["wire"] + max(p["codec"] + p["copies"], fit)
-
-    def fitted(p: dict[str, float], nbytes: float) -> float:  # the wire, and the larger of codec and fit
-        return p["wire"] + max(p["codec"] + p["copies"], fig.exchange.seconds(nbytes / itemsize * 4))
+        p = model(nbytes, ranks, link=link)
+        if op == "psum":
+            return fitted(p, nbytes)
+        # The fit was measured on all-reduces: this collective's share of their compute.
+        whole = model(nbytes, ranks, "psum", link)
+        return fitted(p, nbytes, (p["codec"] + p["copies"]) / (whole["codec"] + whole["copies"]))
 
     psum = model(size, world)["psum"]
     # Over nodes (op psum, two axes): each axis's measured link prices its part.
@@ -408,13 +411,8 @@ def decide(values: int, dtype, world: int, config: CompressionConfig, *, inner_w
     if config.hierarchical and inner_world and inner_world > 1:
         inside, across = level if level else (fig.rates.add, None)  # before measuring: memory speed
         inner = fig.share * 2 * (inner_world - 1) / inner_world * size / inside
-        if across is None:
-            compressed = inner + exchange(size / inner_world, world // inner_world)
-        else:
-            cross = predict(size / inner_world, world // inner_world, config.bits, config.bucket_size,
-                            LinkModel(across, fig.link.latency), fig.rates, segments=config.pipeline_segments,
-                            itemsize=itemsize, message_cap=_wire.message_cap([fig.platform]), share=fig.share)
-            compressed = inner + fitted(cross, size / inner_world)
+        cross = fig.link if across is None else LinkModel(across, fig.link.latency)
+        compressed = inner + exchange(size / inner_world, world // inner_world, cross)
     elif level is not None:  # flat over nodes: its all_to_all crosses at the shared rate
         p = predict_nodes(size, world // inner_world, inner_world, config.bits, config.bucket_size, fig.link,
                           fig.rates, segments=config.pipeline_segments, itemsize=itemsize,

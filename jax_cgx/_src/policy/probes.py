@@ -142,6 +142,13 @@ def _time_over(mesh, body, values: int, dtype) -> float:
     return _median_time(_over(mesh, body, values, dtype))
 
 
+def _psum_bandwidth(slope: float, ranks: int, rates: CodecRates, share: float) -> float:
+    """Bytes/s each rank sends, from a ring psum's seconds per byte over ``ranks``: its
+    ``2 (W-1)/W`` bytes sent per byte, the slope the adds (``share (W-1)/W S/add``) do not explain."""
+    wire_slope = slope - share * (ranks - 1) / ranks / rates.add
+    return 2 * (ranks - 1) / ranks / wire_slope if wire_slope > 0 else float("inf")
+
+
 def measure_link(devices, rates: CodecRates, share: float) -> tuple[LinkModel, ExchangeFit]:
     """The link's rate and latency, and the compressed exchange's compute, over ``devices``.
 
@@ -162,9 +169,7 @@ def measure_link(devices, rates: CodecRates, share: float) -> tuple[LinkModel, E
     sizes = _PROBE_BYTES
     psum = [timed(lambda v: jax.lax.psum(v, _AXIS), n) for n in sizes]
     slope = (psum[2] - psum[1]) / (sizes[2] - sizes[1])
-    wire_slope = slope - share * (w - 1) / w / rates.add  # seconds per byte that the adds do not explain
-    bandwidth = 2 * (w - 1) / w / wire_slope if wire_slope > 0 else float("inf")
-    link = LinkModel(bandwidth, max(0.0, psum[0] - slope * sizes[0]) / (2 * (w - 1)))
+    link = LinkModel(_psum_bandwidth(slope, w, rates, share), max(0.0, psum[0] - slope * sizes[0]) / (2 * (w - 1)))
 
     compute = []
     for n in sizes:
@@ -191,9 +196,7 @@ def measure_levels(devices, inner: int, rates: CodecRates, share: float) -> tupl
         if m < 2:
             return float("inf")
         t = [_time_over(mesh, lambda v: jax.lax.psum(v, axis), n // 4, np.float32) for n in _PROBE_BYTES[1:]]
-        slope = (t[1] - t[0]) / (_PROBE_BYTES[2] - _PROBE_BYTES[1])
-        wire_slope = slope - share * (m - 1) / m / rates.add
-        return 2 * (m - 1) / m / wire_slope if wire_slope > 0 else float("inf")
+        return _psum_bandwidth((t[1] - t[0]) / (_PROBE_BYTES[2] - _PROBE_BYTES[1]), m, rates, share)
 
     return rate(_LEVELS[1], inner), rate(_LEVELS[0], len(devices) // inner)
 
