@@ -23,6 +23,7 @@ __all__ = [
     "TORCH_CGX_VARIABLES",
     "check_environment",
     "default_config",
+    "given_link_gbps",
     "link_gbps_from_env",
     "MIN_FUSION_BUFFER_MB",
     "MAX_FUSION_BUFFERS",
@@ -395,7 +396,7 @@ def check_environment(config_given: bool = True, api: str = "compressed_psum",
     try:
         link_gbps_from_env(env)
     except ValueError as err:
-        log.warning("jax_cgx: %s. It raises when policy='auto' calibrates; policy='always' does not read it", err)
+        log.warning("jax_cgx: %s. It raises when policy='auto' calibrates; elsewhere it is ignored", err)
     unused = [name for name, value in seen if value.strip() and name != _LINK]  # policy reads the link rate
     if config_given and unused:
         log.info("jax_cgx: %s given a config: %s set in the environment but unused (they apply where config=None)",
@@ -443,6 +444,19 @@ def link_gbps_from_env(environ: Mapping[str, str] | None = None) -> float | None
     if not value > 0:
         raise ValueError(f"JAX_CGX_LINK_GBPS={raw!r} must be > 0 Gbit/s (inf: an unlimited link)")
     return value
+
+
+def given_link_gbps(config: CompressionConfig) -> float | None:
+    """The link's rate per rank where the user gave it: ``config.link_gbps``, else
+    ``JAX_CGX_LINK_GBPS``; None where neither says (or the variable is malformed: logged by
+    :func:`check_environment`, and raised where ``policy='auto'`` calibrates). The xla backend
+    sizes its messages to it (:func:`jax_cgx._src.exchange.wire.message_cap`)."""
+    if config.link_gbps is not None:
+        return float(config.link_gbps)
+    try:
+        return link_gbps_from_env()
+    except ValueError:
+        return None
 
 
 def _check_int(name: str, value) -> None:

@@ -1,6 +1,7 @@
 """policy="auto": decisions from the cost model, static under jit, logged once, agreed by every
 process; jax_cgx.explain; JAX_CGX_POLICY / JAX_CGX_LINK_GBPS (jax_cgx/_src/policy/pricing.py)."""
 
+import dataclasses
 import io
 import json
 import logging
@@ -577,3 +578,26 @@ def test_forms_over_nodes_time_the_psum_once(monkeypatch):
     forms.choose_form([1 << 16], np.float32, 8, c, inner_world=4)
     assert [f for f, _, _ in calls] == ["sra", "ring", "hierarchical sra", "hierarchical ring"]
     assert [(inner, psum) for _, inner, psum in calls] == [(4, None)] + [(4, 0.8)] * 3
+
+
+def test_a_given_link_still_measures_the_inside_of_a_node(monkeypatch):
+    # The user's rate is the network's: the inside of a node (loopback TCP between CPU processes,
+    # NVLink on GPUs) is measured, once, without crossing the network, and prices the hierarchical
+    # form. Here an inside as slow as 2 Gbit/s makes the flat form the choice (the 2x2 CPU machine
+    # at 10 Gbit/s: hierarchical 90-115 ms, flat 54-64 ms, docs/multinode.md).
+    from jax_cgx._src.policy import probes
+
+    calls = []
+
+    def fake(devices, inner, rates, share, across=True):
+        calls.append((inner, across))
+        return 2e9 / 8, (1e9 / 8 if across else None)
+
+    monkeypatch.setattr(probes, "measure_levels", fake)
+    given = dataclasses.replace(_figures(10), link_source="CompressionConfig.link_gbps")
+    assert pricing.levels(given, 2, measure=False) is None
+    assert pricing.levels(given, 2) == (2e9 / 8, None) and calls == [(2, False)]
+    assert pricing.levels(given, 2) == (2e9 / 8, None) and calls == [(2, False)]  # measured once
+    monkeypatch.setattr(pricing, "figures", lambda config=None, platform=None: given)
+    c = jax_cgx.CompressionConfig(bits=4, policy="auto", link_gbps=10)
+    assert not forms.choose_form([64 << 20], np.float32, 4, c.replace(hierarchical=True), inner_world=2).hierarchical

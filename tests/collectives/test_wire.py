@@ -43,6 +43,47 @@ def test_message_cap_by_platform(monkeypatch):
     assert wire.message_cap(["cpu", "cuda"]) is None
 
 
+def test_message_cap_follows_a_given_link(monkeypatch):
+    # 2 ms of the link: 250 kB at 1 Gbit/s, 2.5 MB at 10 (one message for a 2 MiB chunk); never
+    # below 64 KiB; unlimited: one message. GPUs and one process: no cap, whatever the link.
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    assert wire.message_cap(["cpu"], 1.0) == 250_000
+    assert wire.message_cap(["cpu"], 10.0) == 2_500_000
+    assert wire.count(0, 2 * 2**20 + 65536, wire.message_cap(["cpu"], 10.0)) == 1
+    assert wire.message_cap(["cpu"], 0.01) == wire.MIN_MESSAGE_BYTES
+    assert wire.message_cap(["cpu"], float("inf")) is None
+    assert wire.message_cap(["cuda"], 1.0) is None
+    monkeypatch.setattr(jax, "process_count", lambda: 1)
+    assert wire.message_cap(["cpu"], 1.0) is None
+
+
+def test_the_given_link_reaches_every_primitive(monkeypatch):
+    # config.link_gbps, else JAX_CGX_LINK_GBPS (a malformed one is ignored here: check_environment
+    # warns, policy='auto' raises), is a parameter of each compressed primitive.
+    from jax_cgx._src.config import given_link_gbps
+
+    monkeypatch.delenv("JAX_CGX_LINK_GBPS", raising=False)
+    assert given_link_gbps(CompressionConfig()) is None
+    monkeypatch.setenv("JAX_CGX_LINK_GBPS", "10")
+    assert given_link_gbps(CompressionConfig()) == 10.0
+    assert given_link_gbps(CompressionConfig(link_gbps=1)) == 1.0
+    monkeypatch.setenv("JAX_CGX_LINK_GBPS", "fast")
+    assert given_link_gbps(CompressionConfig()) is None
+    mesh = mesh_2d((8, 1))
+    config = CompressionConfig(bits=4, link_gbps=25)
+
+    def body(v):
+        v = v[0]
+        return (jax_cgx.compressed_psum(v, "a", config)[None], jax_cgx.compressed_psum_scatter(v, "a", config, tiled=True)[None],
+                jax_cgx.compressed_all_gather(v[:64], "a", config, tiled=True)[None])
+
+    spec = P("a")
+    f = jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=(spec, spec, spec))
+    x = jax.device_put(jnp.ones((8, 1024), jnp.float32), NamedSharding(mesh, spec))
+    text = str(jax.jit(f).trace(x).jaxpr)
+    assert text.count("link_gbps=25.0") == 3, text
+
+
 @pytest.mark.parametrize("k", [1, 2, 5])
 def test_segmented_collectives_move_the_same_bytes(k):
     mesh = mesh_2d((4, 2))

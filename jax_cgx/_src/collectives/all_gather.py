@@ -29,6 +29,7 @@ from jax_cgx._src.arguments import check_bool
 from jax_cgx._src.codec import Impl, check_impl
 from jax_cgx._src.collectives.plan import ConfigSpec
 from jax_cgx._src.collectives.scatter_gather import Leaves, check_key, compressed_buffers, register, timing_key
+from jax_cgx._src.config import given_link_gbps
 from jax_cgx._src.exchange import wire
 from jax_cgx._src.exchange.chunks import chunk_length, gather_decode_chunks, row_plan
 
@@ -168,7 +169,7 @@ def compressed_all_gather(x, axis_name, config: ConfigSpec = None, *, axis: int 
             rows = compressed_all_gather_p.bind(
                 joined[None], seeds[:, 0], axes=axes, world=world, bits=cfg.bits, bucket_size=cfg.bucket_size,
                 stochastic=cfg.stochastic, impl=impl, segments=cfg.pipeline_segments, invariant=invariant,
-                backend=backend)[0]
+                backend=backend, link_gbps=given_link_gbps(cfg))[0]
             start = 0
             for i, piece in zip(members, flat):
                 shard = rows[:, start:start + piece.size]

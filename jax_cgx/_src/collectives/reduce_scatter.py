@@ -39,6 +39,7 @@ from jax_cgx._src.arguments import check_bool
 from jax_cgx._src.codec import Impl, check_impl
 from jax_cgx._src.collectives.plan import ConfigSpec, check_varying
 from jax_cgx._src.collectives.scatter_gather import Leaves, check_key, compressed_buffers, register, timing_key
+from jax_cgx._src.config import given_link_gbps
 from jax_cgx._src.exchange import wire
 from jax_cgx._src.exchange.chunks import chunk_length, row_plan
 
@@ -238,7 +239,8 @@ def compressed_psum_scatter(x, axis_name, config: ConfigSpec = None, *, scatter_
             blocks = [scatter_blocks(leaves.leaves[i], dims[i], world) for i in members]
             joined = blocks[0] if len(blocks) == 1 else lax.optimization_barrier(jnp.concatenate(blocks, axis=1))
             params = dict(axes=axes, world=world, bits=cfg.bits, bucket_size=cfg.bucket_size,
-                          stochastic=cfg.stochastic, impl=impl, segments=cfg.pipeline_segments, backend=backend)
+                          stochastic=cfg.stochastic, impl=impl, segments=cfg.pipeline_segments, backend=backend,
+                          link_gbps=given_link_gbps(cfg))
             if return_residual:
                 summed, lost = compressed_reduce_scatter_residual_p.bind(joined[None], seeds, **params)
                 summed, lost = summed[0], lost[0]

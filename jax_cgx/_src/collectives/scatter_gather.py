@@ -200,10 +200,10 @@ def register(prim: Primitive, *, abstract_eval: Callable, program: Callable, jvp
     ``typing_only`` params), ``jvp``, the impl, and vmap folding into rows."""
     multiple = prim.multiple_results
 
-    def xla_program(*operands, platforms, **params):
+    def xla_program(*operands, platforms, link_gbps, **params):
         for name in typing_only:
             params.pop(name)
-        return program(*operands, message_cap=_wire.message_cap(platforms), **params)
+        return program(*operands, message_cap=_wire.message_cap(platforms, link_gbps), **params)
 
     def batch(axis_data, args, dims, *, axes, **params):
         if axis_data.name is not None and axis_data.name in axes:

@@ -17,10 +17,11 @@ __all__ = ["ROWS", "xla_rows"]
 ROWS = {"sra": sra_rows, "ring": ring_rows}
 
 
-def xla_rows(x, seeds, valid, *, platforms, algorithm, **params):
+def xla_rows(x, seeds, valid, *, platforms, algorithm, link_gbps, **params):
     """``algorithm``'s program on rows ``x[R, n]``, its messages cut for ``platforms``.
 
     ``residual=True`` (in ``params``) also returns this rank's compression error; ``segments``
-    and the platforms' message cap say how messages are cut (:mod:`jax_cgx._src.exchange.wire`).
+    and the message cap of the platforms and the given link say how messages are cut
+    (:mod:`jax_cgx._src.exchange.wire`).
     """
-    return ROWS[algorithm](x, seeds, valid, message_cap=wire.message_cap(platforms), **params)
+    return ROWS[algorithm](x, seeds, valid, message_cap=wire.message_cap(platforms, link_gbps), **params)

@@ -30,7 +30,7 @@ from jax.interpreters import ad, batching
 
 from jax_cgx._src import backends, compat
 from jax_cgx._src.codec import batch_rows
-from jax_cgx._src.config import CompressionConfig
+from jax_cgx._src.config import CompressionConfig, given_link_gbps
 from jax_cgx._src.exchange.algorithms import xla_rows
 from jax_cgx._src.exchange.chunks import chunk_length
 
@@ -78,6 +78,7 @@ def compressed_sum(values, axes, world, config: CompressionConfig, key, impl, re
         algorithm=config.algorithm,
         backend=backend,
         segments=config.pipeline_segments,
+        link_gbps=given_link_gbps(config),
         divisor=int(divisor),
     )
     if residual:

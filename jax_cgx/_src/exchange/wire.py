@@ -15,11 +15,20 @@ between the same namespaces move it in 34 ms). Cut into messages of at most
 with several processes the default (``segments=0``) cuts messages to at most
 :data:`CPU_MESSAGE_BYTES`; elsewhere (GPU, where XLA's NCCL pipelines internally, and
 virtual CPU devices, whose "transport" is a memcpy) the default is one message.
+
+256 KiB is 2 ms of a 1 Gbit/s link. On a faster link such small messages cost more than they
+save: every message is a collective of its own, a round the ranks take together, and at 10
+Gbit/s with 4 processes on 2 cores each costs about 1 ms a ring step (2x2 nodes, 64 MiB at 4 bits:
+9 messages 95 ms, 2 messages 77 ms, one 52 ms; at 1 Gbit/s, 2 processes: 16 messages 90 ms, 8
+107 ms, one 143 ms; docs/multinode.md). So where the link's rate is given
+(``CompressionConfig.link_gbps``, or ``JAX_CGX_LINK_GBPS``) the cap is :data:`MESSAGE_SECONDS`
+of it (at least :data:`MIN_MESSAGE_BYTES`; unlimited: one message).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 
 import jax
 import jax.numpy as jnp
@@ -27,13 +36,16 @@ from jax import lax
 
 from jax_cgx._src.config import MAX_SEGMENTS  # the most messages one collective is cut into
 
-__all__ = ["CPU_MESSAGE_BYTES", "MAX_SEGMENTS", "to_wire", "from_wire", "message_cap", "count", "choose",
+__all__ = ["CPU_MESSAGE_BYTES", "MAX_SEGMENTS", "MESSAGE_SECONDS", "MIN_MESSAGE_BYTES", "to_wire", "from_wire", "message_cap", "count", "choose",
            "all_to_all", "all_gather", "ppermute"]
 
 logger = logging.getLogger("jax_cgx")
 
-# The largest message per peer that the default cuts to on multi-process CPU (gloo).
+# The largest message per peer that the default cuts to on multi-process CPU (gloo), the link unknown.
 CPU_MESSAGE_BYTES = 256 * 1024
+# With the link's rate given: messages of at most this long on it, and never below MIN_MESSAGE_BYTES.
+MESSAGE_SECONDS = 2e-3
+MIN_MESSAGE_BYTES = 64 * 1024
 
 
 def to_wire(payload, meta):
@@ -49,14 +61,20 @@ def from_wire(wire, p: int, nb: int):
     return payload, meta
 
 
-def message_cap(platforms) -> int | None:
+def message_cap(platforms, link_gbps: float | None = None) -> int | None:
     """The default largest message for a computation lowered for ``platforms`` (None: no cap).
 
-    Capped only on CPU with more than one process, where collectives go over gloo.
+    Capped only on CPU with more than one process, where collectives go over gloo: to
+    :data:`CPU_MESSAGE_BYTES`, or to :data:`MESSAGE_SECONDS` of a link of ``link_gbps``
+    Gbit/s per rank where it is given (``inf``: no cap).
     """
-    if any(p != "cpu" for p in platforms):
+    if any(p != "cpu" for p in platforms) or jax.process_count() == 1:
         return None
-    return CPU_MESSAGE_BYTES if jax.process_count() > 1 else None
+    if link_gbps is None:
+        return CPU_MESSAGE_BYTES
+    if math.isinf(link_gbps):
+        return None
+    return max(MIN_MESSAGE_BYTES, int(link_gbps * 1e9 / 8 * MESSAGE_SECONDS))
 
 
 def count(segments: int, message_bytes: int, cap: int | None) -> int:

@@ -155,8 +155,8 @@ class NcclBackend(backends.Backend):
 
 
 def _allreduce_rows(x, seeds, valid, *, key, axes, world, chunk, bits, bucket_size, stochastic, impl, algorithm,
-                    segments, divisor):
-    del axes, impl
+                    segments, divisor, link_gbps):
+    del axes, impl, link_gbps  # the link sizes the xla backend's messages only
     row = functools.partial(nccl_allreduce_p.bind, key=key, world=world, chunk=chunk, bits=bits,
                             bucket_size=bucket_size, stochastic=stochastic, algorithm=algorithm, segments=segments,
                             divisor=divisor)

@@ -28,7 +28,7 @@ from collections.abc import Callable
 import jax
 import numpy as np
 
-from jax_cgx._src.config import CompressionConfig, link_gbps_from_env
+from jax_cgx._src.config import CompressionConfig, given_link_gbps, link_gbps_from_env
 from jax_cgx._src.exchange import wire as _wire
 from jax_cgx._src.policy import probes
 from jax_cgx._src.policy.cost_model import CodecRates, LinkModel, predict, predict_nodes
@@ -101,9 +101,9 @@ _measured_rates: dict[str, CodecRates] = {}
 # ((platform, values, dtype, backend, op, inner), config) -> (psum seconds, exchange seconds), agreed:
 # the buffer apart from the config, whose forms over nodes share one psum timing.
 _settled: dict[tuple, tuple[float, float]] = {}
-# (platform, inner) -> bytes/s per rank (inside a node, across nodes), agreed: the two axes of a
-# reduction over nodes of `inner` devices (probes.measure_levels).
-_measured_levels: dict[tuple[str, int], tuple[float, float]] = {}
+# (platform, inner, link measured) -> bytes/s per rank (inside a node, across nodes or None where the
+# link is given), agreed: the two axes of a reduction over nodes of `inner` devices (probes.measure_levels).
+_measured_levels: dict[tuple[str, int, bool], tuple[float, float | None]] = {}
 _logged: set = set()
 
 
@@ -295,22 +295,30 @@ def two_level(world: int, inner_world: int | None) -> bool:
     return inner_world is not None and 1 < inner_world < world
 
 
-def levels(fig: Figures, inner_world: int, measure: bool = True) -> tuple[float, float] | None:
+def levels(fig: Figures, inner_world: int, measure: bool = True) -> tuple[float, float | None] | None:
     """Bytes/s per rank ``(inside a node, across nodes)`` over nodes of ``inner_world`` devices
     (:func:`~jax_cgx._src.policy.probes.measure_levels`), measured once and agreed (collective);
-    None where the link is given (nothing is measured over the network) or ``measure=False``."""
+    None where ``measure=False`` and nothing was measured before. Where the link is given,
+    only the inside is measured (across: None, the given link prices it): the user's rate is the
+    network's, and the hierarchical form's inside (loopback TCP between CPU processes, about
+    1.4 GB/s on our 2-core machine, NVLink on GPUs) is not memory speed."""
     devices = jax.devices(fig.platform)
-    if not fig.link_measured or len(devices) % inner_world:
+    if len(devices) % inner_world:
         return None
-    key = (fig.platform, inner_world)
+    key = (fig.platform, inner_world, fig.link_measured)
     with _lock:
         if key not in _measured_levels and measure:
             t0 = time.perf_counter()
-            _measured_levels[key] = inside, across = _outside_trace(
-                lambda: tuple(_agree(list(probes.measure_levels(devices, inner_world, fig.rates, fig.share)), np.min)))
+
+            def agreed() -> tuple[float, float | None]:
+                measured = probes.measure_levels(devices, inner_world, fig.rates, fig.share, across=fig.link_measured)
+                known = _agree([v for v in measured if v is not None], np.min)
+                return known[0], (known[1] if len(known) > 1 else None)
+
+            _measured_levels[key] = inside, across = _outside_trace(agreed)
             logger.info("jax_cgx: policy='auto': nodes of %d devices measured in %.2f s: %s per rank inside a node, "
-                        "%s per rank across nodes (every rank at once)", inner_world, time.perf_counter() - t0,
-                        _gbits(inside), _gbits(across))
+                        "%s per rank across nodes", inner_world, time.perf_counter() - t0, _gbits(inside),
+                        "(every rank at once) " + _gbits(across) if across is not None else f"given: {fig.link_source}")
         return _measured_levels.get(key)
 
 
@@ -389,7 +397,7 @@ def decide(values: int, dtype, world: int, config: CompressionConfig, *, inner_w
     def model(nbytes: float, ranks: int, of: str = op, link: LinkModel = fig.link) -> dict[str, float]:
         return predict(nbytes, ranks, config.bits, config.bucket_size, link, fig.rates,
                        segments=config.pipeline_segments, itemsize=itemsize,
-                       message_cap=_wire.message_cap([fig.platform]), share=fig.share, op=of)
+                       message_cap=_wire.message_cap([fig.platform], given_link_gbps(config)), share=fig.share, op=of)
 
     def fitted(p: dict[str, float], nbytes: float, share_of_fit: float = 1.0) -> float:
         """The wire, and the larger of the modelled codec and the measured fit (scaled)."""
@@ -416,7 +424,8 @@ def decide(values: int, dtype, world: int, config: CompressionConfig, *, inner_w
     elif level is not None:  # flat over nodes: its all_to_all crosses at the shared rate
         p = predict_nodes(size, world // inner_world, inner_world, config.bits, config.bucket_size, fig.link,
                           fig.rates, segments=config.pipeline_segments, itemsize=itemsize,
-                          message_cap=_wire.message_cap([fig.platform]), share=fig.share, cross_bandwidth=level[1])
+                          message_cap=_wire.message_cap([fig.platform], given_link_gbps(config)), share=fig.share,
+                          cross_bandwidth=level[1])
         compressed = fitted(p, size)
     else:
         compressed = exchange(size, world)

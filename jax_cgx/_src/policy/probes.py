@@ -182,9 +182,10 @@ def measure_link(devices, rates: CodecRates, share: float) -> tuple[LinkModel, E
     return link, fit
 
 
-def measure_levels(devices, inner: int, rates: CodecRates, share: float) -> tuple[float, float]:
+def measure_levels(devices, inner: int, rates: CodecRates, share: float,
+                   across: bool = True) -> tuple[float, float | None]:
     """Bytes/s per rank ``(inside a node, across nodes)`` for ``devices`` as nodes of ``inner``
-    consecutive devices (:func:`_two_level_mesh`).
+    consecutive devices (:func:`_two_level_mesh`); ``across=False``: the inside only (None across).
 
     Times psums over each axis of the two-level mesh, every group at once (all nodes reduce
     inside at once; every rank of a node crosses at once, sharing what the node has), at the
@@ -198,7 +199,7 @@ def measure_levels(devices, inner: int, rates: CodecRates, share: float) -> tupl
         t = [_time_over(mesh, lambda v: jax.lax.psum(v, axis), n // 4, np.float32) for n in _PROBE_BYTES[1:]]
         return _psum_bandwidth((t[1] - t[0]) / (_PROBE_BYTES[2] - _PROBE_BYTES[1]), m, rates, share)
 
-    return rate(_LEVELS[1], inner), rate(_LEVELS[0], len(devices) // inner)
+    return rate(_LEVELS[1], inner), rate(_LEVELS[0], len(devices) // inner) if across else None
 
 
 def time_exchange(devices, values: int, dtype, config: CompressionConfig, backend: str,

@@ -159,9 +159,9 @@ class TcpBackend(backends.Backend):
 
 
 def _lower_rows(ctx, x, seeds, valid, *, key, axes, world, chunk, bits, bucket_size, stochastic, impl, algorithm,
-                segments, divisor):
+                segments, divisor, link_gbps):
     """Each row's start and done calls, each start chained after the previous one of its block."""
-    del axes, impl, algorithm
+    del axes, impl, algorithm, link_gbps  # the link sizes the xla backend's messages only
 
     def rows(x, seeds, valid, *previous):
         after = previous[0] if previous else jnp.zeros((0,), jnp.uint8)
