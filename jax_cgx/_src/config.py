@@ -122,9 +122,11 @@ class CompressionConfig:
         segment overlaps sending the previous (by size: one segment on nccl, where the
         GPU's kernels leave nothing worth overlapping and every segment costs NCCL calls;
         about 1 MiB of input per segment on tcp). xla backend: every collective's per-peer message is sent
-        as this many messages; by size, at most 256 KiB each on CPU with several
-        processes (gloo runs large two-way messages at half the line rate of a slow
-        link), one message elsewhere. Never changes the result.
+        as this many messages; by size, on CPU with several processes, at most 2 ms of
+        the link each where its rate is given (``link_gbps``), else 256 KiB (2 ms of 1
+        Gbit/s: gloo runs large two-way messages at half the line rate of a slow link,
+        and every message is a round of its own, which costs more than it saves on a fast
+        one); one message elsewhere. Never changes the result.
     """
 
     bits: int = 4
