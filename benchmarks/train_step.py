@@ -51,8 +51,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--model", choices=("mlp", "charlm"), default="mlp", help="(default: %(default)s)")
     p.add_argument("--compressors", nargs="+", default=["none", "maxmin:4", "maxmin:8", "cast", "powersgd:2"],
                    help="none, maxmin:BITS[+auto][+backward][+tcp], cast, powersgd:RANK (+auto: policy='auto'; "
-                        "+backward: reduce_in_backward; +tcp: the tcp backend), onecall:BITS[+after] (the README's "
-                        "plain jax.jit step with data_parallel_value_and_grad, in backward or +after it), and "
+                        "+backward: reduce_in_backward; +tcp: the tcp backend), onecall:BITS[+after][+hier][+ring][+auto] "
+                        "(the README's plain jax.jit step with data_parallel_value_and_grad, in backward or +after "
+                        "it; hierarchical=True, algorithm='ring', policy='auto'; onecall:32 is its psum), and "
                         "PyTorch DDP in the same "
                         "processes: ddp:none, ddp:fp16, ddp:powersgd:RANK "
                         "(default: %(default)s)")
@@ -68,6 +69,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "compressor with JAX's profiler into DIR/<compressor>-process<i> and add where the time went")
     p.add_argument("--profile-steps", type=int, default=3, help="(default: %(default)s)")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    p.add_argument("--per-node", type=int, default=1,
+                   help="onecall: processes per node (benchmarks/netem/run.py --nodes N --per-node M): the mesh is "
+                        "('node', 'local') of (world / M, M) and the gradient is reduced over both axes")
     p.add_argument("--share-gpu", action="store_true",
                    help="every process uses GPU 0 (a one-GPU machine: checks the GPU paths, measures no link)")
     args = p.parse_args(argv)
@@ -78,8 +82,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.link_gbps is not None and not args.link_gbps > 0:
         p.error(f"--link-gbps must be positive, got {args.link_gbps}")
     for spec in args.compressors:
-        if spec.startswith("onecall") and not re.fullmatch(r"onecall:\d+(\+after)?", spec):
-            p.error(f"{spec!r} is not onecall:BITS[+after]")
+        if spec.startswith("onecall") and not (re.fullmatch(r"onecall:\d+(\+(after|hier|ring|auto))*", spec)
+                                               and len(set(spec.split("+"))) == len(spec.split("+"))):
+            p.error(f"{spec!r} is not onecall:BITS[+after][+hier][+ring][+auto]")
+    if args.per_node < 1:
+        p.error(f"--per-node must be at least 1, got {args.per_node}")
     ddp = [spec for spec in args.compressors if spec.startswith("ddp:")]
     for spec in ddp:
         try:
@@ -233,12 +240,20 @@ class OneCallTrainer(Trainer):
         import jax_cgx
 
         bits, *options = spec.partition(":")[2].split("+")  # checked by parse_args
-        self.spec, self.model, self.in_backward = spec, model, not options
+        self.spec, self.model, self.in_backward = spec, model, "after" not in options
         self.ex = example_args("none", args, jax.device_count())  # the same steps, batch and schedule
-        self.config = jax_cgx.CompressionConfig(bits=int(bits))
-        mesh = jax.make_mesh((jax.device_count(),), ("data",))
+        self.config = jax_cgx.CompressionConfig(bits=int(bits), hierarchical="hier" in options,
+                                                algorithm="ring" if "ring" in options else "sra",
+                                                policy="auto" if "auto" in options else "always")
+        world, m = jax.device_count(), args.per_node
+        self.per_node = m
+        if world % m:
+            sys.exit(f"train_step: --per-node {m} does not divide the {world} devices")
+        # Over nodes: the batch split over both axes, the gradient reduced over both.
+        mesh = jax.make_mesh((world // m, m), ("node", "local")) if m > 1 else jax.make_mesh((world,), ("data",))
+        axes = mesh.axis_names if m > 1 else "data"
         optimizer = optax.adam(optax.cosine_decay_schedule(self.ex.lr, self.ex.steps))
-        grad_fn = jax_cgx.data_parallel_value_and_grad(model.loss_fn, mesh=mesh, config=self.config,
+        grad_fn = jax_cgx.data_parallel_value_and_grad(model.loss_fn, mesh=mesh, axis_name=axes, config=self.config,
                                                        in_backward=self.in_backward)
 
         @functools.partial(jax.jit, donate_argnums=(0, 1))  # as the README writes it
@@ -252,7 +267,7 @@ class OneCallTrainer(Trainer):
         # What Trainer.step uses of a DataParallel: place a batch, take a step.
         self.dp = SimpleNamespace(
             world=jax.device_count(),
-            shard=lambda *arrays: tuple(jax.device_put(np.asarray(a), NamedSharding(mesh, P("data"))) for a in arrays),
+            shard=lambda *arrays: tuple(jax.device_put(np.asarray(a), NamedSharding(mesh, P(axes))) for a in arrays),
             step=lambda params, state, batch: train_step(params, state, *batch))
         self.rng = np.random.default_rng(0)
         self.times, self.losses = [], []
@@ -263,10 +278,13 @@ class OneCallTrainer(Trainer):
         import jax_cgx
 
         where = "in backward" if self.in_backward else "after backward"
-        return dict(compressor=self.spec, description=f"data_parallel_value_and_grad {self.config.bits}-bit, {where}",
+        form = "".join(f", {o}" for o in self.spec.split("+")[1:] if o != "after")
+        return dict(compressor=self.spec, description=f"data_parallel_value_and_grad {self.config.bits}-bit, {where}{form}",
                     devices=self.dp.world, platform=jax.devices()[0].platform,
                     parameters=int(sum(v.size for v in jax.tree.leaves(self.params))), steps=self.ex.steps,
-                    batch=self.ex.batch, wire_bytes=int(jax_cgx.bytes_on_wire(self.params, self.dp.world, self.config)))
+                    batch=self.ex.batch, wire_bytes=int(jax_cgx.bytes_on_wire(
+                        self.params, self.dp.world, self.config,
+                        inner_world=self.per_node if self.config.hierarchical else None)))
 
 
 def record(trainer, warmup: int) -> dict:

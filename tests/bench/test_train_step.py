@@ -49,6 +49,8 @@ def test_bad_compressor_spec_is_refused():
 
 def test_bad_arguments_are_refused():
     for argv, message in ((["--compressors", "onecall:4+tcp"], "'onecall:4+tcp' is not onecall:BITS[+after]"),
+                          (["--compressors", "onecall:4+hier+hier"], "is not onecall:BITS[+after][+hier][+ring][+auto]"),
+                          (["--per-node", "0"], "--per-node must be at least 1"),
                           (["--steps", "3", "--warmup", "3"], "--steps 3 must exceed --warmup 3"),
                           (["--batch-per-device", "0"], "--batch-per-device must be at least 1"),
                           (["--link-gbps", "0"], "--link-gbps must be positive")):
