@@ -221,7 +221,7 @@ class CompressionConfig:
 
     @property
     def enabled(self) -> bool:
-        """False when ``bits == 32``: reductions are plain, exact ``psum``s."""
+        """False when ``bits == 32``: reductions are plain, exact ``psum`` calls."""
         return self.bits != 32
 
     @property

@@ -222,17 +222,17 @@ def test_bfloat16_parameters_keep_a_float32_master():
 
 
 def test_the_readme_recipe_trains():
-    # README's "ZeRO: jax_cgx.optax.sharded" block as written (tests/runtime/test_readme.py runs it
+    # The user guide's "ZeRO: jax_cgx.optax.sharded" block as written (tests/runtime/test_readme.py runs it
     # too, in a fresh process), then more steps of its `step`: it trains, and the parameters it
     # returns, not updates, are bitwise the same on every device.
     import pathlib
     import re
 
-    readme = (pathlib.Path(__file__).resolve().parents[2] / "README.md").read_text()
+    readme = (pathlib.Path(__file__).resolve().parents[2] / "docs" / "guide.md").read_text()
     section = readme[readme.index("### ZeRO: `jax_cgx.optax.sharded`"):]
     code = re.search(r"^```python\n(.*?)^```", section, re.M | re.S).group(1)
     scope = {}
-    exec(compile(code, "README.md (ZeRO block)", "exec"), scope)
+    exec(compile(code, "docs/guide.md (ZeRO block)", "exec"), scope)
     step, params, state, x, y = (scope[k] for k in ("step", "params", "state", "x", "y"))
     first = float(scope["loss"])
     for _ in range(30):

@@ -1,6 +1,6 @@
-"""README.md's code runs as written: every ```python block of the DOCUMENTS in a fresh Python process
-(8 virtual CPU devices, an empty working directory, no jax_cgx or torch_cgx variables set), and
-README's mpirun line.
+"""README.md's code runs as written: every ```python block of the DOCUMENTS (README.md, the user
+guide and the checkpointing page) in a fresh Python process (8 virtual CPU devices, an empty
+working directory, no jax_cgx or torch_cgx variables set), and the user guide's mpirun line.
 
 A block that cannot run here (several processes, a GPU) carries ``<!-- not run: why -->`` on the
 line before its fence; it is reported as skipped with that reason (``pytest -rs``).
@@ -18,7 +18,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
-DOCUMENTS = [README, ROOT / "docs" / "checkpointing.md"]  # Markdown files whose python blocks must run as written
+GUIDE = ROOT / "docs" / "guide.md"
+DOCUMENTS = [README, GUIDE, ROOT / "docs" / "getting-started.md", ROOT / "docs" / "checkpointing.md"]  # Markdown files whose python blocks must run as written
 PYTHON = {"python", "py", "python3"}
 NOT_RUN = re.compile(r"<!--\s*not run:\s*(?P<why>.*?)\s*-->")
 FENCE = re.compile(r"^(?P<indent> *)(?P<fence>```+|~~~+)\s*(?P<lang>[^\s`]*)")
@@ -113,8 +114,8 @@ def test_code_blocks_lines_and_markers(tmp_path):
         code_blocks(doc)
 
 
-def _readme_mpirun_lines() -> list[str]:
-    return [line.split("#")[0].strip() for b in code_blocks(README) if b.lang in {"bash", "sh", "shell"}
+def _guide_mpirun_lines() -> list[str]:
+    return [line.split("#")[0].strip() for b in code_blocks(GUIDE) if b.lang in {"bash", "sh", "shell"}
             for line in b.code.splitlines() if line.lstrip().startswith("mpirun ")]
 
 
@@ -122,14 +123,14 @@ def _readme_mpirun_lines() -> list[str]:
 @pytest.mark.skipif(shutil.which("mpirun") is None, reason="mpirun not installed (Debian: openmpi-bin)")
 def test_readme_mpirun_line_runs():
     # Open MPI refuses to start as root without --allow-run-as-root, and more processes than cores
-    # without --oversubscribe; README gives a line for that case too. Run the one that applies here.
-    lines = _readme_mpirun_lines()
+    # without --oversubscribe; the guide gives a line for that case too. Run the one that applies here.
+    lines = _guide_mpirun_lines()
     plain = [c for c in lines if "--allow-run-as-root" not in c and "--oversubscribe" not in c]
     for_root = [c for c in lines if "--allow-run-as-root" in c and "--oversubscribe" in c]
-    assert plain and for_root, f"README.md's mpirun lines: {lines}"
+    assert plain and for_root, f"docs/guide.md's mpirun lines: {lines}"
     as_written = plain[0] if os.geteuid() != 0 and (os.cpu_count() or 1) >= 2 else for_root[0]
     command = as_written.split() + ["--steps", "2", "--width", "256"]  # the demo, smaller
     run = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=ROOT,
                          env=_clean_env(PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"]))
-    assert run.returncode == 0, f"README.md's `{as_written}` failed:\n{run.stdout[-2000:]}\n{run.stderr[-3000:]}"
+    assert run.returncode == 0, f"docs/guide.md's `{as_written}` failed:\n{run.stdout[-2000:]}\n{run.stderr[-3000:]}"
     assert "compressed_pmean (4 bits): step" in run.stdout, run.stdout[-3000:]

@@ -61,7 +61,7 @@ class Planner:
 
     Args:
       like: a pytree with the gradient's structure, shapes and dtypes (the parameters, or
-        ``jax.ShapeDtypeStruct``s).
+        ``jax.ShapeDtypeStruct`` objects).
       budget_bits, candidates, config, exact: as for :func:`~jax_cgx.adaptive.choose_bits`.
       bucket_sizes: the bucket sizes a leaf may get, as for :func:`~jax_cgx.adaptive.choose_bits`;
         ``"auto"`` (the default): :data:`AUTO_BUCKET_SIZES` and ``config``'s bucket size; None:

@@ -45,15 +45,19 @@ def payload_bytes(m: int, bucket_size: int, bits: int) -> int:
 class Quantized:
     """An array compressed by :func:`jax_cgx.quantize`.
 
-    Array fields (pytree children; a leading batch axis appears under ``vmap`` or
-    when several are stacked):
+    The array fields are pytree children (a leading batch axis appears under ``vmap`` or
+    when several are stacked); ``shape``, ``dtype``, ``bits`` and ``bucket_size`` are static.
+    The byte layout is specified in docs/format.md.
+
+    Attributes:
       payload: ``uint8[P]``, the densely packed levels, bucket after bucket.
       meta: ``float32[num_buckets, 2]``, each bucket's ``(min, scale)``.
       tail: the values left uncompressed (``skip_incomplete_buckets``), in the
         original dtype; empty otherwise.
-
-    Static fields: the original ``shape`` and ``dtype``, ``bits`` and ``bucket_size``.
-    The byte layout is specified in docs/format.md.
+      shape: the original array's shape.
+      dtype: the original array's dtype.
+      bits: bits per value, 1..8.
+      bucket_size: values per bucket.
     """
 
     payload: jax.Array

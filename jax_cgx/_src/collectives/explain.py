@@ -138,7 +138,7 @@ def explain(x, axis_name=None, config: ConfigSpec = None, *, world: int | None =
     ``compressed_all_gather`` would, ``x`` being each rank's input).
 
     Args:
-      x: a pytree of arrays or ``jax.ShapeDtypeStruct``s.
+      x: a pytree of arrays or ``jax.ShapeDtypeStruct`` objects.
       axis_name: the mapped axis name(s), inside ``shard_map`` / ``pmap`` (their size is the
         number of ranks); outside, give ``world`` instead.
       config: as for :func:`~jax_cgx.compressed_psum`.

@@ -342,7 +342,7 @@ def powersgd_bytes(params, world: int, rank: int = 1, min_compression_rate: floa
 
     Every all-reduce (P and Q of each compressed leaf, in float32; each uncompressed leaf in its
     own dtype) is counted as a bandwidth-optimal all-reduce: ``2 (world - 1) / world`` of its
-    bytes. ``params`` may hold arrays or ``jax.ShapeDtypeStruct``s.
+    bytes. ``params`` may hold arrays or ``jax.ShapeDtypeStruct`` objects.
     """
     world = checks.check_int("powersgd_bytes", "world", world, minimum=1)
     rank = checks.check_int("powersgd_bytes", "rank", rank, minimum=1)

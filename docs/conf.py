@@ -1,0 +1,65 @@
+"""Sphinx configuration of jax_cgx's documentation site.
+
+    pip install -e ".[docs]"
+    python -m sphinx -W -b html docs docs/_build/html      # the site, warnings as errors
+    python -m sphinx -W -b doctest docs docs/_build/doctest  # every ``Examples:`` section, run
+
+The Markdown pages of docs/ are pages of the site (myst-parser); the API reference is autodoc over
+the public modules (docs/api/). Doctests run on 8 simulated CPU devices (set below, before JAX
+is imported).
+"""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+# Before anything imports jax: the doctests' examples shard over 8 simulated CPU devices.
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+HERE = Path(__file__).resolve().parent
+
+project = "jax_cgx"
+author = "the jax_cgx developers"
+copyright = "2026, the jax_cgx developers"
+
+extensions = [
+    "myst_parser",
+    "sphinx.ext.autodoc",
+    "sphinx.ext.napoleon",  # Google-style docstrings
+    "sphinx.ext.doctest",
+]
+source_suffix = {".rst": "restructuredtext", ".md": "markdown"}
+root_doc = "index"
+exclude_patterns = ["_build", "_generated/*.txt"]
+
+# Markdown: `#heading` anchors for links between pages, $math$, ::: fences.
+myst_heading_anchors = 4
+myst_enable_extensions = ["dollarmath", "colon_fence"]
+
+# The API reference: members in source order, type hints in the parameter descriptions.
+autodoc_member_order = "bysource"
+autodoc_typehints = "description"
+autodoc_default_options = {"members": True, "show-inheritance": False}
+napoleon_google_docstring = True
+napoleon_numpy_docstring = False
+napoleon_use_rtype = False
+
+# Doctests: what every example may use without importing it.
+doctest_global_setup = """
+import jax
+import jax.numpy as jnp
+import numpy as np
+import jax_cgx
+"""
+
+html_theme = "furo"
+html_title = "jax_cgx"
+
+# The launcher's command line, as `--help` prints it (docs/api/launch.md includes it).
+_generated = HERE / "_generated"
+_generated.mkdir(exist_ok=True)
+_help = subprocess.run([sys.executable, "-m", "jax_cgx.launch", "--help"], capture_output=True, text=True,
+                       check=True, env={**os.environ, "COLUMNS": "100"})
+(_generated / "launch_help.txt").write_text(_help.stdout)
