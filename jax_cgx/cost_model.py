@@ -6,6 +6,13 @@
   :class:`LinkModel` and :class:`CodecRates`;
 - :class:`Figures`, :class:`LinkModel`, :class:`CodecRates`.
 
+A 64 MiB float32 all-reduce over 8 ranks with links of 1 Gbit/s each way, 4 bits:
+
+>>> from jax_cgx.cost_model import CodecRates, LinkModel, predict
+>>> p = predict(64 * 2**20, 8, 4, 512, LinkModel(1e9 / 8), CodecRates(quantize=4e9, dequantize=6e9))
+>>> round(p["psum"] / p["compressed"], 1)  # the predicted speedup over psum
+5.0
+
 docs/performance.md explains the model and where it is right and wrong.
 """
 

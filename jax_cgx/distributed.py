@@ -93,6 +93,10 @@ def detect(env: Mapping[str, str] | None = None) -> ProcessInfo:
     batch script's own shell also sees ``SLURM_PROCID`` and ``SLURM_NTASKS``, but is one
     process (it would wait for peers that never come); there the step's size,
     ``SLURM_STEP_NUM_TASKS``, is missing and the script runs as a single process.
+
+    Examples:
+      >>> jax_cgx.distributed.detect()  # a process started on its own
+      ProcessInfo(process_index=0, process_count=1, local_rank=0, local_count=1, coordinator_address=None, source='single')
     """
     env = os.environ if env is None else env
     sources = [

@@ -6,6 +6,7 @@ cannot parse is a warning, so drift fails here.
 """
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -49,3 +50,7 @@ def test_every_example_in_the_site_runs(tmp_path):
     assert run.returncode == 0, (run.stdout + run.stderr)[-6000:]
     report = (tmp_path / "doctest" / "output.txt").read_text()
     assert " 0 failures in tests" in report, report[-3000:]
+    # At least one example per public module, and each of them ran and passed.
+    passed = dict(re.findall(r"^Document: (\S+)\n-+\n(?:.*\n)*?(\d+) passed and 0 failed", report, re.M))
+    for module in ("jax_cgx", "optax", "adaptive", "tcp", "nccl", "distributed", "cost_model"):
+        assert int(passed.get(f"api/{module}", 0)) >= 1, (module, passed)

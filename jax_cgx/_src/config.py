@@ -127,6 +127,11 @@ class CompressionConfig:
         Gbit/s: gloo runs large two-way messages at half the line rate of a slow link,
         and every message is a round of its own, which costs more than it saves on a fast
         one); one message elsewhere. Never changes the result.
+
+    Examples:
+      >>> config = jax_cgx.CompressionConfig(bits=8, bucket_size=128)
+      >>> config.replace(bits=4).bits
+      4
     """
 
     bits: int = 4

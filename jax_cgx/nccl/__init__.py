@@ -10,6 +10,11 @@ exactly one group of a family, the C++ registry of the CUDA extension finds a
 communicator by ``(family key, device ordinal)``, the key being an attribute of the
 custom call and the ordinal the one XLA runs the call on.
 
+Nothing is connected until :func:`setup` (on GPUs; elsewhere it raises, saying why):
+
+>>> jax_cgx.nccl.communicators()
+[]
+
 Typical use, on every process, after ``jax_cgx.distributed.initialize()`` and before
 the first compressed reduction is traced::
 

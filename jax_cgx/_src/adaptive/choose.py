@@ -266,6 +266,12 @@ def choose_bits(grads, *, budget_bits: float = 4.0, candidates: Sequence[int] = 
     Raises:
       ValueError: bad arguments, ``budget_bits`` below every candidate, or a leaf that is not
         finite (its error cannot be weighed: choose from a finite gradient).
+
+    Examples:
+      >>> k1, k2 = jax.random.split(jax.random.key(0))
+      >>> grads = {"w": jax.random.normal(k1, (256, 256)), "b": 100 * jax.random.normal(k2, (4096,))}
+      >>> {path: c.bits for path, c in jax_cgx.adaptive.choose_bits(grads, budget_bits=4).items()}
+      {'b': 8, 'w': 3}
     """
     configs, plans, _ = _choose(grads, budget_bits, candidates, config, exact, "choose_bits", errors=errors,
                                 objective=objective, bucket_sizes=bucket_sizes)

@@ -28,13 +28,23 @@ def _check_sizes(fn: str, m, bucket_size, bits=1) -> None:
 
 
 def num_buckets(m: int, bucket_size: int) -> int:
-    """Buckets for ``m`` values: ceil(m / bucket_size)."""
+    """Buckets for ``m`` values: ceil(m / bucket_size).
+
+    Examples:
+      >>> jax_cgx.num_buckets(1000, 512)
+      2
+    """
     _check_sizes("num_buckets", m, bucket_size)
     return -(-m // bucket_size)
 
 
 def payload_bytes(m: int, bucket_size: int, bits: int) -> int:
-    """Packed bytes for ``m`` values: ceil(n*bits/8) per bucket of n values."""
+    """Packed bytes for ``m`` values: ceil(n*bits/8) per bucket of n values.
+
+    Examples:
+      >>> jax_cgx.payload_bytes(1000, 512, 4)
+      500
+    """
     _check_sizes("payload_bytes", m, bucket_size, bits)
     full, rest = divmod(m, bucket_size)
     return full * (-(-bucket_size * bits // 8)) + (-(-rest * bits // 8))

@@ -127,6 +127,14 @@ def compressed_all_gather(x, axis_name, config: ConfigSpec = None, *, axis: int 
         leave ``shard_map`` with ``out_specs=P()`` (every replica does hold the same bits).
       key: a PRNG key for stochastic rounding, the same on every rank (each folds in its index).
       impl: the codec implementation: "auto", "kernel" or "reference" (bitwise the same).
+
+    Examples:
+      >>> from jax.sharding import NamedSharding, PartitionSpec as P
+      >>> mesh = jax.make_mesh((8,), ("data",))
+      >>> g = jax.jit(jax.shard_map(lambda v: jax_cgx.compressed_all_gather(v, "data", tiled=True, to="invarying"),
+      ...                           mesh=mesh, in_specs=P("data"), out_specs=P()))
+      >>> g(jax.device_put(jnp.ones((8, 256)), NamedSharding(mesh, P("data")))).shape
+      (8, 256)
     """
     tiled = check_bool(API, "tiled", tiled)
     check_impl(impl)

@@ -152,6 +152,11 @@ def explain(x, axis_name=None, config: ConfigSpec = None, *, world: int | None =
       plans: the :class:`~jax_cgx.adaptive.LeafPlan` table of the plan ``config`` came from
         (``choose_bits(..., return_plan=True)``, ``Planner.plans``): each planned leaf's predicted
         error and bytes join the leaf table (matched by path; a path the tree lacks is an error).
+
+    Examples:
+      >>> report = jax_cgx.explain({"w": jnp.zeros((1024, 1024)), "b": jnp.zeros(8)}, world=8, file=None)
+      >>> [(leaf.path, leaf.how) for leaf in report.leaves]  # "b" is below min_size: summed exactly
+      [("['b']", 'exact'), ("['w']", 'compressed')]
     """
     if op not in _API:
         raise ValueError(f"explain: op must be one of {tuple(_API)}, got {op!r}")

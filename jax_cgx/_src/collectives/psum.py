@@ -96,6 +96,15 @@ def compressed_psum(
         names the fix, ``jax.lax.pcast(params, axis_name, to="varying")`` before
         differentiating. Leaves reduced exactly are ``lax.psum``'s, which sums such a value
         ``W`` times.
+
+    Examples:
+      >>> from jax.sharding import NamedSharding, PartitionSpec as P
+      >>> mesh = jax.make_mesh((8,), ("data",))
+      >>> x = jax.device_put(jnp.ones((8, 1000)), NamedSharding(mesh, P("data")))
+      >>> f = jax.jit(jax.shard_map(lambda v: jax_cgx.compressed_psum(v, "data", jax_cgx.CompressionConfig(bits=4)),
+      ...                           mesh=mesh, in_specs=P("data"), out_specs=P()))
+      >>> np.asarray(f(x))[0, :4]  # a constant bucket sums exactly
+      array([8., 8., 8., 8.], dtype=float32)
     """
     return _sum(x, axis_name, config, key, impl, return_residual, "compressed_psum")
 
@@ -241,6 +250,12 @@ def bytes_on_wire(x, world: int, config: ConfigSpec = None, *, inner_world: int 
         uncompressed reduce-scatter plus all-gather of the (padded) buffer over the inner
         axis, ``2(Wi-1)/Wi`` times its bytes, plus the compressed exchange of one shard
         over the ``world / inner_world`` outer ranks.
+
+    Examples:
+      >>> jax_cgx.bytes_on_wire(jnp.zeros(1 << 20), 8, jax_cgx.CompressionConfig(bits=4))
+      946176
+      >>> jax_cgx.bytes_on_wire(jnp.zeros(1 << 20), 8, jax_cgx.CompressionConfig(bits=32))  # psum's ring
+      7340032
     """
     if op not in WIRE_OPS:
         raise ValueError(f"bytes_on_wire: op must be one of {', '.join(map(repr, WIRE_OPS))}, got {op!r}")
@@ -309,6 +324,15 @@ def compressed_pmean(
 
     A leaf typed invariant over ``axis_name`` raises as in :func:`compressed_psum`: the mean of a
     gradient JAX has already summed would be ``W`` times the mean gradient.
+
+    Examples:
+      >>> from jax.sharding import NamedSharding, PartitionSpec as P
+      >>> mesh = jax.make_mesh((8,), ("data",))
+      >>> x = jax.device_put(jnp.linspace(-1, 1, 8 * 512).reshape(8, 512), NamedSharding(mesh, P("data")))
+      >>> mean = jax.jit(jax.shard_map(lambda v: jax_cgx.compressed_pmean(v, "data"),  # 4 bits, buckets of 512
+      ...                              mesh=mesh, in_specs=P("data"), out_specs=P()))(x)
+      >>> bool(np.max(np.abs(np.asarray(mean) - np.asarray(x).mean(axis=0))) < 0.02)
+      True
     """
     return _sum(x, axis_name, config, key, impl, return_residual, "compressed_pmean")
 

@@ -206,6 +206,14 @@ def compressed_psum_scatter(x, axis_name, config: ConfigSpec = None, *, scatter_
     Raises:
       ValueError: under ``shard_map(check_vma=True)``, for a leaf that would be compressed but
         is typed invariant over ``axis_name``, as :func:`~jax_cgx.compressed_psum` does.
+
+    Examples:
+      >>> from jax.sharding import NamedSharding, PartitionSpec as P
+      >>> mesh = jax.make_mesh((8,), ("data",))
+      >>> f = jax.jit(jax.shard_map(lambda v: jax_cgx.compressed_psum_scatter(v[0], "data", tiled=True)[None],
+      ...                           mesh=mesh, in_specs=P("data"), out_specs=P("data")))
+      >>> f(jax.device_put(jnp.ones((8, 8 * 256)), NamedSharding(mesh, P("data")))).shape  # each rank's block
+      (8, 256)
     """
     tiled, return_residual = check_bool(API, "tiled", tiled), check_bool(API, "return_residual", return_residual)
     check_impl(impl)

@@ -148,6 +148,17 @@ def data_parallel_value_and_grad(fun: Callable[..., Any], *, mesh=None, axis_nam
       (jax_cgx's, not passed to ``fun``). ``kwargs``: pytrees passed on as
       ``fun(params, *batch, **kwargs)``, replicated (the same on every device, not split; the
       ``device_keys`` folded per device) and not differentiated.
+
+    Examples:
+      >>> from jax.sharding import NamedSharding, PartitionSpec as P
+      >>> mesh = jax.make_mesh((8,), ("data",))
+      >>> loss_fn = lambda w, x: jnp.mean((x @ w) ** 2)
+      >>> grad_fn = jax_cgx.data_parallel_value_and_grad(loss_fn, mesh=mesh, config=jax_cgx.CompressionConfig(bits=8))
+      >>> w = jax.device_put(jnp.ones((16, 1)), NamedSharding(mesh, P()))
+      >>> x = jax.device_put(jnp.ones((64, 16)), NamedSharding(mesh, P("data")))
+      >>> loss, grad = jax.jit(grad_fn)(w, x)
+      >>> float(loss), grad.shape, float(grad[0, 0])  # the mean gradient, as jax.value_and_grad gives it
+      (256.0, (16, 1), 32.0)
     """
     if not callable(fun):
         raise TypeError(f"{API}: fun must be callable, got {type(fun).__name__}")

@@ -182,6 +182,22 @@ def compressed_mean(
     pass the state with the specs of :func:`jax_cgx.optax.state_specs`. Residuals are
     computed by the ``xla`` backend (``backend="nccl"`` raises with error feedback;
     ``"auto"`` picks ``xla``).
+
+    Examples:
+      >>> import optax
+      >>> from jax.sharding import NamedSharding, PartitionSpec as P
+      >>> mesh = jax.make_mesh((8,), ("data",))
+      >>> tx = optax.chain(jax_cgx.optax.compressed_mean("data", jax_cgx.CompressionConfig(bits=4)), optax.sgd(0.1))
+      >>> def step(params, grads):  # inside shard_map: each device's own gradient
+      ...     params, grads = params[0], grads[0]
+      ...     updates, _ = tx.update(grads, tx.init(params), params)
+      ...     return optax.apply_updates(params, updates)[None]
+      >>> f = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=P("data"), out_specs=P("data")))
+      >>> rows = NamedSharding(mesh, P("data"))
+      >>> grads = jnp.arange(8.0)[:, None] * jnp.ones((8, 1024))  # device i's gradient: all i
+      >>> new = f(jax.device_put(jnp.ones((8, 1024)), rows), jax.device_put(grads, rows))
+      >>> np.asarray(new)[0, :3]  # 1 - 0.1 * mean(0..7); a constant bucket is exact
+      array([0.65, 0.65, 0.65], dtype=float32)
     """
     check_impl(impl)
     layer_min_size = checks.check_int("compressed_mean", "layer_min_size", layer_min_size, minimum=0)
