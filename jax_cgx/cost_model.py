@@ -17,6 +17,7 @@ docs/performance.md explains the model and where it is right and wrong.
 """
 
 from jax_cgx._src.policy.cost_model import CodecRates, LinkModel, predict
-from jax_cgx._src.policy.pricing import Figures, figures
+from jax_cgx._src.policy.figures import Figures
+from jax_cgx._src.policy.pricing import figures
 
 __all__ = ["CodecRates", "Figures", "LinkModel", "figures", "predict"]

@@ -88,11 +88,9 @@ def _check_place(source: str, names: tuple[str, ...], rank: int, size: int, loca
 def detect(env: Mapping[str, str] | None = None) -> ProcessInfo:
     """This process's rank, world size and local rank, read from the launcher's environment.
 
-    A launcher's rank without its size (or the reverse) is an error naming the missing
-    variable, not a quiet single-process run. SLURM counts only inside an ``srun`` step: a
-    batch script's own shell also sees ``SLURM_PROCID`` and ``SLURM_NTASKS``, but is one
-    process (it would wait for peers that never come); there the step's size,
-    ``SLURM_STEP_NUM_TASKS``, is missing and the script runs as a single process.
+    A launcher's rank without its size (or the reverse) is an error naming the missing variable,
+    not a quiet single-process run. SLURM counts only inside an ``srun`` step: a batch script's
+    shell, without the step's size ``SLURM_STEP_NUM_TASKS``, runs as one process.
 
     Examples:
       >>> jax_cgx.distributed.detect()  # a process started on its own

@@ -26,7 +26,7 @@ TREE = {"w": jax.ShapeDtypeStruct((4096,), jnp.float32)}
 @pytest.fixture(autouse=True)
 def _fresh(monkeypatch):
     """Nothing checked or logged yet, and none of the variables set."""
-    monkeypatch.setattr(config, "_said", set())
+    monkeypatch.setattr(config.variables, "_said", set())  # what was logged once
     for name in config.CONFIG_VARIABLES:
         monkeypatch.delenv(name, raising=False)
 

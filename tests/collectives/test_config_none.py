@@ -27,7 +27,7 @@ ROWS, COLS = 64, 48  # a 2-D leaf of 3072 values: above compressed_mean's layer 
 
 @pytest.fixture(autouse=True)
 def _no_variables(monkeypatch):
-    monkeypatch.setattr(config_module, "_said", set())
+    monkeypatch.setattr(config_module.variables, "_said", set())
     for name in config_module.CONFIG_VARIABLES:
         monkeypatch.delenv(name, raising=False)
 

@@ -1,8 +1,12 @@
 """``policy="auto"``: whether each fusion buffer is worth compressing on this machine.
 
 - :mod:`~jax_cgx._src.policy.pricing`: the figures agreed across processes (``calibrate``,
-  ``figures``) and each buffer's :class:`Decision` (``decide``): the model, and near a tie a
-  timing of the buffer itself;
+  ``figures``) and each buffer's decision (``decide``): the model, and near a tie a timing of
+  the buffer itself;
+- :mod:`~jax_cgx._src.policy.figures`: the records it keeps and returns,
+  :class:`~jax_cgx._src.policy.figures.Figures` and :class:`~jax_cgx._src.policy.figures.Decision`;
+- :mod:`~jax_cgx._src.policy.forms`: over nodes, which form (flat or hierarchical, SRA or ring)
+  runs a group's buffers;
 - :mod:`~jax_cgx._src.policy.cost_model`: the predicted seconds of a psum and of the
   compressed exchange;
 - :mod:`~jax_cgx._src.policy.probes`: timing this machine (codec rates, the link, one buffer's

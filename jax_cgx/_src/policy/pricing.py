@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import dataclasses
 import logging
 import os
 import threading
@@ -32,6 +31,8 @@ from jax_cgx._src.config import CompressionConfig, given_link_gbps, link_gbps_fr
 from jax_cgx._src.exchange import wire as _wire
 from jax_cgx._src.policy import probes
 from jax_cgx._src.policy.cost_model import CodecRates, LinkModel, predict, predict_nodes
+from jax_cgx._src.policy.figures import Decision, Figures
+from jax_cgx._src.policy.figures import gbits as _gbits
 from jax_cgx._src.policy.probes import ExchangeFit, Timed
 
 __all__ = ["Figures", "Decision", "ExchangeFit", "Timed", "calibrate", "figures", "decide", "levels", "form_name",
@@ -58,42 +59,6 @@ VALIDATED_PLATFORMS = frozenset({"cpu"})
 _SETTLE_MAX_BUFFERS = 16
 
 
-@dataclasses.dataclass(frozen=True)
-class Figures:
-    """What the cost model knows about this machine, the same on every process."""
-
-    link: LinkModel
-    rates: CodecRates
-    platform: str
-    link_source: str  # "measured over N devices", "JAX_CGX_LINK_GBPS" or "CompressionConfig.link_gbps"
-    share: float = 1.0  # ranks per core: CPU devices of one process share its cores
-    exchange: ExchangeFit = ExchangeFit()
-
-    @property
-    def link_measured(self) -> bool:
-        """The link's figures come from the probe (not from a rate the user gave)."""
-        return self.link_source.startswith("measured")
-
-    def describe(self) -> str:
-        return (f"link {_gbits(self.link.bandwidth)} per rank each way, {self.link.latency * 1e3:.3g} ms per message "
-                f"({self.link_source}); {self.platform} codec: quantize {self.rates.quantize / 1e9:.3g} GB/s, "
-                f"dequantize {self.rates.dequantize / 1e9:.3g} GB/s, copy {self.rates.add / 1e9:.3g} GB/s"
-                + (f", {self.share:g} devices per core" if self.share > 1 else "")
-                + (f"; compressed exchange measured at {self.exchange.overhead * 1e3:.3g} ms + "
-                   f"{self.exchange.rate / 1e9:.3g} GB/s" if self.exchange != ExchangeFit() else ""))
-
-
-@dataclasses.dataclass(frozen=True)
-class Decision:
-    """Whether one buffer is compressed, and the two predictions that decided it (seconds)."""
-
-    compress: bool
-    psum_s: float
-    compressed_s: float
-    measured: bool = False  # the two times were measured on this buffer's size, not predicted
-    backend: str = "xla"  # the backend the compressed exchange was priced on
-
-
 _lock = threading.RLock()
 # By platform: what the probe measured over all devices (link, exchange, where it was measured).
 _measured_link: dict[str, tuple[LinkModel, ExchangeFit, str]] = {}
@@ -105,10 +70,6 @@ _settled: dict[tuple, tuple[float, float]] = {}
 # link is given), agreed: the two axes of a reduction over nodes of `inner` devices (probes.measure_levels).
 _measured_levels: dict[tuple[str, int, bool], tuple[float, float | None]] = {}
 _logged: set = set()
-
-
-def _gbits(rate: float) -> str:
-    return "unlimited" if rate == float("inf") else f"{rate * 8 / 1e9:.3g} Gbit/s"
 
 
 def _outside_trace(fn: Callable):
