@@ -3,7 +3,7 @@
 - :mod:`~jax_cgx._src.backends.protocol`: :class:`Backend`, the registry, :func:`choose` (once per
   reduction, while tracing) and the one lowering rule each collective's primitive registers;
 - :mod:`~jax_cgx._src.backends.xla`: the xla backend (the collectives' own programs), always present;
-- :mod:`~jax_cgx._src.backends.groups`: reduction groups, family keys and :class:`Families`, the mesh
+- :mod:`~jax_cgx._src.backends.groups`: reduction groups, family keys and :class:`~jax_cgx._src.backends.groups.Families`, the mesh
   arithmetic of the backends that own connections (``jax_cgx.nccl``, ``jax_cgx.tcp``);
 - :mod:`~jax_cgx._src.backends.agreement`: the processes agree on every compressed reduction they
   run together, when it is lowered.

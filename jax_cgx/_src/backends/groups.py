@@ -180,7 +180,7 @@ class Families:
     Maps a mesh (:func:`mesh_ident`) to the families whose communicators were created here
     (axes tuple -> family key), and counts how often each family was created: its
     *generation*, part of the key-value store keys, so that a set-up after a teardown never
-    reads an earlier one's entries. Set-up and teardown hold :attr:`lock` while they write;
+    reads an earlier one's entries. Set-up and teardown hold its ``lock`` while they write;
     :meth:`find` takes it to read.
     """
 

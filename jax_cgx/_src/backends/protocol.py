@@ -10,7 +10,7 @@ A compressed collective (``compressed_psum``'s all-reduce, ``compressed_psum_sca
 
 Each is a :class:`Backend` in one registry (:func:`register`, done when its package is
 imported): it says where it runs and what it runs, whether it can run a given reduction
-(``cannot``), what ``policy="auto"`` times it as (``timed_as``), how to lower a reduction
+(:meth:`Backend.unavailable`, :meth:`Backend.unsupported`), what ``policy="auto"`` times it as (``timed_as``), how to lower a reduction
 (``lower``), and how to connect and disconnect a mesh (``setup``, ``teardown``). The
 collectives name none of them.
 

@@ -20,7 +20,7 @@ __all__ = ["quantize_rows", "dequantize_rows", "dequantize_sum_rows", "dequantiz
 # ------------------------------------------------------------ row level
 #
 # The FFI targets' own shapes (xla_ffi/README.md), for callers that already hold
-# rows: the public functions below and the all-reduce.
+# rows: the array-level API (jax_cgx/_src/codec/arrays.py) and the all-reduce's programs.
 
 
 def _valid_operand(valid):

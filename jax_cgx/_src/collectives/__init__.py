@@ -1,22 +1,19 @@
 """Compressed collectives: ``compressed_psum`` / ``compressed_pmean`` and how they run.
 
-- :mod:`~jax_cgx._src.collectives.psum`: the public functions: fusion buffers, ``bytes_on_wire``;
+- :mod:`~jax_cgx._src.collectives.psum`: ``compressed_psum`` / ``compressed_pmean`` on pytrees: lanes,
+  fusion buffers, ``bytes_on_wire``;
 - :mod:`~jax_cgx._src.collectives.backward`: ``reduce_in_backward``, the mean taken in the backward pass;
 - :mod:`~jax_cgx._src.collectives.reduce_scatter`, :mod:`~jax_cgx._src.collectives.all_gather`:
   ``compressed_psum_scatter`` and ``compressed_all_gather`` (sharded training), each a
   primitive with its rules and its pytree API; :mod:`~jax_cgx._src.collectives.scatter_gather` holds
   what they share (lanes, fusion of whole leaves, keys, bytes on the wire);
-- :mod:`~jax_cgx._src.collectives.plan`: how each leaf is reduced (its lane, its fusion buffers);
-- :mod:`~jax_cgx._src.policy.pricing`: ``policy="auto"``: the measured figures and each buffer's
-  decision, with :mod:`~jax_cgx._src.policy.cost_model` (the predicted times),
-  :mod:`~jax_cgx._src.policy.probes` (timing this machine) and
-  :mod:`~jax_cgx._src.collectives.explain` (``jax_cgx.explain``: the plan, printed);
-- :mod:`~jax_cgx._src.exchange.all_reduce`: the all-reduce of one buffer as a JAX primitive (its
-  rules, the xla backend's program, and :func:`compressed_sum` that binds it);
-- :mod:`~jax_cgx._src.exchange.sra`, :mod:`~jax_cgx._src.exchange.ring`,
-  :mod:`~jax_cgx._src.exchange.hierarchical`: one module per algorithm;
-- :mod:`~jax_cgx._src.exchange.chunks`: how SRA and the ring cut a buffer, and their shared last step;
-- :mod:`~jax_cgx._src.exchange.wire`: encodings as byte rows and the collectives that move them.
+- :mod:`~jax_cgx._src.collectives.plan`: how each leaf is reduced (its lane, its fusion buffers, and
+  with ``policy="auto"`` each buffer's decision and form, from :mod:`jax_cgx._src.policy`);
+- :mod:`~jax_cgx._src.collectives.explain`: ``jax_cgx.explain``, the plan printed.
+
+One buffer's all-reduce, its algorithms and the xla backend's program are the exchange's
+(:mod:`jax_cgx._src.exchange`); ``policy="auto"``'s figures and decisions are the policy's
+(:mod:`jax_cgx._src.policy`).
 
 Data flows one way: collectives -> backends, codec -> config. Each reduction's backend is
 chosen once while tracing and carried by its primitive, whose one lowering rule hands it to that

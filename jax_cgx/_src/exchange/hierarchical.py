@@ -92,7 +92,7 @@ def _reduce_scatter_exact(x, inner, inner_world: int):
 
 
 def hierarchical_wire_bytes(n: int, world: int, inner_world: int, cfg: CompressionConfig, itemsize: int):
-    """Bytes one rank sends for ``n`` values reduced by :func:`_reduce_hierarchical`."""
+    """Bytes one rank sends for ``n`` values reduced by :func:`reduce_hierarchical`."""
     outer_world = world // inner_world
     if n == 0:
         return 0

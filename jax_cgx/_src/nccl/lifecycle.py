@@ -78,7 +78,7 @@ def setup(mesh, axes=None, *, id_exchange: str = "auto", timeout_s: float | None
 
     Returns the families of this call (axes tuple -> key). Families already set up are
     kept, so calling again is cheap. Raises :class:`NcclError` (or
-    :class:`NcclNotFoundError`) with what went wrong and how to fix it.
+    :class:`~jax_cgx._src.nccl.library.NcclNotFoundError`) with what went wrong and how to fix it.
     """
     global _atexit_registered
     if id_exchange not in ID_EXCHANGES:

@@ -118,7 +118,7 @@ def compressed_mean(
 
     **Stochastic rounding** keys: step ``t`` uses
     ``jax.random.fold_in(jax.random.key(seed), t)``, the same on every rank
-    (:func:`compressed_psum` folds in each rank's index).
+    (:func:`~jax_cgx.compressed_psum` folds in each rank's index).
 
     **Error feedback** (``error_feedback=True``): rank ``r`` keeps a residual ``e_r``
     (zeros at init). Each step it compresses ``c_r = g_r + e_r`` instead of its gradient
