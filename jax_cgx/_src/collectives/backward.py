@@ -66,6 +66,17 @@ def reduce_in_backward(tree, axis_name, config: ConfigSpec = None, *, key: jax.A
 
     Returns:
       ``tree`` unchanged (typed as varying over ``axis_name`` under ``check_vma``).
+
+    Examples:
+      >>> from jax.sharding import NamedSharding, PartitionSpec as P
+      >>> mesh = jax.make_mesh((8,), ("data",))
+      >>> def grad_of(w, x):  # x: this device's rows; w's gradient leaves backward averaged over "data"
+      ...     loss = lambda w: jnp.sum(x @ jax_cgx.reduce_in_backward(w, "data", jax_cgx.CompressionConfig(bits=8)))
+      ...     return jax.grad(loss)(w)
+      >>> f = jax.jit(jax.shard_map(grad_of, mesh=mesh, in_specs=(P(), P("data")), out_specs=P()))
+      >>> x = jax.device_put(jnp.ones((8, 16)), NamedSharding(mesh, P("data")))
+      >>> f(jax.device_put(jnp.ones((16, 4)), NamedSharding(mesh, P())), x)[0, :2]
+      Array([1., 1.], dtype=float32)
     """
     check_impl(impl)
     compat.check_prng_key(key, "reduce_in_backward")

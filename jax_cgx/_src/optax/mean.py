@@ -309,6 +309,17 @@ def cast_mean(axis_name, dtype=jnp.bfloat16) -> optax.GradientTransformation:
       axis_name: the mapped axis (or a tuple of axes) to average over.
       dtype: the floating type the sum runs in, ``jnp.bfloat16`` (default) or
         ``jnp.float16``.
+
+    Examples:
+      >>> from jax.sharding import NamedSharding, PartitionSpec as P
+      >>> mesh = jax.make_mesh((8,), ("data",))
+      >>> tx = jax_cgx.optax.cast_mean("data")  # the mean taken in bfloat16
+      >>> def step(g):
+      ...     updates, _ = tx.update(g[0], tx.init(g[0]))
+      ...     return updates[None]
+      >>> grads = jax.device_put(jnp.arange(8.0)[:, None] * jnp.ones((8, 256)), NamedSharding(mesh, P("data")))
+      >>> np.asarray(jax.jit(jax.shard_map(step, mesh=mesh, in_specs=P("data"), out_specs=P("data")))(grads))[0, :2]
+      array([3.5, 3.5], dtype=float32)
     """
     try:
         dtype = jnp.dtype(dtype) if dtype is not None else None

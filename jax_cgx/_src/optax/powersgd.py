@@ -343,6 +343,11 @@ def powersgd_bytes(params, world: int, rank: int = 1, min_compression_rate: floa
     Every all-reduce (P and Q of each compressed leaf, in float32; each uncompressed leaf in its
     own dtype) is counted as a bandwidth-optimal all-reduce: ``2 (world - 1) / world`` of its
     bytes. ``params`` may hold arrays or ``jax.ShapeDtypeStruct`` objects.
+
+    Examples:
+      >>> params = {"w": jax.ShapeDtypeStruct((1024, 1024), jnp.float32), "b": jax.ShapeDtypeStruct((1024,), jnp.float32)}
+      >>> jax_cgx.optax.powersgd_bytes(params, world=8, rank=4)  # float32 pmean: 7,347,200
+      64512
     """
     world = checks.check_int("powersgd_bytes", "world", world, minimum=1)
     rank = checks.check_int("powersgd_bytes", "rank", rank, minimum=1)

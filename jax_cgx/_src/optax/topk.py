@@ -289,6 +289,11 @@ def topk_bytes(params, world: int, ratio: float = 0.001, min_size: int = 1024) -
     their bytes (rounded up), and so do compressed leaves where ``k == n`` (then float32).
     During warm-up phase ``i`` pass ``ratio=warmup_ratios[i]``. ``params``: arrays or
     ``jax.ShapeDtypeStruct``.
+
+    Examples:
+      >>> params = {"w": jax.ShapeDtypeStruct((1024, 1024), jnp.float32), "b": jax.ShapeDtypeStruct((1024,), jnp.float32)}
+      >>> jax_cgx.optax.topk_bytes(params, world=8, ratio=0.001)
+      58856
     """
     world = checks.check_int("topk_bytes", "world", world, minimum=1)
     ratio = checks.check_real("topk_bytes", "ratio", ratio, low=0.0, high=1.0, low_open=True)
