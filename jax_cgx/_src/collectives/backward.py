@@ -27,7 +27,7 @@ Gradients are those of ``compressed_pmean`` applied to each marked subtree's gra
 ``jax.grad`` (bitwise: tests/collectives/test_backward.py). Marking the whole parameter tree
 once is exactly ``compressed_pmean(jax.grad(...))``. Under ``shard_map(check_vma=True)`` the
 forward also types replicated parameters as varying over the axis (what
-``lax.pcast(params, axis, to="varying")`` does in the README's recipe), so that the gradient
+``lax.pcast(params, axis, to="varying")`` does in the user guide's recipe), so that the gradient
 reaching the transpose is this rank's own, not one JAX has summed already.
 
 Error feedback needs the residual of each step carried into the next, which a transpose

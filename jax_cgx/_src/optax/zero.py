@@ -122,7 +122,7 @@ def sharded(optimizer: optax.GradientTransformation, axis_name, *, grad_config: 
               params, state = opt.update(grads, state)  # the new parameters, not updates
               return params, state, jax.lax.pmean(loss, "data")
 
-      README.md ("ZeRO: jax_cgx.optax.sharded") has it complete, mesh and data included.
+      docs/guide.md ("ZeRO: jax_cgx.optax.sharded") has it complete, mesh and data included.
     """
     fn = "jax_cgx.optax.sharded"
     if not (callable(getattr(optimizer, "init", None)) and callable(getattr(optimizer, "update", None))):
