@@ -333,10 +333,20 @@ def _traced(fn, xs) -> str:
     return str(jax.jit(jax.shard_map(body, mesh=_mesh(), in_specs=P("d"), out_specs=P("d"))).trace(xs).jaxpr)
 
 
+def _fixed_codec_rates(pricing) -> None:
+    """The codec's rates fixed (a copy at memory speed, 40 GB/s): measured ones make an unlimited
+    link a near tie for the sharded collectives on a loaded 2-core machine (copy ~5-12 GB/s), where
+    the all-gather compressed once in CI. With a given link nothing else is measured."""
+    from jax_cgx._src.policy.cost_model import CodecRates
+
+    pricing._measured_rates[jax.default_backend()] = CodecRates(quantize=20e9, dequantize=30e9, add=40e9)
+
+
 @pytest.mark.parametrize("op", list(_SHARDED_OPS))
 def test_policy_auto_prices_the_sharded_collectives(op, fresh_policy, caplog):
     """An unlimited link: lax itself, to the bit, logged once; a slow one: compressed, bitwise
     what policy="always" gives; bytes_on_wire follows the decisions."""
+    _fixed_codec_rates(fresh_policy)
     ours, theirs, shape, primitive = _SHARDED_OPS[op]
     xs = _data(shape)
     fast = jax_cgx.CompressionConfig(bits=4, bucket_size=BUCKET, policy="auto", link_gbps=float("inf"))
@@ -382,12 +392,7 @@ def test_policy_auto_times_a_sharded_near_tie_with_its_own_collectives(op, fresh
 
 @pytest.mark.parametrize("op", list(_SHARDED_OPS))
 def test_explain_shows_the_sharded_decisions(op, fresh_policy):
-    # The codec's rates fixed (a copy at memory speed, 40 GB/s): measured ones make the unlimited
-    # link a near tie for the all-gather on a loaded 2-core machine (copy ~8-12 GB/s), where it
-    # compressed once in CI. With a given link nothing else is measured.
-    from jax_cgx._src.policy.cost_model import CodecRates
-
-    fresh_policy._measured_rates[jax.default_backend()] = CodecRates(quantize=20e9, dequantize=30e9, add=40e9)
+    _fixed_codec_rates(fresh_policy)
     tree = {"w": jax.ShapeDtypeStruct((W * 4096,), jnp.float32), "i": jax.ShapeDtypeStruct((W,), jnp.int32)}
     fast = jax_cgx.CompressionConfig(bits=4, bucket_size=BUCKET, policy="auto", link_gbps=float("inf"))
     tiled = {"tiled": True} if op == "psum_scatter" else {}  # as compressed_psum_scatter would need
