@@ -277,9 +277,10 @@ def levels(fig: Figures, inner_world: int, measure: bool = True) -> tuple[float,
                 return known[0], (known[1] if len(known) > 1 else None)
 
             _measured_levels[key] = inside, across = _outside_trace(agreed)
+            crossing = (f"{_gbits(across)} per rank across nodes (every rank at once)" if across is not None
+                        else f"across nodes the given link ({fig.link_source})")
             logger.info("jax_cgx: policy='auto': nodes of %d devices measured in %.2f s: %s per rank inside a node, "
-                        "%s per rank across nodes", inner_world, time.perf_counter() - t0, _gbits(inside),
-                        "(every rank at once) " + _gbits(across) if across is not None else f"given: {fig.link_source}")
+                        "%s", inner_world, time.perf_counter() - t0, _gbits(inside), crossing)
         return _measured_levels.get(key)
 
 
