@@ -55,17 +55,25 @@ for spec in args.exit:
     assert how in ("sys.exit", "exit", "raise", "held", "hook", "interrupt") and when in ("start", "end"), spec
     exits[int(r)] = (int(status) if status.lstrip("-").isdigit() else status, how, when)
 
+def publish(name: str, text: str) -> None:
+    """Write out/name whole or not at all: the test polls these files and reads a pid from each it
+    finds, so one seen between its creation and its write would read empty (CI saw it once)."""
+    part = out / f".{name}.part"
+    part.write_text(text)
+    os.replace(part, out / name)
+
+
 # Registered before jax is imported, so it runs after jax's exit hook (atexit is last in, first out).
 _rank = []
-atexit.register(lambda: _rank and (out / f"end{_rank[0]}").write_text(repr(time.time())))
+atexit.register(lambda: _rank and publish(f"end{_rank[0]}", repr(time.time())))
 
 early_exit = sys.exit  # looked up before jax_cgx replaces it, as absl's sys.exit(main(argv)) does
 
 import jax_cgx.distributed  # noqa: E402  (imports jax)
 
 _rank.append(args.process_id if args.process_id is not None else jax_cgx.distributed.detect().process_index)
-(out / f"pid{_rank[0]}").write_text(str(os.getpid()))
-atexit.register(lambda: (out / f"hook{_rank[0]}").write_text(repr(time.time())))  # the program's own hook
+publish(f"pid{_rank[0]}", str(os.getpid()))
+atexit.register(lambda: publish(f"hook{_rank[0]}", repr(time.time())))  # the program's own hook
 # First, before anything touches a device; explicit arguments (if any) win over the environment.
 info = jax_cgx.distributed.initialize(args.coordinator, args.num_processes, args.process_id)
 
@@ -79,7 +87,7 @@ import jax_cgx  # noqa: E402
 
 def leave(rank: int) -> None:
     status, how, _ = exits[rank]
-    (out / f"exit{rank}").write_text(repr(time.time()))
+    publish(f"exit{rank}", repr(time.time()))
     if how == "sys.exit":
         sys.exit(status)
     elif how == "exit":
@@ -102,7 +110,7 @@ def leave(rank: int) -> None:
 def main() -> None:
     rank = info.process_index
     if args.spawn_child:
-        (out / f"child{rank}").write_text(str(subprocess.Popen(["sleep", "600"]).pid))
+        publish(f"child{rank}", str(subprocess.Popen(["sleep", "600"]).pid))
     if args.ignore_term_rank is not None:
         signal.signal(signal.SIGTERM, signal.SIG_IGN if args.ignore_term_rank == rank else signal.SIG_DFL)
     if rank in exits and exits[rank][2] == "start":
@@ -125,7 +133,7 @@ def main() -> None:
     print(f"rank {rank} of {info.process_count} ({info.source}): {len(devices)} devices, ok", flush=True)
     if args.linger_rank == rank:
         time.sleep(2)
-    (out / f"done{rank}").write_text(repr(time.time()))
+    publish(f"done{rank}", repr(time.time()))
     if rank in exits:
         leave(rank)
     jax.distributed.shutdown()
