@@ -57,8 +57,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hierarchical", action="store_true",
                    help="with --per-node: the hierarchical all-reduce (exact inside a node) instead of flat")
     p.add_argument("--inner-gbps", type=number(0, above=True), default=None,
-                   help="with --hierarchical: what each rank sends inside its node per second, GB/s (CPU processes: "
-                        "gloo over loopback, e.g. 1.4; default: memory speed)")
+                   help="with --hierarchical: what each rank sends inside its node per second, GB/s, with every "
+                        "node at once on cores shared as in the job (what policy='auto' measures; CPU processes: "
+                        "`bench phases --two-level` prints it); default: memory speed")
     p.add_argument("--measured", nargs="*", default=[],
                    help="`bench allreduce --output` JSON files to compare with (rows matched on world/size/bits)")
 

@@ -89,6 +89,22 @@ def test_nodes_share_their_link():
         predict_nodes(size, 2, 2, 4, 512, slow, RATES)["compressed"]
 
 
+def test_a_measured_inside_is_not_slowed_again_by_shared_cores():
+    # inner_bandwidth is measured as the job runs (every node at once, on cores as shared):
+    # ranks sharing a core slow the codec and memory-speed copies, not that rate a second time.
+    from jax_cgx._src.policy.cost_model import predict_nodes
+
+    size, link = 64 * 2**20, LinkModel(125e6, 0.0)
+
+    def inside(**kw):
+        hier = predict_nodes(size, 2, 4, 4, 512, link, RATES, hierarchical=True, share=4.0, **kw)
+        cross = predict(size / 4, 2, 4, 512, LinkModel(125e6 / 4, 0.0), RATES, share=4.0)
+        return hier["compressed"] - cross["compressed"]
+
+    assert inside(inner_bandwidth=0.5e9) == pytest.approx(2 * 3 / 4 * size / 0.5e9)
+    assert inside() == pytest.approx(4.0 * 2 * 3 / 4 * size / RATES.add)  # memory speed, shared
+
+
 def test_the_scale_table(tmp_path, capsys):
     # python -m jax_cgx.bench scale: the model's table past this machine, with the exact psum's two
     # forms; a slow link between nodes of 8 GPUs makes the hierarchical form the fastest.

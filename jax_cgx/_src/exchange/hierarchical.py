@@ -16,7 +16,7 @@ from jax_cgx._src.config import CompressionConfig
 from jax_cgx._src.exchange.all_reduce import compressed_sum
 from jax_cgx._src.exchange.chunks import check_buffer_values, wire_bytes_per_rank
 
-__all__ = ["reduce_hierarchical", "hierarchical_shard", "hierarchical_wire_bytes"]
+__all__ = ["reduce_hierarchical", "reduce_scatter_exact", "hierarchical_shard", "hierarchical_wire_bytes"]
 
 
 def hierarchical_shard(n: int, inner_world: int, config: CompressionConfig) -> int:
@@ -57,7 +57,7 @@ def reduce_hierarchical(head, axes, world, config: CompressionConfig, key, impl,
     padded = head
     if shard_n * inner_world != n:
         padded = lax.dynamic_update_slice(jnp.zeros((shard_n * inner_world,), head.dtype), head, (0,))
-    shard = _reduce_scatter_exact(padded, inner, inner_world)
+    shard = reduce_scatter_exact(padded, inner, inner_world)
     # The last shards may end in padding: tell the compressed exchange where the real values end.
     real = jnp.clip(n - lax.axis_index(inner) * shard_n, 0, shard_n)
     reduced = compressed_sum(shard, outer, outer_world, config, key, impl, residual, valid=real, backend=backend,
@@ -77,18 +77,28 @@ def reduce_hierarchical(head, axes, world, config: CompressionConfig, key, impl,
     return full[:n], placed[:n]
 
 
-def _reduce_scatter_exact(x, inner, inner_world: int):
+def reduce_scatter_exact(x, inner, inner_world: int):
     """``lax.psum_scatter(x, inner, tiled=True)``, except on CPUs of several processes.
 
     There XLA runs it on gloo's ReduceScatter, which returns wrong values at the end of rank 0's
     shard for shards of MiBs, with no error (jax-ml/jax#40830; measured on 2 nodes of 2 processes
     at 1 Gbit/s, jax 0.10.2: 8 MiB shards wrong in 2 of 6 calls, a plain lax reduce-scatter too).
-    An all_to_all and a local sum send the same bytes and are exact there.
+    There each rank sends every other rank its block with one ``ppermute`` per shift and adds
+    what arrives to its own block (its own first, then shift 1, 2, ...: for 2 ranks bitwise the
+    sum in rank order). The same bytes as a reduce-scatter; an ``all_to_all`` sends them too, but
+    took 30-72 ms for 32 MiB per rank where the ppermutes took 31-37 (2 nodes of 2 processes on
+    2 cores, ``python -m jax_cgx.bench phases --two-level``; docs/multinode.md).
     """
     if compat.trace_platform() != "cpu" or jax.process_count() == 1:
         return lax.psum_scatter(x, inner, scatter_dimension=0, tiled=True)
-    parts = lax.all_to_all(x.reshape(inner_world, -1), inner, 0, 0)  # row j: rank j's copy of our shard
-    return parts.sum(axis=0, dtype=x.dtype)
+    blocks = x.reshape(inner_world, -1)
+    me = lax.axis_index(inner)
+    total = lax.dynamic_index_in_dim(blocks, me, 0, keepdims=False)
+    for shift in range(1, inner_world):
+        # Block me + shift goes to rank me + shift; ours arrives from rank me - shift.
+        outgoing = lax.dynamic_index_in_dim(blocks, (me + shift) % inner_world, 0, keepdims=False)
+        total = total + lax.ppermute(outgoing, inner, [(j, (j + shift) % inner_world) for j in range(inner_world)])
+    return total
 
 
 def hierarchical_wire_bytes(n: int, world: int, inner_world: int, cfg: CompressionConfig, itemsize: int):

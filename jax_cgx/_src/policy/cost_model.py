@@ -163,11 +163,14 @@ def predict_nodes(size_bytes: float, nodes: int, per_node: int, bits: int, bucke
       each node's link once per step, ``(W - 1) E`` (``W = n m`` ranks, ``m = per_node``); psum is
       priced as :func:`predict`'s ring, which crosses each link once per step too;
     * hierarchical: an exact reduce-scatter and all-gather inside the node, ``2 (m-1)/m S`` sent by
-      each rank at ``inner_bandwidth`` bytes/s (NVLink's; for CPU processes of one machine, gloo over
-      loopback TCP: about 1.4 GB/s measured on a 2-core machine, docs/multinode.md, where pricing it
-      at memory speed put the 2x2 prediction 95% under the measurement; None: memory speed,
-      ``rates.add``), slowed by ``share`` as the other compute, then :func:`predict`'s compressed all-reduce of ``S / m`` over the ``n`` nodes,
-      the ``m`` ranks' exchanges sharing each link (a link of ``bandwidth / m`` each).
+      each rank at ``inner_bandwidth`` bytes/s, then :func:`predict`'s compressed all-reduce of
+      ``S / m`` over the ``n`` nodes, the ``m`` ranks' exchanges sharing each link (a link of
+      ``bandwidth / m`` each). ``inner_bandwidth`` is the rate measured as the job runs: every
+      node exchanging inside at once, on cores shared as in the job (NVLink's on GPUs; for CPU
+      processes of one machine gloo over loopback TCP, ``policy="auto"``'s inside probe, or
+      ``python -m jax_cgx.bench phases --two-level``), so ``share`` does not scale it again.
+      None: memory speed (``rates.add``), slowed by ``share`` as the codec is; on the 2x2 CPU
+      topology that put the prediction 95% under the measurement (docs/multinode.md).
 
     ``cross_bandwidth``: bytes/s each rank moves across nodes while every rank of its node does
     (measured by ``policy="auto"`` over the outer axis); None: ``bandwidth / m``, one shared link
@@ -191,8 +194,11 @@ def predict_nodes(size_bytes: float, nodes: int, per_node: int, bits: int, bucke
         compressed = wire + flat["codec"] + flat["copies"]
         return dict(flat, wire=wire, compressed=compressed,
                     speedup=flat["psum"] / compressed if compressed > 0 else float("inf"))
-    inner_rate = rates.add if inner_bandwidth is None else inner_bandwidth
-    inner = share * 2 * (per_node - 1) / per_node * float(size_bytes) / inner_rate
+    sent_inside = 2 * (per_node - 1) / per_node * float(size_bytes)
+    if inner_bandwidth is None:  # memory speed, slowed by the ranks sharing a core as the codec is
+        inner = share * sent_inside / rates.add
+    else:  # measured as the job runs (every node at once, on cores as shared): nothing to scale
+        inner = sent_inside / inner_bandwidth
     cross = predict(float(size_bytes) / per_node, nodes, bits, bucket_size,
                     LinkModel(cross, link.latency), rates, segments=segments, itemsize=itemsize,
                     message_cap=message_cap, share=share)

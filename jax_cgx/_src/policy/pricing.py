@@ -343,7 +343,8 @@ def decide(values: int, dtype, world: int, config: CompressionConfig, *, inner_w
     """Whether ``policy="auto"`` compresses a buffer of ``values`` values of ``dtype`` summed over ``world`` ranks.
 
     ``inner_world``: the inner axis's size for a hierarchical config (its reduce-scatter and
-    all-gather run within a node, priced at memory speed). ``backend``: the one that will
+    all-gather run within a node, priced at the rate :func:`levels` measured there; memory
+    speed where nothing was measured). ``backend``: the one that will
     run the exchange (its ``timed_as``, :mod:`jax_cgx._src.backends`); near-ties are timed on it, collectively, unless
     ``measure=False`` (then only earlier timings are used). The decision is logged once.
 
@@ -379,8 +380,13 @@ def decide(values: int, dtype, world: int, config: CompressionConfig, *, inner_w
     # Over nodes (op psum, two axes): each axis's measured link prices its part.
     level = levels(fig, inner_world, measure) if two_level(world, inner_world) and op == "psum" else None
     if config.hierarchical and inner_world and inner_world > 1:
-        inside, across = level if level else (fig.rates.add, None)  # before measuring: memory speed
-        inner = fig.share * 2 * (inner_world - 1) / inner_world * size / inside
+        sent_inside = 2 * (inner_world - 1) / inner_world * size
+        if level:  # measured with every node at once, on the cores as shared: the rate as it runs
+            inside, across = level
+            inner = sent_inside / inside
+        else:  # before measuring: memory speed, slowed as the codec is by the ranks sharing a core
+            inside, across = fig.rates.add, None
+            inner = fig.share * sent_inside / inside
         cross = fig.link if across is None else LinkModel(across, fig.link.latency)
         compressed = inner + exchange(size / inner_world, world // inner_world, cross)
     elif level is not None:  # flat over nodes: its all_to_all crosses at the shared rate
