@@ -85,9 +85,10 @@ def reduce_scatter_exact(x, inner, inner_world: int):
     at 1 Gbit/s, jax 0.10.2: 8 MiB shards wrong in 2 of 6 calls, a plain lax reduce-scatter too).
     There each rank sends every other rank its block with one ``ppermute`` per shift and adds
     what arrives to its own block (its own first, then shift 1, 2, ...: for 2 ranks bitwise the
-    sum in rank order). The same bytes as a reduce-scatter; an ``all_to_all`` sends them too, but
-    took 30-72 ms for 32 MiB per rank where the ppermutes took 31-37 (2 nodes of 2 processes on
-    2 cores, ``python -m jax_cgx.bench phases --two-level``; docs/multinode.md).
+    sum in rank order). The same bytes as a reduce-scatter; an ``all_to_all`` and a local sum send
+    them too, but slower and less steadily: 71-72 ms against 43-56 for 32 MiB per rank in
+    ``python -m jax_cgx.bench phases --two-level`` (2 nodes of 2 processes on 2 cores), 30-72 ms
+    against 31-37 in 7 side-by-side runs (docs/multinode.md).
     """
     if compat.trace_platform() != "cpu" or jax.process_count() == 1:
         return lax.psum_scatter(x, inner, scatter_dimension=0, tiled=True)
