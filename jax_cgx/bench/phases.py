@@ -15,7 +15,7 @@ between the whole and the sum of the phases is what the program spends around th
 slices, allocation). docs/results.md uses it to explain the all-reduce's time.
 
 ``--two-level`` (nodes of ``JAX_CGX_LOCAL_COUNT`` processes, ``benchmarks/netem/run.py --nodes N
---per-node M``) times the hierarchical form's parts instead, on the ``("node", "local")`` mesh, every
+--per-node M``, or of ``--per-node`` devices) times the hierarchical form's parts instead, on the ``("node", "local")`` mesh, every
 node at once as in the all-reduce: the exact reduce-scatter inside each node (an all_to_all and a
 local sum on CPUs of several processes), the compressed all-reduce of its shard across the nodes,
 the all-gather inside; beside them the whole hierarchical and flat ``compressed_psum``, ``psum``,
@@ -54,6 +54,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-n", "--repeats", type=int, default=7, help="(default: %(default)s)")
     p.add_argument("--two-level", action="store_true",
                    help="the hierarchical form's parts on a (node, local) mesh of nodes of JAX_CGX_LOCAL_COUNT processes")
+    p.add_argument("--per-node", type=int, default=0,
+                   help="with --two-level: devices per node (default: JAX_CGX_LOCAL_COUNT x this process's devices)")
     p.add_argument("--output", help="process 0 writes the phases to this .json or .csv file")
     p.add_argument("--no-progress", action="store_true", help="accepted for benchmarks/netem/run.py; no effect")
 
@@ -127,7 +129,7 @@ def _two_level(args: argparse.Namespace) -> dict:
     """The hierarchical form's parts, each timed alone over every node at once."""
     devices = jax.devices()
     w = len(devices)
-    m = jax_cgx.distributed.detect().local_count * jax.local_device_count()
+    m = args.per_node or jax_cgx.distributed.detect().local_count * jax.local_device_count()
     if m < 2 or w % m or w == m:
         raise SystemExit(f"--two-level: {w} devices are not several nodes of several devices (nodes of {m}); "
                          "run under benchmarks/netem/run.py --nodes N --per-node M")

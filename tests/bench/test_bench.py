@@ -104,6 +104,33 @@ def test_allreduce_phases_on_two_processes(tmp_path):
     assert records[5]["ms"] == pytest.approx(sum(r["ms"] for r in records[:5]))
 
 
+@pytest.mark.multiprocess
+def test_hierarchical_phases_on_two_processes(tmp_path):
+    """``allreduce_phases.py --two-level``: the hierarchical form's parts, the whole forms and the
+    inside's rate, on 2 nodes of 2 devices (one process each, the inside through the ppermutes)."""
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    root = pathlib.Path(__file__).resolve().parents[2]
+    out = tmp_path / "phases.json"
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "jax_cgx.launch", "-n", "2", "--devices-per-process", "2",
+         str(root / "benchmarks" / "allreduce_phases.py"), "--two-level", "--per-node", "2",
+         "--size-mib", "0.25", "--repeats", "1", "--output", str(out)],
+        capture_output=True, text=True, timeout=300, cwd=root, env=env)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    records = json.loads(out.read_text())
+    assert [r["phase"] for r in records] == [
+        "inside: reduce-scatter", "across: compressed_psum of the shard", "inside: all_gather", "sum of phases",
+        "hierarchical compressed_psum", "flat compressed_psum", "psum", "inside: psum (policy='auto' probes it)",
+        "across: psum of the shard"]
+    assert all(r["ms"] > 0 and r["nodes"] == 2 and r["per_node"] == 2 and r["inside_gbs"] > 0 for r in records)
+    assert records[3]["ms"] == pytest.approx(sum(r["ms"] for r in records[:3]))
+
+
 def test_codec_bench_times_gpu_calls_in_batches(monkeypatch):
     """The GPU path of ``bench codec`` (run on CPU here): one warm-up, then ``repeats`` batches of
     back-to-back calls, blocked once per batch, the median per-call time."""
