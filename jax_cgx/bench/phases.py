@@ -16,7 +16,7 @@ slices, allocation). docs/results.md uses it to explain the all-reduce's time.
 
 ``--two-level`` (nodes of ``JAX_CGX_LOCAL_COUNT`` processes, ``benchmarks/netem/run.py --nodes N
 --per-node M``, or of ``--per-node`` devices) times the hierarchical form's parts instead, on the ``("node", "local")`` mesh, every
-node at once as in the all-reduce: the exact reduce-scatter inside each node (an all_to_all and a
+node at once as in the all-reduce: the exact reduce-scatter inside each node (ppermutes and a
 local sum on CPUs of several processes), the compressed all-reduce of its shard across the nodes,
 the all-gather inside; beside them the whole hierarchical and flat ``compressed_psum``, ``psum``,
 and the psum inside each node that ``policy="auto"`` measures the inside with. docs/multinode.md
@@ -26,7 +26,7 @@ uses it to check the cost model's hierarchical terms.
 from __future__ import annotations
 
 import argparse
-import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -74,17 +74,10 @@ def main(args: argparse.Namespace) -> dict:
     wire_len = p + nb * META_BYTES
     seeds = jnp.zeros((w, 2), jnp.uint32)
 
-    def per_device(f):
-        return jax.jit(jax.shard_map(lambda v: f(v[0])[None], mesh=mesh, in_specs=P("d"), out_specs=P("d")))
-
-    def median_ms(fn, x):
-        return 1e3 * median_time(fn, x, args.repeats, warmup=2)
-
-    def global_array(length, dtype, fill):
-        return jax.make_array_from_callback((w, length), sharded, lambda idx: fill(idx[0].start or 0, length, dtype))
-
-    x = global_array(w * c, np.float32, lambda r, m, t: np.random.default_rng(r).standard_normal((1, m)).astype(t))
-    wire = global_array(w * wire_len, np.uint8, lambda r, m, t: np.zeros((1, m), t))
+    per_device = functools.partial(_per_device, mesh, P("d"))
+    median_ms = functools.partial(_median_ms, repeats=args.repeats)
+    x = _global_array(sharded, w * c, np.float32, _normal)
+    wire = _global_array(sharded, w * wire_len, np.uint8, lambda r, m, t: np.zeros((1, m), t))
     config = jax_cgx.CompressionConfig(bits=bits, bucket_size=bucket, fusion_buffer_mb=1024, min_size=0,
                                        pipeline_segments=args.segments)
 
@@ -118,6 +111,25 @@ def main(args: argparse.Namespace) -> dict:
     return result
 
 
+def _per_device(mesh, spec, f):
+    """``f`` on each device's row of arrays laid out by ``spec`` over ``mesh``, jitted."""
+    return jax.jit(jax.shard_map(lambda v: f(v[0])[None], mesh=mesh, in_specs=spec, out_specs=spec))
+
+
+def _median_ms(fn, x, repeats: int) -> float:
+    return 1e3 * median_time(fn, x, repeats, warmup=2)
+
+
+def _global_array(sharding, length: int, dtype, fill):
+    """One row of ``length`` per device, row ``r`` from ``fill(r, length, dtype)``."""
+    rows = sharding.mesh.devices.size
+    return jax.make_array_from_callback((rows, length), sharding, lambda idx: fill(idx[0].start or 0, length, dtype))
+
+
+def _normal(row: int, length: int, dtype):
+    return np.random.default_rng(row).standard_normal((1, length)).astype(dtype)
+
+
 def _report(result: dict, title: str, args: argparse.Namespace, fields: dict) -> None:
     if jax.process_index() == 0:
         print_table(title, ["phase", "ms"], [[name, f"{ms:.1f}"] for name, ms in result.items()])
@@ -140,32 +152,26 @@ def _two_level(args: argparse.Namespace) -> dict:
     config = jax_cgx.CompressionConfig(bits=args.bits, bucket_size=args.bucket_size, fusion_buffer_mb=1024,
                                        min_size=0, pipeline_segments=args.segments)
     shard_n = hierarchical_shard(n, m, config)
-
-    def per_device(f):
-        return jax.jit(jax.shard_map(lambda v: f(v[0])[None], mesh=mesh, in_specs=spec, out_specs=spec))
-
-    def rows(length):
-        sharding = NamedSharding(mesh, spec)
-        return jax.make_array_from_callback(
-            (w, length), sharding,
-            lambda idx: np.random.default_rng(idx[0].start or 0).standard_normal((1, length)).astype(np.float32))
-
-    x, shard = rows(shard_n * m), rows(shard_n)
-    hierarchical = dataclasses.replace(config, hierarchical=True)
+    per_device = functools.partial(_per_device, mesh, spec)
+    median_ms = functools.partial(_median_ms, repeats=args.repeats)
+    sharding = NamedSharding(mesh, spec)
+    x = _global_array(sharding, shard_n * m, np.float32, _normal)
+    shard = _global_array(sharding, shard_n, np.float32, _normal)
+    hierarchical = config.replace(hierarchical=True)
     phases = {
         "inside: reduce-scatter": (per_device(lambda v: reduce_scatter_exact(v, "local", m)), x),
         "across: compressed_psum of the shard": (per_device(lambda v: jax_cgx.compressed_psum(v, "node", config)),
                                                   shard),
         "inside: all_gather": (per_device(lambda v: lax.all_gather(v, "local", axis=0, tiled=True)), shard),
     }
-    result = {name: 1e3 * median_time(fn, arg, args.repeats, warmup=2) for name, (fn, arg) in phases.items()}
+    result = {name: median_ms(fn, arg) for name, (fn, arg) in phases.items()}
     result["sum of phases"] = sum(result.values())
     for name, f, arg in [("hierarchical compressed_psum", lambda v: jax_cgx.compressed_psum(v, axes, hierarchical), x),
                          ("flat compressed_psum", lambda v: jax_cgx.compressed_psum(v, axes, config), x),
                          ("psum", lambda v: lax.psum(v, axes), x),
                          ("inside: psum (policy='auto' probes it)", lambda v: lax.psum(v, "local"), x),
                          ("across: psum of the shard", lambda v: lax.psum(v, "node"), shard)]:
-        result[name] = 1e3 * median_time(per_device(f), arg, args.repeats, warmup=2)
+        result[name] = median_ms(per_device(f), arg)
     # What each rank sends inside its node per second with every node at once, as policy="auto"
     # measures the inside and the cost model takes it (bench model --inner-gbps); the psum's adds
     # stay in, as the hierarchical form's reduce-scatter does them too.
@@ -178,4 +184,3 @@ def _two_level(args: argparse.Namespace) -> dict:
             args, dict(nodes=nodes, per_node=m, size_mib=args.size_mib, bits=args.bits,
                        bucket_size=args.bucket_size, segments=args.segments, inside_gbs=inside_gbs))
     return result
-

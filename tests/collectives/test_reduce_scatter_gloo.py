@@ -4,8 +4,8 @@ XLA:CPU runs lax.psum_scatter across processes on gloo's ReduceScatter, which ca
 values at the end of rank 0's shard, with no error (jax-ml/jax#40830); measured on 2 nodes of 2
 processes at 1 Gbit/s it made the hierarchical all-reduce wrong in 2 of 6 calls. jax_cgx reduces
 there with ppermutes and a local sum instead: checked here bitwise against numpy (in its documented
-order), every call, across 2 processes, for nodes of 2 and of 4 ranks. (On unshaped loopback lax's own went right here too; the shaped-link check is
-benchmarks/netem/hierarchical_exactness.py.)
+order), every call, across 2 processes, for nodes of 2 and of 4 ranks. (On unshaped loopback lax's
+own went right here too; the shaped-link check is benchmarks/netem/hierarchical_exactness.py.)
 """
 
 import json

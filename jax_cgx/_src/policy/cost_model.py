@@ -46,7 +46,8 @@ import json
 
 from jax_cgx._src.exchange import wire as _wire
 
-__all__ = ["CodecRates", "LinkModel", "encoded_chunk_bytes", "predict", "predict_nodes", "OPS", "WIRE_COPIES"]
+__all__ = ["CodecRates", "LinkModel", "encoded_chunk_bytes", "inside_seconds", "predict", "predict_nodes", "OPS",
+           "WIRE_COPIES"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,6 +150,16 @@ def predict(size_bytes: float, world: int, bits: int, bucket_size: int, link: Li
                 speedup=psum / compressed if compressed > 0 else float("inf"))
 
 
+def inside_seconds(size_bytes: float, per_node: int, rates: CodecRates, share: float,
+                   inner_bandwidth: float | None) -> float:
+    """The hierarchical form's exact reduce-scatter and all-gather inside a node: ``2 (m-1)/m S``
+    sent by each rank at ``inner_bandwidth`` bytes/s, measured as the job runs (every node at
+    once, on cores shared as in the job: not scaled again); None: at memory speed
+    (``rates.add``), slowed by ``share`` as the codec is."""
+    sent = 2 * (per_node - 1) / per_node * float(size_bytes)
+    return share * sent / rates.add if inner_bandwidth is None else sent / inner_bandwidth
+
+
 def predict_nodes(size_bytes: float, nodes: int, per_node: int, bits: int, bucket_size: int, link: LinkModel,
                   rates: CodecRates, *, hierarchical: bool = False, host_cores: int | None = None,
                   segments: int = 0, itemsize: int = 4, message_cap: int | None = _wire.CPU_MESSAGE_BYTES,
@@ -194,11 +205,7 @@ def predict_nodes(size_bytes: float, nodes: int, per_node: int, bits: int, bucke
         compressed = wire + flat["codec"] + flat["copies"]
         return dict(flat, wire=wire, compressed=compressed,
                     speedup=flat["psum"] / compressed if compressed > 0 else float("inf"))
-    sent_inside = 2 * (per_node - 1) / per_node * float(size_bytes)
-    if inner_bandwidth is None:  # memory speed, slowed by the ranks sharing a core as the codec is
-        inner = share * sent_inside / rates.add
-    else:  # measured as the job runs (every node at once, on cores as shared): nothing to scale
-        inner = sent_inside / inner_bandwidth
+    inner = inside_seconds(size_bytes, per_node, rates, share, inner_bandwidth)
     cross = predict(float(size_bytes) / per_node, nodes, bits, bucket_size,
                     LinkModel(cross, link.latency), rates, segments=segments, itemsize=itemsize,
                     message_cap=message_cap, share=share)

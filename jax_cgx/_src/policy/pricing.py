@@ -30,7 +30,7 @@ import numpy as np
 from jax_cgx._src.config import CompressionConfig, given_link_gbps, link_gbps_from_env
 from jax_cgx._src.exchange import wire as _wire
 from jax_cgx._src.policy import probes
-from jax_cgx._src.policy.cost_model import CodecRates, LinkModel, predict, predict_nodes
+from jax_cgx._src.policy.cost_model import CodecRates, LinkModel, inside_seconds, predict, predict_nodes
 from jax_cgx._src.policy.figures import Decision, Figures
 from jax_cgx._src.policy.figures import gbits as _gbits
 from jax_cgx._src.policy.probes import ExchangeFit, Timed
@@ -380,13 +380,8 @@ def decide(values: int, dtype, world: int, config: CompressionConfig, *, inner_w
     # Over nodes (op psum, two axes): each axis's measured link prices its part.
     level = levels(fig, inner_world, measure) if two_level(world, inner_world) and op == "psum" else None
     if config.hierarchical and inner_world and inner_world > 1:
-        sent_inside = 2 * (inner_world - 1) / inner_world * size
-        if level:  # measured with every node at once, on the cores as shared: the rate as it runs
-            inside, across = level
-            inner = sent_inside / inside
-        else:  # before measuring: memory speed, slowed as the codec is by the ranks sharing a core
-            inside, across = fig.rates.add, None
-            inner = fig.share * sent_inside / inside
+        inside, across = level if level else (None, None)  # before measuring: memory speed
+        inner = inside_seconds(size, inner_world, fig.rates, fig.share, inside)
         cross = fig.link if across is None else LinkModel(across, fig.link.latency)
         compressed = inner + exchange(size / inner_world, world // inner_world, cross)
     elif level is not None:  # flat over nodes: its all_to_all crosses at the shared rate
