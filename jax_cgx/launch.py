@@ -50,7 +50,7 @@ import time
 from collections.abc import Callable
 
 from jax_cgx import allocator
-from jax_cgx._src import mps
+from jax_cgx._src import ends, mps
 from jax_cgx._src.arguments import integer, number
 from jax_cgx.distributed import COORDINATOR_VARIABLE, RANK_VARIABLES
 
@@ -204,8 +204,8 @@ class ProcessGroup:
     def __init__(self, commands: list[list[str]], envs: list[dict[str, str]], cwd=None):
         self.procs: list[subprocess.Popen] = []
         self.pumps: list[threading.Thread] = []
-        # (rank, returncode) in the order the processes ended, each noted by its own thread as it
-        # ends: the first failure is the one that happened first, not the lowest rank.
+        # (rank, returncode) in the order the processes ended, noted as each ends (ends.watch):
+        # the first failure is the one that happened first, not the lowest rank.
         self.ended: list[tuple[int, int]] = []
         self._changed = threading.Condition()
         self.heartbeats = HeartbeatWatch()
@@ -223,6 +223,7 @@ class ProcessGroup:
                     preexec_fn=_die_with_launcher if _PRCTL is not None else None,
                 )
             except OSError:
+                ends.watch(self.procs, self._noted)
                 self.stop(0)  # none left behind
                 self.close()
                 raise
@@ -231,10 +232,9 @@ class ProcessGroup:
                                                         self.heartbeats.watcher()), daemon=True)
             pump.start()
             self.pumps.append(pump)
-            threading.Thread(target=self._note_end, args=(rank, proc), daemon=True).start()
+        ends.watch(self.procs, self._noted)  # in the order they end (jax_cgx/_src/ends.py says why)
 
-    def _note_end(self, rank: int, proc: subprocess.Popen) -> None:
-        status = proc.wait()
+    def _noted(self, rank: int, status: int) -> None:
         with self._changed:
             self.ended.append((rank, status))
             self._changed.notify_all()

@@ -41,7 +41,8 @@ ALLOWED: dict[str, set[str]] = {
     "adaptive": BASE | {"collectives"},
     "testing": BASE | {"codec", "collectives", "exchange"},
     "distributed": BASE,
-    "launch": BASE | {"distributed", "allocator", "mps"},  # starts processes with the allocator's settings
+    "launch": BASE | {"distributed", "allocator", "mps", "ends"},  # starts processes with the allocator's settings
+    "ends": set(),  # the launcher's children's ends, in the order they happen
     "mps": set(),  # the launcher's --mps: a private CUDA MPS daemon around the job
     "cost_model": {"policy"},
     # The public face and the tools on top of it may use anything.
