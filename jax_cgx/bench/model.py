@@ -10,12 +10,14 @@ machine, as ``benchmarks/netem`` runs them.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import re
 
 import numpy as np
 
 from jax_cgx._src.arguments import BITS, integer, number
+from jax_cgx._src.config import ALGORITHMS
 from jax_cgx._src.policy.cost_model import CodecRates, LinkModel, encoded_chunk_bytes, predict, predict_nodes
 
 __all__ = ["CodecRates", "LinkModel", "encoded_chunk_bytes", "predict", "parse_rate"]
@@ -60,6 +62,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="with --hierarchical: what each rank sends inside its node per second, GB/s, with every "
                         "node at once on cores shared as in the job (what policy='auto' measures; CPU processes: "
                         "`bench phases --two-level` prints it); default: memory speed")
+    p.add_argument("--algorithm", choices=ALGORITHMS, nargs="+", default=list(ALGORITHMS),
+                   help="the compressed forms to predict, a row each (default: %(default)s)")
     p.add_argument("--measured", nargs="*", default=[],
                    help="`bench allreduce --output` JSON files to compare with (rows matched on world/size/bits)")
 
@@ -71,12 +75,13 @@ def main(args: argparse.Namespace) -> None:
     for path in args.measured:
         with open(path) as f:
             for r in json.load(f):
-                # "hierarchical" (older files) or "hierarchical sra"/"hierarchical ring"; auto's rows aside
-                if r.get("algorithm") == "auto" or str(r.get("algorithm")).startswith("hierarchical") != args.hierarchical:
+                # "sra", "ring", "hierarchical sra", "hierarchical ring"; auto's rows aside
+                form = str(r.get("algorithm", "sra")).split()
+                if form[-1] not in ALGORITHMS or (form[0] == "hierarchical") != args.hierarchical:
                     continue
                 if args.per_node > 1 and r.get("mesh") != f"{r['devices'] // args.per_node}x{args.per_node}":
                     continue
-                measured.setdefault((r["devices"], round(r["size_mib"], 3), r["bits"]), []).append(r)
+                measured.setdefault((r["devices"], round(r["size_mib"], 3), r["bits"], form[-1]), []).append(r)
     link = LinkModel(args.link, args.latency_ms / 1e3)
 
     def versus(values: list[float], predicted_ms: float) -> str:
@@ -87,28 +92,26 @@ def main(args: argparse.Namespace) -> None:
             f"{runs} (median {median:.1f}, {median / predicted_ms - 1:+.0%})"
 
     rows = []
-    for world in args.world:
-        for mib in args.sizes_mib:
-            for bits in args.bits:
-                rates = CodecRates.from_codec_json(args.codec_json, bits)
-                if args.per_node > 1:
-                    p = predict_nodes(mib * 2**20, world // args.per_node, args.per_node, bits, args.bucket_size,
-                                      link, rates, hierarchical=args.hierarchical, host_cores=args.host_cores,
-                                      segments=args.segments,
-                                      inner_bandwidth=None if args.inner_gbps is None else args.inner_gbps * 1e9)
-                else:
-                    p = predict(mib * 2**20, world, bits, args.bucket_size, link, rates, args.host_cores,
-                                args.segments)
-                runs = measured.get((world, round(mib, 3), bits), [])
-                row = [str(world), f"{mib:g}", str(bits), f"{p['psum'] * 1e3:.1f}", f"{p['compressed'] * 1e3:.1f}",
-                       f"{p['speedup']:.2f}"]
-                if runs:
-                    row += [versus([r["psum_ms"] for r in runs], p["psum"] * 1e3),
-                            versus([r["compressed_ms"] for r in runs], p["compressed"] * 1e3),
-                            " / ".join(f"{r['speedup']:.2f}" for r in runs)]
-                else:
-                    row += ["-", "-", "-"]
-                rows.append(row)
+    for world, mib, bits, algorithm in itertools.product(args.world, args.sizes_mib, args.bits, args.algorithm):
+        rates = CodecRates.from_codec_json(args.codec_json, bits)
+        if args.per_node > 1:
+            p = predict_nodes(mib * 2**20, world // args.per_node, args.per_node, bits, args.bucket_size,
+                              link, rates, hierarchical=args.hierarchical, host_cores=args.host_cores,
+                              segments=args.segments, algorithm=algorithm,
+                              inner_bandwidth=None if args.inner_gbps is None else args.inner_gbps * 1e9)
+        else:
+            p = predict(mib * 2**20, world, bits, args.bucket_size, link, rates, args.host_cores,
+                        args.segments, algorithm=algorithm)
+        runs = measured.get((world, round(mib, 3), bits, algorithm), [])
+        row = [str(world), f"{mib:g}", str(bits), algorithm, f"{p['psum'] * 1e3:.1f}",
+               f"{p['compressed'] * 1e3:.1f}", f"{p['speedup']:.2f}"]
+        if runs:
+            row += [versus([r["psum_ms"] for r in runs], p["psum"] * 1e3),
+                    versus([r["compressed_ms"] for r in runs], p["compressed"] * 1e3),
+                    " / ".join(f"{r['speedup']:.2f}" for r in runs)]
+        else:
+            row += ["-", "-", "-"]
+        rows.append(row)
     print_table(f"cost model: link {args.link * 8 / 1e9:g} Gbit/s per rank, bucket {args.bucket_size}",
-                ["ranks", "MiB", "bits", "psum ms", "cgx ms", "speedup", "measured psum (vs model)",
+                ["ranks", "MiB", "bits", "algorithm", "psum ms", "cgx ms", "speedup", "measured psum (vs model)",
                  "measured cgx (vs model)", "measured speedup"], rows)

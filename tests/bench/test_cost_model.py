@@ -89,6 +89,24 @@ def test_nodes_share_their_link():
         predict_nodes(size, 2, 2, 4, 512, slow, RATES)["compressed"]
 
 
+def test_the_ring_crosses_a_node_link_once_a_step():
+    # A flat ring over nodes of consecutive ranks: at each of its 2(W - 1) steps one rank per node
+    # sends across, so the node's link carries what one rank's own link would; SRA's all_to_all
+    # sends m(W - m) chunks over it. Both pay one latency per message and step.
+    from jax_cgx._src.policy.cost_model import predict_nodes
+
+    size, lat = 64 * 2**20, 1e-3
+    link = LinkModel(125e6, lat)
+    ring = predict_nodes(size, 2, 4, 4, 512, link, RATES, algorithm="ring", segments=3)
+    assert ring == predict(size, 8, 4, 512, link, RATES, segments=3, algorithm="ring")
+    sra = predict(size, 8, 4, 512, link, RATES, segments=3)
+    assert ring["wire"] - sra["wire"] == pytest.approx(3 * (2 * 7 - 8) * lat)  # 14 steps against 8, 3 messages
+    assert ring["codec"] == sra["codec"] and ring["psum"] == sra["psum"]
+    assert ring["compressed"] < predict_nodes(size, 2, 4, 4, 512, link, RATES, segments=3)["compressed"]
+    with pytest.raises(ValueError, match="algorithm must be one of"):
+        predict(size, 8, 4, 512, link, RATES, algorithm="tree")
+
+
 def test_a_measured_inside_is_not_slowed_again_by_shared_cores():
     # inner_bandwidth is measured as the job runs (every node at once, on cores as shared):
     # ranks sharing a core slow the codec and memory-speed copies, not that rate a second time.
@@ -121,3 +139,28 @@ def test_the_scale_table(tmp_path, capsys):
         best = min(r["psum_ring_s"], r["psum_hierarchical_s"])
         assert r["hierarchical_speedup"] == pytest.approx(best / r["hierarchical_s"])
     assert "predicted all-reduce of 1e+09 float32 values" in capsys.readouterr().out
+
+
+def test_bench_model_compares_each_algorithm_with_its_own_runs(tmp_path, capsys):
+    # python -m jax_cgx.bench model --measured: a row per algorithm, each against the runs of that
+    # form only (flat "sra" and "ring"; the hierarchical and auto rows of the same file left aside).
+    from jax_cgx._src.policy.cost_model import predict_nodes
+    from jax_cgx.bench.__main__ import main
+
+    codec = tmp_path / "codec.json"
+    codec.write_text(json.dumps([dict(bits=4, size_mib=64, quantize_gbps=1.0, dequantize_gbps=2.0, copy_gbps=4.0)]))
+    row = dict(devices=8, mesh="2x4", size_mib=64.0, bits=4, psum_ms=1000.0, speedup=1.0)
+    runs = tmp_path / "runs.json"
+    runs.write_text(json.dumps([dict(row, algorithm="sra", compressed_ms=111.0),
+                                dict(row, algorithm="ring", compressed_ms=222.0),
+                                dict(row, algorithm="hierarchical ring", compressed_ms=333.0),
+                                dict(row, algorithm="auto", compressed_ms=444.0)]))
+    main(["model", "--codec-json", str(codec), "--world", "8", "--per-node", "4", "--sizes-mib", "64", "--bits", "4",
+          "--link", "1gbit", "--latency-ms", "0", "--measured", str(runs)])
+    lines = {line.split("│")[4].strip(): line for line in capsys.readouterr().out.splitlines() if line.count("│") > 8}
+    rates = CodecRates.from_codec_json(str(codec), 4)
+    for algorithm, measured in [("sra", "111.0"), ("ring", "222.0")]:
+        predicted = predict_nodes(64 * 2**20, 2, 4, 4, 512, LinkModel(125e6, 0.0), rates, algorithm=algorithm)
+        cells = [c.strip() for c in lines[algorithm].split("│")]
+        assert cells[6] == f"{predicted['compressed'] * 1e3:.1f}" and cells[9].startswith(measured + " (")
+    assert "333.0" not in str(lines) and "444.0" not in str(lines)

@@ -30,7 +30,12 @@ predictions with measurements. ``S`` below is the buffer's bytes in its own dtyp
   optimized HLO on CPU: the wire layout (payload || meta), XLA's per-destination slices,
   the segments' reassembly and the unpacking, about nine passes over the ``W`` encoded
   chunks in all; and the rank's own chunk, which the fused kernel takes as a separate
-  operand. The ring algorithm moves the same bytes and runs about the same codec work.
+  operand.
+
+* compressed ring (``algorithm="ring"``): the same bytes and about the same codec work, in
+  ``2(W-1)`` steps of ``k`` messages each (``W-1`` ppermutes, then gloo's ring all-gather), each
+  step paying the latency; over nodes of consecutive ranks only one rank per node sends across
+  at each step, so its wire is priced as if every rank had the node's link (:func:`predict_nodes`).
 
 Nothing overlaps on the xla backend's CPU path, so the terms add. ``host_cores`` models
 several ranks sharing one machine, as ``benchmarks/netem`` runs them: with ``W`` processes
@@ -44,6 +49,7 @@ from __future__ import annotations
 import dataclasses
 import json
 
+from jax_cgx._src.config import ALGORITHMS
 from jax_cgx._src.exchange import wire as _wire
 
 __all__ = ["CodecRates", "LinkModel", "encoded_chunk_bytes", "inside_seconds", "predict", "predict_nodes", "OPS",
@@ -102,7 +108,7 @@ OPS = ("psum", "psum_scatter", "all_gather")
 def predict(size_bytes: float, world: int, bits: int, bucket_size: int, link: LinkModel,
             rates: CodecRates, host_cores: int | None = None, segments: int = 0, *,
             itemsize: int = 4, message_cap: int | None = _wire.CPU_MESSAGE_BYTES,
-            share: float | None = None, op: str = "psum") -> dict[str, float]:
+            share: float | None = None, op: str = "psum", algorithm: str = "sra") -> dict[str, float]:
     """Predicted seconds: ``psum`` (the uncompressed collective), ``compressed`` and the
     compressed time's parts.
 
@@ -115,9 +121,12 @@ def predict(size_bytes: float, world: int, bits: int, bucket_size: int, link: Li
     ``segments``: messages per collective, as ``CompressionConfig.pipeline_segments``
     (0: by size, each message at most ``message_cap`` bytes; None: one message).
     ``share``: how many ranks share each core, given directly (overrides ``host_cores``).
+    ``algorithm``: "sra" or "ring" (the all-reduce's steps; the sharded ops are SRA's halves).
     """
     if op not in OPS:
         raise ValueError(f"op must be one of {tuple(OPS)}, got {op!r}")
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
     if world < 2:
         return dict(psum=0.0, compressed=0.0, wire=0.0, codec=0.0, copies=0.0, messages=0, speedup=1.0)
     s, w, b = float(size_bytes), world, link.bandwidth
@@ -142,7 +151,10 @@ def predict(size_bytes: float, world: int, bits: int, bucket_size: int, link: Li
         copied = WIRE_COPIES / 2 * w * enc
     psum = lax_bytes / b + share * added / rates.add + collectives * (w - 1) * link.latency
     messages = _wire.count(segments, int(enc), message_cap)
-    wire = collectives * (w - 1) * enc / b + messages * w * link.latency * collectives / 2
+    # Rounds of messages: SRA's all_to_all (1 step) and ring all_gather (W-1); the ring algorithm's
+    # W-1 ppermutes and the same all_gather. The sharded ops: one collective of W/2 steps on average.
+    steps = 2 * (w - 1) if algorithm == "ring" and op == "psum" else w * collectives / 2
+    wire = collectives * (w - 1) * enc / b + messages * steps * link.latency
     codec = share * codec
     copies = share * copied / rates.add
     compressed = wire + codec + copies
@@ -164,15 +176,17 @@ def predict_nodes(size_bytes: float, nodes: int, per_node: int, bits: int, bucke
                   rates: CodecRates, *, hierarchical: bool = False, host_cores: int | None = None,
                   segments: int = 0, itemsize: int = 4, message_cap: int | None = _wire.CPU_MESSAGE_BYTES,
                   share: float | None = None, inner_bandwidth: float | None = None,
-                  cross_bandwidth: float | None = None) -> dict[str, float]:
+                  cross_bandwidth: float | None = None, algorithm: str = "sra") -> dict[str, float]:
     """:func:`predict` for ``nodes`` nodes of ``per_node`` ranks each, every node on one link of
     ``link.bandwidth`` bytes/s each way (its ranks share it), ranks of one node exchanging at memory
     speed. A reduction over all ``nodes * per_node`` ranks:
 
-    * flat (the compressed SRA over every rank): the all_to_all sends each rank's ``W - m`` off-node
-      chunks, ``m (W - m) E`` over each node's link; the all_gather is gloo's ring, which crosses
-      each node's link once per step, ``(W - 1) E`` (``W = n m`` ranks, ``m = per_node``); psum is
-      priced as :func:`predict`'s ring, which crosses each link once per step too;
+    * flat SRA over every rank: the all_to_all sends each rank's ``W - m`` off-node chunks,
+      ``m (W - m) E`` over each node's link; the all_gather is gloo's ring, which crosses each
+      node's link once per step, ``(W - 1) E`` (``W = n m`` ranks, ``m = per_node``);
+    * flat ring (``algorithm="ring"``): every step crosses each node's link once each way, so it is
+      :func:`predict`'s with each rank on the node's link (the ring's neighbours are consecutive
+      ranks, a node's ranks consecutive); psum is priced as such a ring too;
     * hierarchical: an exact reduce-scatter and all-gather inside the node, ``2 (m-1)/m S`` sent by
       each rank at ``inner_bandwidth`` bytes/s, then :func:`predict`'s compressed all-reduce of
       ``S / m`` over the ``n`` nodes, the ``m`` ranks' exchanges sharing each link (a link of
@@ -191,11 +205,13 @@ def predict_nodes(size_bytes: float, nodes: int, per_node: int, bits: int, bucke
     cross = link.bandwidth / per_node if cross_bandwidth is None else cross_bandwidth
     if per_node == 1 or world < 2:
         return predict(size_bytes, world, bits, bucket_size, link, rates, host_cores, segments, itemsize=itemsize,
-                       message_cap=message_cap, share=share)
+                       message_cap=message_cap, share=share, algorithm=algorithm)
     if share is None:
         share = 1.0 if host_cores is None else max(1.0, world / host_cores)
     flat = predict(size_bytes, world, bits, bucket_size, link, rates, segments=segments, itemsize=itemsize,
-                   message_cap=message_cap, share=share)
+                   message_cap=message_cap, share=share, algorithm=algorithm)
+    if not hierarchical and algorithm == "ring":
+        return flat
     if not hierarchical:
         f = float(size_bytes) / itemsize * 4
         enc = encoded_chunk_bytes(f, world, bits, bucket_size)
@@ -208,7 +224,7 @@ def predict_nodes(size_bytes: float, nodes: int, per_node: int, bits: int, bucke
     inner = inside_seconds(size_bytes, per_node, rates, share, inner_bandwidth)
     cross = predict(float(size_bytes) / per_node, nodes, bits, bucket_size,
                     LinkModel(cross, link.latency), rates, segments=segments, itemsize=itemsize,
-                    message_cap=message_cap, share=share)
+                    message_cap=message_cap, share=share, algorithm=algorithm)
     compressed = inner + cross["compressed"]
     return dict(psum=flat["psum"], compressed=compressed, wire=cross["wire"], codec=cross["codec"],
                 copies=cross["copies"] + inner, messages=cross["messages"],

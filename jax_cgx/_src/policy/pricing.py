@@ -360,7 +360,8 @@ def decide(values: int, dtype, world: int, config: CompressionConfig, *, inner_w
     def model(nbytes: float, ranks: int, of: str = op, link: LinkModel = fig.link) -> dict[str, float]:
         return predict(nbytes, ranks, config.bits, config.bucket_size, link, fig.rates,
                        segments=config.pipeline_segments, itemsize=itemsize,
-                       message_cap=_wire.message_cap([fig.platform], given_link_gbps(config)), share=fig.share, op=of)
+                       message_cap=_wire.message_cap([fig.platform], given_link_gbps(config)), share=fig.share, op=of,
+                       algorithm=config.algorithm)
 
     def fitted(p: dict[str, float], nbytes: float, share_of_fit: float = 1.0) -> float:
         """The wire, and the larger of the modelled codec and the measured fit (scaled)."""
@@ -384,11 +385,11 @@ def decide(values: int, dtype, world: int, config: CompressionConfig, *, inner_w
         inner = inside_seconds(size, inner_world, fig.rates, fig.share, inside)
         cross = fig.link if across is None else LinkModel(across, fig.link.latency)
         compressed = inner + exchange(size / inner_world, world // inner_world, cross)
-    elif level is not None:  # flat over nodes: its all_to_all crosses at the shared rate
+    elif level is not None:  # flat over nodes: SRA's all_to_all crosses at the shared rate, the ring once a step
         p = predict_nodes(size, world // inner_world, inner_world, config.bits, config.bucket_size, fig.link,
                           fig.rates, segments=config.pipeline_segments, itemsize=itemsize,
                           message_cap=_wire.message_cap([fig.platform], given_link_gbps(config)), share=fig.share,
-                          cross_bandwidth=level[1])
+                          cross_bandwidth=level[1], algorithm=config.algorithm)
         compressed = fitted(p, size)
     else:
         compressed = exchange(size, world)

@@ -175,7 +175,7 @@ def measure_link(devices, rates: CodecRates, share: float) -> tuple[LinkModel, E
     for n in sizes:
         t = timed(lambda v: compressed_sum(v, (_AXIS,), w, config, None, "auto", backend="xla"), n)
         wire = predict(n, w, config.bits, config.bucket_size, link, rates,
-                       message_cap=_wire.message_cap([devices[0].platform]))["wire"]
+                       message_cap=_wire.message_cap([devices[0].platform]), algorithm=config.algorithm)["wire"]
         compute.append(max(0.0, t - wire))
     per_byte = (compute[2] - compute[1]) / (sizes[2] - sizes[1])
     fit = ExchangeFit(max(0.0, compute[0] - per_byte * sizes[0]), 1 / per_byte if per_byte > 0 else math.inf)
