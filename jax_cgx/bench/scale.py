@@ -4,9 +4,12 @@ For a gradient of ``--params`` float32 values on nodes of ``--per-node`` GPUs, e
 link of each ``--gbps`` to the others: the time of an exact psum two ways (a ring over every GPU,
 NCCL's ring algorithm, which crosses each node's link with ``2 (W-1)/W`` of the buffer; and a
 hierarchical exact one, reduce-scatter over NVLink, ring across the nodes, all-gather, which sends
-``2 (n-1)/n`` of it), and of jax_cgx's compressed all-reduce, flat (SRA over every GPU) and
-hierarchical (exact inside the node, compressed across the nodes), at each width; the speedups
-are over the faster of the two exact ones. The codec's rates are the H100's measured through JAX (docs/gpu-results.md; 2-bit
+``2 (n-1)/n`` of it), and of jax_cgx's compressed all-reduce, flat (SRA over every GPU, whose
+all_to_all sends ``m`` GPUs' off-node chunks over each node's link), the flat ring (every step
+crosses each node's link once, as psum's ring; but it re-quantizes each value at every one of its
+``W`` hops, so its error grows with the GPUs: docs/algorithm.md) and hierarchical (exact inside
+the node, compressed across the nodes), at each width; the speedups are over the faster of the
+two exact ones. The codec's rates are the H100's measured through JAX (docs/gpu-results.md; 2-bit
 taken as 4-bit's, not measured). The model and its assumptions:
 :func:`jax_cgx._src.policy.cost_model.predict_nodes`; where it would fail: docs/multinode.md.
 """
@@ -54,6 +57,8 @@ def rows(args: argparse.Namespace) -> list[dict]:
                 rates = H100_RATES[bits]
                 kw = dict(segments=1, message_cap=None, share=1.0, inner_bandwidth=args.nvlink_gbs * 1e9)
                 flat = predict_nodes(size, nodes, args.per_node, bits, args.bucket_size, link, rates, **kw)
+                ring = predict_nodes(size, nodes, args.per_node, bits, args.bucket_size, link, rates,
+                                     algorithm="ring", **kw)
                 hier = predict_nodes(size, nodes, args.per_node, bits, args.bucket_size, link, rates,
                                      hierarchical=True, **kw)
                 m = args.per_node
@@ -62,7 +67,8 @@ def rows(args: argparse.Namespace) -> list[dict]:
                 best = min(flat["psum"], exact_hier)
                 out.append(dict(gbps=gbps, nodes=nodes, gpus=nodes * m, bits=bits, psum_ring_s=flat["psum"],
                                 psum_hierarchical_s=exact_hier, flat_s=flat["compressed"],
-                                hierarchical_s=hier["compressed"], flat_speedup=best / flat["compressed"],
+                                ring_s=ring["compressed"], hierarchical_s=hier["compressed"],
+                                flat_speedup=best / flat["compressed"], ring_speedup=best / ring["compressed"],
                                 hierarchical_speedup=best / hier["compressed"]))
     return out
 
@@ -73,11 +79,11 @@ def main(args: argparse.Namespace) -> None:
     records = rows(args)
     print_table(f"predicted all-reduce of {args.params:g} float32 values, nodes of {args.per_node} GPUs "
                 f"(cost model; H100 codec rates)",
-                ["Gbit/s", "nodes", "GPUs", "bits", "psum ring s", "psum hier. s", "flat s", "hier. s", "flat x",
-                 "hier. x"],
+                ["Gbit/s", "nodes", "GPUs", "bits", "psum ring s", "psum hier. s", "flat s", "ring s", "hier. s",
+                 "flat x", "ring x", "hier. x"],
                 [[f"{r['gbps']:g}", str(r["nodes"]), str(r["gpus"]), str(r["bits"]), f"{r['psum_ring_s']:.3g}",
-                  f"{r['psum_hierarchical_s']:.3g}",
-                  f"{r['flat_s']:.3g}", f"{r['hierarchical_s']:.3g}", f"{r['flat_speedup']:.2f}",
+                  f"{r['psum_hierarchical_s']:.3g}", f"{r['flat_s']:.3g}", f"{r['ring_s']:.3g}",
+                  f"{r['hierarchical_s']:.3g}", f"{r['flat_speedup']:.2f}", f"{r['ring_speedup']:.2f}",
                   f"{r['hierarchical_speedup']:.2f}"] for r in records])
     if args.output:
         save(records, args.output)
@@ -86,7 +92,8 @@ def main(args: argparse.Namespace) -> None:
 
 
 def plot(records: list[dict], path: str) -> None:
-    """Speedup over the faster exact psum against GPUs, flat and hierarchical at each width; one panel per link."""
+    """Speedup over the faster exact psum against GPUs, flat SRA, flat ring and hierarchical at each width; one
+    panel per link."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -100,7 +107,9 @@ def plot(records: list[dict], path: str) -> None:
             gpus = [r["gpus"] for r in rs]
             (line,) = ax.plot(gpus, [r["hierarchical_speedup"] for r in rs], marker="o", label=f"{bits}-bit hierarchical")
             ax.plot(gpus, [r["flat_speedup"] for r in rs], marker="x", linestyle="--", color=line.get_color(),
-                    label=f"{bits}-bit flat")
+                    label=f"{bits}-bit flat SRA")
+            ax.plot(gpus, [r["ring_speedup"] for r in rs], marker="+", linestyle=":", color=line.get_color(),
+                    label=f"{bits}-bit flat ring")
         ax.axhline(1.0, color="grey", linewidth=0.8)
         ax.set_xscale("log", base=2)
         ax.set_title(f"{gbps:g} Gbit/s between nodes")
