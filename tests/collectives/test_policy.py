@@ -462,7 +462,9 @@ def test_gpu_codec_probe_times_batches_of_large_calls(monkeypatch):
     monkeypatch.setattr(probes.jax, "device_put", fake_put)
     monkeypatch.setattr(probes, "_batched", lambda fn, n: batches.append(n) or fn)
     gpu = probes.measure_rates(Device("gpu"))
-    cpu = probes.measure_rates(Device("cpu"))
+    met = []  # the processes' barrier: once, between compiling and timing
+    cpu = probes.measure_rates(Device("cpu"), together=lambda: met.append(len(batches)))
+    assert met == [6]
     assert seen == [4096, probes._CODEC_PROBE_VALUES]
     assert batches == [probes._GPU_CODEC_BATCH] * 3 + [1] * 3
     assert all(r > 0 for r in (gpu.quantize, gpu.dequantize, gpu.add, cpu.quantize, cpu.dequantize, cpu.add))
@@ -601,3 +603,54 @@ def test_a_given_link_still_measures_the_inside_of_a_node(monkeypatch):
     monkeypatch.setattr(pricing, "figures", lambda config=None, platform=None: given)
     c = jax_cgx.CompressionConfig(bits=4, policy="auto", link_gbps=10)
     assert not forms.choose_form([64 << 20], np.float32, 4, c.replace(hierarchical=True), inner_world=2).hierarchical
+
+
+@pytest.fixture
+def gloo_messages(monkeypatch):
+    """Messages cut as on CPU with several processes (256 KiB), here where one process runs."""
+    monkeypatch.setattr(forms._wire, "message_cap", lambda platforms, link_gbps=None: 256 * 1024)
+
+
+@pytest.mark.parametrize("one_s, expected", [(0.052, 1), (0.143, 0)])
+def test_auto_times_one_message_against_the_default_cut(monkeypatch, caplog, gloo_messages, one_s, expected):
+    # The 2x2 CPU nodes at 10 Gbit/s: 9 messages of at most 256 KiB 95 ms, one 52 ms; at 1 Gbit/s on
+    # 2 processes 16 messages 90 ms, one 143 (docs/multinode.md). The model does not price gloo's
+    # large messages, so only a timing of both moves a group to one message.
+    settled = _fake_machine(monkeypatch, link_gbps=10, inside_gbps=11, across_gbps=5,
+                            timed={"psum": 0.8, "sra": 0.095, "sra, 1 message": one_s})
+    c = jax_cgx.CompressionConfig(bits=4, policy="auto")
+    with caplog.at_level(logging.INFO, logger="jax_cgx"):
+        chosen = forms.choose_form([1 << 20, 16 << 20], np.float32, 4, c)
+    assert chosen == c.replace(pipeline_segments=expected) and chosen.pipeline_segments == expected
+    assert [f for f, _ in settled] == ["sra", "sra, 1 message"]  # the largest buffer, both ways
+    what = "one message per collective" if expected else "messages cut by size"
+    assert re.search(rf"policy='auto': {what} for a 64 MiB float32 buffer over 4 ranks \(sra: timed 95 ms in "
+                     rf"messages of at most 256 KiB, {one_s * 1e3:.3g} ms in one", caplog.text)
+
+
+def test_one_message_only_where_the_default_cut_is_unsure(monkeypatch, gloo_messages):
+    times = {"psum": 0.8, "sra": 0.095, "sra, 1 message": 0.05, "ring, 1 message": 0.04,
+             "hierarchical sra, 1 message": 0.2, "hierarchical ring, 1 message": 0.2}
+    settled = _fake_machine(monkeypatch, link_gbps=10, inside_gbps=11, across_gbps=5, timed=times)
+    c = jax_cgx.CompressionConfig(bits=4, policy="auto")
+    for kept in [c.replace(link_gbps=10.0), c.replace(pipeline_segments=4)]:  # sized to the link, or by the user
+        assert forms.choose_form([16 << 20], np.float32, 4, kept) == kept
+    assert forms.choose_form([1 << 12], np.float32, 4, c) == c  # one message already
+    assert forms.choose_form([16 << 20], np.float32, 4, c, backend="tcp") == c  # its own segments
+    assert settled == []
+    monkeypatch.setattr(forms._wire, "message_cap", lambda platforms, link_gbps=None: None)  # one process, GPU
+    assert forms.choose_form([16 << 20], np.float32, 4, c) == c and settled == []
+    # over nodes: the messages (timed on the configured form), then the fastest form sent so
+    monkeypatch.setattr(forms._wire, "message_cap", lambda platforms, link_gbps=None: 256 * 1024)
+    settled.clear()
+    assert forms.choose_form([16 << 20], np.float32, 4, c, inner_world=2) == c.replace(algorithm="ring",
+                                                                                      pipeline_segments=1)
+    assert [f for f, _ in settled] == ["sra", "sra, 1 message", "sra, 1 message", "ring, 1 message",
+                                       "hierarchical sra, 1 message", "hierarchical ring, 1 message"]
+    # cut, no form beats psum; in one message it does (2x2 at 10 Gbit/s, 8 bits: psum 134 ms, cut 168,
+    # one message 75): the messages are timed whatever the cut form's price
+    times.update(psum=0.134, sra=0.168, **{"sra, 1 message": 0.075, "ring, 1 message": 0.075})
+    pricing.reset()
+    chosen = forms.choose_form([16 << 20], np.float32, 4, c.replace(bits=8), inner_world=2)
+    assert chosen == c.replace(bits=8, pipeline_segments=1)
+    assert pricing.decide(16 << 20, np.float32, 4, chosen, inner_world=2, log=False).compress

@@ -1,22 +1,31 @@
-"""``policy="auto"`` over nodes: which form a group of fusion buffers runs in.
+"""``policy="auto"``: which form a group of fusion buffers runs in.
 
 A reduction over two axes (nodes, then the devices of one node) can run flat (SRA or ring over
 every device) or hierarchical (exact inside the node, SRA or ring across nodes). The forms lie
 within the cost model's error of each other, so each is priced by
 :func:`jax_cgx._src.policy.pricing.decide` with the links measured per axis and, within its caps,
 timed on a two-level probe mesh; the fastest runs (docs/multinode.md).
+
+On the xla backend over gloo (CPU, several processes) with the link's rate not given, the form's
+messages are chosen too: cut as the default cuts them (at most 256 KiB, right on a slow link) or
+one per collective (right on a fast one, where every message costs a round), whichever the group's
+largest buffer was timed faster with (:func:`choose_messages`; the model does not price gloo's
+large-message penalty, so only a timing decides).
 """
 
 from __future__ import annotations
 
 import logging
 
+import jax
 import numpy as np
 
-from jax_cgx._src.config import CompressionConfig
+from jax_cgx._src.config import CompressionConfig, given_link_gbps
+from jax_cgx._src.exchange import wire as _wire
+from jax_cgx._src.exchange.chunks import chunk_length, row_plan
 from jax_cgx._src.policy import pricing
 
-__all__ = ["SWITCH_SPEEDUP", "forms", "choose_form"]
+__all__ = ["SWITCH_SPEEDUP", "forms", "choose_form", "choose_messages"]
 
 logger = logging.getLogger("jax_cgx")
 
@@ -46,13 +55,24 @@ def forms(config: CompressionConfig, world: int, inner_world: int | None, residu
 def choose_form(buffers: list[int], dtype, world: int, config: CompressionConfig, *,
                 inner_world: int | None = None, backend: str = "xla", measure: bool = True, residual: bool = False,
                 log: bool = True) -> CompressionConfig:
-    """The form (algorithm, flat or hierarchical) ``policy="auto"`` runs a group of fusion buffers
-    of ``buffers`` values each in: the one whose buffers cost least, each buffer at its psum or its
-    compressed exchange as :func:`~jax_cgx._src.policy.pricing.decide` decides (timed where it
-    times), unless that is within :data:`SWITCH_SPEEDUP` of the configured form. Logged once with
-    every form's price."""
+    """The form (algorithm, flat or hierarchical, and its messages) ``policy="auto"`` runs a group of
+    fusion buffers of ``buffers`` values each in: the one whose buffers cost least, each buffer at its
+    psum or its compressed exchange as :func:`~jax_cgx._src.policy.pricing.decide` decides (timed
+    where it times), unless that is within :data:`SWITCH_SPEEDUP` of the configured form; its messages
+    chosen first (:func:`choose_messages`). Logged once with every form's price."""
+    if world < 2:
+        return config
+    # Messages first: they are the transport's (one message can turn a form that loses to psum into
+    # the fastest), and every form is then timed the way it will run.
+    config = choose_messages(buffers, dtype, world, config, inner_world=inner_world, backend=backend, measure=measure,
+                             log=log)
+    return _fastest_form(buffers, dtype, world, config, inner_world, backend, measure, residual, log)
+
+
+def _fastest_form(buffers: list[int], dtype, world: int, config: CompressionConfig, inner_world: int | None,
+                  backend: str, measure: bool, residual: bool, log: bool) -> CompressionConfig:
     candidates = forms(config, world, inner_world, residual)
-    if len(candidates) == 1 or world < 2:
+    if len(candidates) == 1:
         return config
     priced, psums = [], None
     for c in candidates:
@@ -74,4 +94,39 @@ def choose_form(buffers: list[int], dtype, world: int, config: CompressionConfig
         logger.info("jax_cgx: policy='auto': %s for %d buffer(s) of %s over %d ranks%s (%s; psum %.3g ms)",
                     pricing.form_name(chosen), len(buffers), np.dtype(dtype).name, world, nodes, prices,
                     sum(psums) * 1e3)
+    return chosen
+
+
+def choose_messages(buffers: list[int], dtype, world: int, config: CompressionConfig, *,
+                    inner_world: int | None = None, backend: str = "xla", measure: bool = True,
+                    log: bool = True) -> CompressionConfig:
+    """``config`` as is, or with one message per collective (``pipeline_segments=1``) where that
+    timed :data:`SWITCH_SPEEDUP` faster on the group's largest buffer. Only where the default cut
+    applies and is unsure: the xla backend on CPU with several processes, ``pipeline_segments=0``,
+    the link's rate not given (given, the messages are sized to it), the buffer cut into more than
+    one message. Timed whether or not the cut form beat psum: one message may (2x2 CPU nodes at 10
+    Gbit/s, 8 bits: psum 134 ms, cut 168, one message 75). Logged once with both timings."""
+    largest = max(buffers, default=0)
+    if backend != "xla" or config.pipeline_segments or given_link_gbps(config) is not None or not largest:
+        return config
+    cap = _wire.message_cap([jax.default_backend()])
+    chunk = chunk_length(largest, world, config.bucket_size, config.skip_incomplete_buckets)
+    if cap is None or row_plan(chunk, config.bits, config.bucket_size, "auto", 0, cap)[3] < 2:
+        return config
+    one = config.replace(pipeline_segments=1)
+    cut_s, one_s = (pricing.timed(largest, dtype, world, c, inner_world=inner_world, backend=backend, measure=measure)
+                    for c in (config, one))
+    if cut_s is None or one_s is None:
+        return config
+    chosen = one if one_s * SWITCH_SPEEDUP < cut_s else config
+    key = ("messages", largest, np.dtype(dtype).name, world, inner_world, config, backend)
+    if log and key not in pricing._logged:
+        pricing._logged.add(key)
+        logger.info("jax_cgx: policy='auto': %s for a %.4g MiB %s buffer over %d ranks (%s: timed %.3g ms "
+                    "in messages of at most %d KiB, %.3g ms in one; set link_gbps or JAX_CGX_LINK_GBPS to size them "
+                    "to the link instead)",
+                    "one message per collective" if chosen is one else "messages cut by size",
+                    largest * np.dtype(dtype).itemsize / 2**20,
+                    np.dtype(dtype).name, world, pricing.form_name(config, inner_world), cut_s * 1e3, cap // 1024,
+                    one_s * 1e3)
     return chosen

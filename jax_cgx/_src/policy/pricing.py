@@ -35,7 +35,7 @@ from jax_cgx._src.policy.figures import Decision, Figures
 from jax_cgx._src.policy.figures import gbits as _gbits
 from jax_cgx._src.policy.probes import ExchangeFit, Timed
 
-__all__ = ["Figures", "Decision", "ExchangeFit", "Timed", "calibrate", "figures", "decide", "levels", "form_name",
+__all__ = ["Figures", "Decision", "ExchangeFit", "Timed", "calibrate", "figures", "decide", "levels", "timed", "form_name",
            "MIN_SPEEDUP", "TIE_BAND", "VALIDATED_PLATFORMS"]
 
 logger = logging.getLogger("jax_cgx")
@@ -143,7 +143,7 @@ def _calibrate_platform(platform: str, link_gbps: float | None, source: str | No
     """Measure what is missing and agree on it with every process; runs on a fresh thread."""
     t0 = time.perf_counter()
     if platform not in _measured_rates:
-        r = probes.measure_rates(jax.local_devices(backend=platform)[0])
+        r = probes.measure_rates(jax.local_devices(backend=platform)[0], together=lambda: _agree([0.0], np.min))
         # The link rates given travel with the rates: a process given one would skip the link
         # probe that the others run collectively, and their programs would no longer match. The
         # environment's is compared even when this call has its own (or none, as calibrate()):
@@ -316,8 +316,8 @@ def _settle(values: int, dtype, world: int, config: CompressionConfig, backend: 
             if op != "psum" and bodies is None:
                 raise ValueError(f"policy: timing a {op} buffer needs its programs (decide(..., bodies=...))")
             t0 = time.perf_counter()
-            # Over nodes another form of this buffer timed its psum already: not again.
-            same = [t for (b, _), t in _settled.items() if inner and b == buffer]
+            # Another form of this buffer (over nodes, or its messages) timed its psum already: not again.
+            same = [t for (b, _), t in _settled.items() if b == buffer]
             _settled[key] = _outside_trace(lambda: _time_exchange(
                 devices, values, dtype, config, backend, bodies, inner, **({"psum_s": same[0][0]} if same else {})))
             prefix, lax_name = _names(op)
@@ -415,7 +415,17 @@ def decide(values: int, dtype, world: int, config: CompressionConfig, *, inner_w
     return decision
 
 
+def timed(values: int, dtype, world: int, config: CompressionConfig, *, inner_world: int | None = None,
+          backend: str = "xla", measure: bool = True) -> float | None:
+    """The measured seconds of ``config``'s compressed exchange of one buffer of ``values`` (timed
+    once, collectively, and agreed), or None where it cannot be timed (as :func:`decide` times)."""
+    measured = _settle(values, dtype, world, config, backend, figures(config), measure, inner_world=inner_world)
+    return None if measured is None else measured[1]
+
+
 def form_name(config: CompressionConfig, inner: int | None = None) -> str:
-    """How a config reduces, for log lines: "ring", "sra", "hierarchical sra"."""
-    return ("hierarchical " if config.hierarchical and (inner is None or inner > 1) else "") + config.algorithm
+    """How a config reduces, for log lines: "ring", "sra", "hierarchical sra"; ", 1 message" where
+    each collective sends one message per peer (``pipeline_segments=1``)."""
+    level = "hierarchical " if config.hierarchical and (inner is None or inner > 1) else ""
+    return level + config.algorithm + (", 1 message" if config.pipeline_segments == 1 else "")
 
