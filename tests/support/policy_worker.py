@@ -35,8 +35,8 @@ def main() -> None:
     jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=nproc, process_id=pid)
     measure = probes.measure_rates
 
-    def skewed(device, **kw):  # a slower codec on every later process
-        rates = measure(device, **kw)
+    def skewed(device):  # a slower codec on every later process
+        rates = measure(device)
         return dataclasses.replace(rates, quantize=rates.quantize / (pid + 1))
 
     probes.measure_rates = skewed

@@ -143,7 +143,7 @@ def _calibrate_platform(platform: str, link_gbps: float | None, source: str | No
     """Measure what is missing and agree on it with every process; runs on a fresh thread."""
     t0 = time.perf_counter()
     if platform not in _measured_rates:
-        r = probes.measure_rates(jax.local_devices(backend=platform)[0], together=lambda: _agree([0.0], np.min))
+        r = probes.measure_rates(jax.local_devices(backend=platform)[0])
         # The link rates given travel with the rates: a process given one would skip the link
         # probe that the others run collectively, and their programs would no longer match. The
         # environment's is compared even when this call has its own (or none, as calibrate()):

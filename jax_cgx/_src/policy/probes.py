@@ -73,9 +73,10 @@ class ExchangeFit:
 Timed = tuple[Callable, Callable]
 
 
-def _median_times(*fns: Callable[[], object], repeats: int = _REPEATS) -> list[float]:
-    """Each function's median seconds, their runs interleaved so that all see the same
-    machine (a neighbour's burst of work slows them alike)."""
+def _times(*fns: Callable[[], object], repeats: int = _REPEATS, summary: Callable = statistics.median
+           ) -> list[float]:
+    """Each function's seconds (the ``summary`` of its runs, the median by default), their runs
+    interleaved so that all see the same machine (a neighbour's burst of work slows them alike)."""
     for fn in fns:
         jax.block_until_ready(fn())  # compile and warm up
     times: list[list[float]] = [[] for _ in fns]
@@ -84,11 +85,11 @@ def _median_times(*fns: Callable[[], object], repeats: int = _REPEATS) -> list[f
             t0 = time.perf_counter()
             jax.block_until_ready(fn())
             t.append(time.perf_counter() - t0)
-    return [statistics.median(t) for t in times]
+    return [summary(t) for t in times]
 
 
 def _median_time(fn: Callable[[], object]) -> float:
-    return _median_times(fn)[0]
+    return _times(fn)[0]
 
 
 def _batched(fn: Callable[[], object], calls: int) -> Callable[[], object]:
@@ -101,13 +102,13 @@ def _batched(fn: Callable[[], object], calls: int) -> Callable[[], object]:
     return run
 
 
-def measure_rates(device, together: Callable[[], object] = lambda: None) -> CodecRates:
-    """Bytes of float32 per second this device quantizes (4 bits), dequantizes and copies.
-
-    ``together``: called once the three programs are compiled, before they are timed: with several
-    processes a barrier, so that all time at once, as a step computes, and none while a peer still
-    compiles (one process timed so on a 2-core machine, 4 processes: copies at 1.5 GB/s instead of
-    12, which priced a 64 MiB buffer's fusion copies at 88 ms and kept it uncompressed, 2x slower)."""
+def measure_rates(device) -> CodecRates:
+    """Bytes of float32 per second this device quantizes (4 bits), dequantizes and copies: what it
+    can do, the fastest of interleaved runs. With several processes on shared cores a median
+    caught whatever a peer did meanwhile (one process timed while the others still compiled, on
+    a 2-core machine with 4 processes: copies at 1.5 GB/s instead of 12, which priced a 64 MiB
+    buffer's fusion copies at 88 ms and kept it uncompressed, 2x slower); all processes timing at
+    once after a barrier measured their contention instead (copies at 1.3-8 GB/s)."""
     config = CompressionConfig(bits=4)
     on_cpu = device.platform == "cpu"
     values, calls = (_CODEC_PROBE_VALUES, 1) if on_cpu else (_GPU_CODEC_PROBE_VALUES, _GPU_CODEC_BATCH)
@@ -116,12 +117,10 @@ def measure_rates(device, together: Callable[[], object] = lambda: None) -> Code
     dequantize = jax.jit(codec.dequantize)
     copy = jax.jit(lambda a: -a)  # one read and one write of every byte
     q = quantize(x)
-    fns = [_batched(lambda: quantize(x), calls), _batched(lambda: dequantize(q), calls), _batched(lambda: copy(x), calls)]
-    for fn in fns:
-        jax.block_until_ready(fn())  # compiled before the barrier
-    together()
     nbytes = x.size * 4 * calls
-    quantize_s, dequantize_s, copy_s = _median_times(*fns)
+    quantize_s, dequantize_s, copy_s = _times(
+        _batched(lambda: quantize(x), calls), _batched(lambda: dequantize(q), calls), _batched(lambda: copy(x), calls),
+        summary=min)
     return CodecRates(quantize=nbytes / quantize_s, dequantize=nbytes / dequantize_s, add=nbytes / copy_s)
 
 
@@ -246,8 +245,8 @@ def time_exchange(devices, values: int, dtype, config: CompressionConfig, backen
     try:
         compressed = _over(mesh, lambda v: compressed_fn(v, axis, config), values, dtype)
         if psum_s is not None:
-            return psum_s, _median_times(compressed, repeats=_SETTLE_REPEATS)[0]
-        psum, exchange = _median_times(_over(mesh, lambda v: lax_fn(v, axis), values, dtype), compressed,
+            return psum_s, _times(compressed, repeats=_SETTLE_REPEATS)[0]
+        psum, exchange = _times(_over(mesh, lambda v: lax_fn(v, axis), values, dtype), compressed,
                                        repeats=_SETTLE_REPEATS)
     finally:
         if owner.families is not None:
