@@ -77,6 +77,7 @@ def main(args: argparse.Namespace) -> None:
             for r in json.load(f):
                 # "sra", "ring", "hierarchical sra", "hierarchical ring"; auto's rows aside
                 form = str(r.get("algorithm", "sra")).split()
+                form += ["sra"] if form == ["hierarchical"] else []  # older files: "hierarchical" was SRA
                 if form[-1] not in ALGORITHMS or (form[0] == "hierarchical") != args.hierarchical:
                     continue
                 if args.per_node > 1 and r.get("mesh") != f"{r['devices'] // args.per_node}x{args.per_node}":

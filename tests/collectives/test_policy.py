@@ -652,3 +652,12 @@ def test_one_message_only_where_the_default_cut_is_unsure(monkeypatch, gloo_mess
     chosen = forms.choose_form([16 << 20], np.float32, 4, c.replace(bits=8), inner_world=2)
     assert chosen == c.replace(bits=8, pipeline_segments=1)
     assert pricing.decide(16 << 20, np.float32, 4, chosen, inner_world=2, log=False).compress
+
+
+def test_messages_are_not_timed_where_a_timing_would_take_too_long(monkeypatch, gloo_messages):
+    # A buffer whose psum is predicted at a second or more (here 1 GiB at 1 Gbit/s) is not timed
+    # twice more for its messages: the default cut stays.
+    settled = _fake_machine(monkeypatch, link_gbps=1, inside_gbps=11, across_gbps=1,
+                            timed={"psum": 20.0, "sra": 2.0, "sra, 1 message": 1.0})
+    c = jax_cgx.CompressionConfig(bits=4, policy="auto")
+    assert forms.choose_messages([1 << 28], np.float32, 4, c) == c and settled == []

@@ -418,8 +418,15 @@ def decide(values: int, dtype, world: int, config: CompressionConfig, *, inner_w
 def timed(values: int, dtype, world: int, config: CompressionConfig, *, inner_world: int | None = None,
           backend: str = "xla", measure: bool = True) -> float | None:
     """The measured seconds of ``config``'s compressed exchange of one buffer of ``values`` (timed
-    once, collectively, and agreed), or None where it cannot be timed (as :func:`decide` times)."""
-    measured = _settle(values, dtype, world, config, backend, figures(config), measure, inner_world=inner_world)
+    once, collectively, and agreed), or None where it is not timed: the link given (not measured),
+    a psum predicted at :data:`_SETTLE_MAX_S` or more (a timing would take minutes), or as
+    :func:`_settle` declines."""
+    fig = figures(config)
+    size = values * np.dtype(dtype).itemsize
+    if not fig.link_measured or predict(size, world, config.bits, config.bucket_size, fig.link, fig.rates,
+                                        itemsize=np.dtype(dtype).itemsize, share=fig.share)["psum"] >= _SETTLE_MAX_S:
+        return None
+    measured = _settle(values, dtype, world, config, backend, fig, measure, inner_world=inner_world)
     return None if measured is None else measured[1]
 
 
