@@ -421,10 +421,10 @@ def timed(values: int, dtype, world: int, config: CompressionConfig, *, inner_wo
     once, collectively, and agreed), or None where it is not timed: the link given (not measured),
     a psum predicted at :data:`_SETTLE_MAX_S` or more (a timing would take minutes), or as
     :func:`_settle` declines."""
-    fig = figures(config)
-    size = values * np.dtype(dtype).itemsize
-    if not fig.link_measured or predict(size, world, config.bits, config.bucket_size, fig.link, fig.rates,
-                                        itemsize=np.dtype(dtype).itemsize, share=fig.share)["psum"] >= _SETTLE_MAX_S:
+    fig, itemsize = figures(config), np.dtype(dtype).itemsize
+    psum = predict(values * itemsize, world, config.bits, config.bucket_size, fig.link, fig.rates, itemsize=itemsize,
+                   share=fig.share)["psum"]
+    if not fig.link_measured or psum >= _SETTLE_MAX_S:
         return None
     measured = _settle(values, dtype, world, config, backend, fig, measure, inner_world=inner_world)
     return None if measured is None else measured[1]

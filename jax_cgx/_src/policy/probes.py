@@ -247,7 +247,7 @@ def time_exchange(devices, values: int, dtype, config: CompressionConfig, backen
         if psum_s is not None:
             return psum_s, _times(compressed, repeats=_SETTLE_REPEATS)[0]
         psum, exchange = _times(_over(mesh, lambda v: lax_fn(v, axis), values, dtype), compressed,
-                                       repeats=_SETTLE_REPEATS)
+                                repeats=_SETTLE_REPEATS)
     finally:
         if owner.families is not None:
             owner.teardown(mesh)
