@@ -154,8 +154,8 @@ def _tie_on_measured_link(monkeypatch, psum_s: float, exchange_s: float) -> list
     monkeypatch.setattr(pricing, "_SETTLE_MAX_S", math.inf)
     timed = []
 
-    def fake(devices, values, dtype, config, backend, bodies=None, inner=None):
-        assert len(devices) == W and config.policy == "auto"
+    def fake(devices, values, dtype, config, backend, bodies=None, inner=None, known_psum_s=None, rivals=()):
+        assert len(devices) == W and config.policy == "auto" and rivals == ()
         timed.append((values, backend))
         return psum_s, exchange_s
 
@@ -486,7 +486,8 @@ def _fake_machine(monkeypatch, *, link_gbps, inside_gbps, across_gbps, timed=Non
                         lambda fig, inner, measure=True: (inside_gbps * 1e9 / 8, across_gbps * 1e9 / 8))
     settled = []
 
-    def settle(values, dtype, world, config, backend, fig, measure=True, op="psum", bodies=None, inner_world=None):
+    def settle(values, dtype, world, config, backend, fig, measure=True, op="psum", bodies=None, inner_world=None,
+               rivals=()):
         if timed is None:
             return None
         settled.append((pricing.form_name(config), inner_world))
@@ -569,7 +570,7 @@ def test_forms_over_nodes_time_the_psum_once(monkeypatch):
     monkeypatch.setattr(pricing, "levels", lambda fig, inner, measure=True: (10e9 / 8, 0.5e9 / 8))
     calls = []
 
-    def timing(devices, values, dtype, config, backend, bodies=None, inner=None, psum_s=None):
+    def timing(devices, values, dtype, config, backend, bodies=None, inner=None, psum_s=None, rivals=()):
         calls.append((pricing.form_name(config), inner, psum_s))
         return (0.8 if psum_s is None else psum_s), 0.2
 
@@ -578,6 +579,40 @@ def test_forms_over_nodes_time_the_psum_once(monkeypatch):
     forms.choose_form([1 << 16], np.float32, 8, c, inner_world=4)
     assert [f for f, _, _ in calls] == ["sra", "ring", "hierarchical sra", "hierarchical ring"]
     assert [(inner, psum) for _, inner, psum in calls] == [(4, None)] + [(4, 0.8)] * 3
+
+
+def test_forms_of_one_buffer_share_its_psum_and_rivals_are_timed_together(monkeypatch, caplog):
+    """Over one axis too, a second form of a timed buffer reuses its psum timing; forms a choice
+    weighs (``rivals``) are timed in one interleaved call, each kept for its own lookup."""
+    fig = _figures(1)
+    calls = []
+
+    def timing(devices, values, dtype, config, backend, bodies=None, inner=None, psum_s=None, rivals=()):
+        calls.append((pricing.form_name(config), psum_s, [pricing.form_name(r) for r in rivals]))
+        return (0.8 if psum_s is None else psum_s), 0.2, *(0.1 * (i + 1) for i in range(len(rivals)))
+
+    monkeypatch.setattr(pricing, "_time_exchange", timing)
+    c = jax_cgx.CompressionConfig(bits=4, policy="auto")
+    one, ring = c.replace(pipeline_segments=1), c.replace(algorithm="ring")
+    with caplog.at_level(logging.INFO, logger="jax_cgx"):
+        assert pricing._settle(1 << 16, np.float32, W, c, "xla", fig, rivals=(c, one, one)) == (0.8, 0.2)
+    assert calls == [("sra", None, ["sra, 1 message"])]  # itself and duplicates dropped from the rivals
+    assert "compressed exchange on xla: sra 200 ms; sra, 1 message 100 ms)" in caplog.text
+    assert pricing._settle(1 << 16, np.float32, W, one, "xla", fig, rivals=(c, one)) == (0.8, 0.1)  # kept
+    assert len(calls) == 1
+    assert pricing._settle(1 << 16, np.float32, W, ring, "xla", fig) == (0.8, 0.2)
+    assert calls[1] == ("ring", 0.8, [])  # the psum of the same buffer, timed once
+    assert pricing._settle(1 << 17, np.float32, W, ring, "xla", fig)[0] == 0.8 and calls[2][1] is None  # not another
+
+
+def test_rival_forms_are_timed_in_the_same_runs():
+    # The real probe over the 8 CPU devices: one psum and both compressed forms, each a positive time.
+    devices = jax.devices()[:W]
+    c = jax_cgx.CompressionConfig(bits=4)
+    times = pricing._time_exchange(devices, 1 << 15, np.float32, c, "xla", rivals=(c.replace(pipeline_segments=1),))
+    assert len(times) == 3 and all(t > 0 for t in times)
+    assert pricing._time_exchange(devices, 1 << 15, np.float32, c, "xla", psum_s=1.0,
+                                  rivals=(c.replace(algorithm="ring"),))[0] == 1.0
 
 
 def test_a_given_link_still_measures_the_inside_of_a_node(monkeypatch):

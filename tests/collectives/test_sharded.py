@@ -378,7 +378,7 @@ def test_policy_auto_times_a_sharded_near_tie_with_its_own_collectives(op, fresh
     monkeypatch.setattr(pricing, "_SETTLE_MAX_S", float("inf"))
     real, timed = pricing._time_exchange, []
 
-    def timing(devices, values, dtype, config, backend, bodies=None, inner=None):
+    def timing(devices, values, dtype, config, backend, bodies=None, inner=None, psum_s=None, rivals=()):
         timed.append((values, backend))
         lax_s, compressed_s = real(devices, values, dtype, config, backend, bodies)
         assert lax_s > 0 and compressed_s > 0

@@ -85,8 +85,10 @@ class CompressionConfig:
         the link each where its rate is given (``link_gbps``), else 256 KiB (gloo runs
         large two-way messages at half the line rate of a slow link, and every message is
         a round of its own, which costs more than it saves on a fast one); one message
-        elsewhere. With ``policy="auto"`` and no rate given, each group's largest buffer is
-        timed both cut and in one message, and the faster runs. Never changes the result.
+        elsewhere. With ``policy="auto"`` and no rate given, the all-reduce
+        (:func:`jax_cgx.compressed_psum` and what builds on it) times each group's largest
+        buffer both cut and in one message, and the faster runs (the sharded collectives
+        keep the cut). Never changes the result.
       policy: ``"always"`` compresses every buffer the lanes give it; ``"auto"`` reduces
         each fusion buffer with plain ``psum`` where the cost model (with the link and the
         codec measured the first time, or timed where the prediction is a near tie) says

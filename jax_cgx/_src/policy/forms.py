@@ -114,10 +114,13 @@ def choose_messages(buffers: list[int], dtype, world: int, config: CompressionCo
     if cap is None or row_plan(chunk, config.bits, config.bucket_size, "auto", 0, cap)[3] < 2:
         return config
     one = config.replace(pipeline_segments=1)
-    cut_s, one_s = (pricing.timed(largest, dtype, world, c, inner_world=inner_world, backend=backend, measure=measure)
-                    for c in (config, one))
-    if cut_s is None or one_s is None:
+    # Both in the same interleaved runs: a choice between two timings taken apart could follow
+    # whatever the machine did in between (a peer still compiling on shared cores).
+    both = pricing.timed(largest, dtype, world, (config, one), inner_world=inner_world, backend=backend,
+                         measure=measure)
+    if both is None:
         return config
+    cut_s, one_s = both
     chosen = one if one_s * SWITCH_SPEEDUP < cut_s else config
     key = ("messages", largest, np.dtype(dtype).name, world, inner_world, config, backend)
     if log and key not in pricing._logged:

@@ -246,9 +246,10 @@ def reset() -> None:
 
 
 def _time_exchange(devices, values: int, dtype, config: CompressionConfig, backend: str, bodies: Timed | None = None,
-                   inner: int | None = None, **known) -> tuple[float, float]:
+                   inner: int | None = None, psum_s: float | None = None, rivals: tuple = ()) -> tuple[float, ...]:
     """:func:`~jax_cgx._src.policy.probes.time_exchange`, the slowest process's."""
-    return tuple(_agree(list(probes.time_exchange(devices, values, dtype, config, backend, bodies, inner, **known)), np.max))
+    return tuple(_agree(list(probes.time_exchange(devices, values, dtype, config, backend, bodies, inner, psum_s,
+                                                  rivals)), np.max))
 
 
 def two_level(world: int, inner_world: int | None) -> bool:
@@ -291,12 +292,13 @@ def _names(op: str) -> tuple[str, str]:
 
 def _settle(values: int, dtype, world: int, config: CompressionConfig, backend: str, fig: Figures,
             measure: bool = True, op: str = "psum", bodies: Timed | None = None,
-            inner_world: int | None = None) -> tuple[float, float] | None:
+            inner_world: int | None = None, rivals: tuple[CompressionConfig, ...] = ()) -> tuple[float, float] | None:
     """The measured ``(psum, exchange)`` seconds of this buffer, or None where it cannot be
     timed alone: the reduction does not span every device, or is hierarchical over one level
     (``inner_world``: over nodes of that many devices, timed on a two-level mesh), or
     ``_SETTLE_MAX_BUFFERS`` were timed already. ``measure=False``: only what was timed before
-    (timing is collective; :func:`jax_cgx.explain` may run on one process)."""
+    (timing is collective; :func:`jax_cgx.explain` may run on one process). ``rivals``: forms a
+    choice weighs against ``config``, timed (where not yet) in the same interleaved runs and kept."""
     devices = jax.devices(fig.platform)
     inner = inner_world if two_level(world, inner_world) and op == "psum" else None
     if len(devices) != world or (config.hierarchical and inner is None) or (inner and len(devices) % inner):
@@ -318,15 +320,19 @@ def _settle(values: int, dtype, world: int, config: CompressionConfig, backend: 
             t0 = time.perf_counter()
             # Another form of this buffer (over nodes, or its messages) timed its psum already: not again.
             same = [t for (b, _), t in _settled.items() if b == buffer]
-            _settled[key] = _outside_trace(lambda: _time_exchange(
-                devices, values, dtype, config, backend, bodies, inner, **({"psum_s": same[0][0]} if same else {})))
+            rivals = tuple(r for r in dict.fromkeys(rivals) if r != config and (buffer, r) not in _settled)
+            psum_s, *exchange_s = _outside_trace(lambda: _time_exchange(
+                devices, values, dtype, config, backend, bodies, inner, same[0][0] if same else None, rivals))
+            for c, e in zip((config, *rivals), exchange_s, strict=True):
+                _settled[(buffer, c)] = (psum_s, e)
             prefix, lax_name = _names(op)
+            named = inner or rivals  # then each form by name: "sra 95 ms; sra, 1 message 52 ms"
+            exchanges = "; ".join(f"{form_name(c, inner) + ' ' if named else ''}{e * 1e3:.3g} ms"
+                                  for c, e in zip((config, *rivals), exchange_s))
             logger.info("jax_cgx: policy='auto': %stimed a %.4g MiB %s buffer over %d ranks%s in %.2f s (%s %.3g ms, "
-                        "compressed exchange %son %s %.3g ms)", prefix, values * np.dtype(dtype).itemsize / 2**20,
+                        "compressed exchange on %s: %s)", prefix, values * np.dtype(dtype).itemsize / 2**20,
                         np.dtype(dtype).name, world, f" (nodes of {inner})" if inner else "",
-                        time.perf_counter() - t0, lax_name, _settled[key][0] * 1e3,
-                        f"({form_name(config, inner)}) " if inner else "", backend,
-                        _settled[key][1] * 1e3)
+                        time.perf_counter() - t0, lax_name, psum_s * 1e3, backend, exchanges)
         return _settled[key]
 
 
@@ -377,7 +383,7 @@ def decide(values: int, dtype, world: int, config: CompressionConfig, *, inner_w
         whole = model(nbytes, ranks, "psum", link)
         return fitted(p, nbytes, (p["codec"] + p["copies"]) / (whole["codec"] + whole["copies"]))
 
-    psum = model(size, world)["psum"]
+    psum = _predicted_psum(values, dtype, world, config, fig, op)
     # Over nodes (op psum, two axes): each axis's measured link prices its part.
     level = levels(fig, inner_world, measure) if two_level(world, inner_world) and op == "psum" else None
     if config.hierarchical and inner_world and inner_world > 1:
@@ -415,19 +421,25 @@ def decide(values: int, dtype, world: int, config: CompressionConfig, *, inner_w
     return decision
 
 
-def timed(values: int, dtype, world: int, config: CompressionConfig, *, inner_world: int | None = None,
-          backend: str = "xla", measure: bool = True) -> float | None:
-    """The measured seconds of ``config``'s compressed exchange of one buffer of ``values`` (timed
-    once, collectively, and agreed), or None where it is not timed: the link given (not measured),
-    a psum predicted at :data:`_SETTLE_MAX_S` or more (a timing would take minutes), or as
-    :func:`_settle` declines."""
-    fig, itemsize = figures(config), np.dtype(dtype).itemsize
-    psum = predict(values * itemsize, world, config.bits, config.bucket_size, fig.link, fig.rates, itemsize=itemsize,
-                   share=fig.share)["psum"]
-    if not fig.link_measured or psum >= _SETTLE_MAX_S:
+def timed(values: int, dtype, world: int, configs: tuple[CompressionConfig, ...], *, inner_world: int | None = None,
+          backend: str = "xla", measure: bool = True) -> list[float] | None:
+    """The measured seconds of each config's compressed exchange of one buffer of ``values``, the
+    configs timed in the same interleaved runs (once, collectively, and agreed); None where they
+    are not timed: the link given (not measured), a psum predicted at :data:`_SETTLE_MAX_S` or
+    more (a timing would take minutes), or as :func:`_settle` declines."""
+    fig = figures(configs[0])
+    if not fig.link_measured or _predicted_psum(values, dtype, world, configs[0], fig) >= _SETTLE_MAX_S:
         return None
-    measured = _settle(values, dtype, world, config, backend, fig, measure, inner_world=inner_world)
-    return None if measured is None else measured[1]
+    measured = [_settle(values, dtype, world, c, backend, fig, measure, inner_world=inner_world, rivals=configs)
+                for c in configs]
+    return None if None in measured else [m[1] for m in measured]
+
+
+def _predicted_psum(values: int, dtype, world: int, config: CompressionConfig, fig: Figures, op: str = "psum") -> float:
+    """The model's seconds of the lax collective (``op``): what :func:`decide` weighs against, and what caps timing."""
+    itemsize = np.dtype(dtype).itemsize
+    return predict(values * itemsize, world, config.bits, config.bucket_size, fig.link, fig.rates, itemsize=itemsize,
+                   share=fig.share, op=op)["psum"]
 
 
 def form_name(config: CompressionConfig, inner: int | None = None) -> str:

@@ -210,15 +210,17 @@ def measure_levels(devices, inner: int, rates: CodecRates, share: float,
 
 
 def time_exchange(devices, values: int, dtype, config: CompressionConfig, backend: str,
-                  bodies: Timed | None = None, inner: int | None = None, psum_s: float | None = None
-                  ) -> tuple[float, float]:
+                  bodies: Timed | None = None, inner: int | None = None, psum_s: float | None = None,
+                  rivals: tuple[CompressionConfig, ...] = ()) -> tuple[float, ...]:
     """Median seconds of the uncompressed collective (``bodies``; default psum) and the compressed
     one on ``values`` values per device over ``devices``, on ``backend``, on this process. A
     backend that owns connections connects a mesh of the probe's own for it. ``inner``: over
     both axes of the two-level mesh of nodes of ``inner`` devices (a hierarchical config needs it).
     ``psum_s``: the uncompressed collective's time, known already (another form of the same
-    buffer timed it): only the compressed one is timed."""
-    config = config.replace(policy="always", backend=backend)
+    buffer timed it): only the compressed one is timed. ``rivals``: other forms of the same
+    buffer, timed in the same interleaved runs (a choice between forms must not hinge on what
+    the machine did between two probes); their seconds follow in the result, in order."""
+    configs = [c.replace(policy="always", backend=backend) for c in (config, *rivals)]
     world = len(devices)
     if inner is not None:
         mesh = _two_level_mesh(devices, inner)
@@ -243,12 +245,11 @@ def time_exchange(devices, values: int, dtype, config: CompressionConfig, backen
     if owner.families is not None:
         owner.setup(mesh)
     try:
-        compressed = _over(mesh, lambda v: compressed_fn(v, axis, config), values, dtype)
+        compressed = [_over(mesh, lambda v, c=c: compressed_fn(v, axis, c), values, dtype) for c in configs]
         if psum_s is not None:
-            return psum_s, _times(compressed, repeats=_SETTLE_REPEATS)[0]
-        psum, exchange = _times(_over(mesh, lambda v: lax_fn(v, axis), values, dtype), compressed,
-                                repeats=_SETTLE_REPEATS)
+            return psum_s, *_times(*compressed, repeats=_SETTLE_REPEATS)
+        return tuple(_times(_over(mesh, lambda v: lax_fn(v, axis), values, dtype), *compressed,
+                            repeats=_SETTLE_REPEATS))
     finally:
         if owner.families is not None:
             owner.teardown(mesh)
-    return psum, exchange
