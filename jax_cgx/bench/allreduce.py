@@ -228,8 +228,10 @@ def run(args: argparse.Namespace) -> list[dict]:
                             psum_algbw_gbs=nbytes / t_plain / 1e9, psum_busbw_gbs=nbytes / t_plain / 1e9 * factor,
                             algbw_gbs=nbytes / t / 1e9, busbw_gbs=nbytes / t / 1e9 * factor, speedup=t_plain / t,
                             psum_wire_mib=wire_plain / 2**20,
+                            # Over nodes, policy="auto" may choose another form (and psum or not) per node
+                            # layout: the bytes follow the form that ran, as the decisions were timed.
                             compressed_wire_mib=bytes_on_wire(like, world, config, op=op,
-                                                              inner_world=mesh.shape["local"] if hierarchical else None)
+                                                              inner_world=mesh.shape["local"] if args.two_level else None)
                             / 2**20,
                             max_abs_error=err, max_abs_sum=float(np.max(np.abs(exact))),
                         )

@@ -526,6 +526,22 @@ def test_the_fastest_timed_form_is_chosen_and_logged(monkeypatch, caplog):
     assert forms.choose_form([16 << 20], np.float32, 4, c, inner_world=2) == c
 
 
+@pytest.mark.parametrize("fastest", ["hierarchical sra", "ring"])
+def test_bytes_on_wire_over_nodes_count_the_form_auto_chose(monkeypatch, fastest):
+    # What the all-reduce benchmark reports beside each timing: with inner_world given, the bytes
+    # of the form the step runs (flat or hierarchical), not of a flat psum-or-not from the model.
+    times = {"psum": 0.800, "sra": 0.3, "ring": 0.3, "hierarchical sra": 0.3, "hierarchical ring": 0.3, fastest: 0.1}
+    _fake_machine(monkeypatch, link_gbps=1, inside_gbps=11, across_gbps=0.5, timed=times)
+    c = jax_cgx.CompressionConfig(bits=4, policy="auto")
+    chosen = forms.choose_form([1 << 20], np.float32, 4, c, inner_world=2)
+    assert pricing.form_name(chosen) == fastest
+    like = jax.ShapeDtypeStruct((1 << 20,), jnp.float32)
+    always = chosen.replace(policy="always")
+    assert bytes_on_wire(like, 4, c, inner_world=2) == bytes_on_wire(like, 4, always, inner_world=2)
+    assert (bytes_on_wire(like, 4, always, inner_world=2) == bytes_on_wire(like, 4, c.replace(policy="always"))) == (
+        fastest == "ring")  # the ring sends SRA's bytes; the hierarchical form sends more
+
+
 @pytest.mark.parametrize("inside_gbps, expected", [(800, "hierarchical"), (2, "flat")])
 def test_the_model_weighs_the_inside_of_a_node(monkeypatch, inside_gbps, expected):
     """Untimed (the model alone): a fast inside of a node (NVLink) makes hierarchical the fastest
