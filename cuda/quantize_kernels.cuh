@@ -20,6 +20,16 @@ namespace detail {
 
 // -------------------------------------------------------- kernel bodies
 
+// The layout a body works with: `l` with its width the constant kBits where
+// kBits != 0 (the launcher dispatches on l.bits). Every helper is inlined, so
+// the packing shifts, word plans and byte counts then fold to constants.
+template <int kBits>
+CGX_HD RowLayout with_width(const RowLayout& l) {
+  RowLayout c = l;
+  if constexpr (kBits != 0) c.bits = kBits;
+  return c;
+}
+
 // Where bucket (r, k) goes once its min/max is reduced: its metadata, level
 // encoder, payload bytes and their address. The lane with write_meta set
 // stores the metadata. Inactive lanes (no bucket) get bytes = 0.
@@ -98,9 +108,12 @@ CGX_HD void load_bucket(const Src& src, const RowLayout& l, const BucketCursor& 
 // current one is reduced and encoded, so a warp has two buckets' reads in
 // flight and the memory latency hides behind its own arithmetic (worth it
 // when warps loop, i.e. on a grid of resident blocks: see launch_segments).
-template <class Src, class Sink, int G, bool kPrefetch>
-CGX_HD void quantize_segments(const Src& src, const Sink& sink, const RowLayout& l,
-                              const QuantOut& q, int lanes) {
+// kBits: 0, or l.bits as a constant (with_width).
+template <class Src, class Sink, int G, bool kPrefetch, int kBits = 0>
+CGX_HD void quantize_segments(const Src& src, const Sink& sink, const RowLayout& layout,
+                              const QuantOut& q, int segment_lanes) {
+  const RowLayout l = with_width<kBits>(layout);
+  const int lanes = G > 1 ? kWarpSize : segment_lanes;  // plan_quantize: G > 1 only on whole warps
   const ThreadPos tp = thread_pos();
   const int lane = static_cast<int>(tp.thread % kWarpSize);
   const int seg = lane / lanes;
@@ -154,9 +167,10 @@ CGX_HD void quantize_segments(const Src& src, const Sink& sink, const RowLayout&
 // over the bucket, pass 2 reads it again (from L2) and encodes; warp w of the
 // block handles groups g0 + 32w .. g0 + 32w + 31 of each pass-2 round.
 // `partial` is __shared__ storage for one MinMax per warp.
-template <class Src, class Sink>
-CGX_HD void quantize_blocks(const Src& src, const Sink& sink, const RowLayout& l,
+template <class Src, class Sink, int kBits = 0>
+CGX_HD void quantize_blocks(const Src& src, const Sink& sink, const RowLayout& layout,
                             const QuantOut& q, MinMax* partial) {
+  const RowLayout l = with_width<kBits>(layout);
   const ThreadPos tp = thread_pos();
   const int lane = static_cast<int>(tp.thread % kWarpSize);
   const int64_t warp = tp.thread / kWarpSize;
@@ -210,21 +224,31 @@ CGX_HD void quantize_blocks(const Src& src, const Sink& sink, const RowLayout& l
 //                                  array (not the summing kernels, whose loads
 //                                  decode) also prefetches the next bucket
 //   JAX_CGX_QUANTIZE_MIN_BLOCKS=N  ask ptxas for registers that let N blocks
-//                                  of kThreads reside on a multiprocessor
+//                                  of kThreads reside on a multiprocessor, for
+//                                  the segment kernels of <= 2 register groups
+//                                  (4 groups spill under 3: they keep 1)
+//   JAX_CGX_CODEC_WIDTHS=1         a kernel per common width (4 and 8 bits)
+//                                  with the width a constant: the generic
+//                                  kernels shift by run-time multiples of
+//                                  bits (64-bit shifts, emulated), size word
+//                                  plans and byte counts per bucket, and
+//                                  branch on the width per group; other
+//                                  widths keep the generic kernels
 // (Their defaults are set in xla_ffi/cuda_kernels.h.)
 constexpr bool kCodecPipeline = JAX_CGX_CODEC_PIPELINE != 0;
+constexpr bool kCodecWidths = JAX_CGX_CODEC_WIDTHS != 0;
 
-template <class Src, class Sink, int G>
-__global__ void __launch_bounds__(kThreads, JAX_CGX_QUANTIZE_MIN_BLOCKS)
+template <class Src, class Sink, int G, int kBits>
+__global__ void __launch_bounds__(kThreads, G > 2 ? 1 : JAX_CGX_QUANTIZE_MIN_BLOCKS)
     quantize_segments_kernel(Src src, Sink sink, RowLayout l, QuantOut q, int lanes) {
-  quantize_segments<Src, Sink, G, kCodecPipeline && Src::kPrefetch>(src, sink, l, q, lanes);
+  quantize_segments<Src, Sink, G, kCodecPipeline && Src::kPrefetch, kBits>(src, sink, l, q, lanes);
 }
 
-template <class Src, class Sink>
+template <class Src, class Sink, int kBits>
 __global__ void __launch_bounds__(kThreads)
     quantize_blocks_kernel(Src src, Sink sink, RowLayout l, QuantOut q) {
   __shared__ MinMax partial[kWarpsPerBlock];
-  quantize_blocks<Src, Sink>(src, sink, l, q, partial);
+  quantize_blocks<Src, Sink, kBits>(src, sink, l, q, partial);
 }
 
 // ---------------------------------------------------------------- launching
@@ -282,33 +306,49 @@ unsigned loop_grid(int64_t items, int64_t items_per_block) {
   return grid;
 }
 
-template <class Src, class Sink, int G>
+template <class Src, class Sink, int G, int kBits>
 void launch_segments(cudaStream_t stream, const RowLayout& l, const Src& src, const Sink& sink,
                      const QuantOut& q, const QuantizePlan& p) {
-  constexpr auto kernel = &quantize_segments_kernel<Src, Sink, G>;
+  constexpr auto kernel = &quantize_segments_kernel<Src, Sink, G, kBits>;
   kernel<<<loop_grid<kernel>(l.rows * l.buckets, p.buckets_per_block), kThreads, 0, stream>>>(src, sink, l, q,
                                                                                                 p.lanes);
+}
+
+template <class Src, class Sink, int kBits>
+void launch_quantize_width(cudaStream_t stream, const RowLayout& l, const Src& src, const Sink& sink,
+                           const QuantOut& q) {
+  const QuantizePlan p = plan_quantize(l);
+  switch (p.groups) {
+    case 1:
+      launch_segments<Src, Sink, 1, kBits>(stream, l, src, sink, q, p);
+      break;
+    case 2:
+      launch_segments<Src, Sink, 2, kBits>(stream, l, src, sink, q, p);
+      break;
+    case kMaxRegisterGroups:
+      launch_segments<Src, Sink, kMaxRegisterGroups, kBits>(stream, l, src, sink, q, p);
+      break;
+    default:
+      quantize_blocks_kernel<Src, Sink, kBits><<<grid_for(l.rows * l.buckets, 1), kThreads, 0, stream>>>(
+          src, sink, l, q);
+      break;
+  }
 }
 
 template <class Src, class Sink>
 cudaError_t launch_quantize(cudaStream_t stream, const RowLayout& l, const Src& src,
                             const Sink& sink, const QuantOut& q) {
-  const QuantizePlan p = plan_quantize(l);
-  switch (p.groups) {
-    case 1:
-      launch_segments<Src, Sink, 1>(stream, l, src, sink, q, p);
-      break;
-    case 2:
-      launch_segments<Src, Sink, 2>(stream, l, src, sink, q, p);
-      break;
-    case kMaxRegisterGroups:
-      launch_segments<Src, Sink, kMaxRegisterGroups>(stream, l, src, sink, q, p);
-      break;
-    default:
-      quantize_blocks_kernel<Src, Sink><<<grid_for(l.rows * l.buckets, 1), kThreads, 0, stream>>>(
-          src, sink, l, q);
-      break;
+  if constexpr (kCodecWidths) {
+    if (l.bits == 4 || l.bits == 8) {
+      if (l.bits == 4) {
+        launch_quantize_width<Src, Sink, 4>(stream, l, src, sink, q);
+      } else {
+        launch_quantize_width<Src, Sink, 8>(stream, l, src, sink, q);
+      }
+      return cudaGetLastError();
+    }
   }
+  launch_quantize_width<Src, Sink, 0>(stream, l, src, sink, q);
   return cudaGetLastError();
 }
 

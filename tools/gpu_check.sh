@@ -11,7 +11,7 @@
 #                    reference, byte for byte, and the bandwidth table against a copy,
 #                    for each build-time variant of the quantizing kernels (VARIANTS)
 #   profile_codec    Nsight Compute on the quantize (bucket 512) and dequantize kernels,
-#                    default and pipelined variants
+#                    the default build and the one with a kernel per width (WIDTHS=1)
 #   tests_codec_gpu  the CUDA kernels against the CPU kernels through JAX, bitwise (about 7
 #                    minutes on an H100: each case compiles)
 #   tests_nccl_gpu   the nccl backend against the xla backend with 2 and 4 ranks sharing the GPU
@@ -95,7 +95,7 @@ step() {  # step NAME CMD...: run, log to $out/NAME.log, remember failures
 }
 pack() {  # everything so far into $OUT (when the device tool's $OUT is set)
   [[ -n "${OUT:-}" && "$out" != "$OUT" ]] || return 0
-  tar czf "$OUT/gpu-check.tar.gz" --exclude=train_step_profile --exclude='device_test_p?_m?' \
+  tar czf "$OUT/gpu-check.tar.gz" --exclude=train_step_profile --exclude='device_test_p?_m?_w?' \
     -C "$(dirname "$out")" "$(basename "$out")" 2>/dev/null
   cp "$out/summary.txt" "$OUT/summary.txt" 2>/dev/null
   return 0
@@ -118,13 +118,15 @@ from jax_cgx import _cuda; assert _cuda.nccl_compiled(); print('cuda extension o
 }
 
 # Build-time variants of the quantizing kernels (cuda/quantize_kernels.cuh):
-# "PIPELINE MIN_BLOCKS", the first being the default build (xla_ffi/cuda_kernels.h).
-VARIANTS=("1 1" "0 1" "0 3" "1 3")
+# "PIPELINE MIN_BLOCKS WIDTHS", the first being the default build (xla_ffi/cuda_kernels.h).
+# (The per-bucket grids, PIPELINE=0, were timed on 2026-11-27 and lost: docs/gpu-results.md.)
+VARIANTS=("1 3 0" "1 1 0" "1 3 1" "1 1 1")
 sm=${JAX_CGX_CUDA_ARCHITECTURES%%-*}
-device_test_build() {  # device_test_build PIPELINE MIN_BLOCKS [DIR]: builds DIR/device_test_pP_mM (DIR: $out)
+vname() { echo "p$1_m$2_w$3"; }  # vname PIPELINE MIN_BLOCKS WIDTHS: the variant's name
+device_test_build() {  # device_test_build PIPELINE MIN_BLOCKS WIDTHS [DIR]: builds DIR/device_test_<vname> (DIR: $out)
   nvcc -std=c++17 -O3 --fmad=false --expt-relaxed-constexpr -arch="sm_$sm" \
-    -DJAX_CGX_CODEC_PIPELINE="$1" -DJAX_CGX_QUANTIZE_MIN_BLOCKS="$2" --resource-usage \
-    -I. -Icuda/tests cuda/tests/device_test.cu cuda/codec_kernels.cu -o "${3:-$out}/device_test_p$1_m$2"
+    -DJAX_CGX_CODEC_PIPELINE="$1" -DJAX_CGX_QUANTIZE_MIN_BLOCKS="$2" -DJAX_CGX_CODEC_WIDTHS="$3" --resource-usage \
+    -I. -Icuda/tests cuda/tests/device_test.cu cuda/codec_kernels.cu -o "${4:-$out}/device_test_$(vname "$1" "$2" "$3")"
 }
 
 # What device_test is built from: prebuilt binaries count only while this is unchanged.
@@ -136,13 +138,14 @@ sources_hash() {
 # A variant built here before the call (stage prebuild), if it was built from these sources for this
 # GPU and this machine can run it (ldd finds every library and symbol version): copied to $out
 # instead of building it again.
-prebuilt() {  # prebuilt PIPELINE MIN_BLOCKS: true if $out/device_test_pP_mM came from .prebuilt/
-  local dir=".prebuilt/sm$sm"
-  local exe="$dir/device_test_p$1_m$2"
+prebuilt() {  # prebuilt PIPELINE MIN_BLOCKS WIDTHS: true if $out/device_test_<vname> came from .prebuilt/
+  local dir=".prebuilt/sm$sm" name
+  name=$(vname "$1" "$2" "$3")
+  local exe="$dir/device_test_$name"
   [[ -x $exe && -f $dir/sources && $(cat "$dir/sources") == "$(sources_hash)" ]] || return 1
   [[ $(ldd "$exe" 2>&1) != *"not found"* ]] || return 1
-  cp "$exe" "$out/" && cp "$dir/device_test_build_p$1_m$2.log" "$out/" 2>/dev/null
-  echo "   device_test_p$1_m$2 from $dir (built $(cat "$dir/built" 2>/dev/null))" | tee -a "$out/summary.txt"
+  cp "$exe" "$out/" && cp "$dir/device_test_build_$name.log" "$out/" 2>/dev/null
+  echo "   device_test_$name from $dir (built $(cat "$dir/built" 2>/dev/null))" | tee -a "$out/summary.txt"
 }
 
 stage_prebuild() {
@@ -152,7 +155,7 @@ stage_prebuild() {
   local v pids=() failed=0
   for v in "${VARIANTS[@]}"; do
     # shellcheck disable=SC2086
-    device_test_build $v "$dir" >"$dir/device_test_build_p${v// /_m}.log" 2>&1 &
+    device_test_build $v "$dir" >"$dir/device_test_build_$(vname $v).log" 2>&1 &
     pids+=($!)
   done
   local i
@@ -174,38 +177,38 @@ stage_kernels() {
     # shellcheck disable=SC2086
     prebuilt $v && { pids+=(0); continue; }
     # shellcheck disable=SC2086
-    device_test_build $v >"$out/device_test_build_p${v// /_m}.log" 2>&1 &
+    device_test_build $v >"$out/device_test_build_$(vname $v).log" 2>&1 &
     pids+=($!)
   done
   local i
   for i in "${!pids[@]}"; do
     v=${VARIANTS[$i]}
     [[ ${pids[$i]} == 0 ]] && continue
-    wait "${pids[$i]}" || { echo "   build p${v// /_m} FAILED, see device_test_build_p${v// /_m}.log" |
+    wait "${pids[$i]}" || { echo "   build $(vname $v) FAILED, see device_test_build_$(vname $v).log" |
       tee -a "$out/summary.txt"; status=1; }
   done
   for v in "${VARIANTS[@]}"; do
-    local exe="$out/device_test_p${v// /_m}"
-    step "device_test_p${v// /_m}" "$exe"
-    step "device_bench_p${v// /_m}" "$exe" bench
-    tail -n +2 "$out/device_bench_p${v// /_m}.log" >>"$out/summary.txt"
+    local exe="$out/device_test_$(vname $v)"
+    step "device_test_$(vname $v)" "$exe"
+    step "device_bench_$(vname $v)" "$exe" bench
+    tail -n +2 "$out/device_bench_$(vname $v).log" >>"$out/summary.txt"
   done
 }
 
 # ncu on the quantize (bucket 512: two register groups per lane) and dequantize launches of
-# `device_test profile` (each operation once), for the default and the pipelined builds.
+# `device_test profile` (each operation once), for the default build and the one with a kernel per width.
 stage_profile_codec() {
   command -v ncu >/dev/null || { echo "   no ncu" | tee -a "$out/summary.txt"; return; }
   local v exe
-  for v in "0 1" "1 1"; do
-    exe="$out/device_test_p${v// /_m}"
+  for v in "1 3 0" "1 3 1"; do
+    exe="$out/device_test_$(vname $v)"
     # shellcheck disable=SC2086
     [[ -x $exe ]] || prebuilt $v || device_test_build $v >/dev/null 2>&1
-    step "ncu_quantize_p${v// /_m}" ncu --kernel-name-base mangled \
+    step "ncu_quantize_$(vname $v)" ncu --kernel-name-base mangled \
       --kernel-name "regex:quantize_segments_kernel.*ArrayInput.*Li2E" --launch-count 1 \
       --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats \
       --section WarpStateStats --section SchedulerStats "$exe" profile
-    step "ncu_dequantize_p${v// /_m}" ncu --kernel-name-base mangled --kernel-name "regex:dequantize_sum_kernel" \
+    step "ncu_dequantize_$(vname $v)" ncu --kernel-name-base mangled --kernel-name "regex:dequantize_sum_kernel" \
       --launch-count 1 --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy \
       --section WarpStateStats "$exe" profile
   done
@@ -450,7 +453,7 @@ if [[ -n "${OUT:-}" && "$out" != "$OUT" ]]; then
   name="gpu-check-$(IFS=-; echo "${stages[*]}")"
   name=${name:0:100}
   # The profile apart: the device tool brings back files of at most 16 MiB.
-  tar czf "$OUT/$name.tar.gz" --exclude=train_step_profile --exclude='device_test_p?_m?' -C "$(dirname "$out")" "$(basename "$out")"
+  tar czf "$OUT/$name.tar.gz" --exclude=train_step_profile --exclude='device_test_p?_m?_w?' -C "$(dirname "$out")" "$(basename "$out")"
   [[ -d "$out/train_step_profile" ]] && tar czf "$OUT/$name-profile.tar.gz" -C "$out" train_step_profile
   cp "$out/summary.txt" "$OUT/summary.txt"
 fi

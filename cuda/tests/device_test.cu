@@ -221,8 +221,8 @@ static void bench() {
   }
   const float t_copy = time_ms([&] { CUDA_OK(cudaMemcpyAsync(o.ptr, x.ptr, n * 4, cudaMemcpyDeviceToDevice)); });
   const double copy_gbs = 2.0 * n * 4 / t_copy / 1e6;
-  std::printf("variant: JAX_CGX_CODEC_PIPELINE=%d JAX_CGX_QUANTIZE_MIN_BLOCKS=%d\n", JAX_CGX_CODEC_PIPELINE,
-              JAX_CGX_QUANTIZE_MIN_BLOCKS);
+  std::printf("variant: JAX_CGX_CODEC_PIPELINE=%d JAX_CGX_QUANTIZE_MIN_BLOCKS=%d JAX_CGX_CODEC_WIDTHS=%d\n",
+              JAX_CGX_CODEC_PIPELINE, JAX_CGX_QUANTIZE_MIN_BLOCKS, JAX_CGX_CODEC_WIDTHS);
   std::printf("copy 256 MiB: %.3f ms, %.0f GB/s read + written\n", t_copy, copy_gbs);
   std::printf("%-10s %5s %4s %9s %8s %8s\n", "op", "B", "bits", "ms", "GB/s", "of copy");
   auto row = [&](const char* op, int64_t B, int bits, float ms, double bytes) {

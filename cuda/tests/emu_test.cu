@@ -15,16 +15,30 @@ using namespace jax_cgx::cuda::detail;
 
 #include "ref.h"
 
-// Which variant of the segment body run_quantize runs (both are tested: main
-// alternates; the build-time JAX_CGX_CODEC_PIPELINE picks one for the GPU).
+// Which variant of the quantizing bodies run_quantize runs (all are tested:
+// main alternates; the build-time JAX_CGX_CODEC_PIPELINE and
+// JAX_CGX_CODEC_WIDTHS pick the GPU's): the segment body's prefetch, and the
+// width as a constant (with_width) where the layout's is 4 or 8.
 bool g_prefetch = false;
+bool g_const_width = false;
 
-template <class Src, class Sink, int G>
+template <class Src, class Sink, int G, int kBits>
 void run_segments(const Src& src, const Sink& sink, const RowLayout& l, const QuantOut& q, int lanes) {
   if (g_prefetch) {
-    quantize_segments<Src, Sink, G, true>(src, sink, l, q, lanes);
+    quantize_segments<Src, Sink, G, true, kBits>(src, sink, l, q, lanes);
   } else {
-    quantize_segments<Src, Sink, G, false>(src, sink, l, q, lanes);
+    quantize_segments<Src, Sink, G, false, kBits>(src, sink, l, q, lanes);
+  }
+}
+
+template <class Src, class Sink, int kBits>
+void run_plan(const Src& src, const Sink& sink, const RowLayout& l, const QuantOut& q, const QuantizePlan& p) {
+  static MinMax partial[kWarpsPerBlock];
+  switch (p.groups) {
+    case 1: run_segments<Src, Sink, 1, kBits>(src, sink, l, q, p.lanes); break;
+    case 2: run_segments<Src, Sink, 2, kBits>(src, sink, l, q, p.lanes); break;
+    case 4: run_segments<Src, Sink, 4, kBits>(src, sink, l, q, p.lanes); break;
+    default: quantize_blocks<Src, Sink, kBits>(src, sink, l, q, partial); break;
   }
 }
 
@@ -34,13 +48,14 @@ void run_quantize(const Src& src, const Sink& sink, const RowLayout& l, const Qu
                   int grid_cap, int block_threads) {
   const QuantizePlan p = plan_quantize(l);
   const int grid = static_cast<int>(std::min<int64_t>(grid_for(l.rows * l.buckets, p.buckets_per_block), grid_cap));
-  static MinMax partial[kWarpsPerBlock];
+  const int width = g_const_width && (l.bits == 4 || l.bits == 8) ? l.bits : 0;
   emu_rt::launch(grid, block_threads, [&]() {
-    switch (p.groups) {
-      case 1: run_segments<Src, Sink, 1>(src, sink, l, q, p.lanes); break;
-      case 2: run_segments<Src, Sink, 2>(src, sink, l, q, p.lanes); break;
-      case 4: run_segments<Src, Sink, 4>(src, sink, l, q, p.lanes); break;
-      default: quantize_blocks<Src, Sink>(src, sink, l, q, partial); break;
+    if (width == 4) {
+      run_plan<Src, Sink, 4>(src, sink, l, q, p);
+    } else if (width == 8) {
+      run_plan<Src, Sink, 8>(src, sink, l, q, p);
+    } else {
+      run_plan<Src, Sink, 0>(src, sink, l, q, p);
     }
   });
 }
@@ -492,12 +507,17 @@ int main(int argc, char** argv) {
   test_units(rng);
   std::fprintf(stderr, "units: %ld checks, %ld failures\n", g_checks, g_failures);
   for (int bits : {1, 4, 7, 8}) {
-    g_prefetch = bits % 2 == 0;
-    test_segments<F32Type>(rng, 10 * 64 + 13, 64, bits, 3);
-    test_segments<BF16Type>(rng, 7 * 100, 100, bits, 2);
-    test_segments<F16Type>(rng, 3 * 5000 + 1, 5000, bits, 1);  // block kernel
+    for (bool const_width : {false, true}) {
+      if (const_width && bits != 4 && bits != 8) continue;
+      g_prefetch = bits % 2 == 0;
+      g_const_width = const_width;
+      test_segments<F32Type>(rng, 10 * 64 + 13, 64, bits, 3);
+      test_segments<BF16Type>(rng, 7 * 100, 100, bits, 2);
+      test_segments<F16Type>(rng, 3 * 5000 + 1, 5000, bits, 1);  // block kernel
+    }
   }
   g_prefetch = false;
+  g_const_width = false;
   std::fprintf(stderr, "segments: %ld checks, %ld failures\n", g_checks, g_failures);
 
   if (argc > 1 && std::string(argv[1]) == "big") {
@@ -537,6 +557,7 @@ int main(int argc, char** argv) {
       const int grid_cap = 1 + cfg % 3;
       const int block = (cfg % 2) ? 64 : 256;
       g_prefetch = (cfg / 2) % 2 == 1;  // independent of block
+      g_const_width = (cfg / 3) % 2 == 1;  // and of both (4 and 8 bits only)
       test_quantize<F32Type>(rng, R, n, B, skip, bits, stoch, 0, 0, false, grid_cap, block);
       test_quantize<BF16Type>(rng, R, n, B, skip, bits, !stoch, 0, cfg % 4, false, grid_cap, block);
       test_quantize<F16Type>(rng, R, n, B, false, bits, stoch, 1, 1, false, grid_cap, block);
