@@ -87,10 +87,11 @@ def test_slow_link_compresses_bitwise_like_always():
 
 
 def test_buffers_decided_one_by_one(monkeypatch):
-    # Buffers of 16384 values (64 KiB) win, shorter ones lose. First pricing: a[0:16384],
-    # a[16384:32768] win; the last buffer (a's tail and all of b) loses, so b leaves for the
-    # auto-psum lane. a alone is priced again: its own last buffer still loses and is psum'd
-    # in place. Every compressed buffer is bitwise what "always" gives a alone.
+    # Buffers of 16384 values (64 KiB) win, shorter ones lose. a, more than a quarter of a buffer,
+    # is cut into buffers of its own (on CPU), b fused after it. First pricing: a[0:16384],
+    # a[16384:32768] win; a's tail and b's buffer lose, so b leaves for the auto-psum lane. a alone
+    # is priced again: its last buffer still loses and is psum'd in place. Every compressed buffer
+    # is bitwise what "always" gives a alone.
     rng = np.random.default_rng(1)
     x = {"a": jnp.asarray(rng.standard_normal((W, 40000)), jnp.float32),
          "b": jnp.asarray(rng.standard_normal((W, 300)), jnp.float32)}
@@ -112,7 +113,7 @@ def test_buffers_decided_one_by_one(monkeypatch):
 
     auto = run(x, base.replace(policy="auto"))
     always = run({"a": x["a"]}, base)
-    assert calls == [16384, 16384, 40300 - 2 * 16384, 16384, 16384, 40000 - 2 * 16384]
+    assert calls == [16384, 16384, 40000 - 2 * 16384, 300, 16384, 16384, 40000 - 2 * 16384]
     a, ref = np.asarray(auto["a"]), np.asarray(always["a"])
     assert_same_bits(a[:, :32768], ref[:, :32768], "buffers 0 and 1 compressed")
     exact = np.asarray(x["a"]).sum(axis=0)
@@ -123,7 +124,7 @@ def test_buffers_decided_one_by_one(monkeypatch):
         assert_same_bits(a[r], a[0], f"rank {r}")
     report = jax_cgx.explain(jax.tree.map(lambda v: v[0], x), world=W, config=base.replace(policy="auto"), file=None)
     assert {r.path: r.how for r in report.leaves} == {"['a']": "mixed (auto)", "['b']": "psum (auto)"}
-    assert [b.compressed for b in report.buffers] == [True, True, False, False]  # a's three, then the dissolved one
+    assert [b.compressed for b in report.buffers] == [True, True, False, False]  # a's three, then b's dissolved one
     assert {r.path: r.buffers for r in report.leaves} == {"['a']": (0, 1, 2), "['b']": (3,)}
 
 

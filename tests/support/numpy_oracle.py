@@ -20,6 +20,7 @@ problem: buckets start at the row's start, element indices for the hash restart 
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Sequence
 
 import ml_dtypes
@@ -510,6 +511,26 @@ def capacity(config, dtype) -> int:
     return max(1, int(fractions.Fraction(config.fusion_buffer_mb) * 2**20) // np.dtype(dtype).itemsize)
 
 
+# docs/algorithm.md, "Lanes": on CPUs a leaf of at least a quarter of a buffer is a buffer (or
+# buffers, cut at the capacity) of its own, first in its group.
+ALONE_SHARE = 0.25
+
+
+def buffer_spans(sizes: Sequence[int], cap: int, platform: str = "cpu") -> tuple[list[int], list[tuple[int, int]]]:
+    """A group's member order (indices into ``sizes``, the leaves in tree order) and its buffers'
+    ``(start, stop)`` over the members' concatenation in that order."""
+    alone = math.ceil(ALONE_SHARE * cap) if platform == "cpu" else math.inf
+    order = [k for k, n in enumerate(sizes) if n >= alone] + [k for k, n in enumerate(sizes) if n < alone]
+    spans, start = [], 0
+    for k in order:
+        if sizes[k] < alone:
+            break
+        spans += [(a, min(a + cap, start + sizes[k])) for a in range(start, start + sizes[k], cap)]
+        start += sizes[k]
+    total = sum(sizes)
+    return order, spans + [(a, min(a + cap, total)) for a in range(start, total, cap)]
+
+
 def _groups(leaves, configs) -> list[tuple[Any, list[int]]]:
     """Quantized leaves grouped by (dtype, config), groups in the order of their first leaf."""
     groups: dict = {}
@@ -524,9 +545,10 @@ def psum_tree(leaves: Sequence, configs, key=None) -> list[np.ndarray]:
     ``policy="always"``): ``leaves[k]`` is ``[W, *shape]``, ``configs`` one config per leaf (or one
     for all; objects with CompressionConfig's fields). Returns each leaf's sum.
 
-    Quantized leaves of one dtype and config are concatenated in tree order and cut into fusion
-    buffers of :func:`capacity` values, numbered 0, 1, ... over all groups (groups in the order of
-    their first leaf): buffer ``b``'s seeds are drawn from ``fold_in(fold_in(key, r), b)``.
+    Quantized leaves of one dtype and config are concatenated (those alone first,
+    :func:`buffer_spans`; the CPU's rule) and cut into fusion buffers of :func:`capacity` values,
+    numbered 0, 1, ... over all groups (groups in the order of their first leaf): buffer ``b``'s
+    seeds are drawn from ``fold_in(fold_in(key, r), b)``.
     Exact and half lanes are rank-order float32 sums (not bitwise XLA's)."""
     leaves = [np.asarray(v) for v in leaves]
     configs = list(configs) if isinstance(configs, (list, tuple)) else [configs] * len(leaves)
@@ -541,12 +563,12 @@ def psum_tree(leaves: Sequence, configs, key=None) -> list[np.ndarray]:
             out[i] = _psum(half).astype(leaf.dtype)
     buffer_index = 0
     for (dtype, c), members in _groups(leaves, configs):
+        order, spans = buffer_spans([leaves[i][0].size for i in members], capacity(c, dtype))
+        members = [members[k] for k in order]
         flat = np.concatenate([leaves[i].reshape(w, -1) for i in members], axis=1)
-        cap = capacity(c, dtype)
-        total = flat.shape[1]
         reduced = []
-        for start in range(0, total, cap):
-            buf = flat[:, start:start + cap]
+        for start, stop in spans:
+            buf = flat[:, start:stop]
             if c.hierarchical:
                 raise NotImplementedError("psum_tree: hierarchical configs need a 2-D mesh; use hierarchical()")
             reduced.append(allreduce_buffer(buf, key, buffer_index, c))

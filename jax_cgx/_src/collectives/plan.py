@@ -7,7 +7,9 @@ Leaves go through three lanes:
   is ``None`` or has ``bits=32``: a plain ``lax.psum``;
 - **half**: ``bits=16``: a ``lax.psum`` in bfloat16 (or float16);
 - **quantized**: ``bits`` 1..8: leaves of one dtype and config form a :class:`Group`,
-  whose values are cut into fusion buffers of at most ``fusion_buffer_mb``.
+  whose values are cut into fusion buffers of at most ``fusion_buffer_mb``. On CPUs a leaf
+  of at least :data:`ALONE_SHARE` of a buffer is a buffer of its own (the group's first),
+  exchanged where it lies, with no copy into a fusion buffer and back out of it.
 
 Under ``policy="always"`` every buffer is compressed. Under ``policy="auto"`` each buffer is
 priced (:func:`jax_cgx._src.policy.pricing.decide`). Leaves that lie only in buffers that lose
@@ -41,6 +43,17 @@ __all__ = ["ConfigSpec", "Group", "Plan", "make_plan", "check_ranks", "leaf_conf
 ConfigSpec = Union[
     CompressionConfig, None, Callable[[tuple, jax.Array], "CompressionConfig | None"], Any
 ]
+
+
+# On CPUs a leaf of at least this share of a fusion buffer is a buffer (or, past the capacity,
+# buffers) of its own: copying it into a fusion buffer and back out costs more than the fixed
+# costs of the exchange it shares. Measured on the MLP step of docs/performance.md (2 processes,
+# 1 Gbit/s, 4 bits): copies 27 -> 12 ms a step, the step 3.80x -> 4.17x pmean; fused into one
+# 64.1 MiB buffer instead, XLA:CPU's concatenates of the five gradients took 130 ms. On GPUs a
+# copy costs microseconds and each buffer is more collectives (NCCL calls, which wait for turns
+# where ranks share a GPU): leaves stay fused there.
+ALONE_SHARE = 0.25
+ALONE_PLATFORMS = frozenset({"cpu"})
 
 
 class _Repeated(list):
@@ -102,8 +115,9 @@ class Plan:
 
     lanes: list[str]
     configs: list[CompressionConfig | None]
-    groups: dict[Group, list[int]]
+    groups: dict[Group, list[int]]  # the members in the order their values are concatenated
     sizes: list[int]
+    platform: str = "cpu"  # where the reduction runs: whether large leaves are buffers of their own
     # Chosen once, while tracing inside a mesh (jax_cgx._src.backends.choose_in_trace); none for one rank (no exchange).
     backends: dict[Group, str] = dataclasses.field(default_factory=dict)
     decisions: dict[Group, list[pricing.Decision | None]] = dataclasses.field(default_factory=dict)
@@ -111,10 +125,23 @@ class Plan:
     # moved from them to the auto-psum lane).
     dissolved: list[tuple[Group, int, pricing.Decision, tuple[int, ...]]] = dataclasses.field(default_factory=list)
 
+    def alone(self, group: Group) -> float:
+        """Values from which a leaf of ``group`` is a buffer of its own (:data:`ALONE_SHARE` of a
+        buffer); infinite off :data:`ALONE_PLATFORMS`."""
+        return math.ceil(ALONE_SHARE * group.capacity) if self.platform in ALONE_PLATFORMS else math.inf
+
     def buffers(self, group: Group) -> list[tuple[int, int]]:
-        """``(start, stop)`` of each fusion buffer over the group's concatenated values."""
-        total = sum(self.sizes[i] for i in self.groups[group])
-        return [(start, min(start + group.capacity, total)) for start in range(0, total, group.capacity)]
+        """``(start, stop)`` of each fusion buffer over the group's concatenated values: each leading
+        member of at least :meth:`alone` values on its own (cut at the capacity), then the others cut
+        into buffers of at most the capacity (a leaf may straddle two)."""
+        cap, alone, spans, start = group.capacity, self.alone(group), [], 0
+        members = self.groups[group]
+        while members and self.sizes[members[0]] >= alone:
+            n, members = self.sizes[members[0]], members[1:]
+            spans += [(a, min(a + cap, start + n)) for a in range(start, start + n, cap)]
+            start += n
+        total = start + sum(self.sizes[i] for i in members)
+        return spans + [(a, min(a + cap, total)) for a in range(start, total, cap)]
 
     def compressed(self, group: Group) -> list[bool]:
         """Whether each of the group's buffers is compressed."""
@@ -124,9 +151,8 @@ class Plan:
         """Raise a clear error when the quantized leaves need more than ``MAX_FUSION_BUFFERS`` buffers."""
         count, total_bytes = 0, 0
         for group, members in self.groups.items():
-            n = sum(self.sizes[i] for i in members)
-            count += -(-n // group.capacity)
-            total_bytes += n * group.dtype.itemsize
+            count += len(self.buffers(group))
+            total_bytes += sum(self.sizes[i] for i in members) * group.dtype.itemsize
         if count <= MAX_FUSION_BUFFERS:
             return
         mbs = sorted({g.config.fusion_buffer_mb for g in self.groups})
@@ -183,7 +209,9 @@ def make_plan(paths, leaves, spec: ConfigSpec, tree, world: int | None = None,
         lanes.append(kind)
         if kind == "quantized":
             groups.setdefault(Group(np.dtype(leaf.dtype), c), []).append(i)
-    plan = Plan(lanes, configs, groups, [int(np.prod(np.shape(leaf))) for leaf in leaves])
+    plan = Plan(lanes, configs, groups, [int(np.prod(np.shape(leaf))) for leaf in leaves], compat.trace_platform())
+    for group, members in groups.items():  # the leaves alone first, in tree order, then the others
+        members.sort(key=lambda i: plan.sizes[i] < plan.alone(group))
     if world is None or world < 2:
         return plan
     for group in groups:
@@ -250,10 +278,11 @@ def _decide(plan: Plan, group: Group, world: int, inner_world: int | None, backe
     moved = [i for i in members if not wins[i]]
     for i in moved:
         plan.lanes[i] = "auto-psum"
-    plan.dissolved += [
-        (group, b - a, d, tuple(i for i in moved if k in within[i]))
-        for k, ((a, b), d) in enumerate(zip(spans, decisions)) if not d.compress
-    ]
+    # The losing buffers that gave up leaves (one that holds only the tail of a winning leaf stays
+    # that leaf's, priced again below).
+    losing = [(group, b - a, d, tuple(i for i in moved if k in within[i]))
+              for k, ((a, b), d) in enumerate(zip(spans, decisions)) if not d.compress]
+    plan.dissolved += [entry for entry in losing if entry[3]]
     if keep:
         plan.groups[group] = keep
         plan.decisions[group] = price()

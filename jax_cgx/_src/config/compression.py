@@ -57,7 +57,8 @@ class CompressionConfig:
       min_size: **Fusion.** Arrays with fewer elements than this are reduced uncompressed
         (empty arrays always are).
       fusion_buffer_mb: small arrays are fused into buffers of at most this many MiB
-        before they are compressed and exchanged. A finite number, at least
+        before they are compressed and exchanged (on CPUs an array of at least a quarter
+        of it is exchanged on its own, where it lies: docs/algorithm.md). A finite number, at least
         ``MIN_FUSION_BUFFER_MB`` (1/1024 MiB, 1 KiB). Each buffer is one exchange in the
         compiled program, so a reduction may need at most ``MAX_FUSION_BUFFERS`` (1024)
         of them: more raises ``ValueError`` when it is traced (compile time grows with the
