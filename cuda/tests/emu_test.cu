@@ -555,9 +555,11 @@ int main(int argc, char** argv) {
       const int64_t n = (cfg % 4 == 0) ? 2 * B : 2 * B + 1 + (cfg * 7) % std::max<int64_t>(B, 1);
       const bool skip = (cfg % 5) == 0;
       const int grid_cap = 1 + cfg % 3;
-      const int block = (cfg % 2) ? 64 : 256;
-      g_prefetch = (cfg / 2) % 2 == 1;  // independent of block
-      g_const_width = (cfg / 3) % 2 == 1;  // and of both (4 and 8 bits only)
+      // The three switches vary independently, also for the even widths (cfg = 8k + bits, k the
+      // bucket's index): every combination of them meets 4 and 8 bits within 8 buckets.
+      const int block = ((cfg % 2 == 1) != ((cfg / 32) % 2 == 1)) ? 64 : 256;
+      g_prefetch = (cfg + cfg / 8) % 2 == 1;
+      g_const_width = (cfg / 16) % 2 == 1;  // 4 and 8 bits only
       test_quantize<F32Type>(rng, R, n, B, skip, bits, stoch, 0, 0, false, grid_cap, block);
       test_quantize<BF16Type>(rng, R, n, B, skip, bits, !stoch, 0, cfg % 4, false, grid_cap, block);
       test_quantize<F16Type>(rng, R, n, B, false, bits, stoch, 1, 1, false, grid_cap, block);

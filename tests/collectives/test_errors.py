@@ -64,6 +64,22 @@ def test_suggested_fusion_buffer_size_fits():
     _trace_psum(xs, CompressionConfig(fusion_buffer_mb=suggested))
 
 
+def test_suggested_fusion_buffer_size_fits_leaves_alone():
+    # On CPUs a leaf of at least a quarter of a buffer is a buffer of its own: 1200 leaves of half a
+    # 1 MiB buffer need 1200 buffers, not 600. The suggestion must count that way (2 MiB would not do).
+    xs = [_spec((W, 2**17)) for _ in range(1200)]
+    with pytest.raises(ValueError, match=r"into 1200 fusion buffers") as err:
+        _trace_psum(xs, CompressionConfig(fusion_buffer_mb=1))
+    suggested = float(str(err.value).split("fusion_buffer_mb >= ")[1].split(" ")[0])
+    assert suggested == 4
+    _trace_psum(xs, CompressionConfig(fusion_buffer_mb=suggested))
+
+
+def test_huge_fusion_buffers_plan():
+    # Any finite size is accepted (test_config): the rule for leaves alone must not overflow a float.
+    _trace_psum(_spec((W, 4096)), CompressionConfig(fusion_buffer_mb=1e308))
+
+
 # ------------------------------------------------------------ empty leaves
 
 

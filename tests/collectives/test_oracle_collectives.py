@@ -32,14 +32,16 @@ def _replicas_identical(out):
 def test_fusion_buffers_under_stochastic_rounding_equal_the_numpy_oracle():
     """A pytree over several fusion buffers and groups, stochastic: every buffer draws its own seeds
     (fold_in(fold_in(key, rank), buffer)), bitwise what docs/algorithm.md says (numpy_oracle.psum_tree).
-    Buffer 0 and buffer 5 hold the same values: only their seeds tell them apart."""
+    Buffer 0 and buffer 6 hold the same values: only their seeds tell them apart."""
     mesh = mesh_1d()
     a = np.asarray(rows(1200, seed=1))
     tree = {
-        "a": a,  # buffers 0..2 (524 values each, the last short) with b's first values
-        "b": np.asarray(rows(900, seed=2)),
-        "c": np.asarray(rows(700, jnp.bfloat16, seed=3)),  # its own group (dtype): one buffer
-        "d": np.concatenate([a[:, :524], np.asarray(rows(300, seed=4))], axis=1),  # own group (skip config)
+        # On CPU every leaf here but "small" is a quarter of a buffer or more: each is cut into buffers
+        # of its own (docs/algorithm.md, "Lanes").
+        "a": a,  # buffers 0..2 (524 values each, the last short)
+        "b": np.asarray(rows(900, seed=2)),  # buffers 3, 4
+        "c": np.asarray(rows(700, jnp.bfloat16, seed=3)),  # its own group (dtype): buffer 5
+        "d": np.concatenate([a[:, :524], np.asarray(rows(300, seed=4))], axis=1),  # own group (skip config): 6, 7
         "small": np.asarray(rows(10, seed=5)),  # < min_size: exact
     }
     stoch = CompressionConfig(bits=3, bucket_size=64, stochastic=True, fusion_buffer_mb=0.002)  # 524 f32 values

@@ -128,6 +128,21 @@ def test_buffers_decided_one_by_one(monkeypatch):
     assert {r.path: r.buffers for r in report.leaves} == {"['a']": (0, 1, 2), "['b']": (3,)}
 
 
+def test_leaves_alone_are_charged_no_fusion_copies():
+    # Buffers of 4096 values: a (5000) and c (2000) are leaves alone (>= 1024), first and in tree
+    # order; b (100) is fused after them. A part of a leaf alone is joined once on the way out.
+    from jax_cgx._src.collectives.plan import Group, Plan, fusion_spans
+
+    config = jax_cgx.CompressionConfig(bits=4, fusion_buffer_mb=4096 * 4 / 2**20)
+    group = Group(np.dtype(np.float32), config)
+    plan = Plan(["quantized"] * 3, [config] * 3, {group: [0, 2, 1]}, [5000, 100, 2000], "cpu")
+    assert plan.buffers(group) == [(0, 4096), (4096, 5000), (5000, 7000), (7000, 7100)]
+    assert plan.copied(group) == [1.0, 1.0, 0.0, 2.0]
+    fused = Plan(["quantized"] * 3, [config] * 3, {group: [0, 1, 2]}, [5000, 100, 2000], "gpu")
+    assert fused.buffers(group) == [(0, 4096), (4096, 7100)] and fused.copied(group) == [2.0, 2.0]
+    assert fusion_spans([], 4096, 1024) == []
+
+
 def test_residual_of_an_uncompressed_buffer_is_zero():
     x = _tree()
     out, res = _psum_fn(jax_cgx.CompressionConfig(bits=4, policy="auto", link_gbps=math.inf), residual=True)(x)

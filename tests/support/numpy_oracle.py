@@ -519,7 +519,7 @@ ALONE_SHARE = 0.25
 def buffer_spans(sizes: Sequence[int], cap: int, platform: str = "cpu") -> tuple[list[int], list[tuple[int, int]]]:
     """A group's member order (indices into ``sizes``, the leaves in tree order) and its buffers'
     ``(start, stop)`` over the members' concatenation in that order."""
-    alone = math.ceil(ALONE_SHARE * cap) if platform == "cpu" else math.inf
+    alone = -(-cap // round(1 / ALONE_SHARE)) if platform == "cpu" else math.inf  # ceil(cap / 4), exact
     order = [k for k, n in enumerate(sizes) if n >= alone] + [k for k, n in enumerate(sizes) if n < alone]
     spans, start = [], 0
     for k in order:

@@ -187,13 +187,13 @@ def explain(x, axis_name=None, config: ConfigSpec = None, *, world: int | None =
     for group, members in (plan.groups.items() if world > 1 else ()):  # one rank: nothing moves, all exact
         bounds = np.cumsum([0] + [plan.sizes[i] for i in members])
         decisions = plan.decisions.get(group)
-        for k, (start, stop) in enumerate(plan.buffers(group)):
+        for k, ((start, stop), copied) in enumerate(zip(plan.buffers(group), plan.copied(group))):
             d = decisions[k] if decisions else None
             known = _figures_for(group.config)
             if d is None and known is not None:  # "always": what "auto" would have predicted, if measured already
                 d = pricing.decide(stop - start, group.dtype, world, group.config, inner_world=inner_world,
                                   backend=backends.get(plan.backends.get(group, "xla")).timed_as, log=False,
-                                  measure=False)
+                                  measure=False, copied=copied)
             figures = figures or known
             index = len(buffers)
             buffers.append(BufferReport(

@@ -56,6 +56,24 @@ ALONE_SHARE = 0.25
 ALONE_PLATFORMS = frozenset({"cpu"})
 
 
+def alone_values(capacity: int, platform: str) -> float:
+    """Values from which a leaf is a buffer of its own: :data:`ALONE_SHARE` of a buffer of
+    ``capacity`` values, rounded up, on :data:`ALONE_PLATFORMS`; infinite elsewhere."""
+    return -(-capacity // round(1 / ALONE_SHARE)) if platform in ALONE_PLATFORMS else math.inf
+
+
+def fusion_spans(sizes: Sequence[int], capacity: int, alone: float) -> list[tuple[int, int]]:
+    """``(start, stop)`` of each fusion buffer over the concatenation of leaves of ``sizes``: each
+    leading leaf of at least ``alone`` values on its own (cut at ``capacity``), then the others cut
+    into buffers of at most ``capacity`` values (a leaf may straddle two)."""
+    spans, start, k = [], 0, 0
+    while k < len(sizes) and sizes[k] >= alone:
+        spans += [(a, min(a + capacity, start + sizes[k])) for a in range(start, start + sizes[k], capacity)]
+        start, k = start + sizes[k], k + 1
+    total = start + sum(sizes[k:])
+    return spans + [(a, min(a + capacity, total)) for a in range(start, total, capacity)]
+
+
 class _Repeated(list):
     """One config repeated for the leaves of the subtree it covers (not a pytree node)."""
 
@@ -126,22 +144,31 @@ class Plan:
     dissolved: list[tuple[Group, int, pricing.Decision, tuple[int, ...]]] = dataclasses.field(default_factory=list)
 
     def alone(self, group: Group) -> float:
-        """Values from which a leaf of ``group`` is a buffer of its own (:data:`ALONE_SHARE` of a
-        buffer); infinite off :data:`ALONE_PLATFORMS`."""
-        return math.ceil(ALONE_SHARE * group.capacity) if self.platform in ALONE_PLATFORMS else math.inf
+        """Values from which a leaf of ``group`` is a buffer of its own (:func:`alone_values`)."""
+        return alone_values(group.capacity, self.platform)
 
     def buffers(self, group: Group) -> list[tuple[int, int]]:
-        """``(start, stop)`` of each fusion buffer over the group's concatenated values: each leading
-        member of at least :meth:`alone` values on its own (cut at the capacity), then the others cut
-        into buffers of at most the capacity (a leaf may straddle two)."""
-        cap, alone, spans, start = group.capacity, self.alone(group), [], 0
-        members = self.groups[group]
-        while members and self.sizes[members[0]] >= alone:
-            n, members = self.sizes[members[0]], members[1:]
-            spans += [(a, min(a + cap, start + n)) for a in range(start, start + n, cap)]
-            start += n
-        total = start + sum(self.sizes[i] for i in members)
-        return spans + [(a, min(a + cap, total)) for a in range(start, total, cap)]
+        """``(start, stop)`` of each fusion buffer over the group's concatenated values (:func:`fusion_spans`)."""
+        return fusion_spans([self.sizes[i] for i in self.groups[group]], group.capacity, self.alone(group))
+
+    def copied(self, group: Group) -> list[float]:
+        """For each buffer, the buffer sizes its fusion copies move (``pricing.decide``'s ``copied``):
+        leaves copied in and sliced out (2); a part of a leaf alone, whose result is joined once (1);
+        a whole leaf alone, exchanged where it lies (0)."""
+        bounds = set(np.cumsum([0] + [self.sizes[i] for i in self.groups[group]]).tolist())
+        alone_stop = sum(self.sizes[i] for i in self.groups[group] if self.sizes[i] >= self.alone(group))
+        return [2.0 if stop > alone_stop else 0.0 if start in bounds and stop in bounds else 1.0
+                for start, stop in self.buffers(group)]
+
+    def _count_with(self, mb: float) -> int:
+        """The buffers every group would need with ``fusion_buffer_mb=mb``."""
+        count = 0
+        for group, members in self.groups.items():
+            cap = max(1, int(mb * 2**20) // group.dtype.itemsize)
+            alone = alone_values(cap, self.platform)
+            sizes = sorted((self.sizes[i] for i in members), key=lambda n: n < alone)
+            count += len(fusion_spans(sizes, cap, alone))
+        return count
 
     def compressed(self, group: Group) -> list[bool]:
         """Whether each of the group's buffers is compressed."""
@@ -159,8 +186,11 @@ class Plan:
         given = f"fusion_buffer_mb={mbs[0]}" if len(mbs) == 1 else f"fusion_buffer_mb in {mbs}"
         groups = len(self.groups)
         if groups < MAX_FUSION_BUFFERS:
-            # A power of two with at most MAX - groups buffers for all groups together.
+            # A power of two with at most MAX - groups buffers for all groups together (under the
+            # rule for leaves alone too, which a larger buffer takes fewer leaves into).
             need = 2.0 ** math.ceil(math.log2(total_bytes / ((MAX_FUSION_BUFFERS - groups) * 2**20)))
+            while self._count_with(need) > MAX_FUSION_BUFFERS:
+                need *= 2
             fix = (
                 f"set fusion_buffer_mb >= {need:g} (CGX_FUSION_BUFFER_SIZE_MB with config=None), "
                 "or reduce the values in several calls"
@@ -260,8 +290,8 @@ def _decide(plan: Plan, group: Group, world: int, inner_world: int | None, backe
 
     def price() -> list[pricing.Decision]:
         return [pricing.decide(stop - start, group.dtype, world, group.config, inner_world=inner_world,
-                              backend=backend, measure=measure)
-                for start, stop in plan.buffers(group)]
+                              backend=backend, measure=measure, copied=copied)
+                for (start, stop), copied in zip(plan.buffers(group), plan.copied(group))]
 
     decisions = price()
     if all(d.compress for d in decisions):
