@@ -338,17 +338,13 @@ void launch_quantize_width(cudaStream_t stream, const RowLayout& l, const Src& s
 template <class Src, class Sink>
 cudaError_t launch_quantize(cudaStream_t stream, const RowLayout& l, const Src& src,
                             const Sink& sink, const QuantOut& q) {
-  if constexpr (kCodecWidths) {
-    if (l.bits == 4 || l.bits == 8) {
-      if (l.bits == 4) {
-        launch_quantize_width<Src, Sink, 4>(stream, l, src, sink, q);
-      } else {
-        launch_quantize_width<Src, Sink, 8>(stream, l, src, sink, q);
-      }
-      return cudaGetLastError();
-    }
+  if (kCodecWidths && l.bits == 4) {
+    launch_quantize_width<Src, Sink, kCodecWidths ? 4 : 0>(stream, l, src, sink, q);
+  } else if (kCodecWidths && l.bits == 8) {
+    launch_quantize_width<Src, Sink, kCodecWidths ? 8 : 0>(stream, l, src, sink, q);
+  } else {
+    launch_quantize_width<Src, Sink, 0>(stream, l, src, sink, q);
   }
-  launch_quantize_width<Src, Sink, 0>(stream, l, src, sink, q);
   return cudaGetLastError();
 }
 

@@ -62,6 +62,12 @@ def alone_values(capacity: int, platform: str) -> float:
     return -(-capacity // round(1 / ALONE_SHARE)) if platform in ALONE_PLATFORMS else math.inf
 
 
+def alone_first(members: Sequence[int], sizes: Sequence[int], alone: float) -> list[int]:
+    """``members`` (indices into ``sizes``) with those of at least ``alone`` values first, each
+    part in its given order: the order a group's values are concatenated in."""
+    return sorted(members, key=lambda i: sizes[i] < alone)
+
+
 def fusion_spans(sizes: Sequence[int], capacity: int, alone: float) -> list[tuple[int, int]]:
     """``(start, stop)`` of each fusion buffer over the concatenation of leaves of ``sizes``: each
     leading leaf of at least ``alone`` values on its own (cut at ``capacity``), then the others cut
@@ -166,8 +172,7 @@ class Plan:
         for group, members in self.groups.items():
             cap = max(1, int(mb * 2**20) // group.dtype.itemsize)
             alone = alone_values(cap, self.platform)
-            sizes = sorted((self.sizes[i] for i in members), key=lambda n: n < alone)
-            count += len(fusion_spans(sizes, cap, alone))
+            count += len(fusion_spans([self.sizes[i] for i in alone_first(members, self.sizes, alone)], cap, alone))
         return count
 
     def compressed(self, group: Group) -> list[bool]:
@@ -241,7 +246,7 @@ def make_plan(paths, leaves, spec: ConfigSpec, tree, world: int | None = None,
             groups.setdefault(Group(np.dtype(leaf.dtype), c), []).append(i)
     plan = Plan(lanes, configs, groups, [int(np.prod(np.shape(leaf))) for leaf in leaves], compat.trace_platform())
     for group, members in groups.items():  # the leaves alone first, in tree order, then the others
-        members.sort(key=lambda i: plan.sizes[i] < plan.alone(group))
+        groups[group] = alone_first(members, plan.sizes, plan.alone(group))
     if world is None or world < 2:
         return plan
     for group in groups:
