@@ -145,7 +145,7 @@ def compressed_all_gather(x, axis_name, config: ConfigSpec = None, *, axis: int 
     axes = compat.axes_tuple(axis_name)
     compat.check_axis_names(axes, API)
     world = int(np.prod([lax.axis_size(a) for a in axes]))
-    leaves = Leaves(x, config, API)
+    leaves = Leaves(x, config, API, axes)
     axes_of = []
     for i, leaf in enumerate(leaves.leaves):
         ndim = leaf.ndim + (0 if tiled else 1)

@@ -45,12 +45,13 @@ from jax_cgx._src import compat
 from jax_cgx._src.codec import Impl, check_impl
 from jax_cgx._src.collectives.plan import ConfigSpec
 from jax_cgx._src.collectives.psum import compressed_pmean
+from jax_cgx._src.collectives.shards import SpecTree, per_leaf
 
 __all__ = ["reduce_in_backward"]
 
 
 def reduce_in_backward(tree, axis_name, config: ConfigSpec = None, *, key: jax.Array | None = None,
-                       impl: Impl = "auto"):
+                       impl: Impl = "auto", specs: SpecTree = None):
     """The identity on ``tree``, whose gradient is ``compressed_pmean``'d over ``axis_name``.
 
     Args:
@@ -63,6 +64,9 @@ def reduce_in_backward(tree, axis_name, config: ConfigSpec = None, *, key: jax.A
       key: a PRNG key for stochastic rounding; give each marked subtree its own (e.g.
         ``jax.random.fold_in(step_key, layer_index)``), the same on every rank.
       impl: the codec implementation, as for :func:`compressed_pmean`.
+      specs: on a mesh with axes the enclosing ``shard_map`` leaves to XLA's partitioner (tensor
+        parallelism, FSDP), how each leaf is sharded over them, as for :func:`compressed_psum`:
+        each device then compresses its own shard of the gradient.
 
     Returns:
       ``tree`` unchanged (typed as varying over ``axis_name`` under ``check_vma``).
@@ -84,25 +88,29 @@ def reduce_in_backward(tree, axis_name, config: ConfigSpec = None, *, key: jax.A
     compat.check_axis_names(axes, "reduce_in_backward")
     leaves, treedef = jax.tree.flatten(tree)
     varying = [compat.is_varying(jax.typeof(v), axes) for v in leaves] if compat.check_vma_enabled() else None
-    out = _identity(axes, config, impl, treedef, tuple(varying) if varying is not None else None, key, *leaves)
+    # One spec per leaf, in a tuple: custom_vjp's static arguments must be hashable.
+    leaf_specs = None if specs is None else tuple(per_leaf("reduce_in_backward", specs, tree))
+    out = _identity(axes, config, impl, treedef, tuple(varying) if varying is not None else None, leaf_specs, key,
+                    *leaves)
     return treedef.unflatten(out)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4))
-def _identity(axes, config, impl, treedef, varying, key, *leaves):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4, 5))
+def _identity(axes, config, impl, treedef, varying, specs, key, *leaves):
     return tuple(compat.ensure_varying(v, axes) for v in leaves) if varying is not None else tuple(leaves)
 
 
-def _identity_fwd(axes, config, impl, treedef, varying, key, *leaves):
-    return _identity(axes, config, impl, treedef, varying, key, *leaves), key
+def _identity_fwd(axes, config, impl, treedef, varying, specs, key, *leaves):
+    return _identity(axes, config, impl, treedef, varying, specs, key, *leaves), key
 
 
-def _identity_bwd(axes, config, impl, treedef, varying, key, cotangents):
+def _identity_bwd(axes, config, impl, treedef, varying, specs, key, cotangents):
     # Integer and bool leaves (a step counter in a marked layer state) have float0 cotangents:
     # no gradient, nothing to reduce. They stay out (None), the paths of the others unchanged.
     none = [jnp.result_type(c) == jax.dtypes.float0 for c in cotangents]
     real = [None if n else compat.ensure_varying(c, axes) for c, n in zip(cotangents, none)]
-    reduced = compressed_pmean(treedef.unflatten(real), axes, config, key=key, impl=impl)
+    reduced = compressed_pmean(treedef.unflatten(real), axes, config, key=key, impl=impl,
+                               specs=None if specs is None else treedef.unflatten(specs))
     mean = [c if n else m for c, m, n in zip(cotangents, treedef.flatten_up_to(reduced), none)]
     if varying is not None:  # a leaf that came in varying gets a varying cotangent back
         mean = [compat.ensure_varying(m, axes) if v and not n else m for m, v, n in zip(mean, varying, none)]

@@ -120,10 +120,14 @@ def leaf_configs(spec: ConfigSpec, tree, paths: Sequence[tuple], api: str = "com
 
 @dataclasses.dataclass(frozen=True)
 class Group:
-    """Leaves reduced together: same dtype, same codec settings."""
+    """Leaves reduced together: same dtype, same codec settings, varying over the same other mesh
+    axes (``varying``; a leaf replicated over a model axis is not fused with one split over it,
+    whose shard differs from device to device: a bucket spanning both would decode the replicated
+    leaf differently on each device of that axis)."""
 
     dtype: np.dtype
     config: CompressionConfig
+    varying: frozenset = frozenset()
 
     @property
     def capacity(self) -> int:
@@ -225,6 +229,14 @@ def check_ranks(api: str, world, inner_world=None) -> tuple[int, int | None]:
     return int(world), None if inner_world is None else int(inner_world)
 
 
+def varying_beyond(leaf, axes) -> frozenset:
+    """The mapped axes besides ``axes`` that ``leaf`` varies over, as ``shard_map(check_vma=True)``
+    types it (a model axis it is split over); empty without that typing or outside a mesh."""
+    if axes is None or not compat.check_vma_enabled() or isinstance(leaf, jax.ShapeDtypeStruct):
+        return frozenset()
+    return frozenset(compat.varying_axes(jax.typeof(leaf)) - set(axes))
+
+
 def make_plan(paths, leaves, spec: ConfigSpec, tree, world: int | None = None,
               inner_world: int | None = None, axes: tuple | None = None, measure: bool = True, *,
               impl: str = "auto", residual: bool = False, api: str = "compressed_psum") -> Plan:
@@ -243,7 +255,7 @@ def make_plan(paths, leaves, spec: ConfigSpec, tree, world: int | None = None,
         kind = lane(path, leaf, c)
         lanes.append(kind)
         if kind == "quantized":
-            groups.setdefault(Group(np.dtype(leaf.dtype), c), []).append(i)
+            groups.setdefault(Group(np.dtype(leaf.dtype), c, varying_beyond(leaf, axes)), []).append(i)
     plan = Plan(lanes, configs, groups, [int(np.prod(np.shape(leaf))) for leaf in leaves], compat.trace_platform())
     for group, members in groups.items():  # the leaves alone first, in tree order, then the others
         groups[group] = alone_first(members, plan.sizes, plan.alone(group))
@@ -266,7 +278,7 @@ def _choose_form(plan: Plan, group: Group, world: int, inner_world: int | None, 
     chosen = forms.choose_form(sizes, group.dtype, world, group.config, inner_world=inner_world,
                                  backend=backends.get(plan.backends[group]).timed_as, measure=measure,
                                  residual=residual)
-    moved = Group(group.dtype, chosen)
+    moved = dataclasses.replace(group, config=chosen)
     if chosen == group.config or moved in plan.groups:
         return group
     members = plan.groups.pop(group)

@@ -25,8 +25,8 @@ from jax import lax
 from jax_cgx._src import compat
 from jax_cgx._src.arguments import check_bool
 from jax_cgx._src.codec import Impl, check_impl
-from jax_cgx._src.collectives import scatter_gather
-from jax_cgx._src.collectives.plan import ConfigSpec, check_ranks, check_varying, make_plan
+from jax_cgx._src.collectives import scatter_gather, shards
+from jax_cgx._src.collectives.plan import ConfigSpec, check_ranks, check_varying, leaf_configs, make_plan
 from jax_cgx._src.config import CompressionConfig
 from jax_cgx._src.exchange.all_reduce import compressed_sum
 from jax_cgx._src.exchange.chunks import wire_bytes_per_rank
@@ -53,6 +53,7 @@ def compressed_psum(
     key: jax.Array | None = None,
     impl: Impl = "auto",
     return_residual: bool = False,
+    specs: shards.SpecTree = None,
 ):
     """Sum a pytree over mapped axes, moving quantized bytes instead of full-precision ones.
 
@@ -73,6 +74,14 @@ def compressed_psum(
         folds in its axis index, so ranks round independently.
       impl: codec implementation: ``"auto"``, ``"kernel"`` or ``"reference"``.
       return_residual: also return this rank's compression error, for error feedback.
+      specs: on a mesh with axes the enclosing ``shard_map`` leaves to XLA's partitioner (a
+        ``"model"`` axis of tensor parallelism or FSDP, ``Auto`` or ``Explicit``), how each leaf
+        is sharded over them: a ``PartitionSpec`` (or ``NamedSharding``) per leaf, a pytree
+        prefix of ``x``, or None (the default: each leaf's type where those axes are
+        ``Explicit``; unknown with ``Auto`` axes under ``jax.jit``, where the leaf is reduced
+        whole on every device and a warning says so). Every device then quantizes and sends
+        only its own shard, and the result keeps the leaf's sharding (docs/guide.md, "Sharded
+        models"). Ignored where every mesh axis is mapped by hand.
 
     Returns:
       A pytree like ``x``: the sum, bitwise identical on every rank. With
@@ -106,7 +115,7 @@ def compressed_psum(
       >>> np.asarray(f(x))[0, :4]  # a constant bucket sums exactly
       array([8., 8., 8., 8.], dtype=float32)
     """
-    return _sum(x, axis_name, config, key, impl, return_residual, "compressed_psum")
+    return _sum(x, axis_name, config, key, impl, return_residual, "compressed_psum", specs)
 
 
 def _divided(total, divisor: int | None):
@@ -115,7 +124,7 @@ def _divided(total, divisor: int | None):
     return total if divisor is None else total / divisor
 
 
-def _sum(x, axis_name, config: ConfigSpec, key, impl: Impl, return_residual: bool, api: str):
+def _sum(x, axis_name, config: ConfigSpec, key, impl: Impl, return_residual: bool, api: str, specs=None):
     """:func:`compressed_psum`, for ``api`` (``compressed_psum`` or ``compressed_pmean``: named in
     its errors, and the invariance check words the mean's result as a mean).
 
@@ -132,6 +141,9 @@ def _sum(x, axis_name, config: ConfigSpec, key, impl: Impl, return_residual: boo
     leaves_with_paths, treedef = jax.tree_util.tree_flatten_with_path(x)
     paths = [p for p, _ in leaves_with_paths]
     leaves = [jnp.asarray(v) for _, v in leaves_with_paths]
+    if free := shards.free_axes():
+        return _sum_own_shards(x, paths, leaves, treedef, axis_name, config, key, impl, return_residual, api, specs,
+                               free)
     plan = make_plan(paths, leaves, config, x, world, _inner_world(axes), axes, impl=impl, residual=return_residual,
                      api=api)
     check_varying(api, paths, leaves, plan.lanes, axes, mean=api == "compressed_pmean")
@@ -195,6 +207,33 @@ def _sum(x, axis_name, config: ConfigSpec, key, impl: Impl, return_residual: boo
     if return_residual:
         return treedef.unflatten(out), treedef.unflatten(res)
     return treedef.unflatten(out)
+
+
+def _sum_own_shards(x, paths, leaves, treedef, axis_name, config, key, impl, return_residual, api, specs, free):
+    """:func:`_sum` where mesh axes ``free`` are left to XLA's partitioner: each device reduces
+    its own shards (:mod:`~jax_cgx._src.collectives.shards`), leaves split alike fused together."""
+    axes = compat.axes_tuple(axis_name)
+    leaf_specs = shards.leaf_specs(api, paths, leaves, specs, x, axes, free)
+    configs = leaf_configs(config, x, paths, api)  # resolved on the whole tree: a function sees each leaf's path
+    groups = shards.split_alike(leaf_specs)
+
+    def own_shards(local, local_key):
+        out = [None] * len(local)
+        lost = [None] * len(local)
+        for g, members in enumerate(groups):
+            group_key = local_key if local_key is None or len(groups) == 1 else jax.random.fold_in(local_key, g)
+            result = _sum([local[i] for i in members], axis_name, [configs[i] for i in members], group_key, impl,
+                          return_residual, api)
+            total, residual = result if return_residual else (result, None)
+            for j, i in enumerate(members):
+                out[i] = total[j]
+                lost[i] = None if residual is None else residual[j]
+        return (out, lost) if return_residual else out
+
+    result = shards.on_own_shards(own_shards, leaves, leaf_specs, key, free, outputs=2 if return_residual else 1)
+    if return_residual:
+        return treedef.unflatten(result[0]), treedef.unflatten(result[1])
+    return treedef.unflatten(result)
 
 
 def _join(parts):
@@ -308,6 +347,7 @@ def compressed_pmean(
     key: jax.Array | None = None,
     impl: Impl = "auto",
     return_residual: bool = False,
+    specs: shards.SpecTree = None,
 ):
     """The mean of a pytree over mapped axes: :func:`compressed_psum` divided by the axis size.
 
@@ -323,7 +363,8 @@ def compressed_pmean(
     error feedback adds to the next step's inputs (:func:`jax_cgx.optax.compressed_mean`).
 
     A leaf typed invariant over ``axis_name`` raises as in :func:`compressed_psum`: the mean of a
-    gradient JAX has already summed would be ``W`` times the mean gradient.
+    gradient JAX has already summed would be ``W`` times the mean gradient. ``specs``: as for
+    :func:`compressed_psum`, on a mesh with model axes left to XLA's partitioner.
 
     Examples:
       >>> from jax.sharding import NamedSharding, PartitionSpec as P
@@ -334,7 +375,7 @@ def compressed_pmean(
       >>> bool(np.max(np.abs(np.asarray(mean) - np.asarray(x).mean(axis=0))) < 0.02)
       True
     """
-    return _sum(x, axis_name, config, key, impl, return_residual, "compressed_pmean")
+    return _sum(x, axis_name, config, key, impl, return_residual, "compressed_pmean", specs)
 
 
 def _assemble(flat, bounds, start: int, stop: int) -> jax.Array:

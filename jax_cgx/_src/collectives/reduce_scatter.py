@@ -221,7 +221,7 @@ def compressed_psum_scatter(x, axis_name, config: ConfigSpec = None, *, scatter_
     axes = compat.axes_tuple(axis_name)
     compat.check_axis_names(axes, API)
     world = int(np.prod([lax.axis_size(a) for a in axes]))
-    leaves = Leaves(x, config, API)
+    leaves = Leaves(x, config, API, axes)
     dims = [check_shape(leaves.name(i), leaf.shape, scatter_dimension, tiled, world)
             for i, leaf in enumerate(leaves.leaves)]
     check_key(leaves, key, API)

@@ -25,7 +25,7 @@ from jax.interpreters import ad, batching
 from jax_cgx._src import backends, compat
 from jax_cgx._src.codec import batch_rows
 from jax_cgx._src.codec.quantized import META_BYTES, num_buckets, payload_bytes
-from jax_cgx._src.collectives.plan import ConfigSpec, Group, lane, leaf_configs
+from jax_cgx._src.collectives.plan import ConfigSpec, Group, lane, leaf_configs, varying_beyond
 from jax_cgx._src.config import CompressionConfig
 from jax_cgx._src.exchange import wire as _wire
 from jax_cgx._src.exchange.chunks import chunk_length
@@ -41,7 +41,7 @@ _logged: set = set()
 class Leaves:
     """A pytree's leaves, their configs and lanes, and the fusion groups of the quantized ones."""
 
-    def __init__(self, x, spec: ConfigSpec, api: str):
+    def __init__(self, x, spec: ConfigSpec, api: str, axes: tuple | None = None):
         flat, self.treedef = jax.tree_util.tree_flatten_with_path(x)
         self.paths = [p for p, _ in flat]
         self.leaves = [v if isinstance(v, jax.ShapeDtypeStruct) else jax.numpy.asarray(v) for _, v in flat]
@@ -51,7 +51,7 @@ class Leaves:
         for i, (kind, leaf, c) in enumerate(zip(self.lanes, self.leaves, self.configs)):
             if kind == "quantized":
                 check_config(c, api)
-                self.groups.setdefault(Group(np.dtype(leaf.dtype), c), []).append(i)
+                self.groups.setdefault(Group(np.dtype(leaf.dtype), c, varying_beyond(leaf, axes)), []).append(i)
 
     def name(self, i: int) -> str:
         return jax.tree_util.keystr(self.paths[i]) or "(root)"

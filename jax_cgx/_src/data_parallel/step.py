@@ -73,7 +73,8 @@ from jax_cgx._src.arguments import check_axes, check_bool
 from jax_cgx._src.collectives.backward import reduce_in_backward
 from jax_cgx._src.collectives.plan import ConfigSpec, leaf_configs
 from jax_cgx._src.collectives.psum import compressed_pmean
-from jax_cgx._src.data_parallel import checks
+from jax_cgx._src.collectives.shards import local_shape
+from jax_cgx._src.data_parallel import checks, model_axes
 from jax_cgx._src.data_parallel.checks import API, differentiable
 
 __all__ = ["data_parallel_value_and_grad", "buckets", "DEFAULT_BUCKET_MB", "AUX_MODES"]
@@ -91,8 +92,9 @@ def data_parallel_value_and_grad(fun: Callable[..., Any], *, mesh=None, axis_nam
                                  config: ConfigSpec = None, has_aux: bool = False, aux: Any = "mean",
                                  weighted: bool = False, device_keys: Sequence[str] = (),
                                  shared_keys: Sequence[str] = (), in_backward: bool = True,
-                                 bucket_mb: float = DEFAULT_BUCKET_MB, allow_int: bool = False) -> Callable[..., Any]:
-    """``jax.value_and_grad(fun)`` over a batch sharded along ``axis_name``, the gradient
+                                 bucket_mb: float = DEFAULT_BUCKET_MB, allow_int: bool = False,
+                                 param_specs: Any = None) -> Callable[..., Any]:
+    r"""``jax.value_and_grad(fun)`` over a batch sharded along ``axis_name``, the gradient
     averaged over the devices with :func:`~jax_cgx.compressed_pmean`.
 
     Args:
@@ -103,8 +105,10 @@ def data_parallel_value_and_grad(fun: Callable[..., Any], *, mesh=None, axis_nam
       mesh: the ``jax.sharding.Mesh`` (or ``AbstractMesh``) the batch is sharded over; its axes
         may be ``Auto`` or ``Explicit``. None (the default): the mesh of the context at each call
         (``jax.set_mesh(mesh)`` or ``with mesh:``); a ``ValueError`` if there is none. Only
-        ``axis_name``'s axes are mapped by hand; others (a ``"model"`` axis) stay with XLA's
-        partitioner. Where every mesh axis is one of ``axis_name``'s and ``Explicit``
+        ``axis_name``'s axes are mapped by hand; others (``"model"``, ``"fsdp"``, ``"tensor"``)
+        stay with XLA's partitioner, which runs the loss sharded as the parameters and the batch
+        are, and each gradient is compressed over ``axis_name`` shard by shard, keeping its
+        parameter's sharding (see ``param_specs``). Where every mesh axis is one of ``axis_name``'s and ``Explicit``
         (``jax.make_mesh``'s default), JAX moves no argument between shardings: place the batch
         with ``jax.device_put(x, NamedSharding(mesh, P(axis_name)))`` and ``params`` replicated;
         a ``ValueError`` names any argument that is not.
@@ -138,6 +142,17 @@ def data_parallel_value_and_grad(fun: Callable[..., Any], *, mesh=None, axis_nam
       allow_int: as for ``jax.grad``: integer (and bool) leaves of ``params`` get ``float0``
         gradients, which are not averaged (there is nothing to send). Without it such a leaf
         raises a ``ValueError`` naming it.
+      param_specs: on a mesh with axes besides ``axis_name`` (tensor parallelism, FSDP), how
+        each parameter is sharded over them: a pytree prefix of ``params`` holding
+        ``PartitionSpec``\ s, ``NamedSharding``\ s (what ``nn.logical_to_mesh_sharding`` gives a
+        Flax model) or None. Each device then quantizes and sends only its own shard of each
+        gradient over ``axis_name``, and the gradient keeps its parameter's sharding. None (the
+        default) takes each parameter's sharding from its type where those axes are ``Explicit``,
+        or from the array itself when ``grad_fn`` is called outside ``jax.jit``; under ``jax.jit``
+        with ``Auto`` axes it is unknown, and such a gradient is compressed whole on every device
+        and returned replicated (a warning says so). A spec may not name ``axis_name``'s axes
+        (parameters sharded over the data axis cannot be averaged over it: shard them over an
+        ``"fsdp"`` axis instead) and must divide each dimension it splits.
 
     Returns:
       ``grad_fn(params, *batch, key=None, **kwargs)`` returning ``(loss, grads)``
@@ -183,18 +198,19 @@ def data_parallel_value_and_grad(fun: Callable[..., Any], *, mesh=None, axis_nam
     objective = functools.partial(_objective, fun, axes=axes, has_aux=has_aux, weighted=weighted,
                                   device_keys=device_keys)
 
-    def local(world, rows, params, key, kwargs, *batch):
+    def local(world, rows, specs, params, key, kwargs, *batch):
         # Each device's own gradient: with respect to params typed as varying (as the transpose of
         # the implicit broadcast of replicated params would psum it), averaged in backward by the
-        # marks, which type them so themselves.
-        mark = (lambda p: _marked(p, axes, config, key, bucket_bytes)) if in_backward else (lambda p: p)
+        # marks, which type them so themselves. `specs`: each parameter's sharding over the mesh
+        # axes left to the partitioner (None where unknown or there are none).
+        mark = (lambda p: _marked(p, axes, config, key, bucket_bytes, specs)) if in_backward else (lambda p: p)
         differentiated = objective(world, batch, kwargs, mark)
         value_and_grad = jax.value_and_grad(differentiated, has_aux=has_aux, allow_int=allow_int)
         if in_backward:
             value, grads = value_and_grad(params)
         else:
             value, grads = value_and_grad(_varying_copy(params, axes))
-            grads = _without_float0(lambda g: compressed_pmean(g, axes, config, key=key), grads)
+            grads = _without_float0(lambda g, s: compressed_pmean(g, axes, config, key=key, specs=s), grads, specs)
         if not has_aux:
             return lax.pmean(value, axes), grads
         loss, extra = value
@@ -220,10 +236,12 @@ def data_parallel_value_and_grad(fun: Callable[..., Any], *, mesh=None, axis_nam
         aux_spec = jax.tree.map(lambda m: batch_spec if m in ("batch", "per_device") else P(), aux,
                                 is_leaf=lambda m: isinstance(m, str))
         out_specs = (((P(), aux_spec) if has_aux else P()), P())
+        model = model_axes.model_axes(the_mesh, axes)
+        specs = model_axes.param_specs(params, param_specs, the_mesh, axes, model) if model else None
         # Manual over the data axes only: other mesh axes (e.g. "model") stay with the partitioner.
-        mapped = jax.shard_map(lambda *a: local(world, rows, *a), mesh=the_mesh,
-                               in_specs=(P(), P(), P(), *(batch_spec,) * len(batch)), out_specs=out_specs,
-                               axis_names=frozenset(axes))
+        mapped = model_axes.data_shard_map(lambda *a: local(world, rows, specs, *a), the_mesh, axes, model, specs,
+                                           in_specs=(P(), P(), P(), *(batch_spec,) * len(batch)),
+                                           out_specs=out_specs)
         return mapped(params, key, kwargs, *batch)
 
     def leaf_errors(errors_of, params, *batch, **kwargs):
@@ -376,25 +394,37 @@ def _varying_copy(params, axes):
     return jax.tree.map(lambda v: lax.pcast(v, axes, to="varying") if differentiable(v) else v, params)
 
 
-def _without_float0(reduce, grads):
-    """``reduce`` applied to the gradients that are not ``float0`` (an integer leaf's, under
-    ``allow_int``: nothing to average); those are returned as they are."""
+def _without_float0(reduce, grads, specs=None):
+    """``reduce(gradients, their specs)`` of the gradients that are not ``float0`` (an integer
+    leaf's, under ``allow_int``: nothing to average); those are returned as they are."""
     leaves, treedef = jax.tree.flatten(grads)
+    spec_leaves = _spec_leaves(specs, treedef)
     real = [i for i, g in enumerate(leaves) if jnp.result_type(g) != jax.dtypes.float0]
-    reduced = reduce([leaves[i] for i in real])
+    reduced = reduce([leaves[i] for i in real], None if specs is None else [spec_leaves[i] for i in real])
     for i, g in zip(real, reduced):
         leaves[i] = g
     return treedef.unflatten(leaves)
 
 
-def _marked(params, axes: tuple, config: ConfigSpec, key, bucket_bytes: int):
+def _spec_leaves(specs, treedef) -> list:
+    """``specs`` (a pytree like the parameters, or None) as a list, one per leaf."""
+    if specs is None:
+        return [None] * treedef.num_leaves
+    return treedef.flatten_up_to(specs)
+
+
+def _marked(params, axes: tuple, config: ConfigSpec, key, bucket_bytes: int, specs=None):
     """``params`` with each bucket of leaves marked by :func:`reduce_in_backward`, its config the
-    leaves' own (a config pytree or function is resolved on the whole tree, with its paths)."""
+    leaves' own (a config pytree or function is resolved on the whole tree, with its paths), its
+    specs their sharding over the mesh axes left to the partitioner (buckets are filled with
+    each device's shards)."""
     with_paths, treedef = jax.tree_util.tree_flatten_with_path(params)
     paths, leaves = [p for p, _ in with_paths], [v for _, v in with_paths]
     configs = leaf_configs(config, params, paths, "data_parallel_value_and_grad")
+    spec_leaves = _spec_leaves(specs, treedef)
     # Integer leaves (allow_int) have float0 gradients: nothing to average, so no bucket.
-    nbytes = [math.prod(jnp.shape(v)) * jnp.result_type(v).itemsize if differentiable(v) else 0 for v in leaves]
+    nbytes = [math.prod(local_shape(jnp.shape(v), s or P())) * jnp.result_type(v).itemsize
+              if differentiable(v) else 0 for v, s in zip(leaves, spec_leaves)]
     out = list(leaves)
     for b, members in enumerate(buckets(nbytes, bucket_bytes)):
         members = tuple(i for i in members if differentiable(leaves[i]))
@@ -402,7 +432,9 @@ def _marked(params, axes: tuple, config: ConfigSpec, key, bucket_bytes: int):
             continue
         bucket_key = None if key is None else jax.random.fold_in(key, b)
         marked = reduce_in_backward(tuple(leaves[i] for i in members), axes, tuple(configs[i] for i in members),
-                                    key=bucket_key)
+                                    key=bucket_key,
+                                    specs=None if specs is None else tuple(spec_leaves[i] for i in members))
         for i, leaf in zip(members, marked):
             out[i] = leaf
     return treedef.unflatten(out)
+

@@ -29,7 +29,7 @@ def _holds_a_mean(tree) -> bool:
     return any(isinstance(n, _MEANS) for n in jax.tree.leaves(tree, is_leaf=lambda n: isinstance(n, _MEANS)))
 
 
-def state_specs(state, axis_name):
+def state_specs(state, axis_name, param_specs=None):
     """PartitionSpecs of an optax ``state`` for ``jax.shard_map``'s ``in_specs`` and ``out_specs``.
 
     ``state`` is any optax state (it may be abstract: ``jax.eval_shape(tx.init, params)``) that
@@ -64,17 +64,32 @@ def state_specs(state, axis_name):
     Where a transformation keeps nothing for a leaf its state holds ``optax.MaskedNode()``, a node
     without leaves; the specs hold it too.
 
+    **Parameters sharded over model axes** (tensor parallelism, FSDP: a ``shard_map`` over
+    ``("data", "model")`` whose ``in_specs`` split the parameters over ``"model"``): pass their
+    specs as ``param_specs`` (a ``PartitionSpec`` per parameter, or a pytree prefix of them). A
+    per-device leaf is then each device's block of its parameter's shard, and its spec splits
+    axis 0 over ``axis_name`` first and the parameter's own axes after, the others as the
+    parameter does: ``P(None, "model")`` gives ``P("data", "model")``, ``P("model", None)`` gives
+    ``P(("data", "model"), None)``. PowerSGD's factors would be each shard's: refused there.
+    Replicated leaves of a transformation after the mean (Adam's
+    moments) follow the parameters they belong to where their structure is the parameters'
+    (``P()`` otherwise: give that state its specs yourself).
+
     Raises a ``ValueError`` for a ``MultiSteps`` accumulator of a scalar parameter: it differs
     between devices but has no axis for ``shard_map`` to split.
     """
     axes = checks.check_axes("jax_cgx.optax.state_specs", axis_name)
     split = P(axes[0] if len(axes) == 1 else axes)
+    params = _ParamSpecs(axes, param_specs)
 
-    def per_device(x):  # placeholders (optax.MaskedNode) have no leaves: tree.map passes over them
-        return split
+    def per_device(tree):  # placeholders (optax.MaskedNode) have no leaves: tree.map passes over them
+        return params.map(tree, params.split_first) if params else jax.tree.map(lambda _: split, tree)
 
     def replicated(tree):
         return jax.tree.map(lambda _: P(), tree)
+
+    def of_params(tree):  # the same on every data device, sharded as the parameters
+        return params.map(tree, lambda spec: spec) if params else replicated(tree)
 
     def accumulated(path, g):
         if not getattr(g, "shape", ()):
@@ -87,26 +102,81 @@ def state_specs(state, axis_name):
 
     def node(path, x):
         if isinstance(x, CompressedMeanState):
-            return CompressedMeanState(P(), jax.tree.map(per_device, x.residual))
+            return CompressedMeanState(P(), per_device(x.residual))
         if isinstance(x, TopKState):  # u is per device only where v is: a compressed leaf
-            u = jax.tree.map(lambda u, v: u if checks.is_placeholder(u) else split if not checks.is_placeholder(v)
-                             else P(), x.u, x.v, is_leaf=checks.is_placeholder)
-            return TopKState(P(), u, jax.tree.map(per_device, x.v))
+            u = jax.tree.map(lambda u, own, mean, v: u if checks.is_placeholder(u) else own
+                             if not checks.is_placeholder(v) else mean,
+                             x.u, per_device(x.u), of_params(x.u), x.v, is_leaf=checks.is_placeholder)
+            return TopKState(P(), u, per_device(x.v))
         if isinstance(x, PowerSGDState):
-            return PowerSGDState(P(), replicated(x.q), jax.tree.map(per_device, x.error))
+            if params:
+                raise NotImplementedError(
+                    "jax_cgx.optax.state_specs: PowerSGD with parameters sharded over model axes (param_specs) is not "
+                    "supported: its factors would be of each device's shard. Use compressed_mean or topk_mean there")
+            return PowerSGDState(P(), replicated(x.q), per_device(x.error))
         if isinstance(x, CastMeanState):
             return x
         if isinstance(x, optax.MultiStepsState):
-            inner = jax.tree_util.tree_map_with_path(
-                node, x.inner_opt_state, is_leaf=lambda n: isinstance(n, _NODES))
+            inner = jax.tree_util.tree_map_with_path(node, x.inner_opt_state, is_leaf=stop)
             if not _holds_a_mean(x.inner_opt_state):  # after the mean: it accumulates means
-                return replicated(x)._replace(inner_opt_state=inner)
+                return replicated(x)._replace(inner_opt_state=inner, acc_grads=of_params(x.acc_grads))
+            if params:
+                return replicated(x)._replace(inner_opt_state=inner, acc_grads=per_device(x.acc_grads))
             at = (*path, jax.tree_util.GetAttrKey("acc_grads"))
             acc = jax.tree_util.tree_map_with_path(lambda p, g: accumulated((*at, *p), g), x.acc_grads)
             return replicated(x)._replace(inner_opt_state=inner, acc_grads=acc)
+        if params and params.shaped_like(x):  # an optax state after the mean with the parameters' structure
+            return of_params(x)
         return P()
 
-    return jax.tree_util.tree_map_with_path(node, state, is_leaf=lambda n: isinstance(n, _NODES))
+    def stop(n):
+        return isinstance(n, _NODES) or (bool(params) and params.shaped_like(n))
+
+    return jax.tree_util.tree_map_with_path(node, state, is_leaf=stop)
+
+
+class _ParamSpecs:
+    """The parameters' specs over model axes, and the specs of state laid out like them."""
+
+    def __init__(self, axes: tuple, param_specs):
+        self.axes = axes
+        self.treedef = None
+        if param_specs is None:
+            return
+        is_spec = lambda s: isinstance(s, P)  # noqa: E731
+        leaves, self.treedef = jax.tree.flatten(param_specs, is_leaf=is_spec)
+        self.spec_leaves = leaves
+        if not all(is_spec(s) for s in leaves):
+            raise TypeError("jax_cgx.optax.state_specs: param_specs must be a pytree of PartitionSpecs, one per "
+                            f"parameter, got {[type(s).__name__ for s in leaves if not is_spec(s)][:1]}")
+        for spec in leaves:
+            if any(a in axes for e in spec for a in ((e,) if isinstance(e, str) else e or ())):
+                raise ValueError(f"jax_cgx.optax.state_specs: the parameter spec {spec} names {axes}, the axis the "
+                                 "mean is taken over: shard parameters over a separate axis (FSDP: 'fsdp')")
+
+    def __bool__(self) -> bool:
+        return self.treedef is not None
+
+    def shaped_like(self, tree) -> bool:
+        try:
+            return jax.tree.structure(tree) == self.treedef and self.treedef.num_leaves > 0
+        except Exception:  # noqa: BLE001 - an unhashable or odd node is simply not the parameters' tree
+            return False
+
+    def map(self, tree, fn):
+        """``fn(spec)`` at each parameter's place in ``tree`` (laid out like the parameters;
+        placeholders kept)."""
+        entries = self.treedef.flatten_up_to(tree)
+        return self.treedef.unflatten([e if checks.is_placeholder(e) else fn(spec)
+                                       for e, spec in zip(entries, self.spec_leaves)])
+
+    def split_first(self, spec: P) -> P:
+        """A per-device leaf's spec: axis 0 split over the data axes first, then as ``spec`` splits it."""
+        entries = list(spec) or [None]
+        first = entries[0]
+        first = () if first is None else (first,) if isinstance(first, str) else tuple(first)
+        joined = (*self.axes, *first)
+        return P(joined[0] if len(joined) == 1 else joined, *entries[1:])
 
 
 # The names under which the helper was first published, one per transformation; the walk is the
