@@ -8,16 +8,18 @@ values are within the bound the data gives for the stream of that shard's leaves
 
 import functools
 import logging
+import pathlib
+import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from allreduce_cases import sra_window_bound
 from hlo import collectives, float_all_gathers
 from jax import lax
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
+from model_axes_cases import assert_within_bound_per_shard
 
 import jax_cgx
 from jax_cgx._src.collectives import shards
@@ -62,34 +64,6 @@ def _per_data_device(params, x, y, data: int):
     return jax.vmap(jax.grad(_loss), in_axes=(None, 0, 0))(params, xs, ys)
 
 
-def _shard(value, spec, mesh, index):
-    """Block ``index`` (a dict axis -> coordinate) of ``value`` sharded as ``spec`` on ``mesh``."""
-    out = np.asarray(value)
-    for dim, axes in enumerate(spec):
-        axes = () if axes is None else (axes,) if isinstance(axes, str) else axes
-        if not axes:
-            continue
-        ways, at = 1, 0
-        for a in axes:  # the first axis named is the major one
-            at, ways = at * mesh.shape[a] + index[a], ways * mesh.shape[a]
-        n = out.shape[dim] // ways
-        out = np.take(out, np.arange(at * n, (at + 1) * n), axis=dim)
-    return out
-
-
-def _assert_within_bound_per_shard(grads, mine, specs, mesh, model_axes, data):
-    """Every shard's stream of leaves (tree order) within the bound of the data groups' own
-    gradients of that shard: what each device quantized was its shard, not the whole leaf."""
-    coords = [dict(zip(model_axes, c)) for c in np.ndindex(*(mesh.shape[a] for a in model_axes))]
-    for index in coords:
-        xs = np.stack([np.concatenate([_shard(mine[k][d], specs[k], mesh, index).reshape(-1) for k in sorted(grads)])
-                       for d in range(data)])
-        out = np.concatenate([_shard(grads[k], specs[k], mesh, index).reshape(-1) for k in sorted(grads)]) * data
-        err, bound = sra_window_bound(xs, out, CONFIG)
-        assert np.all(err <= bound), (index, float(np.max(err - bound)))
-        assert np.any(err > 0)  # compressed
-
-
 def _compiled(fn, *args):
     return jax.jit(fn).lower(*args).compile().as_text()
 
@@ -119,7 +93,7 @@ def test_2d_gradients_keep_their_sharding_exact_and_within_the_bound(axis_type, 
                 np.testing.assert_allclose(grads[k], ref[k], rtol=2e-5, atol=1e-7, err_msg=k)
         else:
             mine = _per_data_device(params, x, y, 4)
-            _assert_within_bound_per_shard(grads, mine, SPECS_2D, mesh, ("model",), 4)
+            assert_within_bound_per_shard(grads, mine, SPECS_2D, mesh, ("model",), 4, CONFIG)
     # Compression adds no gather of floating-point values: the exact step has none either.
     exact, compressed = (float_all_gathers(_compiled(make(b), *placed)) for b in (32, 8))
     assert compressed == [] and exact == [], compressed + exact
@@ -140,7 +114,7 @@ def test_3d_fsdp_and_tensor_axes_the_fsdp_reduction_stays_xlas():
     for k, spec in SPECS_3D.items():
         assert grads[k].sharding.is_equivalent_to(NamedSharding(mesh, spec), grads[k].ndim), (k, grads[k].sharding)
     # Each data group's own gradient: the mean over its rows, which fsdp splits further (XLA sums them exactly).
-    _assert_within_bound_per_shard(grads, _per_data_device(params, x, y, 2), SPECS_3D, mesh, ("fsdp", "tensor"), 2)
+    assert_within_bound_per_shard(grads, _per_data_device(params, x, y, 2), SPECS_3D, mesh, ("fsdp", "tensor"), 2, CONFIG)
 
     text = _compiled(make(CONFIG), *placed)
     exact_text = _compiled(make(jax_cgx.CompressionConfig(bits=32)), *placed)
@@ -226,7 +200,7 @@ def test_compressed_pmean_in_a_shard_map_over_data_alone():
     mean = step(SPECS_2D, False)(*placed)
     for k, spec in SPECS_2D.items():
         assert mean[k].sharding.is_equivalent_to(NamedSharding(mesh, spec), mean[k].ndim), k
-    _assert_within_bound_per_shard(mean, _per_data_device(params, x, y, 4), SPECS_2D, mesh, ("model",), 4)
+    assert_within_bound_per_shard(mean, _per_data_device(params, x, y, 4), SPECS_2D, mesh, ("model",), 4, CONFIG)
     assert float_all_gathers(jax.jit(step(SPECS_2D, False)).lower(*placed).compile().as_text()) == []
     # With the residual (error feedback) the mean is bitwise the same; a spec prefix works too.
     with_residual = step({"b1": P("model"), "w1": P(None, "model"), "w2": P("model")}, True)(*placed)
@@ -239,3 +213,49 @@ def test_local_shape():
     assert shards.local_shape((16, 64), P("fsdp", "tensor"), mesh) == (8, 32)
     assert shards.local_shape((16, 64), P(("fsdp", "tensor")), mesh) == (4, 64)
     assert shards.local_shape((16, 64), P(), mesh) == (16, 64)
+
+
+@pytest.mark.parametrize("model_shards", [2, 4])
+def test_compiled_gradient_memory_is_the_shard(model_shards):
+    # benchmarks/model_axes_memory.py's step, smaller: XLA's own per-device figures.
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
+    import model_axes_memory
+
+    shards._warned.clear()
+    figures = {(bits, given): model_axes_memory.measure(model_shards, bits, specs_given=given, width=128, layers=2)
+               for bits, given in ((32, True), (8, True), (8, False))}
+    whole = figures[32, True]["param_bytes"]
+    for bits in (32, 8):  # the gradients each device holds: its shard, compressed or not (+ the loss)
+        assert whole / model_shards <= figures[bits, True]["output_bytes"] <= whole / model_shards + 64
+    assert figures[8, False]["output_bytes"] >= whole  # without the specs: the whole model on every device
+
+    def total(f):
+        return f["argument_bytes"] + f["output_bytes"] + f["temp_bytes"]
+
+    assert total(figures[8, True]) < total(figures[8, False])
+
+
+def test_explain_prices_each_devices_shard_and_names_the_axes():
+    params = {"b1": jnp.zeros(4096), "s": jnp.zeros((64, 64)), "w1": jnp.zeros((512, 2048))}
+    specs = {"b1": P("model"), "s": P(), "w1": P(None, "model")}
+    config = jax_cgx.CompressionConfig(bits=4, fusion_buffer_mb=4)
+    mesh = _mesh((4, 2), ("data", "model"), AxisType.Auto)
+    outside = jax_cgx.explain(params, world=4, config=config, specs=specs, mesh=mesh, file=None)
+
+    def inside(p):
+        inside.report = jax_cgx.explain(p, "data", config, specs=specs, file=None)
+        return jnp.zeros(())
+
+    jax.jit(jax.shard_map(inside, mesh=mesh, in_specs=P(), out_specs=P(), axis_names=frozenset({"data"})))(params)
+    for report in (outside, inside.report):
+        assert report.model_axes == ("model",)
+        by = {r.path: r for r in report.leaves}
+        assert by["['w1']"].shard == (512, 1024) and by["['w1']"].split_over == ("model",)
+        assert by["['w1']"].nbytes == 512 * 1024 * 4  # what each device sends is priced: its shard
+        assert by["['s']"].split_over == () and by["['s']"].shard is None
+        # The replicated leaf has a buffer of its own: it is not fused with the split ones.
+        assert set(by["['s']"].buffers).isdisjoint(by["['b1']"].buffers + by["['w1']"].buffers)
+    assert "('data',) (4 ranks)" in str(inside.report)
+    assert "model axes ('model',): left to XLA's partitioner" in str(outside)
+    with pytest.raises(ValueError, match="mesh= is for specs="):
+        jax_cgx.explain(params, world=4, mesh=mesh, file=None)

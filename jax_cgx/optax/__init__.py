@@ -19,7 +19,9 @@ of ``jax.lax.pmean(grads, axis_name)``, typically first in an ``optax.chain``::
                        (``chain``, ``named_chain``, ``inject_hyperparams``, ``MultiSteps``):
                        per-device leaves ``P(axis)``, the rest ``P()``
                        (``compressed_mean_state_specs``, ``topk_state_specs``: the same
-                       function under its earlier names)
+                       function under its earlier names); with ``param_specs``, parameters
+                       sharded over model axes (tensor parallelism, FSDP)
+``shard_shapes``       one device's shard of each such parameter, for ``jax.eval_shape``
 ``resize_state``       any of those states, saved on W devices, laid out for W' (a restart on
                        another device count: docs/checkpointing.md)
 =====================  ============================================================
@@ -51,7 +53,7 @@ from jax_cgx._src.optax.mean import (
 )
 from jax_cgx._src.optax.powersgd import PowerSGDState, powersgd_bytes, powersgd_mean
 from jax_cgx._src.optax.resize import resize_state
-from jax_cgx._src.optax.specs import compressed_mean_state_specs, state_specs, topk_state_specs
+from jax_cgx._src.optax.specs import compressed_mean_state_specs, shard_shapes, state_specs, topk_state_specs
 from jax_cgx._src.optax.topk import TopKState, topk_bytes, topk_mean
 from jax_cgx._src.optax.zero import ShardedOptimizer, ShardedState, sharded
 
@@ -70,6 +72,7 @@ __all__ = [
     "topk_bytes",
     "topk_state_specs",
     "state_specs",
+    "shard_shapes",
     "resize_state",
     "sharded",
     "ShardedOptimizer",

@@ -18,11 +18,12 @@ from typing import TextIO
 
 import jax
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
 from jax_cgx._src import backends, compat
 from jax_cgx._src.arguments import check_bool
-from jax_cgx._src.collectives import reduce_scatter, scatter_gather
-from jax_cgx._src.collectives.plan import ConfigSpec, check_ranks, make_plan
+from jax_cgx._src.collectives import reduce_scatter, scatter_gather, shards
+from jax_cgx._src.collectives.plan import ConfigSpec, check_ranks, leaf_configs, make_plan
 from jax_cgx._src.policy import pricing
 
 __all__ = ["explain", "Explanation", "LeafReport", "BufferReport"]
@@ -67,6 +68,8 @@ class LeafReport:
     bucket_size: int | None = None
     predicted_error: float | None = None
     planned_bytes: int | None = None
+    split_over: tuple[str, ...] = ()  # model axes each device holds a shard of it over (its own exchanged)
+    shard: tuple[int, ...] | None = None  # one device's block of it, where split
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,17 +81,26 @@ class Explanation:
     buffers: list[BufferReport]
     figures: pricing.Figures | None
     op: str = "psum"  # or "psum_scatter", "all_gather": then a buffer's psum_ms is that lax collective's
+    axes: tuple[str, ...] = ()  # the reduced axes, where named
+    model_axes: tuple[str, ...] = ()  # axes left to XLA's partitioner: each device reduces its own shards
 
     def __str__(self) -> str:
-        lines = [f"{_API[self.op]} over {self.world} ranks"]
+        over = f" over {self.axes} ({self.world} ranks)" if self.axes else f" over {self.world} ranks"
+        lines = [f"{_API[self.op]}{over}"]
+        if self.model_axes:
+            lines.append(f"  model axes {self.model_axes}: left to XLA's partitioner; each device compresses and "
+                         "sends its own shard of each leaf (buffers are per device)")
         if self.figures is not None:
             lines.append(f"  figures: {self.figures.describe()}")
         planned = any(r.predicted_error is not None for r in self.leaves)
+        split = bool(self.model_axes)
         lines.append(_table(
-            ["leaf", "shape", "dtype", "MiB", "reduced as", "bits", "bucket"]
+            ["leaf", "shape"] + (["split over", "shard"] if split else []) + ["dtype", "MiB", "reduced as", "bits",
+                                                                              "bucket"]
             + (["predicted error", "planned bytes"] if planned else []) + ["buffers"],
-            [[r.path or "(root)", str(r.shape), r.dtype, f"{r.nbytes / 2**20:.4g}", r.how, _or_dash(r.bits),
-              _or_dash(r.bucket_size)]
+            [[r.path or "(root)", str(r.shape)]
+             + ([",".join(r.split_over) or "-", str(r.shard or r.shape)] if split else [])
+             + [r.dtype, f"{r.nbytes / 2**20:.4g}", r.how, _or_dash(r.bits), _or_dash(r.bucket_size)]
              + ([_or_dash(r.predicted_error, "{:.4g}"), _or_dash(r.planned_bytes)] if planned else [])
              + [",".join(map(str, r.buffers)) or "-"] for r in self.leaves]))
         if self.buffers:
@@ -132,7 +144,7 @@ _API = {"psum": "compressed_psum", "psum_scatter": "compressed_psum_scatter", "a
 def explain(x, axis_name=None, config: ConfigSpec = None, *, world: int | None = None,
             inner_world: int | None = None, op: str = "psum", scatter_dimension: int = 0, tiled: bool = False,
             file: TextIO | None = sys.stdout,
-            plans: Sequence | None = None) -> Explanation:
+            plans: Sequence | None = None, specs: shards.SpecTree = None, mesh=None) -> Explanation:
     """Print, and return, how ``compressed_psum(x, axis_name, config)`` reduces each leaf
     (``op="psum_scatter"`` / ``"all_gather"``: how ``compressed_psum_scatter`` /
     ``compressed_all_gather`` would, ``x`` being each rank's input).
@@ -152,6 +164,12 @@ def explain(x, axis_name=None, config: ConfigSpec = None, *, world: int | None =
       plans: the :class:`~jax_cgx.adaptive.LeafPlan` table of the plan ``config`` came from
         (``choose_bits(..., return_plan=True)``, ``Planner.plans``): each planned leaf's predicted
         error and bytes join the leaf table (matched by path; a path the tree lacks is an error).
+      specs: on a mesh with model axes left to XLA's partitioner (tensor parallelism, FSDP), how
+        each leaf is split over them, as for :func:`~jax_cgx.compressed_psum`: each device's shard
+        is what it compresses, so the plan and the prices are the shards'. Inside a ``shard_map``
+        over the data axes alone the model axes are the mesh's others (a leaf's ``Explicit`` type
+        gives its spec where ``specs`` does not); outside, give ``mesh=`` too.
+      mesh: with ``specs`` outside ``shard_map``: the mesh whose axes the specs name.
 
     Examples:
       >>> report = jax_cgx.explain({"w": jnp.zeros((1024, 1024)), "b": jnp.zeros(8)}, world=8, file=None)
@@ -171,6 +189,10 @@ def explain(x, axis_name=None, config: ConfigSpec = None, *, world: int | None =
     else:
         axes = None
     world, inner_world = check_ranks("explain", world, inner_world)
+    model_axes, split, shard_shapes = _model_shards(x, axes, specs, mesh)
+    if model_axes and op != "psum":
+        raise NotImplementedError(f"explain: model axes {model_axes} are priced for op='psum'; for {op!r} give "
+                                  "each device's shard as x")
     if op != "psum":
         result = _explain_sharded(x, config, world, op, scatter_dimension, tiled)
         result = dataclasses.replace(result, leaves=_with_plans(result.leaves, plans))
@@ -179,11 +201,81 @@ def explain(x, axis_name=None, config: ConfigSpec = None, *, world: int | None =
         return result
     flat = jax.tree_util.tree_flatten_with_path(x)[0]
     paths, leaves = [p for p, _ in flat], [v for _, v in flat]
-    plan = make_plan(paths, leaves, config, x, world, inner_world, axes, measure=False, api="explain")
-
+    if model_axes:  # each device plans its own shards, leaves split alike fused together
+        configs = leaf_configs(config, x, paths, "explain")
+        local = [jax.ShapeDtypeStruct(shape, v.dtype) for v, shape in zip(leaves, shard_shapes)]
+        plans_of = [(members, make_plan([paths[i] for i in members], [local[i] for i in members],
+                                        [configs[i] for i in members], [local[i] for i in members], world,
+                                        inner_world, axes, measure=False, api="explain"))
+                    for members in shards.split_alike(split)]
+    else:
+        plans_of = [(list(range(len(leaves))),
+                     make_plan(paths, leaves, config, x, world, inner_world, axes, measure=False, api="explain"))]
     buffers: list[BufferReport] = []
     leaf_buffers: dict[int, list[int]] = {}
+    lanes: dict[int, str] = {}
+    leaf_config: dict[int, object] = {}
+    sizes: dict[int, int] = {}
     figures = None
+    for members_of, plan in plans_of:
+        figures = _report_plan(plan, members_of, world, inner_world, buffers, leaf_buffers, figures)
+        for j, i in enumerate(members_of):
+            lanes[i], leaf_config[i], sizes[i] = plan.lanes[j], plan.configs[j], plan.sizes[j]
+
+    leaves_out = []
+    for i, (path, leaf) in enumerate(zip(paths, leaves)):
+        mine = leaf_buffers.get(i, [])
+        if lanes[i] == "auto-psum":
+            how = "psum (auto)"
+        elif lanes[i] != "quantized":
+            how = lanes[i]
+        elif world == 1:
+            how = "exact"
+        else:
+            kinds = {buffers[b].compressed for b in mine}
+            how = "compressed" if kinds == {True} else "psum (auto)" if kinds == {False} else "mixed (auto)"
+        dtype = np.dtype(leaf.dtype)
+        over = tuple(a for e in split[i] for a in ((e,) if isinstance(e, str) else e or ())) if model_axes else ()
+        leaves_out.append(LeafReport(jax.tree_util.keystr(path), tuple(np.shape(leaf)), dtype.name,
+                                     sizes[i] * dtype.itemsize, how, tuple(mine),
+                                     *_width(lanes[i] if world > 1 else "exact", leaf_config[i]),
+                                     split_over=over, shard=tuple(shard_shapes[i]) if over else None))
+    result = Explanation(world, _with_plans(leaves_out, plans), buffers, figures, axes=axes or (),
+                         model_axes=model_axes)
+    if file is not None:
+        print(result, file=file)
+    return result
+
+
+def _model_shards(x, axes, specs, mesh):
+    """``(model axes, each leaf's spec, each leaf's shard shape)`` where the reduction leaves model
+    axes to XLA's partitioner (inside a shard_map over the data axes, or ``specs`` and ``mesh``
+    given); ``((), None, None)`` otherwise."""
+    flat = jax.tree_util.tree_flatten_with_path(x)[0]
+    paths, leaves = [p for p, _ in flat], [v for _, v in flat]
+    if mesh is not None:
+        if specs is None:
+            raise ValueError("explain: mesh= is for specs= (how each leaf is split over the mesh's model axes): "
+                             "give both, or neither")
+        given = shards.per_leaf("explain", specs, x)
+        named = {a for s in given if s is not None for e in (s.spec if hasattr(s, "spec") else s)
+                 for a in ((e,) if isinstance(e, str) else e or ())}
+        free = tuple(a for a in mesh.axis_names if a in named and a not in (axes or ()))
+        split = [shards.checked_spec("explain", f"x{jax.tree_util.keystr(p)}",
+                                     P() if s is None else getattr(s, "spec", s), np.shape(v), axes or (), free, mesh)
+                 for p, v, s in zip(paths, leaves, given)]
+    else:
+        free = shards.free_axes() if axes is not None else ()
+        if not free:
+            return (), None, None
+        split = shards.leaf_specs("explain", paths, leaves, specs, x, axes, free)
+        mesh = jax.sharding.get_abstract_mesh()
+    return free, split, [shards.local_shape(np.shape(v), s, mesh) for v, s in zip(leaves, split)]
+
+
+def _report_plan(plan, members_of, world, inner_world, buffers, leaf_buffers, figures):
+    """The buffers of ``plan`` (of the leaves ``members_of``) appended to ``buffers``, each leaf's
+    buffer indices to ``leaf_buffers``; the figures they were priced with."""
     for group, members in (plan.groups.items() if world > 1 else ()):  # one rank: nothing moves, all exact
         bounds = np.cumsum([0] + [plan.sizes[i] for i in members])
         decisions = plan.decisions.get(group)
@@ -203,35 +295,15 @@ def explain(x, axis_name=None, config: ConfigSpec = None, *, world: int | None =
                 pricing.form_name(group.config, inner_world)))
             for j, i in enumerate(members):
                 if bounds[j] < stop and bounds[j + 1] > start:
-                    leaf_buffers.setdefault(i, []).append(index)
+                    leaf_buffers.setdefault(members_of[i], []).append(index)
     for group, values, d, moved in plan.dissolved:  # priced once, lost: their leaves are psum'd one by one
         for i in moved:
-            leaf_buffers.setdefault(i, []).append(len(buffers))
+            leaf_buffers.setdefault(members_of[i], []).append(len(buffers))
         buffers.append(BufferReport(len(buffers), group.dtype.name, group.config.bits, values, "auto", False,
                                     d.psum_s * 1e3, d.compressed_s * 1e3, _priced(d),
                                     pricing.form_name(group.config, inner_world)))
         figures = figures or _figures_for(group.config)
-
-    leaves_out = []
-    for i, (path, leaf) in enumerate(zip(paths, leaves)):
-        mine = leaf_buffers.get(i, [])
-        if plan.lanes[i] == "auto-psum":
-            how = "psum (auto)"
-        elif plan.lanes[i] != "quantized":
-            how = plan.lanes[i]
-        elif world == 1:
-            how = "exact"
-        else:
-            kinds = {buffers[b].compressed for b in mine}
-            how = "compressed" if kinds == {True} else "psum (auto)" if kinds == {False} else "mixed (auto)"
-        dtype = np.dtype(leaf.dtype)
-        leaves_out.append(LeafReport(jax.tree_util.keystr(path), tuple(np.shape(leaf)), dtype.name,
-                                     plan.sizes[i] * dtype.itemsize, how, tuple(mine),
-                                     *_width(plan.lanes[i] if world > 1 else "exact", plan.configs[i])))
-    result = Explanation(world, _with_plans(leaves_out, plans), buffers, figures)
-    if file is not None:
-        print(result, file=file)
-    return result
+    return figures
 
 
 def _explain_sharded(x, config: ConfigSpec, world: int, op: str, scatter_dimension: int, tiled: bool) -> Explanation:

@@ -32,6 +32,7 @@ from collections import Counter
 import jax
 import jax.numpy as jnp
 import optax
+from jax.sharding import PartitionSpec as P
 
 from jax_cgx._src.optax import checks
 from jax_cgx._src.optax.mean import CastMeanState, CompressedMeanState
@@ -51,10 +52,12 @@ _NODES = (*_MEANS, ShardedState, optax.MultiStepsState)
 class _Resizer:
     """One walk over a state: the new leaves, and a tally of what was done for the log line."""
 
-    def __init__(self, params, world: int):
+    def __init__(self, params, world: int, shards: list[int] | None = None):
         with_paths, self.param_def = jax.tree_util.tree_flatten_with_path(params)
         self.param_leaves = [leaf for _, leaf in with_paths]
         self.param_paths = [p for p, _ in with_paths]
+        # How many model shards each parameter is split into (1: not split).
+        self.shards = shards or [1] * len(self.param_leaves)
         self.world = world
         self.old_worlds: set[int] = set()
         self.done: Counter = Counter()
@@ -94,7 +97,7 @@ class _Resizer:
         master = self.param_def.flatten_up_to(state.master)
         sizes = [math.prod(_shape(p)) for p in self.param_leaves]
         lengths = [int(jnp.shape(m)[0]) for m in master]
-        new = [self._repad(m, n) for m, n in zip(master, sizes)]
+        new = [self._repad(m, n, k) for m, n, k in zip(master, sizes, self.shards)]
         self.done["ZeRO master shards"] += len(new)
 
         def inner(node):  # every parameter-like subtree of the wrapped optimizer's state is re-padded
@@ -104,7 +107,7 @@ class _Resizer:
                 return None
             if all(getattr(x, "shape", None) == (length,) for x, length in zip(leaves, lengths)):
                 self.done["ZeRO optimizer state leaves"] += len(leaves)
-                return self.param_def.unflatten([self._repad(x, n) for x, n in zip(leaves, sizes)])
+                return self.param_def.unflatten([self._repad(x, n, k) for x, n, k in zip(leaves, sizes, self.shards)])
             return None
 
         def walk(node):
@@ -123,26 +126,55 @@ class _Resizer:
         residual = state.residual
         if not _empty(residual):
             res = self.param_def.flatten_up_to(residual)
-            residual = self.param_def.unflatten([self._zero_residual(r, n, length)
-                                                 for r, n, length in zip(res, sizes, lengths)])
+            residual = self.param_def.unflatten([self._zero_residual(r, n, length, k)
+                                                 for r, n, length, k in zip(res, sizes, lengths, self.shards)])
             self.done["ZeRO error-feedback residuals"] += len(res)
         return ShardedState(self.param_def.unflatten(new), walk(state.inner), state.skipped, residual)
 
-    def _repad(self, flat, n: int):
-        """A flat parameter padded for one device count, padded for ``self.world`` instead."""
-        k = -(-n // self.world)
-        return jnp.pad(flat[:n], (0, self.world * k - n))
+    def _repad(self, flat, n: int, shards: int = 1):
+        """A flat parameter padded for one device count, padded for ``self.world`` instead; split
+        over ``shards`` model shards, each shard's flat values in turn (ZeRO's ``state_specs``)."""
+        local = n // shards
+        k = -(-local // self.world)
+        rows = jnp.reshape(flat, (shards, -1))[:, :local]
+        return jnp.reshape(jnp.pad(rows, ((0, 0), (0, self.world * k - local))), (-1,))
 
-    def _zero_residual(self, flat, n: int, length: int):
-        """Each device's whole flat gradient residual (``W * length`` in all): their mean, re-padded,
-        once per new device."""
+    def _zero_residual(self, flat, n: int, length: int, shards: int = 1):
+        """Each device's whole flat gradient residual (``W * length`` in all; per model shard, its
+        devices' in turn): their mean, re-padded, once per new device."""
         total = int(jnp.shape(flat)[0])
         if total % length:
             raise ValueError(f"{_FN}: a ZeRO residual of length {total} is not a whole number of devices' "
                              f"flat gradients of length {length}")
         old = total // length
         self.old_worlds.add(old)
-        return jnp.tile(self._repad(_device_mean(jnp.reshape(flat, (old, length))[:, :n]), n), self.world)
+        local = n // shards
+        blocks = jnp.reshape(flat, (shards, old, length // shards))[:, :, :local]
+        mean = jax.vmap(_device_mean)(blocks)  # (shards, local)
+        k = -(-local // self.world)
+        padded = jnp.pad(mean, ((0, 0), (0, self.world * k - local)))
+        return jnp.reshape(jnp.tile(padded[:, None, :], (1, self.world, 1)), (-1,))
+
+
+def _model_shards(params, param_specs, mesh, axes: tuple) -> list[int] | None:
+    """How many model shards each parameter's spec splits it into on ``mesh`` (None: no specs)."""
+    if param_specs is None:
+        return None
+    if mesh is None:
+        raise ValueError(f"{_FN}: param_specs needs mesh= too (the sizes of the model axes the specs name)")
+    specs = jax.tree.leaves(param_specs, is_leaf=lambda s: isinstance(s, P))
+    if len(specs) != len(jax.tree.leaves(params)):
+        raise ValueError(f"{_FN}: param_specs must hold one PartitionSpec per parameter, got {len(specs)} for "
+                         f"{len(jax.tree.leaves(params))} parameters")
+    sizes = dict(mesh.shape)
+    out = []
+    for spec in specs:
+        named = [a for e in spec for a in ((e,) if isinstance(e, str) else e or ())]
+        if unknown := [a for a in named if a not in sizes or a in axes]:
+            raise ValueError(f"{_FN}: the parameter spec {spec} names {unknown[0]!r}, which is not a model axis of "
+                             f"the mesh {tuple(sizes)} (the data axis is {axes})")
+        out.append(math.prod(sizes[a] for a in named))
+    return out
 
 
 def _device_mean(blocks):
@@ -168,7 +200,7 @@ def _children(node):
     return leaves, treedef.unflatten
 
 
-def resize_state(state, params, axis_name, *, world: int):
+def resize_state(state, params, axis_name, *, world: int, param_specs=None, mesh=None):
     """``state``, saved on ``W`` devices, laid out for ``world`` devices (``W`` read off its shapes).
 
     ``state`` is any optax state holding jax_cgx's (alone, in ``optax.chain``, ``named_chain``,
@@ -199,12 +231,18 @@ def resize_state(state, params, axis_name, *, world: int):
         restored = orbax.checkpoint.StandardCheckpointer().restore(path, target)
         state = jax.jit(lambda s: resize_state(s, params, "data", world=4), out_shardings=shardings)(restored)
 
+    Parameters also split over model axes (tensor parallelism, FSDP) keep their split: only the
+    data axis changes. The means' per-device leaves need nothing more (``state_specs`` puts the data
+    axis first); the ZeRO state holds each model shard's flat parameter in turn, so give it
+    ``param_specs`` (the parameters' ``PartitionSpec``\\ s) and the ``mesh`` (whose model axes
+    say how many shards each spec makes).
+
     Raises a ``ValueError`` naming the leaf when a per-device leaf is not a stack of the
     parameter's blocks, or when the per-device leaves disagree on ``W``.
     """
     world = checks.check_int(_FN, "world", world, minimum=1)
-    checks.check_axes(_FN, axis_name)
-    resizer = _Resizer(params, world)
+    axes = checks.check_axes(_FN, axis_name)
+    resizer = _Resizer(params, world, _model_shards(params, param_specs, mesh, axes))
 
     def node(path, x):
         if isinstance(x, CompressedMeanState):

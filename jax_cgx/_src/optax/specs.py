@@ -11,15 +11,17 @@ states sit in (``chain``, ``named_chain``, ``inject_hyperparams``, ``MultiSteps`
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec as P
 
+from jax_cgx._src.collectives.shards import local_shape
 from jax_cgx._src.optax import checks
 from jax_cgx._src.optax.mean import CastMeanState, CompressedMeanState
 from jax_cgx._src.optax.powersgd import PowerSGDState
 from jax_cgx._src.optax.topk import TopKState
 
-__all__ = ["state_specs"]
+__all__ = ["state_specs", "shard_shapes"]
 
 _MEANS = (CompressedMeanState, CastMeanState, PowerSGDState, TopKState)  # the states of jax_cgx's means
 _NODES = (*_MEANS, optax.MultiStepsState)  # what the walk stops at; everything else is a plain leaf
@@ -70,7 +72,14 @@ def state_specs(state, axis_name, param_specs=None):
     per-device leaf is then each device's block of its parameter's shard, and its spec splits
     axis 0 over ``axis_name`` first and the parameter's own axes after, the others as the
     parameter does: ``P(None, "model")`` gives ``P("data", "model")``, ``P("model", None)`` gives
-    ``P(("data", "model"), None)``. PowerSGD's factors would be each shard's: refused there.
+    ``P(("data", "model"), None)``. The state to pass is then one device's: the transformations
+    see each device's shards, and their layer filters (``layer_min_size``, ``min_size``) judge
+    those, so build it from :func:`shard_shapes`::
+
+        local = jax_cgx.optax.shard_shapes(params, param_specs, mesh)
+        specs = state_specs(jax.eval_shape(tx.init, local), "data", param_specs=param_specs)
+
+    PowerSGD's factors would be each shard's: refused there.
     Replicated leaves of a transformation after the mean (Adam's
     moments) follow the parameters they belong to where their structure is the parameters'
     (``P()`` otherwise: give that state its specs yourself).
@@ -133,6 +142,22 @@ def state_specs(state, axis_name, param_specs=None):
         return isinstance(n, _NODES) or (bool(params) and params.shaped_like(n))
 
     return jax.tree_util.tree_map_with_path(node, state, is_leaf=stop)
+
+
+def shard_shapes(params, param_specs, mesh):
+    r"""``jax.ShapeDtypeStruct``\ s of one device's shard of each parameter sharded as
+    ``param_specs`` (a pytree of ``PartitionSpec``\ s like ``params``) on ``mesh``: what a
+    transformation sees inside a ``shard_map`` that splits the parameters over model axes, for
+    ``jax.eval_shape(tx.init, ...)`` before :func:`state_specs`.
+
+    Examples:
+      >>> from jax.sharding import PartitionSpec as P
+      >>> mesh = jax.sharding.AbstractMesh((4, 2), ("data", "model"))
+      >>> jax_cgx.optax.shard_shapes({"w": jnp.zeros((16, 64))}, {"w": P(None, "model")}, mesh)["w"].shape
+      (16, 32)
+    """
+    return jax.tree.map(lambda p, spec: jax.ShapeDtypeStruct(local_shape(jnp.shape(p), spec, mesh), jnp.result_type(p)),
+                        params, param_specs, is_leaf=lambda x: isinstance(x, P))
 
 
 class _ParamSpecs:

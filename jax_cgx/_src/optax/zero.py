@@ -52,6 +52,7 @@ import jax
 import jax.numpy as jnp
 import optax
 from jax import lax
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jax_cgx._src import compat
@@ -188,7 +189,11 @@ def sharded(optimizer: optax.GradientTransformation, axis_name, *, grad_config: 
             summed, residual = compressed_psum_scatter(flat, axes, grad_config, tiled=True, key=keys[0]), ()
         mean = jax.tree.map(lambda s, m: (s / w).astype(m.dtype), summed, state.master)
         finite = jnp.all(jnp.array([jnp.isfinite(jnp.sum(m * 0)) for m in jax.tree.leaves(mean)] or [True]))
-        finite = lax.psum(finite.astype(jnp.int32), axes) == w  # every device skips, or none
+        # Every device skips, or none: over the model axes too where the parameters are split over
+        # them (a shard skipped alone would leave its parameter half updated).
+        over = tuple(sorted(set(axes).union(*(compat.varying_axes(jax.typeof(m)) for m in jax.tree.leaves(mean)))
+                            if compat.check_vma_enabled() else axes))
+        finite = lax.psum(finite.astype(jnp.int32), over) == math.prod(lax.axis_size(a) for a in over)
         updates, inner = optimizer.update(mean, state.inner, state.master)
         master = optax.apply_updates(state.master, updates)
         keep = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
@@ -201,18 +206,37 @@ def sharded(optimizer: optax.GradientTransformation, axis_name, *, grad_config: 
         params = treedef.unflatten([g[:x.size].reshape(x.shape) for g, x in zip(treedef.flatten_up_to(gathered), leaves)])
         return params, state
 
-    def state_specs(params, mesh) -> ShardedState:
+    def state_specs(params, mesh, param_specs=None) -> ShardedState:
         """PartitionSpecs of the state of ``params`` on ``mesh``: ``P(axis)`` for what differs per
-        device (the master shards, the optimizer's moments), ``P()`` for the rest (step counts)."""
+        device (the master shards, the optimizer's moments), ``P()`` for the rest (step counts).
+
+        ``param_specs``: where the ``shard_map`` also splits the parameters over model axes
+        (tensor parallelism, FSDP), their ``PartitionSpec``\\ s (a pytree like ``params``). A
+        per-device leaf is then split over those axes first and ``axis_name`` after
+        (``P(("model", "data"))``): the global array holds each model shard's flat, padded
+        parameter in turn, which :func:`~jax_cgx.optax.resize_state` lays out again for another
+        data-axis size."""
         varying = {}
 
         def probe(params):
             state = init(params)
-            varying["state"] = jax.tree.map(lambda s: bool(set(axes) & compat.varying_axes(jax.typeof(s))), state)
+            varying["state"] = jax.tree.map(lambda s: compat.varying_axes(jax.typeof(s)), state)
             return jnp.zeros(())
 
-        jax.eval_shape(jax.shard_map(probe, mesh=mesh, in_specs=P(), out_specs=P()), params)
-        spec = P(axes if len(axes) > 1 else axes[0])
-        return jax.tree.map(lambda v: spec if v else P(), varying["state"])
+        if param_specs is None:
+            jax.eval_shape(jax.shard_map(probe, mesh=mesh, in_specs=P(), out_specs=P()), params)
+        else:  # placed as the specs say (shard_map takes Explicit axes from the arguments' types)
+            placed = jax.tree.map(lambda p, spec: jax.ShapeDtypeStruct(jnp.shape(p), jnp.result_type(p),
+                                                                       sharding=NamedSharding(mesh, spec)),
+                                  params, param_specs, is_leaf=lambda x: isinstance(x, P))
+            jax.eval_shape(jax.shard_map(probe, mesh=mesh, in_specs=(param_specs,), out_specs=P()), placed)
+
+        def spec(over) -> P:
+            if not set(axes) & over:
+                return P()
+            joined = (*(a for a in mesh.axis_names if a in over and a not in axes), *axes)
+            return P(joined[0] if len(joined) == 1 else joined)
+
+        return jax.tree.map(spec, varying["state"], is_leaf=lambda v: isinstance(v, frozenset))
 
     return ShardedOptimizer(init, update, state_specs)
