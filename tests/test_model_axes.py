@@ -262,6 +262,7 @@ def test_explain_prices_each_devices_shard_and_names_the_axes():
         jax_cgx.explain(params, world=4, mesh=mesh, file=None)
 
 
+@pytest.mark.multiprocess
 def test_across_processes_replicas_agree_and_shards_within_the_bound(tmp_path):
     # 2 processes x 4 devices (gloo), the data axis across them and then the model axis. Every
     # device along "data" holds bitwise the same shard of each gradient, within the codec's bound
@@ -269,15 +270,10 @@ def test_across_processes_replicas_agree_and_shards_within_the_bound(tmp_path):
     # sums a matmul's terms in another order with 4 devices to a process than with 8.)
     from model_axes_worker import CONFIG, LAYOUTS, SPECS, problem
     from model_axes_worker import loss as worker_loss
-    from processes import SUPPORT, run_all
+    from processes import run_workers
 
-    from jax_cgx.launch import free_port
-
-    nproc, port = 2, free_port()
-    worker = SUPPORT / "model_axes_worker.py"
-    commands = [[sys.executable, str(worker), str(i), str(nproc), str(port), str(tmp_path)] for i in range(nproc)]
-    for returncode, log in run_all(commands, timeout=300):
-        assert returncode == 0, log[-4000:]
+    nproc = 2
+    run_workers("model_axes_worker.py", nproc, tmp_path)
     results = {}
     for i in range(nproc):
         results.update(np.load(tmp_path / f"process{i}.npz"))

@@ -18,7 +18,7 @@ from bitwise import assert_same_bits
 from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
-from processes import SUPPORT, run_all
+from processes import SUPPORT, run_all, run_workers
 
 import jax_cgx
 from jax_cgx._src.collectives import bytes_on_wire
@@ -371,11 +371,8 @@ def test_cost_model_share_slows_compute_only():
 
 @pytest.mark.multiprocess
 def test_processes_agree_on_figures_and_decisions(tmp_path):
-    nproc, port = 2, free_port()
-    worker = SUPPORT / "policy_worker.py"
-    commands = [[sys.executable, str(worker), str(i), str(nproc), str(port), str(tmp_path)] for i in range(nproc)]
-    for returncode, log in run_all(commands, timeout=300):
-        assert returncode == 0, log[-4000:]
+    nproc = 2
+    run_workers("policy_worker.py", nproc, tmp_path)
     records = [json.loads((tmp_path / f"process{i}.json").read_text()) for i in range(nproc)]
     assert records[0]["figures"] == records[1]["figures"]  # each measured its own; they agreed
     assert records[0]["slow_link_compresses"] and records[1]["slow_link_compresses"]

@@ -2,8 +2,6 @@
 bits=32 is lax to the bit, the error stays within the analytic bound from the data's own buckets,
 all_gather's replicas are identical, gradients are lax's, vmap and jit/scan, bytes_on_wire."""
 
-import sys
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -14,11 +12,10 @@ from codec_cases import bucket_scales
 from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
-from processes import SUPPORT, run_all
+from processes import run_workers
 from sharded_worker import inputs, programs
 
 import jax_cgx
-from jax_cgx.launch import free_port
 
 W = 8
 BUCKET = 64
@@ -255,11 +252,8 @@ def test_pmap():
 def test_two_processes_two_devices_each(tmp_path):
     # The same programs over 2 processes x 2 devices (gloo) and over 4 devices of this process:
     # the same bytes, stochastic rounding included.
-    nproc, port = 2, free_port()
-    worker = SUPPORT / "sharded_worker.py"
-    commands = [[sys.executable, str(worker), str(i), str(nproc), str(port), str(tmp_path)] for i in range(nproc)]
-    for returncode, log in run_all(commands, timeout=300):
-        assert returncode == 0, log[-4000:]
+    nproc = 2
+    run_workers("sharded_worker.py", nproc, tmp_path)
     results = {}
     for i in range(nproc):
         results.update(np.load(tmp_path / f"process{i}.npz"))

@@ -26,3 +26,18 @@ def run_all(commands, timeout: float, envs=None, **popen) -> list[tuple[int, str
                 p.kill()
                 p.wait()
     return [(p.returncode, log) for p, log in zip(procs, logs)]
+
+
+def run_workers(script: str, nproc: int, out_dir, timeout: float = 300) -> None:
+    """Run ``nproc`` processes of the worker ``script`` (a file here, taking ``PROCESS_ID
+    NUM_PROCESSES PORT OUT_DIR``) on one coordinator port; each must exit 0 (its log's tail says
+    why not)."""
+    import sys
+
+    from jax_cgx.launch import free_port
+
+    port = free_port()
+    commands = [[sys.executable, str(SUPPORT / script), str(i), str(nproc), str(port), str(out_dir)]
+                for i in range(nproc)]
+    for returncode, log in run_all(commands, timeout=timeout):
+        assert returncode == 0, log[-4000:]
