@@ -100,12 +100,15 @@ def test_2d_gradients_keep_their_sharding_exact_and_within_the_bound(axis_type, 
     assert compressed == [] and exact == [], compressed + exact
 
 
-def test_3d_fsdp_and_tensor_axes_the_fsdp_reduction_stays_xlas():
-    mesh = _mesh((2, 2, 2), ("data", "fsdp", "tensor"), AxisType.Auto)
+@pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit], ids=["auto", "explicit"])
+def test_3d_fsdp_and_tensor_axes_the_fsdp_reduction_stays_xlas(axis_type):
+    mesh = _mesh((2, 2, 2), ("data", "fsdp", "tensor"), axis_type)
+    explicit = axis_type == AxisType.Explicit
     params, x, y = _problem(1)
     placed = _placed(mesh, SPECS_3D, params, x, y, batch_spec=P(("data", "fsdp")))
-    make = lambda config: jax_cgx.data_parallel_value_and_grad(_loss, mesh=mesh, config=config,  # noqa: E731
-                                                               param_specs=SPECS_3D)
+    given = {} if explicit else {"param_specs": SPECS_3D}  # Explicit: the parameters' types say it
+    make = lambda config: jax_cgx.data_parallel_value_and_grad(  # noqa: E731
+        functools.partial(_loss, explicit=explicit), mesh=mesh, config=config, **given)
     ref_loss, ref = jax.value_and_grad(_loss)(params, x, y)
     loss, grads = jax.jit(make(jax_cgx.CompressionConfig(bits=32)))(*placed)
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
