@@ -411,9 +411,10 @@ def _reduce_buffer(buf, axes, world, config: CompressionConfig, key, impl, resid
             "to compress over a single axis."
         )
     if world == 1:
-        # A sum over one rank moves nothing: exact.
-        buf = _divided(buf, divisor)
-        return (buf, jnp.zeros_like(buf)) if residual else buf
+        # A sum over one rank moves nothing: exact. lax.psum still, for its type (invariant over the
+        # axis, as every result of the sum is; XLA drops a one-device all-reduce).
+        total = _divided(lax.psum(buf, axes), divisor)
+        return (total, jnp.zeros_like(buf)) if residual else total
     n = buf.size
     head_n = (n // config.bucket_size) * config.bucket_size if config.skip_incomplete_buckets else n
     parts, lost = [], []
