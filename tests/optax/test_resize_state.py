@@ -92,7 +92,27 @@ def test_the_same_world_keeps_the_state(caplog):
 def test_a_state_of_other_parameters_is_refused():
     run = Run("mean+ef", _mesh(8)).init()
     other = dict(PARAMS, w=np.zeros((40, 64), np.float32))
-    with pytest.raises(ValueError, match=r"resize_state: .*\['w'\] has shape \(512, 40\), which is not a stack"):
+    # Its momentum (laid out as the parameters) says it first.
+    with pytest.raises(ValueError, match=r"resize_state: the state at \[1\]\[0\]\.trace\['w'\] has shape \(64, 40\) "
+                                         r"where the parameter has \(40, 64\)"):
         cgx_optax.resize_state(run.state, other, AXIS, world=4)
+    with pytest.raises(ValueError, match=r"resize_state: .*\['w'\] has shape \(512, 40\), which is not a stack"):
+        cgx_optax.resize_state(run.state[0], other, AXIS, world=4)  # the mean's state alone
     with pytest.raises(ValueError, match="world must be an integer >= 1"):
         cgx_optax.resize_state(run.state, PARAMS, AXIS, world=0)
+
+
+def test_the_state_of_a_smaller_model_of_the_same_width_is_refused():
+    # Halving a leaf's first dimension with twice the devices keeps the per-device stack's shape:
+    # (64, 40) on 8 devices is (512, 40), as (32, 40) on 16. Adam's moments (laid out as the
+    # parameters) say it; with a momentum-SGD chain, saved_world= does.
+    smaller = dict(PARAMS, w=np.zeros((32, 40), np.float32), h=np.zeros((24, 30), np.float32))
+    adam = Run("mean", _mesh(8)).init()
+    with pytest.raises(ValueError, match=r"the state at \[1\]\[0\]\.mu\['h'\] has shape \(48, 30\) where the "
+                                         r"parameter has \(24, 30\): it is the state of other parameters"):
+        cgx_optax.resize_state(adam.state, smaller, AXIS, world=4)
+    mean = Run("mean+ef", _mesh(8)).init().state[0]  # the mean's state alone: nothing laid out as the parameters
+    with pytest.raises(ValueError, match=r"laid out for 16 devices with these parameters, not the saved_world=8"):
+        cgx_optax.resize_state(mean, smaller, AXIS, world=4, saved_world=8)
+    resized = cgx_optax.resize_state(mean, PARAMS, AXIS, world=4, saved_world=8)
+    assert resized.residual["w"].shape == (4 * 64, 40)

@@ -156,6 +156,36 @@ class _Resizer:
         return jnp.reshape(jnp.tile(padded[:, None, :], (1, self.world, 1)), (-1,))
 
 
+def _check_laid_out_as_params(state, resizer: _Resizer) -> None:
+    """Every subtree of ``state`` with the parameters' structure, outside jax_cgx's per-device
+    leaves (an optax state after the mean: Adam's moments), has their shapes: else the state is of
+    other parameters, which averaging per-device blocks would not notice."""
+    if resizer.param_def.num_nodes <= 1:  # a single array: any leaf has its structure
+        return
+
+    def visit(node, path):
+        if isinstance(node, (*_MEANS, ShardedState)):
+            return  # their per-device leaves are checked as they are laid out again
+        if isinstance(node, optax.MultiStepsState):
+            visit(node.inner_opt_state, (*path, jax.tree_util.GetAttrKey("inner_opt_state")))
+            return
+        if jax.tree.structure(node) == resizer.param_def:
+            for p, leaf, where in zip(resizer.param_leaves, jax.tree.leaves(node), resizer.param_paths):
+                if _shape(leaf) != _shape(p):
+                    raise ValueError(
+                        f"{_FN}: the state at {jax.tree_util.keystr(path)}{jax.tree_util.keystr(where)} has shape "
+                        f"{_shape(leaf)} where the parameter has {_shape(p)}: it is the state of other parameters; pass "
+                        "the parameters it was built for")
+            return
+        leaves_with_keys, _ = jax.tree_util.tree_flatten_with_path(node, is_leaf=lambda x: x is not node)
+        if len(leaves_with_keys) == 1 and leaves_with_keys[0][1] is node:
+            return
+        for key, child in leaves_with_keys:
+            visit(child, (*path, *key))
+
+    visit(state, ())
+
+
 def _model_shards(params, param_specs, mesh, axes: tuple) -> list[int] | None:
     """How many model shards each parameter's spec splits it into on ``mesh`` (None: no specs)."""
     if param_specs is None:
@@ -200,7 +230,8 @@ def _children(node):
     return leaves, treedef.unflatten
 
 
-def resize_state(state, params, axis_name, *, world: int, param_specs=None, mesh=None):
+def resize_state(state, params, axis_name, *, world: int, saved_world: int | None = None, param_specs=None,
+                 mesh=None):
     """``state``, saved on ``W`` devices, laid out for ``world`` devices (``W`` read off its shapes).
 
     ``state`` is any optax state holding jax_cgx's (alone, in ``optax.chain``, ``named_chain``,
@@ -237,10 +268,19 @@ def resize_state(state, params, axis_name, *, world: int, param_specs=None, mesh
     ``param_specs`` (the parameters' ``PartitionSpec``\\ s) and the ``mesh`` (whose model axes
     say how many shards each spec makes).
 
+    ``saved_world``: the device count the state was saved on, if known (say, in the checkpoint's
+    metadata). ``W`` is otherwise read off the per-device leaves, which cannot tell the state of a
+    ``(64, 64)`` parameter on 8 devices from that of a ``(32, 64)`` one on 16: given, every leaf must
+    agree with it. Without it, the state's leaves laid out as the parameters (Adam's moments, say)
+    must have the parameters' shapes.
+
     Raises a ``ValueError`` naming the leaf when a per-device leaf is not a stack of the
-    parameter's blocks, or when the per-device leaves disagree on ``W``.
+    parameter's blocks, when the per-device leaves disagree on ``W`` (or with ``saved_world``), or
+    when a leaf laid out as the parameters has another shape: the state of other parameters.
     """
     world = checks.check_int(_FN, "world", world, minimum=1)
+    if saved_world is not None:
+        saved_world = checks.check_int(_FN, "saved_world", saved_world, minimum=1)
     axes = checks.check_axes(_FN, axis_name)
     resizer = _Resizer(params, world, _model_shards(params, param_specs, mesh, axes))
 
@@ -273,10 +313,15 @@ def resize_state(state, params, axis_name, *, world: int, param_specs=None, mesh
             return x._replace(inner_opt_state=inner, acc_grads=acc)
         return x
 
+    _check_laid_out_as_params(state, resizer)
     out = jax.tree_util.tree_map_with_path(node, state, is_leaf=lambda n: isinstance(n, _NODES))
     if len(resizer.old_worlds) > 1:
         raise ValueError(f"{_FN}: the state's per-device leaves were laid out for different device counts "
                          f"{sorted(resizer.old_worlds)}: it is not one saved state of these parameters")
+    if saved_world is not None and resizer.old_worlds and resizer.old_worlds != {saved_world}:
+        raise ValueError(f"{_FN}: the state's per-device leaves are laid out for {resizer.old_worlds.pop()} devices "
+                         f"with these parameters, not the saved_world={saved_world} given: it is the state of other "
+                         "parameters (or of another device count)")
     old = next(iter(resizer.old_worlds), None)
     what = ", ".join(f"{n} {k}" for k, n in sorted(resizer.done.items())) or "no per-device leaves"
     if old is None and not resizer.done:
