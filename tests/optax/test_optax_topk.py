@@ -632,3 +632,29 @@ def test_mismatched_state_raises_naming_the_leaf_and_both_shapes():
     assert "expected a TopKState" in error_of((jnp.zeros((), jnp.int32), state.u, state.v))
     msg = error_of(state._replace(count=jnp.zeros((1,), jnp.int32)))
     assert "state.count must be a scalar, shape (), got shape (1,)" in msg
+
+
+def test_float64_leaves_are_refused_as_by_the_other_transformations():
+    # With x64 on (a process of its own: the flag is global), a float64 leaf would keep its momentum
+    # and velocity, and send its values, in 32 bits: its mean ~1e-7 off, silently.
+    import os
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent("""
+        import jax, jax.numpy as jnp
+        from jax.sharding import PartitionSpec as P
+        from jax_cgx.optax import topk_mean
+        mesh = jax.make_mesh((1,), ("data",), devices=jax.devices()[:1])
+        tx = topk_mean("data", 1.0, min_size=1)
+        params = {"w": jnp.zeros((8, 8), jnp.float64)}
+        try:
+            jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=P())(params)
+        except TypeError as err:
+            print("refused:", err)
+    """)
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "JAX_ENABLE_X64": "1"})
+    assert "refused: topk_mean: leaf ['w'] has dtype float64, which top-k keeps and sends in 32 bits" in run.stdout, \
+        run.stdout + run.stderr[-2000:]

@@ -111,6 +111,20 @@ def _is_compressed(x, min_size: int) -> bool:
     return len(shape) >= 1 and math.prod(shape) >= min_size and jnp.issubdtype(jnp.result_type(x), jnp.floating)
 
 
+def _check_precision(tree, min_size: int, use_momentum: bool) -> None:
+    """Refuse 64-bit leaves top-k would touch: their momentum and velocity are kept, and their
+    values sent, in 32 bits (a float64 mean would come back ~1e-7 off, silently), as
+    ``compressed_mean``, ``sharded`` and the jit helper refuse them."""
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        dtype = jnp.result_type(leaf)
+        wide = dtype in (jnp.dtype(jnp.float64), jnp.dtype(jnp.complex128))
+        if wide and (_is_compressed(leaf, min_size) or use_momentum):
+            raise TypeError(
+                f"topk_mean: leaf {jax.tree_util.keystr(path)} has dtype {dtype}, which top-k keeps and sends in 32 "
+                "bits (its mean would be ~1e-7 off, silently): cast the parameters to float32 (or bfloat16), as "
+                "jax_cgx's other transformations need")
+
+
 def _momentum_dtype(dtype):
     """The dtype of a leaf's momentum: complex64 for complex leaves, float32 for real ones, else None."""
     if jnp.issubdtype(dtype, jnp.complexfloating):
@@ -183,6 +197,8 @@ def topk_mean(
     use_momentum = momentum != 0.0
 
     def init_fn(params):
+        _check_precision(params, min_size, use_momentum)
+
         def u0(p):
             dtype = _momentum_dtype(jnp.result_type(p))
             if use_momentum and dtype is not None:  # per rank where the leaf is compressed, else a mean's
@@ -208,6 +224,7 @@ def topk_mean(
         del params
         checks.check_state_type(fn, state, TopKState)
         checks.check_count(fn, state.count)
+        _check_precision(updates, min_size, use_momentum)
         us = checks.state_leaves(fn, "u", updates, state.u, u_shape)
         vs = checks.state_leaves(fn, "v", updates, state.v, v_shape)
         count = state.count
