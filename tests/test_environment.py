@@ -83,7 +83,7 @@ BAD = [
     ("JAX_CGX_POLICY", "sometimes", "must be always or auto"),
     ("CGX_COMPRESSION_QUANTIZATION_BITS", "four", "is not an integer; use 1..8"),
     ("CGX_COMPRESSION_BUCKET_SIZE", "0", "must be >= 1"),
-    ("CGX_COMPRESSION_BUCKET_SIZE", str(2**40), "must be >= 1; use a whole number of values in 1..2147483647"),
+    ("CGX_COMPRESSION_BUCKET_SIZE", str(2**40), "is above the largest bucket, 2147483647; use a whole number of values in 1..2147483647"),
     ("CGX_COMPRESSION_SKIP_INCOMPLETE_BUCKETS", "maybe", "must be 0 or 1"),
     ("CGX_COMPRESSION_MINIMAL_SIZE", "-1", "must be >= 0"),
     ("CGX_FUSION_BUFFER_SIZE_MB", "lots", "is not a number; use a finite number of MiB"),

@@ -295,3 +295,32 @@ def test_explain_over_one_rank_and_the_scatter_refusals():
         jax_cgx.explain({"w": tree["w"]}, world=4, op="psum_scatter", file=None)
     report = jax_cgx.explain({"w": tree["w"]}, world=4, op="psum_scatter", tiled=True, file=None)
     assert report.leaves[0].how == "compressed"
+
+
+def test_a_float64_leaf_is_refused_with_a_fix_that_works_for_config_none():
+    # x64 is a process-wide flag: a process of its own. config=None means the default config, which
+    # compresses: the message must not tell such a caller to pass config=None.
+    import os
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent("""
+        import jax, jax.numpy as jnp
+        from jax.sharding import PartitionSpec as P
+        import jax_cgx
+        mesh = jax.make_mesh((1,), ("data",), devices=jax.devices()[:1])
+        for config in (None, jax_cgx.CompressionConfig(bits=4)):
+            f = lambda v: jax_cgx.compressed_pmean(jax.lax.pcast(v, "data", to="varying"), "data", config)
+            try:
+                jax.shard_map(f, mesh=mesh, in_specs=P(), out_specs=P())({"w": jnp.zeros((64,), jnp.float64)})
+            except TypeError as err:
+                print("refused:", err)
+    """)
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "JAX_ENABLE_X64": "1"})
+    said = [line for line in run.stdout.splitlines() if line.startswith("refused:")]
+    assert len(said) == 2, run.stdout + run.stderr[-2000:]
+    for line in said:
+        assert "compressed_pmean: leaf ['w'] has dtype float64, which cannot be compressed" in line, line
+        assert "giving it None in a config pytree" in line and "config=None" not in line, line

@@ -252,7 +252,7 @@ def make_plan(paths, leaves, spec: ConfigSpec, tree, world: int | None = None,
     configs = leaf_configs(spec, tree, paths, api)
     lanes, groups = [], {}
     for i, (path, leaf, c) in enumerate(zip(paths, leaves, configs)):
-        kind = lane(path, leaf, c)
+        kind = lane(path, leaf, c, api)
         lanes.append(kind)
         if kind == "quantized":
             groups.setdefault(Group(np.dtype(leaf.dtype), c, varying_beyond(leaf, axes)), []).append(i)
@@ -348,10 +348,11 @@ def lane(path, leaf, config: CompressionConfig | None, api: str = "compressed_ps
     if leaf.size == 0 or leaf.size < config.min_size:  # nothing to compress (min_size may be 0)
         return "exact"
     if dtype not in SUPPORTED_DTYPES:
+        # (config=None would not help: it means the default config, which compresses.)
         raise TypeError(
-            f"{api}: leaf {jax.tree_util.keystr(path)} has dtype {dtype}, which cannot "
-            "be compressed (float32, bfloat16 and float16 can). Give it config=None to reduce "
-            "it exactly, or cast it."
+            f"{api}: leaf {jax.tree_util.keystr(path) or '(the whole value)'} has dtype {dtype}, which cannot be "
+            "compressed (float32, bfloat16 and float16 can): cast it, or reduce it exactly by giving it None in "
+            "a config pytree (or returning None for its path from a config function)"
         )
     return "half" if config.bits == 16 else "quantized"
 

@@ -76,7 +76,8 @@ def fields_from_env(env: Mapping[str, str]) -> dict:
     bucket_accepted = f"use a whole number of values in 1..{MAX_BUCKET_SIZE}, e.g. 512 (the default)"
     bucket = read_int("CGX_COMPRESSION_BUCKET_SIZE", bucket_accepted)
     if not 1 <= bucket <= MAX_BUCKET_SIZE:
-        raise ValueError(f"CGX_COMPRESSION_BUCKET_SIZE={bucket} must be >= 1; {bucket_accepted}")
+        bound = "must be >= 1" if bucket < 1 else f"is above the largest bucket, {MAX_BUCKET_SIZE}"
+        raise ValueError(f"CGX_COMPRESSION_BUCKET_SIZE={bucket} {bound}; {bucket_accepted}")
     fields["bucket_size"] = bucket
     fields["skip_incomplete_buckets"] = _flag(env, "CGX_COMPRESSION_SKIP_INCOMPLETE_BUCKETS",
                                               read("CGX_COMPRESSION_SKIP_INCOMPLETE_BUCKETS"))
