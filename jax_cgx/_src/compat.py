@@ -48,6 +48,12 @@ def pvary(x, axes):
     return lax.pcast(x, tuple(axes), to="varying")
 
 
+def axes_bound(axes) -> bool:
+    """Whether every name of ``axes`` is bound here (inside a shard_map / pmap over it)."""
+    env = _core.get_axis_env()
+    return all(env.axis_exists(name) for name in axes)
+
+
 def check_axis_names(axes, api_name: str) -> None:
     env = _core.get_axis_env()
     for name in axes:

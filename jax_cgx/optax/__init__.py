@@ -24,6 +24,9 @@ of ``jax.lax.pmean(grads, axis_name)``, typically first in an ``optax.chain``::
 ``shard_shapes``       one device's shard of each such parameter, for ``jax.eval_shape``
 ``resize_state``       any of those states, saved on W devices, laid out for W' (a restart on
                        another device count: docs/checkpointing.md)
+``skip_not_finite``    ``optax.MultiSteps``' ``should_skip_update_fn`` for a step in
+                       ``shard_map``: every device skips a mini-step where any device's
+                       gradient is not finite (optax's own judges each device alone)
 =====================  ============================================================
 
 Every factory returns an ``optax.GradientTransformation`` with a NamedTuple state whose
@@ -44,6 +47,7 @@ try:
 except ImportError as err:  # pragma: no cover - optional dependency
     raise ImportError("jax_cgx.optax needs optax: pip install optax (or jax_cgx[optax])") from err
 
+from jax_cgx._src.optax.finite import skip_not_finite
 from jax_cgx._src.optax.mean import (
     CastMeanState,
     CompressedMeanState,
@@ -74,6 +78,7 @@ __all__ = [
     "state_specs",
     "shard_shapes",
     "resize_state",
+    "skip_not_finite",
     "sharded",
     "ShardedOptimizer",
     "ShardedState",
