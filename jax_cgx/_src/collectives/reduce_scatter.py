@@ -234,7 +234,15 @@ def compressed_psum_scatter(x, axis_name, config: ConfigSpec = None, *, scatter_
     res: list = [None] * len(leaves.leaves)
     for i, (kind, leaf) in enumerate(zip(leaves.lanes, leaves.leaves)):
         # One rank: nothing moves, exact. policy="auto" may leave a buffer's leaves to lax.
-        if kind == "exact" or (kind == "quantized" and (world == 1 or i in uncompressed)):
+        if not leaf.size:  # nothing to sum (XLA refuses an empty reduce-scatter): its empty block
+            shape = list(leaf.shape)
+            if tiled:
+                shape[dims[i]] //= world
+            else:
+                del shape[dims[i]]
+            out[i] = compat.ensure_varying(jnp.zeros(shape, leaf.dtype), axes)
+            res[i] = jnp.zeros_like(leaf)
+        elif kind == "exact" or (kind == "quantized" and (world == 1 or i in uncompressed)):
             out[i] = lax.psum_scatter(leaf, axes, scatter_dimension=dims[i], tiled=tiled)
             res[i] = jnp.zeros_like(leaf)
         elif kind == "half":

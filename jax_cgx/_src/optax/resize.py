@@ -96,8 +96,10 @@ class _Resizer:
     def sharded(self, state: ShardedState, path) -> ShardedState:
         master = self.param_def.flatten_up_to(state.master)
         sizes = [math.prod(_shape(p)) for p in self.param_leaves]
-        lengths = [int(jnp.shape(m)[0]) for m in master]
-        new = [self._repad(m, n, k) for m, n, k in zip(master, sizes, self.shards)]
+        # An empty parameter's entries are placeholders: nothing to lay out.
+        lengths = [None if checks.is_placeholder(m) else int(jnp.shape(m)[0]) for m in master]
+        new = [m if checks.is_placeholder(m) else self._repad(m, n, k)
+               for m, n, k in zip(master, sizes, self.shards)]
         self.done["ZeRO master shards"] += len(new)
 
         def inner(node):  # every parameter-like subtree of the wrapped optimizer's state is re-padded
@@ -105,9 +107,11 @@ class _Resizer:
                 leaves = self.param_def.flatten_up_to(node)
             except (ValueError, TypeError):
                 return None
-            if all(getattr(x, "shape", None) == (length,) for x, length in zip(leaves, lengths)):
+            if all(checks.is_placeholder(x) if length is None else getattr(x, "shape", None) == (length,)
+                   for x, length in zip(leaves, lengths)):
                 self.done["ZeRO optimizer state leaves"] += len(leaves)
-                return self.param_def.unflatten([self._repad(x, n, k) for x, n, k in zip(leaves, sizes, self.shards)])
+                return self.param_def.unflatten([x if length is None else self._repad(x, n, k)
+                                                 for x, n, k, length in zip(leaves, sizes, self.shards, lengths)])
             return None
 
         def walk(node):
@@ -116,7 +120,7 @@ class _Resizer:
                 return resized
             children, rebuild = _children(node)
             if children is None:  # a leaf outside any parameter-like subtree: replicated, kept
-                if any(jnp.shape(node)[:1] == (length,) and length > 1 for length in lengths):
+                if any(length is not None and jnp.shape(node)[:1] == (length,) and length > 1 for length in lengths):
                     raise ValueError(f"{_FN}: the state at {jax.tree_util.keystr(path)}.inner holds a leaf of shape "
                                      f"{jnp.shape(node)} outside a parameter-like subtree: cannot tell how to lay it "
                                      "out again (the wrapped optimizer must be elementwise; see jax_cgx.optax.sharded)")
@@ -126,7 +130,7 @@ class _Resizer:
         residual = state.residual
         if not _empty(residual):
             res = self.param_def.flatten_up_to(residual)
-            residual = self.param_def.unflatten([self._zero_residual(r, n, length, k)
+            residual = self.param_def.unflatten([r if length is None else self._zero_residual(r, n, length, k)
                                                  for r, n, length, k in zip(res, sizes, lengths, self.shards)])
             self.done["ZeRO error-feedback residuals"] += len(res)
         return ShardedState(self.param_def.unflatten(new), walk(state.inner), state.skipped, residual)

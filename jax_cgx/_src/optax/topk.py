@@ -106,9 +106,11 @@ class TopKState(NamedTuple):
 
 
 def _is_compressed(x, min_size: int) -> bool:
-    """Real floating leaves with ``ndim >= 1`` and at least ``min_size`` elements (not complex)."""
+    """Real floating leaves with ``ndim >= 1`` and at least ``min_size`` elements, and at least one
+    (an empty leaf has nothing to select; not complex)."""
     shape = jnp.shape(x)
-    return len(shape) >= 1 and math.prod(shape) >= min_size and jnp.issubdtype(jnp.result_type(x), jnp.floating)
+    return (len(shape) >= 1 and math.prod(shape) >= max(min_size, 1)
+            and jnp.issubdtype(jnp.result_type(x), jnp.floating))
 
 
 def _check_precision(tree, min_size: int, use_momentum: bool) -> None:
@@ -196,12 +198,16 @@ def topk_mean(
     ratios = (warmup_ratios if warmup_steps else ()) + (ratio,)
     use_momentum = momentum != 0.0
 
+    def keeps_momentum(x) -> bool:
+        # Not for an empty leaf: nothing to keep, and orbax refuses to save a zero-size array.
+        return use_momentum and _momentum_dtype(jnp.result_type(x)) is not None and math.prod(jnp.shape(x)) > 0
+
     def init_fn(params):
         _check_precision(params, min_size, use_momentum)
 
         def u0(p):
             dtype = _momentum_dtype(jnp.result_type(p))
-            if use_momentum and dtype is not None:  # per rank where the leaf is compressed, else a mean's
+            if keeps_momentum(p):  # per rank where the leaf is compressed, else a mean's
                 z = jnp.zeros(jnp.shape(p), dtype)
                 return checks.typed_like(z, p, axes, per_rank=_is_compressed(p, min_size))
             return checks.placeholder()
@@ -214,8 +220,7 @@ def topk_mean(
         return TopKState(jnp.zeros((), jnp.int32), jax.tree.map(u0, params), jax.tree.map(v0, params))
 
     def u_shape(g):
-        keeps = use_momentum and _momentum_dtype(jnp.result_type(g)) is not None
-        return jnp.shape(g) if keeps else checks.PLACEHOLDER_SHAPE
+        return jnp.shape(g) if keeps_momentum(g) else checks.PLACEHOLDER_SHAPE
 
     def v_shape(g):
         return jnp.shape(g) if _is_compressed(g, min_size) else checks.PLACEHOLDER_SHAPE
@@ -246,7 +251,7 @@ def topk_mean(
                     g, u, v, plan, phase, leaf_key, axes, world, momentum, nesterov, use_momentum
                 )
             else:
-                o, u = _small_leaf(g, u, axes, momentum, nesterov, use_momentum)
+                o, u = _small_leaf(g, u, axes, momentum, nesterov, keeps_momentum(g))
             out.append(o)
             new_u.append(u)
             new_v.append(v)

@@ -158,13 +158,17 @@ def sharded(optimizer: optax.GradientTransformation, axis_name, *, grad_config: 
         me = lax.axis_index(axes)
 
         def shard(p):
+            if not jnp.size(p):  # an empty parameter: nothing to keep (orbax refuses zero-size arrays)
+                return checks.placeholder()
             flat = flat_padded(master_dtype(p), w)
             k = flat.size // w
             return lax.dynamic_slice_in_dim(flat, me * k, k)
 
+        def zeros(p):
+            return compat.ensure_varying(jnp.zeros_like(flat_padded(p, w)), axes) if jnp.size(p) else checks.placeholder()
+
         master = jax.tree.map(shard, params)
-        residual = (jax.tree.map(lambda p: compat.ensure_varying(jnp.zeros_like(flat_padded(p, w)), axes), params)
-                    if error_feedback else ())
+        residual = jax.tree.map(zeros, params) if error_feedback else ()
         return ShardedState(master, optimizer.init(master), jnp.zeros((), jnp.int32), residual)
 
     def update(grads, state: ShardedState, key: jax.Array | None = None):
@@ -172,7 +176,8 @@ def sharded(optimizer: optax.GradientTransformation, axis_name, *, grad_config: 
         leaves, treedef = jax.tree.flatten(grads)
         check_gradients(leaves)
         keys = (None, None) if key is None else tuple(jax.random.split(key))
-        flat = treedef.unflatten([flat_padded(g, w) for g in leaves])
+        # Empty leaves are placeholders (no leaves): every collective and tree.map below passes them by.
+        flat = treedef.unflatten([flat_padded(g, w) if g.size else checks.placeholder() for g in leaves])
         if error_feedback:
             # Checked before the residual is added: a per-device residual would type an already
             # summed gradient (replicated params not pcast) as varying, and hide the mistake.
@@ -201,9 +206,11 @@ def sharded(optimizer: optax.GradientTransformation, axis_name, *, grad_config: 
                              state.skipped + (1 - finite.astype(jnp.int32)),
                              jax.tree.map(keep, residual, state.residual))
         # In the parameters' dtype; typed invariant: the same bits on every device, so they leave shard_map as P().
-        working = treedef.unflatten([m.astype(g.dtype) for m, g in zip(treedef.flatten_up_to(state.master), leaves)])
+        working = treedef.unflatten([m.astype(g.dtype) if g.size else m
+                                     for m, g in zip(treedef.flatten_up_to(state.master), leaves)])
         gathered = compressed_all_gather(working, axes, param_config, tiled=True, to="invarying", key=keys[1])
-        params = treedef.unflatten([g[:x.size].reshape(x.shape) for g, x in zip(treedef.flatten_up_to(gathered), leaves)])
+        params = treedef.unflatten([g[:x.size].reshape(x.shape) if x.size else jnp.zeros(x.shape, x.dtype)
+                                    for g, x in zip(treedef.flatten_up_to(gathered), leaves)])
         return params, state
 
     def state_specs(params, mesh, param_specs=None) -> ShardedState:
