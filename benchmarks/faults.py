@@ -1,9 +1,11 @@
 """How each fault of a 2-process job looks, and how long it takes to surface (docs/checkpointing.md).
 
     python benchmarks/faults.py [--backends xla tcp] [--faults kill stop exception] [--launchers launch plain]
+                                [--forms scaled direct]
 
 Two processes (one CPU device each, gloo) run a compressed_pmean step in a loop. After 5 steps
-process 1 has a fault: ``kill`` (SIGKILL, a dead node), ``stop`` (SIGSTOP, a hung node) or
+process 1 has a fault (the step returns the collective's result directly, or computes with it first:
+``--forms``): ``kill`` (SIGKILL, a dead node), ``stop`` (SIGSTOP, a hung node) or
 ``exception`` (an uncaught Python exception). Under ``launch`` (``python -m jax_cgx.launch``) or
 ``plain`` (two processes started by hand, jax.distributed set up by each), the table says what
 process 0 sees: the exception type and the start of its message, or how it ended, the seconds
@@ -26,7 +28,7 @@ STEP = r"""
 import json, os, signal, sys, time, pathlib
 import jax_cgx
 rank, n, out = int(os.environ["JAX_CGX_PROCESS_ID"]), int(os.environ["JAX_CGX_NUM_PROCESSES"]), pathlib.Path(sys.argv[1])
-backend, fault = sys.argv[2], sys.argv[3]
+backend, fault, form = sys.argv[2], sys.argv[3], sys.argv[4]
 jax_cgx.distributed.initialize()
 import jax, numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
@@ -34,7 +36,9 @@ mesh = jax.make_mesh((jax.device_count(),), ("d",))
 if backend == "tcp":
     jax_cgx.tcp.setup(mesh)
 config = jax_cgx.CompressionConfig(bits=4, backend=backend)
-step = jax.jit(jax.shard_map(lambda v: (jax_cgx.compressed_pmean(v[0], "d", config) * 0.5)[None], mesh=mesh,
+# "direct": the step returns the collective's result as it is; "scaled": it computes with it first.
+scale = (lambda y: y) if form == "direct" else (lambda y: y * 0.5)
+step = jax.jit(jax.shard_map(lambda v: scale(jax_cgx.compressed_pmean(v[0], "d", config))[None], mesh=mesh,
                              in_specs=P("d"), out_specs=P("d")))
 x = jax.make_array_from_process_local_data(NamedSharding(mesh, P("d")), np.ones((1, 1 << 20), np.float32))
 try:
@@ -58,12 +62,12 @@ except Exception as err:
 """
 
 
-def run(backend: str, fault: str, launcher: str, limit: float) -> dict:
+def run(backend: str, fault: str, launcher: str, limit: float, form: str = "scaled") -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = pathlib.Path(tmp)
         script = out / "step.py"
         script.write_text(STEP)
-        args = [str(script), str(out), backend, fault]
+        args = [str(script), str(out), backend, fault, form]
         env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1")
         if launcher == "launch":
             procs = [subprocess.Popen([sys.executable, "-m", "jax_cgx.launch", "-n", "2", *args], env=env,
@@ -95,7 +99,7 @@ def run(backend: str, fault: str, launcher: str, limit: float) -> dict:
         outcome, at, message = f"still running after {limit:g} s", None, ""
     else:
         outcome, at, message = f"exit status {status}", ended, ""
-    return {"backend": backend, "fault": fault, "launcher": launcher, "outcome": outcome,
+    return {"backend": backend, "fault": fault, "launcher": launcher, "form": form, "outcome": outcome,
             "seconds": None if at is None or fault_at is None else round(at - fault_at, 1),
             "message": " ".join(message.split())[:160], "launcher_report": " / ".join(report)[:300]}
 
@@ -105,19 +109,23 @@ def main() -> None:
     parser.add_argument("--backends", nargs="+", default=["xla", "tcp"])
     parser.add_argument("--faults", nargs="+", default=["kill", "stop", "exception"])
     parser.add_argument("--launchers", nargs="+", default=["launch", "plain"])
+    parser.add_argument("--forms", nargs="+", default=["scaled", "direct"], choices=["scaled", "direct"],
+                        help="the step returns the collective's result scaled (computed with) or directly")
     parser.add_argument("--limit", type=float, default=400.0, help="seconds to wait for process 0's end")
     parser.add_argument("--json", type=pathlib.Path, help="also write the rows here")
     args = parser.parse_args()
     rows = []
-    print("| backend | fault on process 1 | launcher | process 0 sees | s after the fault | message | launcher says |")
-    print("|---|---|---|---|---|---|---|")
+    print("| backend | fault on process 1 | launcher | step returns | process 0 sees | s after the fault | message | "
+          "launcher says |")
+    print("|---|---|---|---|---|---|---|---|")
     for backend in args.backends:
         for fault in args.faults:
             for launcher in args.launchers:
-                r = run(backend, fault, launcher, args.limit)
-                rows.append(r)
-                print(f"| {r['backend']} | {r['fault']} | {r['launcher']} | {r['outcome']} | {r['seconds']} | "
-                      f"{r['message']} | {r['launcher_report']} |", flush=True)
+                for form in args.forms:
+                    r = run(backend, fault, launcher, args.limit, form)
+                    rows.append(r)
+                    print(f"| {r['backend']} | {r['fault']} | {r['launcher']} | {r['form']} | {r['outcome']} | "
+                          f"{r['seconds']} | {r['message']} | {r['launcher_report']} |", flush=True)
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
 

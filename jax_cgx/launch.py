@@ -20,7 +20,10 @@
   exits with the status (128 + N for signal N) of the process that failed first, naming it
   and any that failed after it before they were stopped. A script that calls
   ``jax_cgx.distributed.initialize()`` ends at once on an uncaught exception or a non-zero
-  ``sys.exit``, instead of waiting in jax's shutdown barrier for the other processes.
+  ``sys.exit``, instead of waiting in jax's shutdown barrier for the other processes; it says
+  so first (``jax_cgx: process N failed``), and the process that said so first is the one
+  named, even where a peer it brought down (its connections reset by its exit hooks) ended
+  before it.
 - A process that stops responding is named, not only the processes it brought down: when jax's
   coordination service aborts the healthy processes because one stopped sending heartbeats
   (SIGABRT, after about 100 s), the launcher names the process jax's log names, and any process
@@ -165,6 +168,47 @@ class HeartbeatWatch:
         return True
 
 
+# What jax_cgx.distributed's exit hooks print the moment a process fails (before its exit hooks
+# close its connections, which makes its peers fail too, and maybe end first).
+_FAILURE_MARKERS = ("failed:", "failed (", "exits with status")
+
+
+class FailureWatch:
+    """The order in which processes said they failed, read off their output as it goes by.
+
+    A process whose uncaught exception ends it prints ``jax_cgx: process N failed:`` at once, then
+    runs its exit hooks (the tcp backend's teardown among them), which reset its peers' connections:
+    a peer then raises and may well end first. The order of these lines is the order of the causes.
+    """
+
+    def __init__(self):
+        self.order: list[int] = []
+        self._lock = threading.Lock()
+
+    def watcher(self, rank: int) -> Callable[[str], None]:
+        prefix = f"jax_cgx: process {rank} "
+
+        def watch(line: str) -> None:
+            if line.startswith(prefix) and any(m in line for m in _FAILURE_MARKERS):
+                with self._lock:
+                    if rank not in self.order:
+                        self.order.append(rank)
+
+        return watch
+
+    def first(self) -> int | None:
+        with self._lock:
+            return self.order[0] if self.order else None
+
+
+def _both(*watchers: Callable[[str], None]) -> Callable[[str], None]:
+    def watch(line: str) -> None:
+        for w in watchers:
+            w(line)
+
+    return watch
+
+
 def process_state(pid: int) -> str | None:
     """The kernel's state of a process (``R``, ``S``, ``T`` stopped, ``t`` traced, ...); None if unknown."""
     try:
@@ -209,6 +253,7 @@ class ProcessGroup:
         self.ended: list[tuple[int, int]] = []
         self._changed = threading.Condition()
         self.heartbeats = HeartbeatWatch()
+        self.announced = FailureWatch()
         width = len(str(len(commands) - 1))
         for rank, (argv, env) in enumerate(zip(commands, envs)):
             try:
@@ -228,8 +273,9 @@ class ProcessGroup:
                 self.close()
                 raise
             self.procs.append(proc)
-            pump = threading.Thread(target=_pump, args=(proc.stdout, f"[{rank:>{width}}] ", sys.stdout,
-                                                        self.heartbeats.watcher()), daemon=True)
+            watch = _both(self.heartbeats.watcher(), self.announced.watcher(rank))
+            pump = threading.Thread(target=_pump, args=(proc.stdout, f"[{rank:>{width}}] ", sys.stdout, watch),
+                                    daemon=True)
             pump.start()
             self.pumps.append(pump)
         ends.watch(self.procs, self._noted)  # in the order they end (jax_cgx/_src/ends.py says why)
@@ -258,9 +304,19 @@ class ProcessGroup:
         return {rank: " and ".join(why) for rank, why in sorted(out.items())}
 
     def failures(self) -> list[tuple[int, int]]:
-        """``(rank, returncode)`` of every process that failed so far, the first first."""
+        """``(rank, returncode)`` of every process that failed so far, the first first: the one
+        that said it failed first (:class:`FailureWatch`), else the one that ended first."""
         with self._changed:
-            return [(rank, status) for rank, status in self.ended if status != 0]
+            failed = [(rank, status) for rank, status in self.ended if status != 0]
+        first = self.announced.first()
+        return sorted(failed, key=lambda f: f[0] != first)  # stable: the rest in the order they ended
+
+    def wait_for_announced(self, grace: float) -> None:
+        """If a process said it failed before the first to end did, and is still ending (running
+        its exit hooks), give it ``grace`` seconds to end with its own status."""
+        first = self.announced.first()
+        if first is not None and first in self.running():
+            self._wait(lambda: first not in self.running(), time.monotonic() + grace)
 
     def _wait(self, done: Callable[[], bool], deadline: float | None) -> bool:
         """Block, woken by each end noted, until ``done()`` or ``deadline`` (a ``time.monotonic()``);
@@ -309,6 +365,8 @@ class ProcessGroup:
 
 
 TIMEOUT_EXIT = 124  # the job ran past --timeout (as timeout(1) exits)
+# How long a process that said it failed first may take to end (its exit hooks) before it is stopped.
+_ANNOUNCED_GRACE_S = 5.0
 
 
 def _ranks(ranks: list[int]) -> str:
@@ -352,7 +410,9 @@ class Job(ProcessGroup):
                  "where they were; raise --timeout if the job needs longer")
             self._stop(grace)
             code = TIMEOUT_EXIT
-        elif failed := self.failures():
+        elif self.failures():
+            self.wait_for_announced(_ANNOUNCED_GRACE_S)
+            failed = self.failures()
             running = self.running()
             (rank, status), others = failed[0], failed[1:]
             code = exit_code(status)

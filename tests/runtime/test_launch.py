@@ -256,6 +256,31 @@ def test_the_process_that_failed_first_is_named_first(tmp_path):
 
 
 @pytest.mark.multiprocess
+def test_the_process_that_said_it_failed_first_is_named_first_though_it_ends_last(tmp_path):
+    # Rank 1 raises; jax_cgx's hook says so at once, then the program's exit hooks take 2 s (the tcp
+    # backend's teardown, which resets its peers' connections, runs there). Rank 0 fails after it
+    # (as a peer of a reset connection does) and ends first. Before, the launcher named rank 0.
+    script = _script(tmp_path, "import atexit, os, sys, time, pathlib\n"
+                     "import jax_cgx.distributed\n"
+                     "out = pathlib.Path(sys.argv[1])\n"
+                     "info = jax_cgx.distributed.initialize()\n"
+                     "rank = info.process_index\n"
+                     "if rank == 1:\n"
+                     "    atexit.register(lambda: time.sleep(2))  # a slow exit hook\n"
+                     "    raise RuntimeError('the training step failed on process 1')\n"
+                     "time.sleep(1)\n"
+                     "raise RuntimeError('receiving from rank 1: Connection reset by peer')\n")
+    run = subprocess.run([*LAUNCH, "-n", "2", "--devices-per-process", "1", "--timeout", "60", script,
+                          str(tmp_path)], capture_output=True, text=True, timeout=120)
+    # Rank 1 may not finish its exit hooks: jax's coordination service lives in rank 0, and aborts it
+    # (SIGABRT) when rank 0 is gone. Its status, whichever, is the job's.
+    assert run.returncode in (1, 128 + signal.SIGABRT), _log(run)
+    report = [line for line in run.stderr.splitlines() if line.startswith("jax_cgx.launch: process")]
+    assert report and report[-1].startswith("jax_cgx.launch: process 1 "), _log(run)
+    assert "then process 0 exited with 1" in report[-1], _log(run)
+
+
+@pytest.mark.multiprocess
 def test_a_stopped_rank_is_named_not_the_survivor_jax_aborts(tmp_path):
     # Rank 1 stops itself (SIGSTOP: a hung node); jax's heartbeat (5 s here, 100 s by default)
     # aborts rank 0. Before, the launcher reported only "process 0 was killed by SIGABRT".
