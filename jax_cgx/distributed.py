@@ -23,6 +23,7 @@ import os
 import socket
 import sys
 import threading
+import time
 import traceback
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -269,6 +270,12 @@ _exit_status: int | None = None  # the status of a recorded SystemExit that reac
 _failed_with: int | None = None  # set when the process fails: its status, once the exit hooks have run
 
 
+def _stamp() -> str:
+    """When a process says it failed, in its failure line: the launcher names the process that
+    failed first by it (its peers may fail, and end, before it: jax_cgx.launch's FailureWatch)."""
+    return f"[at {time.time():.6f}]"
+
+
 def _fail_at_exit(status: int) -> None:
     """End with ``status`` once the program's exit hooks have run (instead of in jax's barrier)."""
     global _failed_with
@@ -412,7 +419,7 @@ def _install_exit_hooks(rank: int) -> None:
         if uncaught is not None and not isinstance(uncaught, SystemExit):
             # Another sys.excepthook (rich.traceback.install(), ...) replaced ours and printed it.
             print(f"jax_cgx: process {rank} failed ({type(uncaught).__name__}); exiting with status 1, "
-                  "without waiting for the other processes in jax's shutdown barrier", file=sys.stderr)
+                  f"without waiting for the other processes in jax's shutdown barrier {_stamp()}", file=sys.stderr)
             _fail_at_exit(1)
             return
         status = _exit_status
@@ -421,7 +428,7 @@ def _install_exit_hooks(rank: int) -> None:
             status = None if held is None else _status(held.code)
         if status:
             print(f"jax_cgx: process {rank} exits with status {status}, without waiting for the "
-                  "other processes in jax's shutdown barrier", file=sys.stderr)
+                  f"other processes in jax's shutdown barrier {_stamp()}", file=sys.stderr)
             _fail_at_exit(status)
         elif status is None and ended == "exception":
             print(f"jax_cgx: process {rank} is exiting through an exception whose status jax_cgx "
@@ -441,7 +448,7 @@ def _exit_on_uncaught_exception(rank: int) -> None:
             previous(kind, value, tb)
             _fail_at_exit(128 + 2)  # as Python reports Ctrl-C: the status of SIGINT
             return
-        print(f"jax_cgx: process {rank} failed:", file=sys.stderr)
+        print(f"jax_cgx: process {rank} failed: {_stamp()}", file=sys.stderr)
         traceback.print_exception(kind, value, tb)
         # Skip jax's blocking shutdown barrier, once the program's exit hooks ran: the launcher
         # sees the failure as soon as this process is gone, not when its peers finish.

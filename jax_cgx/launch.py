@@ -44,6 +44,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -168,37 +169,35 @@ class HeartbeatWatch:
         return True
 
 
-# What jax_cgx.distributed's exit hooks print the moment a process fails (before its exit hooks
-# close its connections, which makes its peers fail too, and maybe end first).
-_FAILURE_MARKERS = ("failed:", "failed (", "exits with status")
+# What jax_cgx.distributed prints the moment a process fails, stamped with the time it failed.
+_FAILURE_LINE = re.compile(r"^jax_cgx: process (\d+) (?:failed|exits with status).*\[at (\d+(?:\.\d+)?)\]")
 
 
 class FailureWatch:
-    """The order in which processes said they failed, read off their output as it goes by.
+    """When each process said it failed, read off its output as it goes by.
 
-    A process whose uncaught exception ends it prints ``jax_cgx: process N failed:`` at once, then
-    runs its exit hooks (the tcp backend's teardown among them), which reset its peers' connections:
-    a peer then raises and may well end first. The order of these lines is the order of the causes.
+    A process whose uncaught exception (or non-zero ``sys.exit``) ends it prints ``jax_cgx: process
+    N failed: [at T]`` at once, then runs its exit hooks (the tcp backend's teardown among them),
+    which reset its peers' connections: a peer then fails too, and may well end first. The stamps,
+    not the order the lines are read in (the copying threads race for the GIL), order the causes.
     """
 
     def __init__(self):
-        self.order: list[int] = []
+        self.said: dict[int, float] = {}
         self._lock = threading.Lock()
 
     def watcher(self, rank: int) -> Callable[[str], None]:
-        prefix = f"jax_cgx: process {rank} "
-
         def watch(line: str) -> None:
-            if line.startswith(prefix) and any(m in line for m in _FAILURE_MARKERS):
+            m = _FAILURE_LINE.match(line)
+            if m and int(m.group(1)) == rank:
                 with self._lock:
-                    if rank not in self.order:
-                        self.order.append(rank)
+                    self.said.setdefault(rank, float(m.group(2)))
 
         return watch
 
     def first(self) -> int | None:
         with self._lock:
-            return self.order[0] if self.order else None
+            return min(self.said, key=self.said.get) if self.said else None
 
 
 def _both(*watchers: Callable[[str], None]) -> Callable[[str], None]:
@@ -309,7 +308,10 @@ class ProcessGroup:
         with self._changed:
             failed = [(rank, status) for rank, status in self.ended if status != 0]
         first = self.announced.first()
-        return sorted(failed, key=lambda f: f[0] != first)  # stable: the rest in the order they ended
+        # Stable: one killed by a signal that is a cause (a kill, a crash: it says nothing, and its
+        # peers fail over its reset connections, and may end first), then the one that said it failed
+        # first, the rest as they ended.
+        return sorted(failed, key=lambda f: (not _caused_by_signal(f[1]), f[0] != first))
 
     def wait_for_announced(self, grace: float) -> None:
         """If a process said it failed before the first to end did, and is still ending (running
@@ -367,6 +369,14 @@ class ProcessGroup:
 TIMEOUT_EXIT = 124  # the job ran past --timeout (as timeout(1) exits)
 # How long a process that said it failed first may take to end (its exit hooks) before it is stopped.
 _ANNOUNCED_GRACE_S = 5.0
+# Processes that end within this long of the first failure ended together, as far as blame goes.
+_TOGETHER_S = 1.0
+
+
+def _caused_by_signal(status: int) -> bool:
+    """Killed by a signal that starts a failure (SIGKILL, SIGSEGV, ...), not one that ends a process
+    because of another's (SIGTERM from a launcher, SIGABRT from jax's heartbeat, SIGPIPE)."""
+    return status < 0 and -status not in (signal.SIGTERM, signal.SIGABRT, signal.SIGPIPE, signal.SIGINT)
 
 
 def _ranks(ranks: list[int]) -> str:
@@ -412,6 +422,10 @@ class Job(ProcessGroup):
             code = TIMEOUT_EXIT
         elif self.failures():
             self.wait_for_announced(_ANNOUNCED_GRACE_S)
+            # The peers a failure brings down end within a moment: see them, to name the cause.
+            self._wait(self._all_ended, time.monotonic() + _TOGETHER_S)
+            for r, _ in self.failures():  # their output read to the end: every failure line seen
+                self.pumps[r].join(timeout=2)
             failed = self.failures()
             running = self.running()
             (rank, status), others = failed[0], failed[1:]

@@ -39,8 +39,14 @@ def _note_ends(waiting: dict[int, subprocess.Popen], noted: Callable[[int, int],
     for fd in ranks:
         poller.register(fd, select.POLLIN)
     while ranks:
-        for fd in sorted(fd for fd, _ in poller.poll()):  # ended together: the lower rank first
+        ended = []
+        for fd, _ in poller.poll():
             poller.unregister(fd)
             os.close(fd)
             rank = ranks.pop(fd)
-            noted(rank, waiting[rank].wait())
+            ended.append((rank, waiting[rank].wait()))
+        # Ended together (this thread woke late: under load, or the GIL held by the output threads
+        # printing a traceback): one killed by a signal first, as a crash or a kill is the cause a
+        # peer exits over and not the other way round; then the lower rank.
+        for rank, status in sorted(ended, key=lambda e: (e[1] >= 0, e[0])):
+            noted(rank, status)
