@@ -23,13 +23,13 @@ import os
 import socket
 import sys
 import threading
-import time
 import traceback
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
 
+from jax_cgx._src import outputs
 from jax_cgx._src.arguments import check_bool
 
 __all__ = ["ProcessInfo", "detect", "initialize"]
@@ -265,15 +265,10 @@ def initialize(
 # hooks run last-registered first, and the one that ends the process is registered when jax_cgx
 # is imported, right after jax's, so every hook the program registers later runs before it.
 
+_NO_BARRIER = "without waiting for the other processes in jax's shutdown barrier"
 _hooks_installed = False
 _exit_status: int | None = None  # the status of a recorded SystemExit that reached the top level
 _failed_with: int | None = None  # set when the process fails: its status, once the exit hooks have run
-
-
-def _stamp() -> str:
-    """When a process says it failed, in its failure line: the launcher names the process that
-    failed first by it (its peers may fail, and end, before it: jax_cgx.launch's FailureWatch)."""
-    return f"[at {time.time():.6f}]"
 
 
 def _fail_at_exit(status: int) -> None:
@@ -418,8 +413,7 @@ def _install_exit_hooks(rank: int) -> None:
         uncaught = getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
         if uncaught is not None and not isinstance(uncaught, SystemExit):
             # Another sys.excepthook (rich.traceback.install(), ...) replaced ours and printed it.
-            print(f"jax_cgx: process {rank} failed ({type(uncaught).__name__}); exiting with status 1, "
-                  f"without waiting for the other processes in jax's shutdown barrier {_stamp()}", file=sys.stderr)
+            outputs.say_failed(rank, f"failed ({type(uncaught).__name__}); exiting with status 1, {_NO_BARRIER}")
             _fail_at_exit(1)
             return
         status = _exit_status
@@ -427,8 +421,7 @@ def _install_exit_hooks(rank: int) -> None:
             held = _held_system_exit(outermost)
             status = None if held is None else _status(held.code)
         if status:
-            print(f"jax_cgx: process {rank} exits with status {status}, without waiting for the "
-                  f"other processes in jax's shutdown barrier {_stamp()}", file=sys.stderr)
+            outputs.say_failed(rank, f"exits with status {status}, {_NO_BARRIER}")
             _fail_at_exit(status)
         elif status is None and ended == "exception":
             print(f"jax_cgx: process {rank} is exiting through an exception whose status jax_cgx "
@@ -448,7 +441,7 @@ def _exit_on_uncaught_exception(rank: int) -> None:
             previous(kind, value, tb)
             _fail_at_exit(128 + 2)  # as Python reports Ctrl-C: the status of SIGINT
             return
-        print(f"jax_cgx: process {rank} failed: {_stamp()}", file=sys.stderr)
+        outputs.say_failed(rank, "failed:")
         traceback.print_exception(kind, value, tb)
         # Skip jax's blocking shutdown barrier, once the program's exit hooks ran: the launcher
         # sees the failure as soon as this process is gone, not when its peers finish.

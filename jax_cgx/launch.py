@@ -44,7 +44,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import re
 import signal
 import socket
 import subprocess
@@ -54,7 +53,7 @@ import time
 from collections.abc import Callable
 
 from jax_cgx import allocator
-from jax_cgx._src import ends, mps
+from jax_cgx._src import ends, mps, outputs
 from jax_cgx._src.arguments import integer, number
 from jax_cgx.distributed import COORDINATOR_VARIABLE, RANK_VARIABLES
 
@@ -109,105 +108,6 @@ def _die_with_launcher() -> None:
         _PRCTL(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
 
 
-def _pump(stream, prefix: str, out, watch: Callable[[str], None] | None = None) -> None:
-    """Copy a process's output to ``out``, each line prefixed, until the process closes it; each
-    line also goes to ``watch``.
-
-    Bytes, decoded leniently: a byte that is not UTF-8 must not stop the copying (the process
-    would block on a full pipe, and the job hang). If ``out`` goes away (``| head``), keep
-    draining, for the same reason.
-    """
-    writing = True
-    for raw in iter(stream.readline, b""):
-        line = raw.decode("utf-8", errors="replace")
-        if watch is not None:
-            watch(line)
-        if writing:
-            try:
-                out.write(prefix + line)
-                out.flush()
-            except (OSError, ValueError):  # a closed or broken pipe: drain the rest unread
-                writing = False
-    stream.close()
-
-
-# What jax's coordination service logs before it aborts the healthy processes: the marker, then
-# the unhealthy tasks (jax.distributed process ids: the launcher's ranks), one line of ids.
-_HEARTBEAT_MARKER = "stopped sending heartbeats"
-
-
-class HeartbeatWatch:
-    """The ranks jax's coordination service reported as no longer sending heartbeats, read off
-    the processes' output as it goes by."""
-
-    def __init__(self):
-        self.unhealthy: set[int] = set()
-        self._lock = threading.Lock()
-
-    def watcher(self) -> Callable[[str], None]:  # one per process's output: each keeps its own place
-        expecting = [False]
-
-        def watch(line: str) -> None:
-            if _HEARTBEAT_MARKER in line:
-                expecting[0] = True
-                tail = line.split(_HEARTBEAT_MARKER, 1)[1].lstrip("):").strip()
-                if tail:
-                    self._add(tail)
-                return
-            if expecting[0]:
-                expecting[0] = self._add(line)
-
-        return watch
-
-    def _add(self, text: str) -> bool:
-        """Record the task ids in ``text`` (``1`` or ``1, 3``); False if it holds none."""
-        ids = text.replace(",", " ").split()
-        if not ids or not all(t.isdigit() for t in ids):
-            return False
-        with self._lock:
-            self.unhealthy.update(int(t) for t in ids)
-        return True
-
-
-# What jax_cgx.distributed prints the moment a process fails, stamped with the time it failed.
-_FAILURE_LINE = re.compile(r"^jax_cgx: process (\d+) (?:failed|exits with status).*\[at (\d+(?:\.\d+)?)\]")
-
-
-class FailureWatch:
-    """When each process said it failed, read off its output as it goes by.
-
-    A process whose uncaught exception (or non-zero ``sys.exit``) ends it prints ``jax_cgx: process
-    N failed: [at T]`` at once, then runs its exit hooks (the tcp backend's teardown among them),
-    which reset its peers' connections: a peer then fails too, and may well end first. The stamps,
-    not the order the lines are read in (the copying threads race for the GIL), order the causes.
-    """
-
-    def __init__(self):
-        self.said: dict[int, float] = {}
-        self._lock = threading.Lock()
-
-    def watcher(self, rank: int) -> Callable[[str], None]:
-        def watch(line: str) -> None:
-            m = _FAILURE_LINE.match(line)
-            if m and int(m.group(1)) == rank:
-                with self._lock:
-                    self.said.setdefault(rank, float(m.group(2)))
-
-        return watch
-
-    def first(self) -> int | None:
-        with self._lock:
-            return min(self.said, key=self.said.get) if self.said else None
-
-
-def _both(*watchers: Callable[[str], None]) -> Callable[[str], None]:
-    def watch(line: str) -> None:
-        for w in watchers:
-            w(line)
-
-    return watch
-
-
 def process_state(pid: int) -> str | None:
     """The kernel's state of a process (``R``, ``S``, ``T`` stopped, ``t`` traced, ...); None if unknown."""
     try:
@@ -251,8 +151,8 @@ class ProcessGroup:
         # the first failure is the one that happened first, not the lowest rank.
         self.ended: list[tuple[int, int]] = []
         self._changed = threading.Condition()
-        self.heartbeats = HeartbeatWatch()
-        self.announced = FailureWatch()
+        self.heartbeats = outputs.HeartbeatWatch()
+        self.announced = outputs.FailureWatch()
         width = len(str(len(commands) - 1))
         for rank, (argv, env) in enumerate(zip(commands, envs)):
             try:
@@ -272,8 +172,8 @@ class ProcessGroup:
                 self.close()
                 raise
             self.procs.append(proc)
-            watch = _both(self.heartbeats.watcher(), self.announced.watcher(rank))
-            pump = threading.Thread(target=_pump, args=(proc.stdout, f"[{rank:>{width}}] ", sys.stdout, watch),
+            watch = outputs.both(self.heartbeats.watcher(), self.announced.watcher(rank))
+            pump = threading.Thread(target=outputs.copy, args=(proc.stdout, f"[{rank:>{width}}] ", sys.stdout, watch),
                                     daemon=True)
             pump.start()
             self.pumps.append(pump)
@@ -304,7 +204,7 @@ class ProcessGroup:
 
     def failures(self) -> list[tuple[int, int]]:
         """``(rank, returncode)`` of every process that failed so far, the first first: the one
-        that said it failed first (:class:`FailureWatch`), else the one that ended first."""
+        that said it failed first (:class:`~jax_cgx._src.outputs.FailureWatch`), else the one that ended first."""
         with self._changed:
             failed = [(rank, status) for rank, status in self.ended if status != 0]
         first = self.announced.first()

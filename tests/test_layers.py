@@ -40,8 +40,9 @@ ALLOWED: dict[str, set[str]] = {
     # Bit widths per leaf: reads the plan's lanes.
     "adaptive": BASE | {"collectives"},
     "testing": BASE | {"codec", "collectives", "exchange"},
-    "distributed": BASE,
-    "launch": BASE | {"distributed", "allocator", "mps", "ends"},  # starts processes with the allocator's settings
+    "distributed": BASE | {"outputs"},  # prints the failure lines the launcher reads
+    "launch": BASE | {"distributed", "allocator", "mps", "ends", "outputs"},  # starts processes with the allocator's settings
+    "outputs": set(),  # the processes' output as the launcher reads it: copied, and read for reports
     "ends": set(),  # the launcher's children's ends, in the order they happen
     "mps": set(),  # the launcher's --mps: a private CUDA MPS daemon around the job
     "cost_model": {"policy"},

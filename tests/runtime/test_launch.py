@@ -16,6 +16,7 @@ from bitwise import assert_same_bits
 from processes import SUPPORT, run_all
 
 from jax_cgx import CompressionConfig, distributed, launch
+from jax_cgx._src import outputs
 from jax_cgx.distributed import detect
 from jax_cgx.launch import free_port
 
@@ -298,7 +299,7 @@ def test_a_stopped_rank_is_named_not_the_survivor_jax_aborts(tmp_path):
 
 
 def test_the_heartbeat_watch_reads_jax_s_report():
-    watch = launch.HeartbeatWatch()
+    watch = outputs.HeartbeatWatch()
     lines = watch.watcher()
     for line in ("E1127 coordination_service.cc:1549] ... UNAVAILABLE: The following tasks are unhealthy (stopped "
                  "sending heartbeats):\n", "1\n", "The tasks have crashed. Check the task logs\n", "2\n"):
