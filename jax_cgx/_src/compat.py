@@ -48,6 +48,11 @@ def pvary(x, axes):
     return lax.pcast(x, tuple(axes), to="varying")
 
 
+def is_tracer(x) -> bool:
+    """Whether ``x`` is a value being traced (inside ``jax.jit``, ``grad``, ...), not an array."""
+    return isinstance(x, _core.Tracer)
+
+
 def axes_bound(axes) -> bool:
     """Whether every name of ``axes`` is bound here (inside a shard_map / pmap over it)."""
     env = _core.get_axis_env()

@@ -87,3 +87,19 @@ def test_skip_not_finite_counts_every_device_and_checks_its_axis():
     assert int(out["num_not_finite"]) == 2 and bool(out["should_skip"])
     with pytest.raises(ValueError, match="skip_not_finite"):
         skip_not_finite(())
+
+
+@pytest.mark.multiprocess
+def test_two_processes_skip_together(tmp_path):
+    # The data axis across 2 processes x 2 devices (gloo); the NaN on a device of process 1: both
+    # processes skip the mini-step (its count, 1, on both), end with the same finite parameters,
+    # bitwise those of the run that never saw the bad batch.
+    from processes import run_workers
+
+    run_workers("not_finite_worker.py", 2, tmp_path)
+    results = [np.load(tmp_path / f"process{i}.npz") for i in range(2)]
+    for r in results:
+        assert r["skips"][1] == 1 and np.all(r["skips"][[0, 2, 3, 4, 5]] == 0), r["skips"]
+        assert np.all(np.isfinite(r["bad"]))
+        assert_same_bits(r["bad"], r["clean"])
+    assert_same_bits(results[0]["bad"], results[1]["bad"])

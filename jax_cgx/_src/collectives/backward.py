@@ -65,7 +65,7 @@ def reduce_in_backward(tree, axis_name, config: ConfigSpec = None, *, key: jax.A
         ``jax.random.fold_in(step_key, layer_index)``), the same on every rank.
       impl: the codec implementation, as for :func:`compressed_pmean`.
       specs: on a mesh with axes the enclosing ``shard_map`` leaves to XLA's partitioner (tensor
-        parallelism, FSDP), how each leaf is sharded over them, as for :func:`compressed_psum`:
+        parallelism, FSDP), how each leaf is sharded over them, as for :func:`~jax_cgx.compressed_psum`:
         each device then compresses its own shard of the gradient.
 
     Returns:

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
+from jax_cgx._src import compat
 from jax_cgx._src.collectives.shards import checked_spec
 from jax_cgx._src.data_parallel.checks import API
 
@@ -57,7 +58,7 @@ def param_specs(params, given, mesh, axes: tuple, model: tuple):
             s = s.spec
         elif s is None:
             typed = getattr(getattr(jax.typeof(p), "sharding", None), "spec", None)
-            sharding = None if isinstance(p, jax.core.Tracer) else getattr(p, "sharding", None)
+            sharding = None if compat.is_tracer(p) else getattr(p, "sharding", None)
             if explicit and typed is not None:
                 s = typed  # the type is the sharding, replicated included
             elif isinstance(sharding, jax.sharding.NamedSharding):
