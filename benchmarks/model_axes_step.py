@@ -115,9 +115,7 @@ def main(argv=None) -> list[dict]:
     for t in trainers:
         timed = t["times"][args.warmup:]
         config = jax_cgx.CompressionConfig(bits=t["bits"], bucket_size=512)
-        local = {k: jax.ShapeDtypeStruct(tuple(n // (model_size if (e == "model") else 1)
-                                               for n, e in zip(s.shape, list(specs[k]) + [None] * s.ndim)), s.dtype)
-                 for k, s in shapes.items()}
+        local = jax_cgx.optax.shard_shapes(shapes, specs, mesh)
         records.append({
             "compressor": "none" if t["bits"] == 32 else f"maxmin:{t['bits']}" + ("+auto" if t["policy"] == "auto" else ""),
             "bits": t["bits"], "policy": t["policy"], "data": data, "model": model_size,

@@ -235,7 +235,7 @@ def explain(x, axis_name=None, config: ConfigSpec = None, *, world: int | None =
             kinds = {buffers[b].compressed for b in mine}
             how = "compressed" if kinds == {True} else "psum (auto)" if kinds == {False} else "mixed (auto)"
         dtype = np.dtype(leaf.dtype)
-        over = tuple(a for e in split[i] for a in ((e,) if isinstance(e, str) else e or ())) if model_axes else ()
+        over = shards.spec_axes(split[i]) if model_axes else ()
         leaves_out.append(LeafReport(jax.tree_util.keystr(path), tuple(np.shape(leaf)), dtype.name,
                                      sizes[i] * dtype.itemsize, how, tuple(mine),
                                      *_width(lanes[i] if world > 1 else "exact", leaf_config[i]),
@@ -257,12 +257,11 @@ def _model_shards(x, axes, specs, mesh):
         if specs is None:
             raise ValueError("explain: mesh= is for specs= (how each leaf is split over the mesh's model axes): "
                              "give both, or neither")
-        given = shards.per_leaf("explain", specs, x)
-        named = {a for s in given if s is not None for e in (s.spec if hasattr(s, "spec") else s)
-                 for a in ((e,) if isinstance(e, str) else e or ())}
+        given = [shards.spec_of(s, "explain", f"x{jax.tree_util.keystr(p)}") or P()
+                 for p, s in zip(paths, shards.per_leaf("explain", specs, x))]
+        named = {a for s in given for a in shards.spec_axes(s)}
         free = tuple(a for a in mesh.axis_names if a in named and a not in (axes or ()))
-        split = [shards.checked_spec("explain", f"x{jax.tree_util.keystr(p)}",
-                                     P() if s is None else getattr(s, "spec", s), np.shape(v), axes or (), free, mesh)
+        split = [shards.checked_spec("explain", f"x{jax.tree_util.keystr(p)}", s, np.shape(v), axes or (), free, mesh)
                  for p, v, s in zip(paths, leaves, given)]
     else:
         free = shards.free_axes() if axes is not None else ()

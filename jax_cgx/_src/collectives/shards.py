@@ -29,7 +29,7 @@ from jax.sharding import PartitionSpec as P
 
 from jax_cgx._src import compat
 
-__all__ = ["free_axes", "leaf_specs", "per_leaf", "checked_spec", "split_alike", "on_own_shards", "local_shape", "SpecTree"]
+__all__ = ["free_axes", "leaf_specs", "per_leaf", "spec_of", "spec_axes", "checked_spec", "split_alike", "on_own_shards", "local_shape", "SpecTree"]
 
 log = logging.getLogger("jax_cgx")
 
@@ -56,13 +56,20 @@ def _entries(spec) -> list[tuple[str, ...]]:
     return [() if e is None else (e,) if isinstance(e, str) else tuple(e) for e in spec]
 
 
-def _spec_of(given, api: str, where: str):
+def spec_axes(spec) -> tuple[str, ...]:
+    """Every mesh axis ``spec`` splits some dimension over, in order."""
+    return tuple(a for axes in _entries(spec) for a in axes)
+
+
+def spec_of(given, api: str, where: str, name: str = "specs"):
+    """``given`` as a ``PartitionSpec`` (a ``NamedSharding``'s spec; None stays None); a
+    ``TypeError`` naming ``where`` for anything else."""
     if given is None or isinstance(given, P):
         return given
     if isinstance(given, NamedSharding):
         return given.spec
-    raise TypeError(f"{api}: the spec of {where} must be a jax.sharding.PartitionSpec, a NamedSharding or None, "
-                    f"got {type(given).__name__}")
+    raise TypeError(f"{api}: {name} must hold PartitionSpecs, NamedShardings or None, got {type(given).__name__} "
+                    f"for {where}")
 
 
 def leaf_specs(api: str, paths: Sequence, leaves: Sequence, specs: SpecTree, tree, reduced: tuple,
@@ -82,7 +89,7 @@ def leaf_specs(api: str, paths: Sequence, leaves: Sequence, specs: SpecTree, tre
     out, unknown = [], []
     for path, leaf, spec in zip(paths, leaves, given):
         where = f"x{jax.tree_util.keystr(path)}" if path else "x"
-        spec = _spec_of(spec, api, where)
+        spec = spec_of(spec, api, where)
         if spec is None:
             typed = getattr(jax.typeof(leaf), "sharding", None)
             spec = getattr(typed, "spec", None) or P()
@@ -94,15 +101,16 @@ def leaf_specs(api: str, paths: Sequence, leaves: Sequence, specs: SpecTree, tre
     return out
 
 
-def per_leaf(api: str, specs: SpecTree, tree) -> list:
-    """``specs`` (a pytree prefix of ``tree``, or None) broadcast to one entry per leaf of ``tree``."""
+def per_leaf(api: str, specs: SpecTree, tree, name: str = "specs", of: str = "the reduced tree") -> list:
+    """``specs`` (a pytree prefix of ``tree``, or None) broadcast to one entry per leaf of ``tree``
+    (``name`` and ``of`` name the two in the error)."""
     if specs is None:
         return [None] * len(jax.tree.leaves(tree))
     is_spec = lambda s: s is None or isinstance(s, (P, NamedSharding))  # noqa: E731
     try:
         full = jax.tree.broadcast(specs, tree, is_leaf=is_spec)
     except (ValueError, TypeError) as err:
-        raise ValueError(f"{api}: specs must be a pytree prefix of the reduced tree holding PartitionSpecs, "
+        raise ValueError(f"{api}: {name} must be a pytree prefix of {of} holding PartitionSpecs, "
                          f"NamedShardings or None: {err}") from None
     return jax.tree.leaves(full, is_leaf=is_spec)
 
@@ -159,7 +167,7 @@ def split_alike(specs: Sequence[P]) -> list[list[int]]:
     axis' devices, which a bucket shared with another device's shard of a split leaf would not."""
     groups: dict[frozenset, list[int]] = {}
     for i, spec in enumerate(specs):
-        groups.setdefault(frozenset(a for axes in _entries(spec) for a in axes), []).append(i)
+        groups.setdefault(frozenset(spec_axes(spec)), []).append(i)
     return list(groups.values())
 
 

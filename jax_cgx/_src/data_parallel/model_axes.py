@@ -24,7 +24,7 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 from jax_cgx._src import compat
-from jax_cgx._src.collectives.shards import checked_spec
+from jax_cgx._src.collectives.shards import checked_spec, per_leaf, spec_of
 from jax_cgx._src.data_parallel.checks import API
 
 __all__ = ["model_axes", "param_specs", "data_shard_map"]
@@ -45,18 +45,13 @@ def param_specs(params, given, mesh, axes: tuple, model: tuple):
     where unknown), checked (:func:`~jax_cgx._src.collectives.shards.checked_spec`): ``given`` (a
     prefix of ``params``), else the parameter's type where the axes are ``Explicit``, else the
     ``NamedSharding`` of an array (``grad_fn`` called outside ``jax.jit``)."""
-    is_spec = lambda s: s is None or isinstance(s, (P, jax.sharding.NamedSharding))  # noqa: E731
-    try:
-        given = jax.tree.broadcast(given, params, is_leaf=is_spec)
-    except (ValueError, TypeError) as err:
-        raise ValueError(f"{API}: param_specs must be a pytree prefix of params holding PartitionSpecs, "
-                         f"NamedShardings or None: {err}") from None
+    with_paths, treedef = jax.tree_util.tree_flatten_with_path(params)
     explicit = any(_axis_type(mesh, a) == AxisType.Explicit for a in model)
 
     def spec(path, s, p):
-        if isinstance(s, jax.sharding.NamedSharding):
-            s = s.spec
-        elif s is None:
+        where = f"params{jax.tree_util.keystr(path)}"
+        s = spec_of(s, API, where, "param_specs")
+        if s is None:
             typed = getattr(getattr(jax.typeof(p), "sharding", None), "spec", None)
             sharding = None if compat.is_tracer(p) else getattr(p, "sharding", None)
             if explicit and typed is not None:
@@ -65,12 +60,10 @@ def param_specs(params, given, mesh, axes: tuple, model: tuple):
                 s = sharding.spec
             else:
                 return None  # Auto axes under jit: compressed_pmean says it reduces such a leaf whole
-        elif not isinstance(s, P):
-            raise TypeError(f"{API}: param_specs must hold PartitionSpecs, NamedShardings or None, got "
-                            f"{type(s).__name__} for params{jax.tree_util.keystr(path)}")
-        return checked_spec(API, f"params{jax.tree_util.keystr(path)}", s, jnp.shape(p), axes, model, mesh)
+        return checked_spec(API, where, s, jnp.shape(p), axes, model, mesh)
 
-    return jax.tree_util.tree_map_with_path(spec, given, params, is_leaf=is_spec)
+    given = per_leaf(API, given, params, "param_specs", "params")
+    return treedef.unflatten([spec(path, s, p) for (path, p), s in zip(with_paths, given)])
 
 
 def data_shard_map(body, mesh, axes: tuple, model: tuple, specs, *, in_specs, out_specs):

@@ -34,6 +34,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec as P
 
+from jax_cgx._src.collectives.shards import spec_axes
 from jax_cgx._src.optax import checks
 from jax_cgx._src.optax.mean import CastMeanState, CompressedMeanState
 from jax_cgx._src.optax.powersgd import PowerSGDState
@@ -203,7 +204,7 @@ def _model_shards(params, param_specs, mesh, axes: tuple) -> list[int] | None:
     sizes = dict(mesh.shape)
     out = []
     for spec in specs:
-        named = [a for e in spec for a in ((e,) if isinstance(e, str) else e or ())]
+        named = spec_axes(spec)
         if unknown := [a for a in named if a not in sizes or a in axes]:
             raise ValueError(f"{_FN}: the parameter spec {spec} names {unknown[0]!r}, which is not a model axis of "
                              f"the mesh {tuple(sizes)} (the data axis is {axes})")

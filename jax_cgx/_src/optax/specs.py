@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec as P
 
-from jax_cgx._src.collectives.shards import local_shape
+from jax_cgx._src.collectives.shards import local_shape, spec_axes
 from jax_cgx._src.optax import checks
 from jax_cgx._src.optax.mean import CastMeanState, CompressedMeanState
 from jax_cgx._src.optax.powersgd import PowerSGDState
@@ -175,7 +175,7 @@ class _ParamSpecs:
             raise TypeError("jax_cgx.optax.state_specs: param_specs must be a pytree of PartitionSpecs, one per "
                             f"parameter, got {[type(s).__name__ for s in leaves if not is_spec(s)][:1]}")
         for spec in leaves:
-            if any(a in axes for e in spec for a in ((e,) if isinstance(e, str) else e or ())):
+            if set(axes) & set(spec_axes(spec)):
                 raise ValueError(f"jax_cgx.optax.state_specs: the parameter spec {spec} names {axes}, the axis the "
                                  "mean is taken over: shard parameters over a separate axis (FSDP: 'fsdp')")
 
