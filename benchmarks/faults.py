@@ -6,7 +6,9 @@
 Two processes (one CPU device each, gloo) run a compressed_pmean step in a loop. After 5 steps
 process 1 has a fault (the step returns the collective's result directly, or computes with it first:
 ``--forms``): ``kill`` (SIGKILL, a dead node), ``stop`` (SIGSTOP, a hung node) or
-``exception`` (an uncaught Python exception). Under ``launch`` (``python -m jax_cgx.launch``) or
+``exception`` (an uncaught Python exception), or ``extra`` (it runs one step more than process 0,
+which finishes: a collective nobody joins; the row then says how each process ended, and the
+seconds run from process 0's last step to the job's end). Under ``launch`` (``python -m jax_cgx.launch``) or
 ``plain`` (two processes started by hand, jax.distributed set up by each), the table says what
 process 0 sees: the exception type and the start of its message, or how it ended, the seconds
 from the fault until then, and the launcher's report. Defaults everywhere (jax's 100 s heartbeat,
@@ -43,7 +45,11 @@ step = jax.jit(jax.shard_map(lambda v: scale(jax_cgx.compressed_pmean(v[0], "d",
 x = jax.make_array_from_process_local_data(NamedSharding(mesh, P("d")), np.ones((1, 1 << 20), np.float32))
 try:
     for t in range(10 ** 6):
-        if rank == 1 and t == 5:
+        if fault == "extra" and t == 5 + rank:  # process 1 runs one step more than process 0
+            if rank == 0:
+                (out / "fault").write_text(str(time.time()))
+            break
+        if rank == 1 and t == 5 and fault != "extra":
             (out / "fault").write_text(str(time.time()))
             if fault == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
@@ -71,16 +77,20 @@ def run(backend: str, fault: str, launcher: str, limit: float, form: str = "scal
         env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1")
         if launcher == "launch":
             procs = [subprocess.Popen([sys.executable, "-m", "jax_cgx.launch", "-n", "2", *args], env=env,
-                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)]
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)]
         else:
             from jax_cgx.launch import free_port
             port = free_port()
-            procs = [subprocess.Popen([sys.executable, *args], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+            procs = [subprocess.Popen([sys.executable, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                       text=True, env=dict(env, JAX_CGX_PROCESS_ID=str(r), JAX_CGX_NUM_PROCESSES="2",
                                                           JAX_CGX_COORDINATOR=f"127.0.0.1:{port}"))
                      for r in range(2)]
+        texts = []  # every output read, for the line a process ended by (extra)
         try:
-            err0 = procs[0].communicate(timeout=limit)[1]
+            out0, err0 = procs[0].communicate(timeout=limit)
+            texts += [out0, err0]
+            for p in procs[1:] if fault == "extra" else ():  # the job's end: every process's
+                texts += p.communicate(timeout=limit)
             ended = time.time()
             status = procs[0].returncode
         except subprocess.TimeoutExpired:
@@ -97,6 +107,10 @@ def run(backend: str, fault: str, launcher: str, limit: float, form: str = "scal
         at, message = seen["time"], seen["message"]
     elif status is None:
         outcome, at, message = f"still running after {limit:g} s", None, ""
+    elif fault == "extra":
+        named = [line for line in "\n".join(texts).splitlines() if "failed: it has waited" in line]
+        outcome = ", ".join(f"process {r} exit {p.returncode}" for r, p in enumerate(procs))
+        at, message = ended, named[0].split("] ", 1)[-1] if named else ""
     else:
         outcome, at, message = f"exit status {status}", ended, ""
     return {"backend": backend, "fault": fault, "launcher": launcher, "form": form, "outcome": outcome,
@@ -107,7 +121,8 @@ def run(backend: str, fault: str, launcher: str, limit: float, form: str = "scal
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--backends", nargs="+", default=["xla", "tcp"])
-    parser.add_argument("--faults", nargs="+", default=["kill", "stop", "exception"])
+    parser.add_argument("--faults", nargs="+", default=["kill", "stop", "exception", "extra"],
+                        choices=["kill", "stop", "exception", "extra"])
     parser.add_argument("--launchers", nargs="+", default=["launch", "plain"])
     parser.add_argument("--forms", nargs="+", default=["scaled", "direct"], choices=["scaled", "direct"],
                         help="the step returns the collective's result scaled (computed with) or directly")
@@ -122,6 +137,8 @@ def main() -> None:
         for fault in args.faults:
             for launcher in args.launchers:
                 for form in args.forms:
+                    if fault == "extra" and form == "direct":
+                        continue  # no fault to surface in a result: one form says it
                     r = run(backend, fault, launcher, args.limit, form)
                     rows.append(r)
                     print(f"| {r['backend']} | {r['fault']} | {r['launcher']} | {r['form']} | {r['outcome']} | "

@@ -49,7 +49,8 @@ def pytest_collection_modifyitems(config, items):
 # Scripts the tests start in other processes; none may outlive the test session.
 _WORKER_SCRIPTS = ("launch_check.py", "mp_worker.py", "nccl_worker.py", "nccl_gpu_worker.py", "tcp_worker.py",
                    "policy_worker.py", "sharded_worker.py", "agreement_worker.py", "mpi_worker.py", "jax_cgx.launch",
-                   "emu_test", "model_axes_worker.py", "not_finite_worker.py")
+                   "emu_test", "model_axes_worker.py", "not_finite_worker.py", "checkpoint_worker.py",
+                   "reduce_scatter_worker.py", "unmatched_worker.py")
 
 
 def _stray_processes() -> list[str]:

@@ -40,7 +40,11 @@ ALLOWED: dict[str, set[str]] = {
     # Bit widths per leaf: reads the plan's lanes.
     "adaptive": BASE | {"collectives"},
     "testing": BASE | {"codec", "collectives", "exchange"},
-    "distributed": BASE | {"outputs"},  # prints the failure lines the launcher reads
+    "distributed": BASE | {"exits", "unmatched"},
+    # A failed process ends at once (the failure line the launcher reads), not in jax's barrier.
+    "exits": {"outputs"},
+    # A process left in a collective its peers never run: ended by name.
+    "unmatched": {"exits", "outputs"},
     "launch": BASE | {"distributed", "allocator", "mps", "ends", "outputs"},  # starts processes with the allocator's settings
     "outputs": set(),  # the processes' output as the launcher reads it: copied, and read for reports
     "ends": set(),  # the launcher's children's ends, in the order they happen

@@ -16,7 +16,7 @@ from bitwise import assert_same_bits
 from processes import SUPPORT, run_all
 
 from jax_cgx import CompressionConfig, distributed, launch
-from jax_cgx._src import outputs
+from jax_cgx._src import exits, outputs
 from jax_cgx.distributed import detect
 from jax_cgx.launch import free_port
 
@@ -361,16 +361,16 @@ def test_devices_per_process_zero_is_an_argument_error(tmp_path):
 def test_the_recorded_system_exit_behaves_as_python_does():
     # In-process checks of what the multi-process tests cannot see: the status Python would give
     # each code, and a caught SystemExit is not taken for the process's exit.
-    assert [distributed._status(c) for c in (None, 0, 3, -1, 256, True, "bye")] == [0, 0, 3, 255, 0, 1, 1]
-    before = distributed._exit_status
+    assert [exits._status(c) for c in (None, 0, 3, -1, 256, True, "bye")] == [0, 0, 3, 255, 0, 1, 1]
+    before = exits._exit_status
     with pytest.raises(SystemExit) as caught:
-        distributed._sys_exit(7)
+        exits._sys_exit(7)
     assert caught.value.code == 7 and repr(caught.value) == "SystemExit(7)"
     del caught
-    assert distributed._exit_status == before
-    assert type(pickle.loads(pickle.dumps(distributed._SystemExit(2)))) is SystemExit
+    assert exits._exit_status == before
+    assert type(pickle.loads(pickle.dumps(exits._SystemExit(2)))) is SystemExit
     with pytest.raises(TypeError):
-        distributed._sys_exit(1, 2)
+        exits._sys_exit(1, 2)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux-only")
