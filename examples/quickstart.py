@@ -169,7 +169,7 @@ and 2.34x with PowerSGD. Reproduce (Linux, root: network namespaces and tc; torc
   sudo python benchmarks/netem/run.py -p 2 --rate 1gbit --script benchmarks/train_step.py -- \\
       --link-gbps 1 --compressors none maxmin:4 maxmin:4+backward ddp:fp16 ddp:powersgd:2"""
 NEXT_STEP = """
-Next, in your own training step (README.md: "compressed_psum / compressed_pmean", "optax"):
+Next, in your own training step (docs/guide.md: "compressed_psum / compressed_pmean", "optax"):
   - a jax.jit step of your own: jax_cgx.data_parallel_value_and_grad(loss_fn, mesh=mesh, config=config)
     in place of jax.value_and_grad, with the batch sharded over the mesh's "data" axis;
   - your own shard_map: jax_cgx.compressed_pmean(grads, "data", config) in place of jax.lax.pmean

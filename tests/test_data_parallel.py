@@ -339,7 +339,7 @@ def test_the_mesh_comes_from_the_context():
     mesh = _mesh(AxisType.Explicit)
     params, x, y = _placed(mesh, *_problem())
     grad_fn = jax_cgx.data_parallel_value_and_grad(_loss, config=jax_cgx.CompressionConfig(bits=32))
-    with pytest.raises(ValueError, match=r"no mesh: pass mesh=, or call grad_fn inside jax.set_mesh\(mesh\)"):
+    with pytest.raises(ValueError, match=r"no mesh: pass mesh=, or call grad_fn inside `with jax.set_mesh\(mesh\):`"):
         grad_fn(params, x, y)
     want = jax.jit(jax_cgx.data_parallel_value_and_grad(_loss, mesh=mesh, config=jax_cgx.CompressionConfig(bits=32)))(
         params, x, y)
@@ -453,6 +453,21 @@ def test_device_keys_draw_a_mask_per_device_and_undeclared_keys_are_refused():
     raw = jax.random.PRNGKey(5)  # a raw uint32[2] key is a key too
     with pytest.raises(ValueError, match="is a PRNG key"):
         jax_cgx.data_parallel_value_and_grad(_dropout_loss, mesh=mesh, config=exact)(params, x, y, rng=raw)
+
+
+_MODULE_POSITIONS = np.arange(32, dtype=np.float32)[:, None]  # a module-level per-row array, read by a loss
+
+
+def _loss_reading_a_module_level_array(p, x, y):
+    return _loss(p, x + _MODULE_POSITIONS, y)
+
+
+def test_a_module_level_per_row_array_is_refused_by_name():
+    # It used to fail with a broadcasting error from inside the step (each device has 32 // 8 rows).
+    assert ROWS == len(_MODULE_POSITIONS)
+    with pytest.raises(ValueError, match=r"fun reads the module-level `_MODULE_POSITIONS` \(float32\[32, 1\]\), "
+                                         r"whose leading dimension is the batch's 32 rows"):
+        jax_cgx.data_parallel_value_and_grad(_loss_reading_a_module_level_array, mesh=_mesh())(*_problem())
 
 
 def test_a_closed_over_per_row_array_is_refused_by_name():

@@ -1,5 +1,23 @@
 """The few JAX internals jax_cgx touches, in one place (jax 0.10.2 here, 0.11.2 on GPU machines)."""
 
+import re
+
+import jax as _jax
+
+# The oldest jax the tests run on (pyproject.toml's floor). Older ones import, then fail far from
+# here (jax 0.7.2: a TypeError from inside compressed_psum in multi-process jobs), so refuse them now.
+MIN_JAX = (0, 10, 2)
+
+
+def _release(version: str) -> tuple[int, ...]:
+    """``"0.10.3rc1"`` -> ``(0, 10, 3)``: the leading numbers of a version."""
+    return tuple(int(n) for n in re.match(r"(\d+)(?:\.(\d+))?(?:\.(\d+))?", version).groups() if n is not None)
+
+
+if _release(_jax.__version__) < MIN_JAX:
+    raise ImportError(f"jax_cgx needs jax >= {'.'.join(map(str, MIN_JAX))}, found jax {_jax.__version__}: "
+                      "pip install -U jax jaxlib (or jax[cuda13] on GPUs)")
+
 
 try:
     from jax._src.dispatch import apply_primitive

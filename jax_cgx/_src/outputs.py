@@ -26,9 +26,15 @@ def stamp() -> str:
     return f"[at {time.time():.6f}]"
 
 
+# gloo's report of each healthy connection (two per device and process at start): all is well, so
+# the launcher does not copy it. One that finds fewer peers than expected is copied.
+_GLOO_CONNECTED = re.compile(r"^\[Gloo\] Rank \d+ is connected to (\d+) peer ranks\. "
+                             r"Expected number of connected peer ranks is : \1\s*$")
+
+
 def copy(stream, prefix: str, out, watch: Callable[[str], None] | None = None) -> None:
     """Copy a process's output to ``out``, each line prefixed, until the process closes it; each
-    line also goes to ``watch``.
+    line also goes to ``watch``. gloo's line for each healthy connection is left out.
 
     Bytes, decoded leniently: a byte that is not UTF-8 must not stop the copying (the process
     would block on a full pipe, and the job hang). If ``out`` goes away (``| head``), keep
@@ -39,7 +45,7 @@ def copy(stream, prefix: str, out, watch: Callable[[str], None] | None = None) -
         line = raw.decode("utf-8", errors="replace")
         if watch is not None:
             watch(line)
-        if writing:
+        if writing and not _GLOO_CONNECTED.match(line):
             try:
                 out.write(prefix + line)
                 out.flush()

@@ -98,6 +98,7 @@ def test_launcher_runs_a_compressed_psum(tmp_path):
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert "[0] rank 0 of 2 (jax_cgx.launch): 4 devices, ok" in run.stdout
     assert "[1] rank 1 of 2 (jax_cgx.launch): 4 devices, ok" in run.stdout
+    assert "[Gloo]" not in run.stdout, run.stdout  # gloo's 8 "Rank N is connected" lines per process: all healthy
     _check_results(tmp_path, 2, 2)
     _assert_no_leak(tmp_path, 2)
 
@@ -356,6 +357,16 @@ def test_devices_per_process_zero_is_an_argument_error(tmp_path):
     assert run.returncode == 2, _log(run)
     assert "error: argument --devices-per-process: must be at least 1, got 0" in run.stderr
     assert not list(tmp_path.iterdir()), "a process was started"
+
+
+def test_gloo_reports_a_connection_short_of_peers():
+    import io
+
+    copied = io.StringIO()
+    lines = ("[Gloo] Rank 1 is connected to 3 peer ranks. Expected number of connected peer ranks is : 3\n"
+             "[Gloo] Rank 2 is connected to 2 peer ranks. Expected number of connected peer ranks is : 3\n")
+    outputs.copy(io.BytesIO(lines.encode()), "[0] ", copied)
+    assert copied.getvalue() == "[0] " + lines.splitlines(keepends=True)[1]
 
 
 def test_the_recorded_system_exit_behaves_as_python_does():

@@ -17,6 +17,7 @@ import inspect
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import PartitionSpec as P
 
 API = "data_parallel_value_and_grad"
@@ -76,36 +77,42 @@ def differentiable(leaf) -> bool:
 
 
 def _closed_over(fun) -> list[tuple[str, object]]:
-    """``(name, value)`` of what ``fun`` closes over: its closure cells, and a ``functools.partial``'s
-    bound arguments (``fun`` itself unwrapped)."""
+    """``(how, value)`` of what ``fun`` closes over: its closure cells, a ``functools.partial``'s
+    bound arguments (``fun`` itself unwrapped), and the module-level arrays its own code reads."""
     out = []
     while isinstance(fun, functools.partial):
-        out += [(f"a functools.partial argument {i}", a) for i, a in enumerate(fun.args)]
-        out += [(f"the functools.partial keyword {k!r}", v) for k, v in fun.keywords.items()]
+        out += [(f"closes over a functools.partial argument {i}", a) for i, a in enumerate(fun.args)]
+        out += [(f"closes over the functools.partial keyword {k!r}", v) for k, v in fun.keywords.items()]
         fun = fun.func
     code, cells = getattr(fun, "__code__", None), getattr(fun, "__closure__", None) or ()
     names = code.co_freevars if code is not None else ()
     for name, cell in zip(names, cells):
         try:
-            out.append((f"`{name}`", cell.cell_contents))
+            out.append((f"closes over `{name}`", cell.cell_contents))
         except ValueError:  # an empty cell (a name assigned after the function was made)
             pass
+    module = getattr(fun, "__globals__", {})
+    for name in code.co_names if code is not None else ():
+        value = module.get(name)
+        if isinstance(value, (jax.Array, np.ndarray)):
+            out.append((f"reads the module-level `{name}`", value))
     return out
 
 
 def check_closures(fun, rows: int, world: int) -> None:
     """A closed-over array whose leading dimension is the batch's ``rows`` is per-row data that
-    should be split: refused, named. (Only ``fun``'s own closure and partial arguments are seen.)"""
+    should be split: refused, named. (Only ``fun``'s own closure, partial arguments and the
+    module-level arrays its own code names are seen, not those of the functions it calls.)"""
     if rows is None or rows <= rows // world:
         return
-    for name, value in _closed_over(fun):
+    for how, value in _closed_over(fun):
         if callable(value) and not hasattr(value, "shape"):
             continue
         for path, leaf in jax.tree_util.tree_flatten_with_path(value)[0]:
             shape = getattr(leaf, "shape", None)
             if shape and shape[0] == rows and not isinstance(leaf, (int, float)):
                 raise ValueError(
-                    f"{API}: fun closes over {name}{jax.tree_util.keystr(path)} ({jnp.result_type(leaf)}{list(shape)}), "
+                    f"{API}: fun {how}{jax.tree_util.keystr(path)} ({jnp.result_type(leaf)}{list(shape)}), "
                     f"whose leading dimension is the batch's {rows} rows: every device would see all of it beside "
                     f"its own {rows // world} rows of the batch arguments. Pass per-row arrays (positions, "
                     "segmentation, weights, masks) as batch arguments, grad_fn(params, x, positions, ...), so each "

@@ -104,7 +104,7 @@ def data_parallel_value_and_grad(fun: Callable[..., Any], *, mesh=None, axis_nam
         whose leading dimension is the batch's rows is refused.
       mesh: the ``jax.sharding.Mesh`` (or ``AbstractMesh``) the batch is sharded over; its axes
         may be ``Auto`` or ``Explicit``. None (the default): the mesh of the context at each call
-        (``jax.set_mesh(mesh)`` or ``with mesh:``); a ``ValueError`` if there is none. Only
+        (``with jax.set_mesh(mesh):``, or jax's deprecated ``with mesh:``); a ``ValueError`` if there is none. Only
         ``axis_name``'s axes are mapped by hand; others (``"model"``, ``"fsdp"``, ``"tensor"``)
         stay with XLA's partitioner, which runs the loss sharded as the parameters and the batch
         are, and each gradient is compressed over ``axis_name`` shard by shard, keeping its
@@ -306,7 +306,7 @@ def _names(what: str, names) -> tuple[str, ...]:
 def _context_mesh():
     mesh = compat.current_mesh()
     if mesh is None:
-        raise ValueError(f"{API}: no mesh: pass mesh=, or call grad_fn inside jax.set_mesh(mesh) (or `with mesh:`)")
+        raise ValueError(f"{API}: no mesh: pass mesh=, or call grad_fn inside `with jax.set_mesh(mesh):`")
     return mesh
 
 

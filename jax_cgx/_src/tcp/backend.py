@@ -19,7 +19,8 @@ Order. A custom call's transfers with a peer must pair with the peer's calls in 
 order, but XLA:CPU runs a program's thunks as a dataflow graph, concurrently where they are
 independent, and gives custom calls no ordering resource as it does its own collectives.
 So every start call takes one more operand, ``after``: the ticket of the previous start call
-lowered into the same block (a zero-size array for the first), which it never reads. The
+lowered into the same block (for the first, an array that keeps the program from running
+inline: ``_not_cheap``), which it never reads. The
 calls of a block then start one after another in lowering order, the same on every rank,
 and the call thread runs them in that order; a start waits for the previous start only
 (microseconds), never for the previous exchange.
@@ -158,13 +159,28 @@ class TcpBackend(backends.Backend):
         return _lower_rows(ctx, *operands, key=self.key(ctx, params["axes"]), **params)
 
 
+# XLA:CPU runs a program it prices under 1000 flops inline, inside the dispatch call, and jaxlib
+# raises a failed inline run's error there as a builtin ValueError; a program run asynchronously
+# reports the same error as JaxRuntimeError where its result is read. Custom calls price at -1 flop
+# each, so a step that returns the all-reduce's result directly was "cheap": a dead peer surfaced as
+# ValueError in that form only. The first start of each block therefore takes as its (unread) `after`
+# a product of runtime data XLA cannot fold away: 4096 flops, a microsecond.
+_NOT_CHEAP = 4096
+
+
+def _not_cheap(x):
+    """The first start's ``after``: ``_NOT_CHEAP`` flops, so the program never runs inline."""
+    scale = x[0, :1].sum().astype(jnp.float32) if x.shape[0] else jnp.float32(0)
+    return jnp.arange(_NOT_CHEAP, dtype=jnp.float32) * scale
+
+
 def _lower_rows(ctx, x, seeds, valid, *, key, axes, world, chunk, bits, bucket_size, stochastic, impl, algorithm,
                 segments, divisor, link_gbps):
     """Each row's start and done calls, each start chained after the previous one of its block."""
     del axes, impl, algorithm, link_gbps  # the link sizes the xla backend's messages only
 
     def rows(x, seeds, valid, *previous):
-        after = previous[0] if previous else jnp.zeros((0,), jnp.uint8)
+        after = previous[0] if previous else _not_cheap(x)
         out = []
         for i in range(x.shape[0]):
             started, after = tcp_start_p.bind(x[i], seeds[i], valid[i : i + 1], after, key=key, site=site + i,
