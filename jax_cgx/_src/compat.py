@@ -3,6 +3,15 @@
 import re
 
 import jax as _jax
+from jax._src import config as _config
+from jax._src import core as _core
+
+try:
+    from jax._src.dispatch import apply_primitive
+except ImportError:  # pragma: no cover - a future layout
+    from jax._src.interpreters.pxla import apply_primitive  # type: ignore[no-redef]
+
+__all__ = ["apply_primitive"]
 
 # The oldest jax the tests run on (pyproject.toml's floor). Older ones import, then fail far from
 # here (jax 0.7.2: a TypeError from inside compressed_psum in multi-process jobs), so refuse them now.
@@ -17,17 +26,6 @@ def _release(version: str) -> tuple[int, ...]:
 if _release(_jax.__version__) < MIN_JAX:
     raise ImportError(f"jax_cgx needs jax >= {'.'.join(map(str, MIN_JAX))}, found jax {_jax.__version__}: "
                       "pip install -U jax jaxlib (or jax[cuda13] on GPUs)")
-
-
-try:
-    from jax._src.dispatch import apply_primitive
-except ImportError:  # pragma: no cover - a future layout
-    from jax._src.interpreters.pxla import apply_primitive  # type: ignore[no-redef]
-
-__all__ = ["apply_primitive"]
-
-from jax._src import config as _config
-from jax._src import core as _core
 
 NamedAxisEffect = _core.NamedAxisEffect
 
