@@ -21,6 +21,15 @@ import pytest  # noqa: E402
 SUPPORT = pathlib.Path(__file__).resolve().parent / "support"
 sys.path.insert(0, str(SUPPORT))
 
+# JAX_CGX_TEST_INSTALLED=1: the tests are run against an installed wheel (.ci/run), never the checkout.
+if os.environ.get("JAX_CGX_TEST_INSTALLED") == "1":
+    import jax_cgx  # noqa: E402
+
+    _checkout = pathlib.Path(__file__).resolve().parent.parent / "jax_cgx"
+    if pathlib.Path(jax_cgx.__file__).resolve().parent == _checkout:
+        raise RuntimeError(f"JAX_CGX_TEST_INSTALLED=1 but jax_cgx was imported from the checkout ({_checkout}): "
+                           "run pytest (not python -m pytest) from an environment with the wheel installed")
+
 
 def _has_gpu() -> bool:
     try:
