@@ -26,10 +26,20 @@ def stamp() -> str:
     return f"[at {time.time():.6f}]"
 
 
-# gloo's report of each healthy connection (two per device and process at start): all is well, so
-# the launcher does not copy it. One that finds fewer peers than expected is copied.
-_GLOO_CONNECTED = re.compile(r"^\[Gloo\] Rank \d+ is connected to (\d+) peer ranks\. "
-                             r"Expected number of connected peer ranks is : \1\s*$")
+# gloo's report of each connection (two per device and process at start). A healthy one (as many
+# peers as expected) is not copied, nor the pieces of several that gloo's threads printed into one
+# another; one that finds fewer peers than expected, printed whole, is.
+_GLOO_REPORT = re.compile(r"^\[Gloo\] Rank \d+ is connected to (\d+) peer ranks\. "
+                          r"Expected number of connected peer ranks is : (\d+)\s*$")
+_GLOO_PIECES = re.compile(r"^(?:\[Gloo\] Rank | is connected to |peer ranks\.|Expected number of connected "
+                          r"peer ranks is :|\d+|\s)+$")
+
+
+def _gloo_noise(line: str) -> bool:
+    report = _GLOO_REPORT.match(line)
+    if report:
+        return report.group(1) == report.group(2)
+    return "connected" in line and bool(_GLOO_PIECES.match(line))
 
 
 def copy(stream, prefix: str, out, watch: Callable[[str], None] | None = None) -> None:
@@ -45,7 +55,7 @@ def copy(stream, prefix: str, out, watch: Callable[[str], None] | None = None) -
         line = raw.decode("utf-8", errors="replace")
         if watch is not None:
             watch(line)
-        if writing and not _GLOO_CONNECTED.match(line):
+        if writing and not _gloo_noise(line):
             try:
                 out.write(prefix + line)
                 out.flush()

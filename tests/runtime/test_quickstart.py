@@ -30,7 +30,8 @@ def test_quickstart_tells_what_simulated_devices_measure():
 def test_under_the_launcher_it_says_the_same_next_step():
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     out = subprocess.run([sys.executable, "-m", "jax_cgx.launch", "-n", "2", str(QUICKSTART), "--steps", "2",
-                          "--width", "64"], capture_output=True, text=True, timeout=300, env=env)
+                          "--width", "64"], capture_output=True, text=True, timeout=300, env=env,
+                         cwd=QUICKSTART.parent)  # not the checkout: `-m` puts the cwd on sys.path
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     text = out.stdout
     assert "(2 process(es))" in text and "expected at 4 bits" in text
