@@ -172,6 +172,36 @@ def test_the_planner_replans_with_bounded_compilations(caplog):
     assert planner.compilations == 3 and planner.changes == 3
 
 
+def test_the_recommended_setting_is_planned_with_its_small_leaves_exact():
+    # layer_filter(CompressionConfig(bits=4, bucket_size=128), 1024), the recommended transformer setting:
+    # it was refused ("config must be a CompressionConfig or None, got function").
+    r = np.random.default_rng(5)
+    grads = {"w": (r.standard_cauchy((64, 128)) * 10).astype(np.float32),
+             "v": r.standard_normal((64, 128)).astype(np.float32),
+             "bias": r.standard_normal(64).astype(np.float32), "scale": r.standard_normal((16, 32)).astype(np.float32)}
+    base = jax_cgx.CompressionConfig(bits=4, bucket_size=128)
+    recommended = jax_cgx.optax.layer_filter(base, 1024)
+    configs, plans = choose_bits(grads, budget_bits=4, config=recommended, return_plan=True, exact=False)
+    assert configs["bias"] is None and configs["scale"] is None  # 1-D, or under 1024 values: exact, outside the plan
+    assert sorted(p.path for p in plans) == ["['v']", "['w']"]
+    assert {configs[k].bucket_size for k in "wv"} == {128} and configs["w"].bits > configs["v"].bits
+    # The same plan as the CompressionConfig over the planned leaves alone.
+    alone = choose_bits({"w": grads["w"], "v": grads["v"]}, budget_bits=4, config=base, exact=False)
+    assert {k: configs[k] for k in "wv"} == alone
+
+    planner = jax_cgx.adaptive.Planner(grads, budget_bits=4, config=recommended, bucket_sizes=None, every=1,
+                                       exact=False, min_gain=0)
+    assert planner.configs["bias"] is None and planner.configs["w"] == base.replace(bits=4)
+    errors = planner.leaf_errors(grads)
+    assert errors.shape[0] == 2  # the planned leaves only
+    assert planner.observe(0, grads, errors=errors)
+    assert planner.configs == configs
+    with pytest.raises(ValueError, match="gives the leaves 2 different configs"):
+        choose_bits(grads, config=lambda path, leaf: base.replace(bits=2 + (leaf.size > 5000)))
+    with pytest.raises(TypeError, match="must return a CompressionConfig or None, got int"):
+        choose_bits(grads, config=lambda path, leaf: 4)
+
+
 def test_planner_arguments_are_checked():
     like = {"a": np.zeros(4096, np.float32)}
     for kwargs, message in (({"every": 0}, "every must be a positive"), ({"min_gain": 1.0}, r"min_gain must be in \[0, 1\)"),

@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -107,12 +107,28 @@ def _check(budget_bits, candidates, api: str = "choose_bits") -> tuple[float, tu
     return float(budget_bits), cands
 
 
-def _base(config, api: str) -> CompressionConfig:
-    """Every setting but the widths: ``config``, or ``CompressionConfig()`` for None."""
+def _base(config, api: str, with_paths=()) -> tuple[CompressionConfig, list]:
+    """Every setting but the widths, and each leaf's own config (None: exact, outside the plan):
+    ``config``, or ``CompressionConfig()`` for None, for every leaf; for a config function
+    (``jax_cgx.optax.layer_filter(...)``), what it gives each of ``with_paths``' leaves, whose
+    CompressionConfigs must agree (the plan sets widths on one config)."""
+    if callable(config) and not isinstance(config, CompressionConfig):
+        own = [config(path, leaf) for path, leaf in with_paths]
+        given = {c for c in own if c is not None}
+        if not all(c is None or isinstance(c, CompressionConfig) for c in own):
+            bad = next(c for c in own if c is not None and not isinstance(c, CompressionConfig))
+            raise TypeError(f"{api}: the config function must return a CompressionConfig or None, got "
+                            f"{type(bad).__name__}")
+        if len(given) > 1:
+            raise ValueError(f"{api}: the config function gives the leaves {len(given)} different configs; a plan "
+                             "sets the widths of one: give the leaves it compresses one CompressionConfig (None "
+                             "for those sent exact), e.g. jax_cgx.optax.layer_filter(config, 1024)")
+        return (given.pop() if given else CompressionConfig()), own
     base = CompressionConfig() if config is None else config
     if not isinstance(base, CompressionConfig):
-        raise TypeError(f"{api}: config must be a CompressionConfig or None, got {type(base).__name__}")
-    return base
+        raise TypeError(f"{api}: config must be a CompressionConfig, a config function "
+                        f"(jax_cgx.optax.layer_filter(...)) or None, got {type(base).__name__}")
+    return base, [base] * len(with_paths)
 
 
 def leaf_bytes(size: int, bits: float, bucket_size: int | None) -> int:
@@ -124,7 +140,7 @@ def leaf_bytes(size: int, bits: float, bucket_size: int | None) -> int:
     return math.ceil(size * bits / 8) + _META_BYTES * -(-size // bucket_size)
 
 
-def leaf_errors(grads, config: CompressionConfig | None = None, candidates: Sequence[int] = CANDIDATES,
+def leaf_errors(grads, config: CompressionConfig | Callable | None = None, candidates: Sequence[int] = CANDIDATES,
                 axis_name=None, objective: str = "squared", bucket_sizes: Sequence[int] | None = None,
                 second_moment=None) -> jax.Array:
     """``[leaf, option]``: :func:`expected_errors` of the leaves :func:`choose_bits` plans (those
@@ -139,13 +155,13 @@ def leaf_errors(grads, config: CompressionConfig | None = None, candidates: Sequ
     to weigh each value's error against instead of the value's own square: ``e / (nu + e)``.
     """
     cands = _candidates(candidates, "leaf_errors")
-    base = _base(config, "leaf_errors")
+    with_paths, treedef = jax.tree_util.tree_flatten_with_path(grads)
+    base, own = _base(config, "leaf_errors", with_paths)
     buckets = _bucket_sizes(bucket_sizes, base, "leaf_errors")
     objective = _objective(objective, "leaf_errors")
-    with_paths, treedef = jax.tree_util.tree_flatten_with_path(grads)
     scales = _second_moments(second_moment, treedef, [v for _, v in with_paths], objective)
     rows = [jnp.concatenate([_errors(v, bucket, base.stochastic, cands, objective, scale) for bucket in buckets])
-            for (p, v), scale in zip(with_paths, scales) if lane(p, v, base, "leaf_errors") == "quantized"]
+            for (p, v), scale, c in zip(with_paths, scales, own) if lane(p, v, c, "leaf_errors") == "quantized"]
     out = jnp.stack(rows) if rows else jnp.zeros((0, len(buckets) * len(cands)), jnp.float32)
     return jax.lax.pmean(out, axis_name) if axis_name is not None else out
 
@@ -224,7 +240,7 @@ def _errors(leaf, bucket_size: int, stochastic: bool, widths: tuple[int, ...], o
 
 
 def choose_bits(grads, *, budget_bits: float = 4.0, candidates: Sequence[int] = CANDIDATES,
-                bucket_sizes: Sequence[int] | None = None, config: CompressionConfig | None = None,
+                bucket_sizes: Sequence[int] | None = None, config: CompressionConfig | Callable | None = None,
                 exact: bool = True, return_plan: bool = False, errors=None, objective: str = "squared"):
     """Bit widths (and bucket sizes) per leaf minimizing the expected quantization error within
     uniform ``budget_bits``' bytes.
@@ -238,8 +254,10 @@ def choose_bits(grads, *, budget_bits: float = 4.0, candidates: Sequence[int] = 
       bucket_sizes: the bucket sizes a leaf may get (each leaf then chooses a width and a bucket
         size); None: ``config``'s bucket size for every leaf.
       config: every other setting (bucket size, rounding, backend, policy, ...); None:
-        ``CompressionConfig()``. Leaves it would not compress (integers, fewer than ``min_size``
-        values) keep it and stay outside the budget.
+        ``CompressionConfig()``; or a config function such as
+        ``jax_cgx.optax.layer_filter(config, 1024)`` (the leaves it sends exact stay exact, the rest
+        are planned on the one CompressionConfig it gives them). Leaves it would not compress
+        (integers, fewer than ``min_size`` values) keep it and stay outside the budget.
       exact: a leaf may be sent exact (config ``None``) where that is worth its bytes.
       return_plan: also return one :class:`LeafPlan` per leaf.
       objective: ``"squared"``: the total squared error; ``"relative"``: each leaf's squared error
@@ -284,12 +302,12 @@ def _choose(grads, budget_bits, candidates, config, exact: bool, api: str, curre
     ``current`` (one ``(bits, bucket_size)`` per planned leaf, in order) would have on this gradient
     (None without them)."""
     budget_bits, cands = _check(budget_bits, candidates, api)
-    base = _base(config, api)
-    buckets = _bucket_sizes(bucket_sizes, base, api)
     with_paths, treedef = jax.tree_util.tree_flatten_with_path(grads)
+    base, own = _base(config, api, with_paths)
+    buckets = _bucket_sizes(bucket_sizes, base, api)
     paths = [p for p, _ in with_paths]
     leaves = [v for _, v in with_paths]
-    chosen = [i for i, (p, v) in enumerate(zip(paths, leaves)) if lane(p, v, base, api) == "quantized"]
+    chosen = [i for i, (p, v, c) in enumerate(zip(paths, leaves, own)) if lane(p, v, c, api) == "quantized"]
     quantized = [(b, bucket) for bucket in buckets for b in cands]  # leaf_errors' columns, in order
     choices = quantized + ([(EXACT, None)] if exact else [])
     if current is not None and not set(current) <= set(choices):
@@ -300,7 +318,7 @@ def _choose(grads, budget_bits, candidates, config, exact: bool, api: str, curre
                 raise TypeError(f"{api}: leaf {jax.tree_util.keystr(path)} is traced; call it outside jit on the "
                                 "averaged gradient, or pass errors= from leaf_errors (a plan is a static config)")
         # leaf_errors' own columns (bucket size major), so errors= from it plans the same.
-        errors = np.asarray(jax.device_get(leaf_errors(grads, base, cands, None, objective, buckets)), np.float64)
+        errors = np.asarray(jax.device_get(leaf_errors(grads, config, cands, None, objective, buckets)), np.float64)
     else:
         errors = np.asarray(errors, np.float64)
         if errors.shape != (len(chosen), len(quantized)):
@@ -333,7 +351,7 @@ def _choose(grads, budget_bits, candidates, config, exact: bool, api: str, curre
     by_leaf = dict(zip(chosen, picks))
     for i, (path, leaf) in enumerate(zip(paths, leaves)):
         if i not in by_leaf:
-            out.append(base)
+            out.append(own[i])
             continue
         nbytes, err, (bits, bucket) = by_leaf[i]
         out.append(None if bits == EXACT else base.replace(bits=bits, bucket_size=bucket))

@@ -62,7 +62,9 @@ class Planner:
     Args:
       like: a pytree with the gradient's structure, shapes and dtypes (the parameters, or
         ``jax.ShapeDtypeStruct`` objects).
-      budget_bits, candidates, config, exact: as for :func:`~jax_cgx.adaptive.choose_bits`.
+      budget_bits, candidates, config, exact: as for :func:`~jax_cgx.adaptive.choose_bits` (``config``
+        may be a config function: ``jax_cgx.optax.layer_filter(CompressionConfig(bits=4, bucket_size=128),
+        1024)``, the recommended transformer setting, keeps its small leaves exact and plans the rest).
       bucket_sizes: the bucket sizes a leaf may get, as for :func:`~jax_cgx.adaptive.choose_bits`;
         ``"auto"`` (the default): :data:`AUTO_BUCKET_SIZES` and ``config``'s bucket size; None:
         ``config``'s alone (then only widths change).
@@ -80,14 +82,16 @@ class Planner:
     """
 
     def __init__(self, like, *, budget_bits: float = 4.0, candidates: Sequence[int] = CANDIDATES,
-                 bucket_sizes: Sequence[int] | str | None = "auto", config: CompressionConfig | None = None,
+                 bucket_sizes: Sequence[int] | str | None = "auto", config: CompressionConfig | Callable | None = None,
                  exact: bool = True, every: int = 100, min_gain: float = 0.05, objective: str = "squared"):
         budget, cands = _check(budget_bits, candidates, "Planner")
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
             raise ValueError(f"Planner: every must be a positive number of steps, got {every!r}")
         if isinstance(min_gain, bool) or not isinstance(min_gain, (int, float)) or not 0 <= min_gain < 1:
             raise ValueError(f"Planner: min_gain must be in [0, 1), got {min_gain!r}")
-        self.base = _base(config, "Planner")
+        with_paths, treedef = jax.tree_util.tree_flatten_with_path(like)
+        self.config = config  # what leaf_errors and the plans read: a config function keeps its exact leaves
+        self.base, own = _base(config, "Planner", with_paths)
         if isinstance(bucket_sizes, str) and bucket_sizes == "auto":
             # A plan gains most from buckets sized to each leaf's spread (an embedding's few wide rows
             # in small buckets, smooth leaves in large ones): offered by default, with config's own.
@@ -97,14 +101,13 @@ class Planner:
         self.exact = check_bool("Planner", "exact", exact)
         self.every, self.min_gain = every, float(min_gain)
         self.objective = _objective(objective, "Planner")
-        with_paths, treedef = jax.tree_util.tree_flatten_with_path(like)
-        planned = [lane(p, v, self.base, "Planner") == "quantized" for p, v in with_paths]
+        planned = [lane(p, v, c, "Planner") == "quantized" for (p, v), c in zip(with_paths, own)]
         self._treedef = treedef
         self._like = [(jax.tree_util.keystr(p), tuple(jnp.shape(v)), jnp.result_type(v)) for p, v in with_paths]
         self._planned = [i for i, q in enumerate(planned) if q]
         self._sizes = [math.prod(self._like[i][1]) for i in self._planned]  # the planned leaves' values
         uniform = max(b for b in cands if b <= budget)
-        self._configs = treedef.unflatten([self.base.replace(bits=uniform) if q else self.base for q in planned])
+        self._configs = treedef.unflatten([c.replace(bits=uniform) if q else c for q, c in zip(planned, own)])
         self._choices = tuple((uniform, self.base.bucket_size) for q in planned if q)
         self._initial = self._choices
         self.plans: list[LeafPlan] | None = None  # the adopted plan's table (None: still uniform)
@@ -144,7 +147,7 @@ class Planner:
         own, compiled once, not in each plan's step), and give the result to
         :meth:`observe` (the averaged gradient, sent compressed, lies on the grid it was sent on).
         ``second_moment``: as for :func:`~jax_cgx.adaptive.leaf_errors` (``objective="adam"``)."""
-        return leaf_errors(grads, self.base, self.candidates, axis_name, self.objective, self.bucket_sizes,
+        return leaf_errors(grads, self.config, self.candidates, axis_name, self.objective, self.bucket_sizes,
                            second_moment)
 
     def observe(self, step: int, grads, *, errors=None) -> bool:
@@ -154,7 +157,7 @@ class Planner:
         if step % self.every:
             return False
         self._check_like(grads)
-        configs, plans, before = _choose(grads, self.budget_bits, self.candidates, self.base, self.exact, "Planner",
+        configs, plans, before = _choose(grads, self.budget_bits, self.candidates, self.config, self.exact, "Planner",
                                          current=self._choices, errors=errors, objective=self.objective,
                                          bucket_sizes=self.bucket_sizes)
         after = sum(p.error for p in plans)
