@@ -98,6 +98,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--bits", type=int, default=4, help="1..8, or 32 for an exact mean (default: %(default)s)")
     p.add_argument("--bucket-size", type=int, default=128, help="values per bucket (default: %(default)s)")
+    p.add_argument("--layer-min-size", type=int, default=1024,
+                   help="smaller leaves (and biases, BatchNorm's) are averaged exactly; 0: every leaf "
+                        "compressed (default: %(default)s)")
     p.add_argument("--sync-batch-stats", action="store_true",
                    help="BatchNorm averages its batch statistics over the devices (default: each its own)")
     p.add_argument("--dropout", type=float, default=0.25, help="(default: %(default)s)")
@@ -113,9 +116,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def compression(bits: int, bucket_size: int) -> jax_cgx.CompressionConfig:
-    """The weight matrices at ``bits``; biases, BatchNorm scales and small leaves exact."""
-    return cgx_optax.layer_filter(jax_cgx.CompressionConfig(bits=bits, bucket_size=bucket_size), 1024)
+def compression(bits: int, bucket_size: int, layer_min_size: int = 1024):
+    """The weight matrices at ``bits``; biases, BatchNorm scales and small leaves exact (with
+    ``layer_min_size`` 0: every leaf at ``bits``)."""
+    config = jax_cgx.CompressionConfig(bits=bits, bucket_size=bucket_size)
+    return cgx_optax.layer_filter(config, layer_min_size) if layer_min_size else config
 
 
 def run(args) -> dict:
@@ -131,7 +136,7 @@ def run(args) -> dict:
     metrics = nnx.MultiMetric(accuracy=nnx.metrics.Accuracy(), loss=nnx.metrics.Average("loss"))
     for state in (model, optimizer, metrics):  # replicated on the mesh, where train_step leaves them
         nnx.update(state, jax.device_put(nnx.state(state), replicated))
-    train_step = make_train_step(mesh, compression(args.bits, args.bucket_size))
+    train_step = make_train_step(mesh, compression(args.bits, args.bucket_size, args.layer_min_size))
 
     print(f"Flax NNX CNN with BatchNorm ({'averaged over' if args.sync_batch_stats else 'per'} device) and "
           f"dropout {args.dropout}, {args.devices} devices, "
