@@ -77,8 +77,9 @@ def watch(state, rank: int, count: int, timeout_s: float, shutdown_timeout_s: fl
 
     The process counts as finished where jax would shut down: at exit (an exit hook, which runs
     before jax's, registered when jax was imported), or where the program calls
-    ``jax.distributed.shutdown()`` itself. A process exiting with a failure marks nothing: its
-    peers learn of it from their broken collectives, and the finished ones from its mark.
+    ``jax.distributed.shutdown()`` itself. A process exiting with a failure marks itself ended,
+    not finished: the finished peers then leave at once, the others learn of it from their broken
+    collectives.
     """
     client = state.client
     stop = threading.Event()
