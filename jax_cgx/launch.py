@@ -279,10 +279,6 @@ def _caused_by_signal(status: int) -> bool:
     return status < 0 and -status not in (signal.SIGTERM, signal.SIGABRT, signal.SIGPIPE, signal.SIGINT)
 
 
-def _ranks(ranks: list[int]) -> str:
-    return ("process " if len(ranks) == 1 else "processes ") + ", ".join(map(str, ranks))
-
-
 def _say(message: str) -> None:
     try:
         print(f"jax_cgx.launch: {message}", file=sys.stderr, flush=True)
@@ -301,7 +297,7 @@ class Job(ProcessGroup):
     def _stop(self, grace: float) -> None:
         killed = self.stop(grace)
         if killed:
-            _say(f"{_ranks(killed)} still running {grace:g} s after SIGTERM (--grace); killed")
+            _say(f"{outputs.processes(killed)} still running {grace:g} s after SIGTERM (--grace); killed")
 
     def wait(self, grace: float, timeout: float | None = None) -> int:
         """Wait for all; on the first failure, or at ``timeout`` seconds, stop the rest.
@@ -315,7 +311,7 @@ class Job(ProcessGroup):
             running = self.running()
             for r, why in self.unresponsive().items():
                 _say(f"process {r} stopped responding: {why}")
-            _say(f"--timeout {timeout:g} s passed with {_ranks(running)} still running; stopping "
+            _say(f"--timeout {timeout:g} s passed with {outputs.processes(running)} still running; stopping "
                  f"them (SIGTERM, then SIGKILL after --grace {grace:g} s). Their output above shows "
                  "where they were; raise --timeout if the job needs longer")
             self._stop(grace)
@@ -339,7 +335,7 @@ class Job(ProcessGroup):
                      + ", ".join(f"[{r}]" for r in culprits) + " above")
             _say(f"process {rank} {describe_status(status)}; see its output above (lines starting [{rank}])"
                  + "".join(f"; then process {r} {describe_status(c)}" for r, c in others)
-                 + (f"; stopping {_ranks(running)}" if running else ""))
+                 + (f"; stopping {outputs.processes(running)}" if running else ""))
             self._stop(grace)
         self.close()
         return code

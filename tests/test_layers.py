@@ -44,7 +44,7 @@ ALLOWED: dict[str, set[str]] = {
     # A failed process ends at once (the failure line the launcher reads), not in jax's barrier.
     "exits": {"outputs"},
     # A process left in a collective its peers never run: ended by name.
-    "unmatched": {"exits", "outputs"},
+    "unmatched": {"arguments", "exits", "outputs"},
     "launch": BASE | {"distributed", "allocator", "mps", "ends", "outputs"},  # starts processes with the allocator's settings
     "outputs": set(),  # the processes' output as the launcher reads it: copied, and read for reports
     "ends": set(),  # the launcher's children's ends, in the order they happen

@@ -84,19 +84,24 @@ DEFAULT_TIMEOUT_S = 300.0
 MAX_TIMEOUT_S = 1e9
 
 
-def timeout_seconds(timeout_s: float | None, env: str, api: str) -> float:
-    """``timeout_s``, else ``$env``, else 300 s: a number of seconds in (0, MAX_TIMEOUT_S]."""
-    given = f"{api}: the timeout"
+def timeout_seconds(timeout_s: float | None, env: str, api: str, *, default: float = DEFAULT_TIMEOUT_S,
+                    name: str = "the timeout", zero_is_off: bool = False) -> float:
+    """``timeout_s``, else ``$env``, else ``default``: a number of seconds in (0, MAX_TIMEOUT_S]
+    (with ``zero_is_off``, in [0, MAX_TIMEOUT_S], 0 turning off what it times). ``name`` is the
+    timeout as the errors call it."""
+    lowest, off = (">= 0", " (0 turns it off)") if zero_is_off else ("> 0", "")
+    given = f"{api}: {name}"
     if timeout_s is None:
         raw = os.environ.get(env, "")
         if not raw.strip():
-            return DEFAULT_TIMEOUT_S
+            return default
         try:
             timeout_s = float(raw)
         except ValueError:
-            raise ValueError(f"{env}={raw!r} is not a number of seconds; use a number > 0 and at most "
-                             f"{MAX_TIMEOUT_S:g}, e.g. 600 (unset: {DEFAULT_TIMEOUT_S:g})") from None
-        given = f"{api}: {env}={raw!r}: the timeout"
-    if not 0 < timeout_s <= MAX_TIMEOUT_S:  # also refuses NaN and inf
-        raise ValueError(f"{given} must be > 0 and at most {MAX_TIMEOUT_S:g} seconds, got {timeout_s!r}")
+            raise ValueError(f"{env}={raw!r} is not a number of seconds; use a number {lowest} and at most "
+                             f"{MAX_TIMEOUT_S:g}, e.g. 600{off} (unset: {default:g})") from None
+        given = f"{api}: {env}={raw!r}: {name}"
+    above_lowest = 0 <= timeout_s if zero_is_off else 0 < timeout_s
+    if not (above_lowest and timeout_s <= MAX_TIMEOUT_S):  # also refuses NaN and inf
+        raise ValueError(f"{given} must be {lowest} and at most {MAX_TIMEOUT_S:g} seconds{off}, got {timeout_s!r}")
     return float(timeout_s)

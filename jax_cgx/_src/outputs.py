@@ -12,7 +12,12 @@ import threading
 import time
 from collections.abc import Callable
 
-__all__ = ["copy", "both", "HeartbeatWatch", "FailureWatch", "say_failed", "stamp"]
+__all__ = ["copy", "both", "HeartbeatWatch", "FailureWatch", "processes", "say_failed", "stamp"]
+
+
+def processes(ranks: list[int]) -> str:
+    """``process 1`` or ``processes 0, 2``: how the launcher's and the processes' lines name them."""
+    return ("process " if len(ranks) == 1 else "processes ") + ", ".join(map(str, ranks))
 
 
 def say_failed(rank: int, what: str) -> None:

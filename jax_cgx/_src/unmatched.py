@@ -27,6 +27,7 @@ SIGABRT.
 from __future__ import annotations
 
 import atexit
+import numbers
 import os
 import sys
 import threading
@@ -37,6 +38,7 @@ import jax
 import jaxlib
 
 from jax_cgx._src import exits, outputs
+from jax_cgx._src.arguments import timeout_seconds
 
 __all__ = ["DEFAULT_TIMEOUT_S", "TIMEOUT_ENV", "timeout_from_env", "watch"]
 
@@ -54,21 +56,11 @@ _JAX_PACKAGES = tuple(os.path.dirname(module.__file__) + os.sep for module in (j
 
 def timeout_from_env(timeout_s: float | None, api: str) -> float:
     """``timeout_s``, else ``$JAX_CGX_UNMATCHED_TIMEOUT_S``, else 20 s; 0 turns the watch off."""
-    given = f"{api}: unmatched_timeout_s"
-    if timeout_s is None:
-        raw = os.environ.get(TIMEOUT_ENV, "")
-        if not raw.strip():
-            return DEFAULT_TIMEOUT_S
-        try:
-            timeout_s = float(raw)
-        except ValueError:
-            raise ValueError(f"{TIMEOUT_ENV}={raw!r} is not a number of seconds; use a number >= 0, e.g. 120 "
-                             f"(0 turns the watch off; unset: {DEFAULT_TIMEOUT_S:g})") from None
-        given = f"{api}: {TIMEOUT_ENV}={raw!r}"
-    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not 0 <= timeout_s < float("inf"):
-        raise ValueError(f"{given} must be a finite number of seconds >= 0 (0 turns the watch off), "
-                         f"got {timeout_s!r}")
-    return float(timeout_s)
+    if timeout_s is not None and (isinstance(timeout_s, bool) or not isinstance(timeout_s, numbers.Real)):
+        raise ValueError(f"{api}: unmatched_timeout_s must be a finite number of seconds >= 0 (0 turns the watch "
+                         f"off), got {timeout_s!r}")
+    return timeout_seconds(timeout_s, TIMEOUT_ENV, api, default=DEFAULT_TIMEOUT_S, name="unmatched_timeout_s",
+                           zero_is_off=True)
 
 
 def watch(state, rank: int, count: int, timeout_s: float, shutdown_timeout_s: float) -> None:
@@ -173,14 +165,10 @@ def _call_site(frame) -> str:
     return f"{frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}"
 
 
-def _processes(ranks: list[int]) -> str:
-    return ("process " if len(ranks) == 1 else "processes ") + ", ".join(map(str, ranks))
-
-
 def _end(client, rank: int, finished: list[int], waited: float, frame) -> None:
     outputs.say_failed(
         rank,
-        f"failed: it has waited {waited:.0f} s in a jax call ({_call_site(frame)}) since {_processes(finished)} "
+        f"failed: it has waited {waited:.0f} s in a jax call ({_call_site(frame)}) since {outputs.processes(finished)} "
         "finished the program: a collective no other process will join (the processes ran different numbers "
         f"of steps or collectives); exiting with status 1 instead of waiting for jax's shutdown barrier. A "
         f"process that rightly computes alone at the end for longer: raise {TIMEOUT_ENV} (0 turns this off)",
@@ -217,7 +205,7 @@ def _finish(client, rank: int, count: int, shutdown_timeout_s: float) -> None:
                 return  # all here: jax's barrier passes at once
             if time.monotonic() > deadline:
                 missing = sorted(set(range(count)) - set(finished))
-                outputs.say_failed(rank, f"failed: it finished the program, but {_processes(missing)} had not "
+                outputs.say_failed(rank, f"failed: it finished the program, but {outputs.processes(missing)} had not "
                                    f"{shutdown_timeout_s:g} s later (shutdown_timeout_seconds); exiting with "
                                    "status 1 instead of jax's abort")
                 exits.exit_now(1)
