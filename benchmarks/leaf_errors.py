@@ -35,7 +35,7 @@ from jax_cgx.adaptive import expected_errors, leaf_bytes  # noqa: E402
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--words", type=int, metavar="V", help="tokenize into the V most frequent words instead")
-    p.add_argument("--bucket-size", type=int, default=512, help="(default: %(default)s)")
+    p.add_argument("--bucket-size", type=int, default=jax_cgx.CompressionConfig.bucket_size, help="(default: %(default)s)")
     p.add_argument("--widths", type=int, nargs="+", default=[2, 3, 4, 5, 8], help="(default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="(default: %(default)s)")
     p.add_argument("--bucket-sizes", type=int, nargs="+", metavar="B",

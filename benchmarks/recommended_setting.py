@@ -1,8 +1,10 @@
-"""Which setting should be the default: every leaf at 4 bits in buckets of 512 (``CompressionConfig()``),
-or the recommended one, small leaves exact and the rest at 4 bits in buckets of 128
-(``layer_filter(CompressionConfig(bits=4, bucket_size=128), 1024)``), against the exact mean.
+"""Which setting should be the default: every leaf at 4 bits in buckets of 512 (the earlier default),
+small leaves exact and the rest at 4 bits in buckets of 128 (torch_cgx's layer filter,
+``layer_filter(CompressionConfig(bits=4, bucket_size=128), 1024)``, or ``CompressionConfig()``'s own
+``min_size=1024``, today's default), against the exact mean.
 
-    python benchmarks/recommended_setting.py [--seeds 0 1 2] [--models digits cnn charlm] [--json out.json]
+    python benchmarks/recommended_setting.py [--seeds 0 1 2] [--models digits cnn charlm] [--settings 0 1 2 3]
+        [--json out.json]
 
 Trains each example (8 simulated CPU devices, the examples' own defaults otherwise) with each
 setting and seed, and prints one row per model and setting: the median final quality over the
@@ -21,10 +23,11 @@ import subprocess
 import sys
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-SETTINGS = {  # name -> (bits, bucket size, smallest leaf compressed: 0 = every leaf)
-    "exact": (32, 512, 0),
-    "4-bit/512, every leaf (the default)": (4, 512, 0),
-    "4-bit/128, small leaves exact (recommended)": (4, 128, 1024),
+SETTINGS = {  # name -> (bits, bucket size, torch_cgx's layer filter: 0 = off, min_size)
+    "exact": (32, 512, 0, 16),
+    "4-bit/512, every leaf (the earlier default)": (4, 512, 0, 16),
+    "4-bit/128, small leaves exact (layer_filter, 1024)": (4, 128, 1024, 1024),
+    "CompressionConfig() (4-bit/128, leaves under 1024 values exact)": (4, 128, 0, 1024),
 }
 MODELS = {  # name -> (script, how its settings are passed, the final line's quality, its unit, higher is better)
     "digits": ("train_digits.py", "common", r"test accuracy ([\d.]+)%", "test accuracy %", True),
@@ -33,13 +36,12 @@ MODELS = {  # name -> (script, how its settings are passed, the final line's qua
 }
 
 
-def arguments(how: str, bits: int, bucket: int, min_size: int) -> list[str]:
+def arguments(how: str, bits: int, bucket: int, layer_min_size: int, min_size: int) -> list[str]:
+    own = ["--bits", str(bits), "--bucket-size", str(bucket), "--layer-min-size", str(layer_min_size),
+           "--min-size", str(min_size)]
     if how == "own":
-        return ["--bits", str(bits), "--bucket-size", str(bucket), "--layer-min-size", str(min_size)]
-    if bits == 32:
-        return ["--compressor", "none"]
-    return ["--compressor", "maxmin", "--bits", str(bits), "--bucket-size", str(bucket),
-            "--layer-min-size", str(min_size)]
+        return own
+    return ["--compressor", "none"] if bits == 32 else ["--compressor", "maxmin", *own]
 
 
 def run(model: str, setting: str, seed: int) -> tuple[float, float | None]:
@@ -56,13 +58,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument("--settings", nargs="+", type=int, default=list(range(len(SETTINGS))),
+                        help="which settings, by position: " + "; ".join(f"{i}: {name}" for i, name in enumerate(SETTINGS)))
     parser.add_argument("--json", type=pathlib.Path)
     args = parser.parse_args()
     rows = []
     print("| model | setting | median final quality | each seed | KiB per device per step |")
     print("|---|---|---|---|---|")
     for model in args.models:
-        for setting in SETTINGS:
+        for setting in [name for i, name in enumerate(SETTINGS) if i in args.settings]:
             results = [run(model, setting, seed) for seed in args.seeds]
             quality = [q for q, _ in results]
             kib = results[0][1]

@@ -34,6 +34,8 @@ SIZES = (64, 2048, 2048, 2048, 10)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
+    import jax_cgx  # (jax's backends start later: main requests the devices first)
+
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--compressors", nargs="+",
                    default=["none", "maxmin:4", "maxmin:8", "maxmin:2+ef", "powersgd:2", "topk:0.01"],
@@ -47,7 +49,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="adam, or sgd with momentum 0.9 (default: %(default)s)")
     p.add_argument("--lr", type=float, default=None,
                    help="peak learning rate, cosine decay over --max-steps (default: 1e-3 for adam, 0.05 for sgd)")
-    p.add_argument("--bucket-size", type=int, default=512, help="maxmin: values per bucket (default: %(default)s)")
+    p.add_argument("--bucket-size", type=int, default=jax_cgx.CompressionConfig.bucket_size, help="maxmin: values per bucket (default: %(default)s)")
     p.add_argument("--stochastic", action="store_true", help="maxmin: stochastic rounding")
     p.add_argument("--seed", type=int, default=0, help="(default: %(default)s)")
     p.add_argument("--output", help="process 0 writes the rows (with every evaluation) to this .json or .csv file")

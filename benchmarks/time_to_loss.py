@@ -54,7 +54,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--eval-every", type=int, default=100, help="steps between evaluations (default: %(default)s)")
     p.add_argument("--batch", type=int, default=64, help="global batch of windows (default: %(default)s)")
     p.add_argument("--lr", type=float, default=0.003, help="Adam's peak rate, cosine decay (default: %(default)s)")
-    p.add_argument("--bucket-size", type=int, default=512, help="uniform widths' bucket (default: %(default)s)")
+    p.add_argument("--bucket-size", type=int, default=jax_cgx.CompressionConfig.bucket_size, help="uniform widths' bucket (default: %(default)s)")
     p.add_argument("--bucket-sizes", type=int, nargs="+", default=list(BUCKET_SIZES),
                    help="adaptive: the bucket sizes a leaf may get (default: %(default)s)")
     p.add_argument("--replan-every", type=int, default=100, help="adaptive: (default: %(default)s)")

@@ -53,7 +53,10 @@ def add_args(p: argparse.ArgumentParser, *, steps: int, batch: int, lr: float, l
                    help="how gradients are averaged: pmean, max-min quantization, a bfloat16 cast, "
                         "PowerSGD or top-k (default: %(default)s)")
     p.add_argument("--bits", type=int, default=4, help="maxmin: bits per value, 1..8 (default: %(default)s)")
-    p.add_argument("--bucket-size", type=int, default=512, help="maxmin: values per bucket (default: %(default)s)")
+    p.add_argument("--bucket-size", type=int, default=jax_cgx.CompressionConfig.bucket_size, help="maxmin: values per bucket (default: %(default)s)")
+    p.add_argument("--min-size", type=int, default=jax_cgx.CompressionConfig.min_size,
+                   help="maxmin: leaves with fewer values are averaged exactly, CompressionConfig.min_size "
+                        "(default: %(default)s)")
     p.add_argument("--stochastic", action="store_true", help="maxmin: stochastic rounding")
     p.add_argument("--policy", choices=("always", "auto"), default="always",
                    help="maxmin: compress always, or only where jax_cgx's cost model predicts a gain on "
@@ -80,7 +83,8 @@ def add_args(p: argparse.ArgumentParser, *, steps: int, batch: int, lr: float, l
     p.add_argument("--error-feedback", action="store_true",
                    help="maxmin: carry each rank's quantization error into its next step")
     p.add_argument("--layer-min-size", type=int, default=1024,
-                   help="maxmin: smaller leaves are averaged exactly (default: %(default)s)")
+                   help="maxmin: torch_cgx's layer filter: leaves of ndim <= 1 or fewer values are averaged "
+                        "exactly, 0: off (default: %(default)s)")
     p.add_argument("--rank", type=int, default=1, help="powersgd: rank of the approximation (default: %(default)s)")
     p.add_argument("--ratio", type=float, default=0.01,
                    help="topk: fraction of each leaf's values sent (default: %(default)s)")
@@ -107,7 +111,8 @@ def pmean(axis_name: str) -> optax.GradientTransformation:
 
 
 def _maxmin_config(args) -> jax_cgx.CompressionConfig:
-    return jax_cgx.CompressionConfig(bits=args.bits, bucket_size=args.bucket_size, stochastic=args.stochastic,
+    return jax_cgx.CompressionConfig(bits=args.bits, bucket_size=args.bucket_size, min_size=args.min_size,
+                                     stochastic=args.stochastic,
                                      policy=args.policy, backend=args.backend)
 
 

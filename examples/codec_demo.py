@@ -1,6 +1,6 @@
 """Compress a gradient-sized array with jax_cgx's codec and show what it costs and saves.
 
-    python examples/codec_demo.py [--bits 4] [--bucket-size 512] [--mib 16] [--stochastic]
+    python examples/codec_demo.py [--bits 4] [--bucket-size 128] [--mib 16] [--stochastic]
 
 Prints, for each width, the bytes before and after, the error against the per-bucket bound,
 and the time of the compiled kernel next to the pure-JAX reference (same bytes, slower).
@@ -29,7 +29,7 @@ def timed(fn, *args, repeats=5):
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--bits", type=int, nargs="+", default=[2, 4, 8])
-    p.add_argument("--bucket-size", type=int, default=512)
+    p.add_argument("--bucket-size", type=int, default=jax_cgx.CompressionConfig.bucket_size)
     p.add_argument("--mib", type=float, default=16, help="size of the float32 array")
     p.add_argument("--stochastic", action="store_true")
     args = p.parse_args()

@@ -1,6 +1,6 @@
 """A data-parallel training step with compressed_pmean next to pmean.
 
-    python examples/quickstart.py [--bits 4] [--bucket-size 512] [--steps 20] [--devices 8]
+    python examples/quickstart.py [--bits 4] [--bucket-size 128] [--steps 20] [--devices 8]
     python -m jax_cgx.launch -n 2 --devices-per-process 4 examples/quickstart.py
     mpirun -np 2 python examples/quickstart.py
 
@@ -26,7 +26,7 @@ import time
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--bits", type=int, default=4)
-    p.add_argument("--bucket-size", type=int, default=512)
+    p.add_argument("--bucket-size", type=int, default=None, help="values per bucket (default: CompressionConfig's, 128)")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--devices", type=int, default=8, help="simulated CPU devices (ignored on GPU)")
     p.add_argument("--width", type=int, default=1024, help="hidden width of the MLP")
@@ -84,7 +84,9 @@ def main() -> None:
     devices = jax.devices()
     world = len(devices)
     mesh = jax.make_mesh((world,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
-    config = jax_cgx.CompressionConfig(bits=args.bits, bucket_size=args.bucket_size)
+    config = jax_cgx.CompressionConfig(bits=args.bits)  # buckets of 128, leaves under 1024 values exact
+    if args.bucket_size is not None:
+        config = config.replace(bucket_size=args.bucket_size)
     sizes = [256, args.width, args.width, 16]
     replicated = NamedSharding(mesh, P())
     params = jax.tree.map(lambda v: global_array(v, replicated), init(jax.random.key(0), sizes))

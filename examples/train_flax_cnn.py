@@ -97,7 +97,10 @@ def make_train_step(mesh, config):
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--bits", type=int, default=4, help="1..8, or 32 for an exact mean (default: %(default)s)")
-    p.add_argument("--bucket-size", type=int, default=128, help="values per bucket (default: %(default)s)")
+    p.add_argument("--bucket-size", type=int, default=jax_cgx.CompressionConfig.bucket_size,
+                   help="values per bucket (default: %(default)s)")
+    p.add_argument("--min-size", type=int, default=jax_cgx.CompressionConfig.min_size,
+                   help="leaves with fewer values are averaged exactly (default: %(default)s)")
     p.add_argument("--layer-min-size", type=int, default=1024,
                    help="smaller leaves (and biases, BatchNorm's) are averaged exactly; 0: every leaf "
                         "compressed (default: %(default)s)")
@@ -116,10 +119,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def compression(bits: int, bucket_size: int, layer_min_size: int = 1024):
+def compression(bits: int, bucket_size: int, layer_min_size: int = 1024,
+                min_size: int = jax_cgx.CompressionConfig.min_size):
     """The weight matrices at ``bits``; biases, BatchNorm scales and small leaves exact (with
-    ``layer_min_size`` 0: every leaf at ``bits``)."""
-    config = jax_cgx.CompressionConfig(bits=bits, bucket_size=bucket_size)
+    ``layer_min_size`` 0: only leaves under ``min_size`` values exact)."""
+    config = jax_cgx.CompressionConfig(bits=bits, bucket_size=bucket_size, min_size=min_size)
     return cgx_optax.layer_filter(config, layer_min_size) if layer_min_size else config
 
 
@@ -136,7 +140,7 @@ def run(args) -> dict:
     metrics = nnx.MultiMetric(accuracy=nnx.metrics.Accuracy(), loss=nnx.metrics.Average("loss"))
     for state in (model, optimizer, metrics):  # replicated on the mesh, where train_step leaves them
         nnx.update(state, jax.device_put(nnx.state(state), replicated))
-    train_step = make_train_step(mesh, compression(args.bits, args.bucket_size, args.layer_min_size))
+    train_step = make_train_step(mesh, compression(args.bits, args.bucket_size, args.layer_min_size, args.min_size))
 
     print(f"Flax NNX CNN with BatchNorm ({'averaged over' if args.sync_batch_stats else 'per'} device) and "
           f"dropout {args.dropout}, {args.devices} devices, "

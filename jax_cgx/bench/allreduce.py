@@ -266,7 +266,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sizes-mib", type=number(0, above=True), nargs="+", help="explicit sizes in MiB (instead of -b/-e/-f)")
     p.add_argument("-d", "--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--bits", type=int, choices=BITS, nargs="+", default=[2, 4, 8], metavar="BITS")
-    p.add_argument("--bucket-sizes", "--bucket-size", type=integer(1), nargs="+", default=[512], dest="bucket_sizes")
+    p.add_argument("--bucket-sizes", "--bucket-size", type=integer(1), nargs="+", default=[jax_cgx.CompressionConfig.bucket_size], dest="bucket_sizes")
     p.add_argument("--backends", nargs="+", choices=["xla", "nccl", "tcp"],
                    help="jax_cgx backends to time (default: xla, plus nccl on GPUs); nccl and tcp are set up "
                         "with jax_cgx.nccl.setup / jax_cgx.tcp.setup")

@@ -17,7 +17,7 @@ import re
 import numpy as np
 
 from jax_cgx._src.arguments import BITS, integer, number
-from jax_cgx._src.config import ALGORITHMS
+from jax_cgx._src.config import ALGORITHMS, CompressionConfig
 from jax_cgx._src.policy.cost_model import CodecRates, LinkModel, encoded_chunk_bytes, predict, predict_nodes
 
 __all__ = ["CodecRates", "LinkModel", "encoded_chunk_bytes", "predict", "parse_rate"]
@@ -49,7 +49,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--world", type=integer(1), nargs="+", default=[2, 4])
     p.add_argument("--sizes-mib", type=number(0, above=True), nargs="+", default=[64])
     p.add_argument("--bits", type=int, choices=BITS, nargs="+", default=[4, 8], metavar="BITS")
-    p.add_argument("--bucket-size", type=integer(1), default=512)
+    p.add_argument("--bucket-size", type=integer(1), default=CompressionConfig.bucket_size)
     p.add_argument("--host-cores", type=int, default=None,
                    help="all ranks share one machine with this many cores (as benchmarks/netem runs "
                         "them); default: a core per rank")

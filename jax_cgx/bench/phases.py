@@ -48,7 +48,7 @@ from jax_cgx.bench.allreduce import median_time
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--size-mib", type=float, default=64, help="float32 buffer per process (default: %(default)s)")
     p.add_argument("--bits", type=int, default=4, help="(default: %(default)s)")
-    p.add_argument("--bucket-size", type=int, default=512, help="(default: %(default)s)")
+    p.add_argument("--bucket-size", type=int, default=jax_cgx.CompressionConfig.bucket_size, help="(default: %(default)s)")
     p.add_argument("--segments", type=int, default=0,
                    help="messages per collective phase, 0: the xla backend's default (default: %(default)s)")
     p.add_argument("-n", "--repeats", type=int, default=7, help="(default: %(default)s)")

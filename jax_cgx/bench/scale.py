@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 
 from jax_cgx._src.arguments import integer, number
+from jax_cgx._src.config import CompressionConfig
 from jax_cgx._src.policy.cost_model import CodecRates, LinkModel, predict_nodes
 
 # Float32 input bytes per second on one H100, 256 MiB, bucket 512 (docs/gpu-results.md): quantize,
@@ -38,7 +39,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gbps", type=number(0, above=True), nargs="+", default=[10, 25, 100, 400],
                    help="each node's link to the others, Gbit/s each way")
     p.add_argument("--bits", type=int, nargs="+", default=[2, 4, 8], choices=sorted(H100_RATES))
-    p.add_argument("--bucket-size", type=integer(1), default=512)
+    p.add_argument("--bucket-size", type=integer(1), default=CompressionConfig.bucket_size)
     p.add_argument("--nvlink-gbs", type=number(0, above=True), default=300.0,
                    help="each GPU's exact exchange inside its node, GB/s (default 300: NVLink, NCCL's bus bandwidth)")
     p.add_argument("--latency-us", type=number(0), default=20.0, help="fixed cost per message across nodes (µs)")

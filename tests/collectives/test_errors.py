@@ -226,7 +226,7 @@ def test_vmapped_axis_is_a_clear_error(check_vma, axes):
     mesh = mesh_1d()
 
     def body(x):
-        return jax.vmap(lambda r: jax_cgx.compressed_psum(r, axes, CompressionConfig()), axis_name="v")(x)
+        return jax.vmap(lambda r: jax_cgx.compressed_psum(r, axes, CompressionConfig(min_size=16)), axis_name="v")(x)
 
     f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(None, "d"), out_specs=P(None, "d"), check_vma=check_vma))
     with pytest.raises(NotImplementedError, match="compressed_psum over the vmapped axis 'v' is not supported"):

@@ -70,7 +70,7 @@ def test_the_given_link_reaches_every_primitive(monkeypatch):
     monkeypatch.setenv("JAX_CGX_LINK_GBPS", "fast")
     assert given_link_gbps(CompressionConfig()) is None
     mesh = mesh_2d((8, 1))
-    config = CompressionConfig(bits=4, link_gbps=25)
+    config = CompressionConfig(bits=4, min_size=16, link_gbps=25)  # the all-gather's 64 values compressed
 
     def body(v):
         v = v[0]

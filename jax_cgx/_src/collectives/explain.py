@@ -173,7 +173,7 @@ def explain(x, axis_name=None, config: ConfigSpec = None, *, world: int | None =
 
     Examples:
       >>> report = jax_cgx.explain({"w": jnp.zeros((1024, 1024)), "b": jnp.zeros(8)}, world=8, file=None)
-      >>> [(leaf.path, leaf.how) for leaf in report.leaves]  # "b" is below min_size: summed exactly
+      >>> [(leaf.path, leaf.how) for leaf in report.leaves]  # "b" is below min_size (1024): summed exactly
       [("['b']", 'exact'), ("['w']", 'compressed')]
     """
     if op not in _API:

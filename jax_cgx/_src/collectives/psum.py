@@ -369,8 +369,8 @@ def compressed_pmean(
     Examples:
       >>> from jax.sharding import NamedSharding, PartitionSpec as P
       >>> mesh = jax.make_mesh((8,), ("data",))
-      >>> x = jax.device_put(jnp.linspace(-1, 1, 8 * 512).reshape(8, 512), NamedSharding(mesh, P("data")))
-      >>> mean = jax.jit(jax.shard_map(lambda v: jax_cgx.compressed_pmean(v, "data"),  # 4 bits, buckets of 512
+      >>> x = jax.device_put(jnp.linspace(-1, 1, 8 * 4096).reshape(8, 4096), NamedSharding(mesh, P("data")))
+      >>> mean = jax.jit(jax.shard_map(lambda v: jax_cgx.compressed_pmean(v, "data"),  # 4 bits, buckets of 128
       ...                              mesh=mesh, in_specs=P("data"), out_specs=P()))(x)
       >>> bool(np.max(np.abs(np.asarray(mean) - np.asarray(x).mean(axis=0))) < 0.02)
       True
