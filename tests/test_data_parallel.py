@@ -470,6 +470,18 @@ def test_a_module_level_per_row_array_is_refused_by_name():
         jax_cgx.data_parallel_value_and_grad(_loss_reading_a_module_level_array, mesh=_mesh())(*_problem())
 
 
+def test_a_loss_closing_over_a_module_runs():
+    # A loss made where jax.numpy was imported locally closes over the module, whose `shape` is a
+    # function: the closure check used to fail on it with a TypeError (a Ray actor's pickled loss).
+    import jax.numpy as local_jnp
+
+    def loss_fn(p, x, y):
+        return local_jnp.mean((local_jnp.tanh(x @ p["w1"]) @ p["w2"] - y) ** 2)
+
+    loss, _ = jax_cgx.data_parallel_value_and_grad(loss_fn, mesh=_mesh())(*_problem())
+    assert np.isfinite(float(loss))
+
+
 def test_a_closed_over_per_row_array_is_refused_by_name():
     mesh = _mesh()
     params, x, y = _problem()

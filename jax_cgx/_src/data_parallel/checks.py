@@ -109,8 +109,8 @@ def check_closures(fun, rows: int, world: int) -> None:
         if callable(value) and not hasattr(value, "shape"):
             continue
         for path, leaf in jax.tree_util.tree_flatten_with_path(value)[0]:
-            shape = getattr(leaf, "shape", None)
-            if shape and shape[0] == rows and not isinstance(leaf, (int, float)):
+            shape = getattr(leaf, "shape", None)  # (a module closed over, jnp, has a function `shape`)
+            if isinstance(shape, tuple) and shape and shape[0] == rows and not isinstance(leaf, (int, float)):
                 raise ValueError(
                     f"{API}: fun {how}{jax.tree_util.keystr(path)} ({jnp.result_type(leaf)}{list(shape)}), "
                     f"whose leading dimension is the batch's {rows} rows: every device would see all of it beside "
