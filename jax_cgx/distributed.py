@@ -15,7 +15,9 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import re
 import socket
+import zlib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -110,17 +112,63 @@ def detect(env: Mapping[str, str] | None = None) -> ProcessInfo:
             raise ValueError(f"{have} is set but {missing} is not: a partial {source} environment. Start the "
                              f"processes with {source}, or set both (rank and world size), or neither")
         local = _int(env, local_var)
-        # SLURM_NTASKS_PER_NODE may read "4(x2)"; only a plain count is used.
-        try:
-            local_count = _int(env, local_size_var)
-        except ValueError:
-            local_count = None
+        local_count = _slurm_tasks_here(env) if source == "slurm" else _int(env, local_size_var)
         coordinator_variable = COORDINATOR_VARIABLE if env.get(COORDINATOR_VARIABLE) else "JAX_COORDINATOR_ADDRESS"
         coordinator = env.get(coordinator_variable) or None
         _check_place(source, (rank_var, size_var, local_var, local_size_var), rank, size, local, local_count,
                      coordinator, coordinator_variable)
         return ProcessInfo(rank, size, local if local is not None else 0, local_count or 1, coordinator, source)
     return ProcessInfo(0, 1, 0, 1, None, "single")
+
+
+def _slurm_tasks_here(env: Mapping[str, str]) -> int | None:
+    """The number of this step's tasks on this node: SLURM's tasks-per-node list (``"2(x3),1"``: two on
+    each of the first three nodes, one on the fourth) at ``SLURM_NODEID``. (``srun --ntasks=4`` sets no
+    ``SLURM_NTASKS_PER_NODE``; without a count each task would take every GPU.)"""
+    name = next((n for n in ("SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE", "SLURM_NTASKS_PER_NODE")
+                 if env.get(n)), None)
+    if name is None:
+        return None
+    layout, counts = env[name], []
+    for part in layout.split(","):
+        if not (match := re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part.strip())):
+            raise ValueError(f"{name}={layout!r} is not SLURM's tasks-per-node list (e.g. '2(x3),1'); start the "
+                             "processes with srun, or unset it")
+        counts += [int(match[1])] * int(match[2] or 1)
+    node = _int(env, "SLURM_NODEID") or 0
+    if not 0 <= node < len(counts):
+        raise ValueError(f"SLURM_NODEID={node} is outside {name}={layout!r} ({len(counts)} nodes); start the "
+                         "processes with srun, or unset them")
+    return counts[node]
+
+
+def _one_node_coordinator(info: ProcessInfo, env: Mapping[str, str]) -> str | None:
+    """Open MPI 5's job on one node: 127.0.0.1 and a port every rank derives from the job's PMIx
+    namespace (``prterun-HOST-PID@JOB``), where Open MPI 4's ``OMPI_MCA_orte_hnp_uri``, which jax
+    reads, is gone. None on several nodes or without the namespace."""
+    namespace = env.get("PMIX_NAMESPACE")
+    if info.local_count != info.process_count or not namespace:
+        return None
+    return f"127.0.0.1:{20000 + zlib.crc32(namespace.encode()) % 30000}"
+
+
+def _check_slurm_coordinator() -> None:
+    """jax takes the coordinator's host from the first name of ``SLURM_STEP_NODELIST``; a name that
+    does not resolve would make every process wait ``initialization_timeout`` (300 s) for it."""
+    try:
+        from jax._src.clusters import SlurmCluster
+
+        host = SlurmCluster.get_coordinator_address(None, None).rpartition(":")[0]
+    except Exception:  # noqa: BLE001 - jax's private helper changed: jax's own error will speak
+        return
+    try:
+        socket.getaddrinfo(host, None)
+    except OSError as e:
+        raise RuntimeError(
+            f"jax_cgx.distributed.initialize: the SLURM node {host!r}, where jax puts the coordinator (the first "
+            f"of SLURM_STEP_NODELIST={os.environ.get('SLURM_STEP_NODELIST')!r}), does not resolve ({e}); give the "
+            "nodes resolvable names (slurm.conf's NodeName/NodeHostname), or set JAX_COORDINATOR_ADDRESS=host:port"
+        ) from None
 
 
 def _coordinator_from_mpi4py() -> str | None:
@@ -153,9 +201,10 @@ def initialize(
 ) -> ProcessInfo:
     """Start jax's multi-process runtime with what the launcher says; return this process's place.
 
-    Explicit arguments win over the environment. Under Open MPI and SLURM, jax finds the
-    coordinator itself; under MPICH/PMI it comes from ``JAX_COORDINATOR_ADDRESS`` or, when
-    mpi4py is installed, rank 0 broadcasts one. With one process and no launcher this
+    Explicit arguments win over the environment. Under Open MPI 4 and SLURM, jax finds the
+    coordinator itself; under MPICH/PMI and Open MPI 5 it comes from ``JAX_COORDINATOR_ADDRESS``,
+    else (Open MPI 5, every rank on one node) 127.0.0.1 and a port derived from the job's PMIx
+    namespace, else, when mpi4py is installed, rank 0 broadcasts one. With one process and no launcher this
     does nothing and returns ``ProcessInfo(0, 1, 0, 1, None, "single")``.
 
     Call it first, before anything touches a jax device.
@@ -211,15 +260,25 @@ def initialize(
     if info.process_count == 1 and info.source in ("single", "arguments") and coordinator_address is None:
         log.debug("jax_cgx.distributed: single process, nothing to initialize")
         return info
-    if info.coordinator_address is None and info.source == "mpich":
-        address = _coordinator_from_mpi4py()
+    # jax finds the coordinator itself under SLURM and Open MPI 4 (OMPI_MCA_orte_hnp_uri), not under
+    # MPICH or Open MPI 5 (jax issue 14576).
+    env = os.environ
+    if info.coordinator_address is None and (
+            info.source == "mpich" or (info.source == "openmpi" and "OMPI_MCA_orte_hnp_uri" not in env)):
+        address = (info.source == "openmpi" and _one_node_coordinator(info, env)) or _coordinator_from_mpi4py()
         if address is None:
+            name = "MPICH/PMI" if info.source == "mpich" else f"Open MPI {env.get('OMPI_VERSION', '5')} on several nodes"
             raise RuntimeError(
-                "jax_cgx.distributed.initialize: under MPICH/PMI the coordinator address is not in "
+                f"jax_cgx.distributed.initialize: under {name} the coordinator address is not in "
                 "the environment; set JAX_COORDINATOR_ADDRESS=host:port (reachable from every "
-                "process), pass coordinator_address=, or install mpi4py"
+                "process: mpirun -x JAX_COORDINATOR_ADDRESS=...), pass coordinator_address=, or install mpi4py"
             )
+        log.info("jax_cgx.distributed: %s: coordinator %s (%s)", info.source, address,
+                 "every rank on one node: 127.0.0.1, the port from the PMIx namespace"
+                 if address.startswith("127.0.0.1:") and info.source == "openmpi" else "rank 0's, sent by mpi4py")
         info = dataclasses.replace(info, coordinator_address=address)
+    if info.coordinator_address is None and info.source == "slurm":
+        _check_slurm_coordinator()
     if cpu_collectives:
         jax.config.update("jax_cpu_collectives_implementation", cpu_collectives)
     if local_device_ids is None and not os.environ.get("JAX_LOCAL_DEVICE_IDS"):

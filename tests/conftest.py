@@ -55,11 +55,11 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-# Scripts the tests start in other processes; none may outlive the test session.
-_WORKER_SCRIPTS = ("launch_check.py", "mp_worker.py", "nccl_worker.py", "nccl_gpu_worker.py", "tcp_worker.py",
-                   "policy_worker.py", "sharded_worker.py", "agreement_worker.py", "mpi_worker.py", "jax_cgx.launch",
-                   "emu_test", "model_axes_worker.py", "not_finite_worker.py", "checkpoint_worker.py",
-                   "reduce_scatter_worker.py", "unmatched_worker.py")
+# What the tests start in other processes; none may outlive the test session: any script of
+# tests/support (the worker scripts are there), the launcher, the CUDA emulator's binaries, the
+# local SLURM's and Ray's daemons.
+_WORKER_SCRIPTS = frozenset({*(p.name for p in SUPPORT.glob("*.py")),
+                              "jax_cgx.launch", "emu_test", "slurmctld", "slurmd", "munged", "raylet", "gcs_server"})
 
 
 def _stray_processes() -> list[str]:
@@ -78,7 +78,7 @@ def _stray_processes() -> list[str]:
         state, ppid = stat.rsplit(")", 1)[1].split()[:2]
         if state == "Z":
             continue
-        if int(ppid) == me or any(s in cmdline for s in _WORKER_SCRIPTS):
+        if int(ppid) == me or any(os.path.basename(word) in _WORKER_SCRIPTS for word in cmdline.split()):
             strays.append(f"{entry}: {cmdline.strip()[:200]}")
     return strays
 

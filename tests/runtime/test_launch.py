@@ -445,7 +445,12 @@ def test_explicit_coordinator_arguments(tmp_path):
           "OMPI_COMM_WORLD_LOCAL_SIZE": "4"}, (5, 8, 1, 4, "openmpi")),
         ({"PMI_RANK": "2", "PMI_SIZE": "3", "MPI_LOCALRANKID": "2", "MPI_LOCALNRANKS": "3"}, (2, 3, 2, 3, "mpich")),
         ({"SLURM_PROCID": "7", "SLURM_NTASKS": "16", "SLURM_STEP_NUM_TASKS": "16", "SLURM_LOCALID": "3",
-          "SLURM_NTASKS_PER_NODE": "4(x4)"}, (7, 16, 3, 1, "slurm")),
+          "SLURM_NTASKS_PER_NODE": "4(x4)"}, (7, 16, 3, 4, "slurm")),
+        # srun --ntasks=7 over 4 nodes: the 4th node's one task; SLURM_NTASKS_PER_NODE unset.
+        ({"SLURM_PROCID": "6", "SLURM_STEP_NUM_TASKS": "7", "SLURM_LOCALID": "0", "SLURM_NODEID": "3",
+          "SLURM_STEP_TASKS_PER_NODE": "2(x3),1"}, (6, 7, 0, 1, "slurm")),
+        ({"SLURM_PROCID": "3", "SLURM_STEP_NUM_TASKS": "4", "SLURM_LOCALID": "3", "SLURM_NODEID": "0",
+          "SLURM_STEP_TASKS_PER_NODE": "4"}, (3, 4, 3, 4, "slurm")),
         # A batch script's own shell (no srun step): one process, not rank 0 of 4 waiting for 3 more.
         ({"SLURM_JOB_ID": "9", "SLURM_PROCID": "0", "SLURM_NTASKS": "4", "SLURM_LOCALID": "0"}, (0, 1, 0, 1, "single")),
     ],
@@ -463,6 +468,48 @@ def test_detect_rejects_malformed_values():
         detect({"JAX_CGX_PROCESS_ID": "1", "JAX_CGX_COORDINATOR": "127.0.0.1:1234"})
     with pytest.raises(ValueError, match="OMPI_COMM_WORLD_SIZE is set but OMPI_COMM_WORLD_RANK is not"):
         detect({"OMPI_COMM_WORLD_SIZE": "2"})
+    slurm = {"SLURM_PROCID": "0", "SLURM_STEP_NUM_TASKS": "2", "SLURM_LOCALID": "0"}
+    with pytest.raises(ValueError, match=r"SLURM_STEP_TASKS_PER_NODE='2\(x' is not SLURM's tasks-per-node list"):
+        detect({**slurm, "SLURM_STEP_TASKS_PER_NODE": "2(x"})
+    with pytest.raises(ValueError, match=r"SLURM_NODEID=2 is outside SLURM_STEP_TASKS_PER_NODE='1\(x2\)' \(2 nodes\)"):
+        detect({**slurm, "SLURM_STEP_TASKS_PER_NODE": "1(x2)", "SLURM_NODEID": "2"})
+
+
+def test_a_slurm_node_name_that_does_not_resolve_is_an_error_not_a_wait(monkeypatch):
+    # jax puts the coordinator on the first node of the step; an unresolvable name made every process
+    # wait jax's 300 s initialization timeout.
+    for key, value in {"SLURM_PROCID": "0", "SLURM_STEP_NUM_TASKS": "2", "SLURM_LOCALID": "0", "SLURM_JOB_ID": "7",
+                       "SLURM_STEP_NODELIST": "no-such-node.invalid", "SLURM_STEP_TASKS_PER_NODE": "2"}.items():
+        monkeypatch.setenv(key, value)
+    started = []
+    monkeypatch.setattr(distributed.jax.distributed, "initialize", lambda *a, **k: started.append(a))
+    with pytest.raises(RuntimeError, match=r"the SLURM node 'no-such-node.invalid', where jax puts the coordinator "
+                                           r".* does not resolve"):
+        distributed.initialize(cpu_collectives="", exit_on_uncaught_exception=False)
+    assert not started
+
+
+def test_open_mpi_5_on_one_node_derives_the_coordinator_from_its_namespace(monkeypatch):
+    # Open MPI 5 has no OMPI_MCA_orte_hnp_uri, from which jax found the coordinator (jax issue 14576).
+    env = {"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_LOCAL_RANK": "1",
+           "OMPI_COMM_WORLD_LOCAL_SIZE": "2", "PMIX_NAMESPACE": "prterun-vm-12146@1"}
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.delenv("OMPI_MCA_orte_hnp_uri", raising=False)
+    started = []
+    monkeypatch.setattr(distributed.jax.distributed, "initialize", lambda **k: started.append(k))
+    distributed.initialize(cpu_collectives="", exit_on_uncaught_exception=False)
+    address = started[0]["coordinator_address"]
+    assert address.startswith("127.0.0.1:") and 20000 <= int(address.split(":")[1]) < 50000
+    monkeypatch.setenv("OMPI_COMM_WORLD_RANK", "0")
+    monkeypatch.setenv("OMPI_COMM_WORLD_LOCAL_RANK", "0")
+    started.clear()
+    distributed.initialize(cpu_collectives="", exit_on_uncaught_exception=False)
+    assert started[0]["coordinator_address"] == address  # every rank derives the same
+    monkeypatch.setenv("OMPI_COMM_WORLD_LOCAL_SIZE", "1")  # ranks on several nodes, and no mpi4py
+    monkeypatch.setitem(sys.modules, "mpi4py", None)
+    with pytest.raises(RuntimeError, match="under Open MPI 5 on several nodes the coordinator address is not in"):
+        distributed.initialize(cpu_collectives="", exit_on_uncaught_exception=False)
 
 
 @pytest.mark.parametrize(
