@@ -235,7 +235,7 @@ def _junit(path: pathlib.Path) -> tuple[dict[str, int], list[str]]:
 
 
 def _node_id(classname: str, name: str) -> str:
-    """pytest's node id from junit's dotted classname: tests/a/test_b.py::Class::test_c[param]."""
+    """pytest's node id from junit's dotted classname: tests/<folder>/test_<name>.py::Class::test_c[param]."""
     parts = classname.split(".")
     for i in range(len(parts), 0, -1):
         if parts[i - 1].startswith("test"):
