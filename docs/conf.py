@@ -10,6 +10,7 @@ is imported).
 """
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -21,6 +22,9 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 HERE = Path(__file__).resolve().parent
 
 project = "jax_cgx"
+# The version's one home is jax_cgx/__init__.py; read, not imported (conf.py runs before autodoc's imports).
+release = version = re.search(r'^__version__ = "([^"]+)"', (HERE.parent / "jax_cgx" / "__init__.py").read_text(),
+                              re.M).group(1)
 author = "the jax_cgx developers"
 copyright = "2026, the jax_cgx developers"
 
