@@ -33,7 +33,19 @@ extensions = [
     "sphinx.ext.autodoc",
     "sphinx.ext.napoleon",  # Google-style docstrings
     "sphinx.ext.doctest",
+    "sphinx.ext.intersphinx",
+    "sphinx.ext.viewcode",  # [source] links
 ]
+# Every cross-reference must resolve: -W makes a dead one an error.
+nitpicky = True
+# Other projects' documentation: their objects.inv when online, else docs/_inventories/ (the names
+# jax_cgx links to, written by tools/make_inventories.py), so the build is the same offline (CI).
+intersphinx_mapping = {
+    name: (url, (None, str(HERE / "_inventories" / f"{name}.inv")))
+    for name, url in {"python": "https://docs.python.org/3", "numpy": "https://numpy.org/doc/stable",
+                      "jax": "https://docs.jax.dev/en/latest", "optax": "https://optax.readthedocs.io/en/latest"}.items()
+}
+intersphinx_timeout = 5
 source_suffix = {".rst": "restructuredtext", ".md": "markdown"}
 root_doc = "index"
 exclude_patterns = ["_build", "_generated/*.txt"]

@@ -16,6 +16,7 @@ allocator.apply_default()
 
 # nccl and tcp: each registers its backend (jax_cgx._src.backends) when imported.
 from jax_cgx import distributed, nccl, tcp  # noqa: E402
+from jax_cgx._src.backends.protocol import BackendError  # noqa: E402
 from jax_cgx._src.codec import (  # noqa: E402
     Quantized,
     cuda_extension_available,
@@ -36,6 +37,7 @@ from jax_cgx._src.collectives import (  # noqa: E402
     explain,
     reduce_in_backward,
 )
+from jax_cgx._src.collectives.explain import Explanation  # noqa: E402
 from jax_cgx._src.config import CompressionConfig  # noqa: E402
 from jax_cgx._src.data_parallel import data_parallel_value_and_grad  # noqa: E402
 from jax_cgx._src.errors import PeerError  # noqa: E402
@@ -52,7 +54,9 @@ __all__ = [
     "reduce_in_backward",
     "data_parallel_value_and_grad",
     "explain",
+    "Explanation",
     "calibrate",
+    "BackendError",
     "PeerError",
     "Quantized",
     "quantize",

@@ -15,7 +15,7 @@ from jax_cgx._src.adaptive.choose import (
     leaf_errors,
     solve,
 )
-from jax_cgx._src.adaptive.replanning import Planner
+from jax_cgx._src.adaptive.replanning import AUTO_BUCKET_SIZES, Planner
 
-__all__ = ["CANDIDATES", "EXACT", "OBJECTIVES", "LeafPlan", "Planner", "choose_bits", "describe", "expected_errors",
+__all__ = ["AUTO_BUCKET_SIZES", "CANDIDATES", "EXACT", "OBJECTIVES", "LeafPlan", "Planner", "choose_bits", "describe", "expected_errors",
            "leaf_bytes", "leaf_errors", "solve"]

@@ -21,7 +21,7 @@ there whatever the threshold. ``jax.distributed.initialize()`` starts 15 such th
 client): a 64 MiB 4-bit ``compressed_pmean`` written with ``import jax_cgx`` after it ran 1.26x
 slower at 1 Gbit/s (docs/performance.md). So ``import jax_cgx`` warns once, with the fix, when
 it comes after ``jax.distributed.initialize()`` or after JAX made its devices, and
-``python -m jax_cgx.launch`` starts every process with :data:`ENVIRONMENT` (glibc's own
+``python -m jax_cgx.launch`` starts every process with :data:`~jax_cgx.allocator.ENVIRONMENT` (glibc's own
 variables for the same settings, read at process start: no import order matters); under
 ``mpirun`` pass them with ``-x``. The cost: the process keeps up to 2 GiB of freed memory
 instead of returning it to the system, and all threads share one arena. Opt out with

@@ -4,7 +4,8 @@
   codec's rates measured), the same on every process (collective when it measures);
 - :func:`predict`: the seconds of a psum and of the compressed exchange of a buffer, from a
   :class:`LinkModel` and :class:`CodecRates`;
-- :class:`Figures`, :class:`LinkModel`, :class:`CodecRates`.
+- :class:`Figures`, :class:`LinkModel`, :class:`CodecRates`, :class:`ExchangeFit` (a measured
+  exchange's fixed cost and rate, in :class:`Figures`).
 
 A 64 MiB float32 all-reduce over 8 ranks with links of 1 Gbit/s each way, 4 bits:
 
@@ -19,5 +20,6 @@ docs/performance.md explains the model and where it is right and wrong.
 from jax_cgx._src.policy.cost_model import CodecRates, LinkModel, predict
 from jax_cgx._src.policy.figures import Figures
 from jax_cgx._src.policy.pricing import figures
+from jax_cgx._src.policy.probes import ExchangeFit
 
-__all__ = ["CodecRates", "Figures", "LinkModel", "figures", "predict"]
+__all__ = ["CodecRates", "ExchangeFit", "Figures", "LinkModel", "figures", "predict"]

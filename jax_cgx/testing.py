@@ -20,7 +20,7 @@ def simulate(xs, seeds, *, chunk, bits, bucket_size, stochastic, impl="reference
     """SRA over W simulated ranks in one program: what every rank ends up holding.
 
     ``xs[W, n]`` are the ranks' buffers and ``seeds[W, W+1, 2]`` their seed rows (as
-    :func:`~jax_cgx._src.exchange.sra.sra_rows` receives them). Returns ``(out[n], scales)`` where ``scales``
+    ``jax_cgx._src.exchange.sra.sra_rows`` receives them). Returns ``(out[n], scales)`` where ``scales``
     holds, for the error bound, ``quantized[o][r]``: the per-bucket scales of chunk
     ``o`` as rank ``r`` quantized it, and ``summed[o]``: those of the re-quantized sum.
     """
@@ -53,7 +53,7 @@ def simulate_ring(xs, seeds, *, chunk, bits, bucket_size, stochastic, impl="refe
     """The ring over W simulated ranks in one program: what every rank ends up holding.
 
     ``xs[W, n]`` are the ranks' buffers and ``seeds[W, W+1, 2]`` their seed rows (as
-    :func:`~jax_cgx._src.exchange.ring.ring_rows` receives them). Chunk ``o`` is quantized by rank ``o+1``, then
+    ``jax_cgx._src.exchange.ring.ring_rows`` receives them). Chunk ``o`` is quantized by rank ``o+1``, then
     re-quantized by ranks ``o+2, ..., o+W`` (all mod W; the last is its owner ``o``)
     after each adds its own chunk ``o``. Returns ``(out[n], scales)`` where
     ``scales["hops"][o, h]`` holds the per-bucket scales of the ``h``-th of the W

@@ -53,11 +53,11 @@ The package, one module per job (each imports only those above it):
 ``registry``       this process's families and :func:`lookup`
 ``unique_ids``     handing NCCL unique ids to the processes of each group (kv or MPI)
 ``lifecycle``      :func:`setup`, :func:`teardown`, the exit hook
-``backend``        :class:`~jax_cgx._src.nccl.backend.NcclBackend`: its custom calls (imports the rest)
+``backend``        ``jax_cgx._src.nccl.backend.NcclBackend``: its custom calls (imports the rest)
 =================  ==================================================================
 
 Reduction groups and family keys (:func:`groups`, :func:`family_key`) are shared with the tcp
-backend (:mod:`jax_cgx._src.backends.groups`).
+backend (``jax_cgx._src.backends.groups``).
 
 The compiled functions are reached only through ``library.binding()``; tests replace
 that function with a fake to exercise everything but real NCCL on CPU.

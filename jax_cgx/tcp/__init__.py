@@ -20,7 +20,7 @@ Then ``backend="auto"`` (the default) picks ``tcp`` for reductions over those ax
 that mesh, and ``backend="tcp"`` insists on it. :func:`setup` blocks until every rank of
 every group has connected, so every process calls it with the same arguments in the
 same order. Reduction groups and family keys are shared with the nccl backend
-(:mod:`jax_cgx._src.backends.groups`); each device of a group gets a *communicator*: a TCP
+(``jax_cgx._src.backends.groups``); each device of a group gets a *communicator*: a TCP
 connection to every other rank of its group and one I/O thread.
 
 Addresses: each device listens on an ephemeral port of the address this process
@@ -28,7 +28,7 @@ publishes (not every interface) and publishes ``ip:port`` with a fresh random li
 key through the ``jax.distributed`` key-value store (one process needs no store:
 127.0.0.1). The address is ``$JAX_CGX_TCP_HOST``, else this machine's address on the
 route to the ``jax.distributed`` coordinator. Each connection's greeting carries an
-HMAC under the listener's key (:mod:`jax_cgx._src.tcp.handshake`): a process that did not
+HMAC under the listener's key (``jax_cgx._src.tcp.handshake``): a process that did not
 read this job's store is rejected and logged, and set-up waits on for the real peer. The
 store is trusted; traffic after set-up is not authenticated (docs/tcp.md, "Trust"). A
 call whose peers stop moving bytes fails after ``$JAX_CGX_TCP_TIMEOUT_S`` (default
@@ -58,7 +58,7 @@ backend (``backend="auto"`` picks it and logs why at debug level; ``"tcp"`` rais
 =================  ==================================================================
 ``lifecycle``      :func:`setup`, :func:`teardown`, the families, the exit hook
 ``handshake``      listening, connecting, greetings and who may connect
-``backend``        :class:`~jax_cgx._src.tcp.backend.TcpBackend`: its custom calls and their order
+``backend``        ``jax_cgx._src.tcp.backend.TcpBackend``: its custom calls and their order
 =================  ==================================================================
 """
 

@@ -148,7 +148,7 @@ def leaf_errors(grads, config: CompressionConfig | Callable | None = None, candi
     None: ``config``'s), bucket size major, as a JAX array: usable under ``jit`` and inside
     ``shard_map``. With ``axis_name``, averaged over it (``lax.pmean`` of this small array): every
     device then holds the same errors, of the devices' own gradients, to pass to
-    :func:`choose_bits` (``errors=``) or :meth:`~jax_cgx._src.adaptive.replanning.Planner.observe`.
+    :func:`choose_bits` (``errors=``) or :meth:`Planner.observe <jax_cgx.adaptive.Planner.observe>`.
 
     ``second_moment`` (``objective="adam"`` only): a pytree like ``grads`` of the optimizer's running
     mean square of each value, e.g. Adam's bias-corrected ``nu`` (Adam divides by its square root),

@@ -66,7 +66,7 @@ class Planner:
         may be a config function: ``jax_cgx.optax.layer_filter(CompressionConfig(bits=4, bucket_size=128),
         1024)``, the recommended transformer setting, keeps its small leaves exact and plans the rest).
       bucket_sizes: the bucket sizes a leaf may get, as for :func:`~jax_cgx.adaptive.choose_bits`;
-        ``"auto"`` (the default): :data:`AUTO_BUCKET_SIZES` and ``config``'s bucket size; None:
+        ``"auto"`` (the default): :data:`~jax_cgx.adaptive.AUTO_BUCKET_SIZES` and ``config``'s bucket size; None:
         ``config``'s alone (then only widths change).
       every: re-plan at steps ``0, every, 2 every, ...`` (``observe``'s ``step``).
       objective: as for :func:`~jax_cgx.adaptive.choose_bits`.
@@ -117,7 +117,7 @@ class Planner:
 
     @property
     def configs(self):
-        """The current plan: a pytree of ``CompressionConfig`` (or ``None``: exact), a static config."""
+        """The current plan, a pytree of ``CompressionConfig`` (or ``None``: exact), a static config."""
         return self._configs
 
     @property

@@ -90,7 +90,7 @@ class Quantized:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of one encoded array: payload, metadata and tail (per batch element)."""
+        """The bytes of one encoded array (payload, metadata and tail; per batch element)."""
         tail_bytes = self.tail.shape[-1] * np.dtype(self.dtype).itemsize
         return self.payload.shape[-1] + self.meta.shape[-2] * META_BYTES + tail_bytes
 

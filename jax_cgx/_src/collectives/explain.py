@@ -24,6 +24,7 @@ from jax_cgx._src import backends, compat
 from jax_cgx._src.arguments import check_bool
 from jax_cgx._src.collectives import reduce_scatter, scatter_gather, shards
 from jax_cgx._src.collectives.plan import ConfigSpec, check_ranks, leaf_configs, make_plan
+from jax_cgx._src.collectives.shards import SpecTree
 from jax_cgx._src.policy import pricing
 
 __all__ = ["explain", "Explanation", "LeafReport", "BufferReport"]
@@ -144,7 +145,7 @@ _API = {"psum": "compressed_psum", "psum_scatter": "compressed_psum_scatter", "a
 def explain(x, axis_name=None, config: ConfigSpec = None, *, world: int | None = None,
             inner_world: int | None = None, op: str = "psum", scatter_dimension: int = 0, tiled: bool = False,
             file: TextIO | None = sys.stdout,
-            plans: Sequence | None = None, specs: shards.SpecTree = None, mesh=None) -> Explanation:
+            plans: Sequence | None = None, specs: SpecTree = None, mesh=None) -> Explanation:
     """Print, and return, how ``compressed_psum(x, axis_name, config)`` reduces each leaf
     (``op="psum_scatter"`` / ``"all_gather"``: how ``compressed_psum_scatter`` /
     ``compressed_all_gather`` would, ``x`` being each rank's input).

@@ -292,7 +292,7 @@ def bytes_on_wire(x, world: int, config: ConfigSpec = None, *, inner_world: int 
 
     Examples:
       >>> jax_cgx.bytes_on_wire(jnp.zeros(1 << 20), 8, jax_cgx.CompressionConfig(bits=4))
-      946176
+      1032192
       >>> jax_cgx.bytes_on_wire(jnp.zeros(1 << 20), 8, jax_cgx.CompressionConfig(bits=32))  # psum's ring
       7340032
     """

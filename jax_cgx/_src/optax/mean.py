@@ -113,7 +113,7 @@ def compressed_mean(
     scalars), fewer than ``layer_min_size`` elements, or a non-float dtype are averaged
     exactly, as ``lax.pmean`` does; the others are compressed with ``config`` (itself
     subject to ``config.min_size``, ``bits=16``/``32``, ...). Implemented as
-    :func:`compressed_pmean` with a per-leaf config (``None`` for filtered leaves), so
+    :func:`~jax_cgx.compressed_pmean` with a per-leaf config (``None`` for filtered leaves), so
     compressed leaves of one dtype share fusion buffers.
 
     **Stochastic rounding** keys: step ``t`` uses
@@ -122,7 +122,7 @@ def compressed_mean(
 
     **Error feedback** (``error_feedback=True``): rank ``r`` keeps a residual ``e_r``
     (zeros at init). Each step it compresses ``c_r = g_r + e_r`` instead of its gradient
-    ``g_r`` and stores the exact residual :func:`compressed_pmean` returns,
+    ``g_r`` and stores the exact residual :func:`~jax_cgx.compressed_pmean` returns,
     ``e_r' = `` this rank's share of the compression error of the sum, in the units of the
     gradients (``sum_r e_r' = sum_r c_r - W * mean``, not divided by ``W``). Writing
     ``E_t = sum_r e_r`` after step ``t``, the applied update is
@@ -157,7 +157,7 @@ def compressed_mean(
 
     Args:
       axis_name: the mapped axis (or a tuple of axes) to average over.
-      config: a :class:`CompressionConfig`; a pytree of them matching the updates (or a prefix of
+      config: a :class:`~jax_cgx.CompressionConfig`; a pytree of them matching the updates (or a prefix of
         them; ``None``: reduce exactly), such as :func:`jax_cgx.adaptive.choose_bits`'s plan; a
         function ``(path, leaf) -> CompressionConfig | None`` (``None``: reduce exactly); each
         applied to the leaves the layer filter keeps; or

@@ -114,7 +114,7 @@ def predict(size_bytes: float, world: int, bits: int, bucket_size: int, link: Li
 
     ``op``: "psum" (the all-reduce above; ``size_bytes`` is the buffer per rank),
     "psum_scatter" (``size_bytes`` is each rank's input, ``W`` blocks) or "all_gather"
-    (``size_bytes`` is each rank's shard); see :data:`OPS` for what the two sharded ones do.
+    (``size_bytes`` is each rank's shard); the comment above ``OPS`` in jax_cgx/_src/policy/cost_model.py says what the two sharded ones do.
     ``size_bytes``: the buffer's bytes per rank, of ``itemsize``-byte values.
     ``host_cores``: all ``world`` ranks share one machine with this many cores (compute
     slows by ``max(1, world / host_cores)``); None: every rank has a core of its own.
