@@ -22,7 +22,9 @@ from jax.sharding import PartitionSpec as P
 import jax_cgx
 from jax_cgx.adaptive import EXACT, choose_bits, describe, expected_errors
 
-BASE = jax_cgx.CompressionConfig()
+# The config these exhaustive checks are written for (their byte arithmetic: buckets of 512; every leaf
+# of 16 values or more planned), passed wherever the planner would otherwise take CompressionConfig().
+BASE = jax_cgx.CompressionConfig(bucket_size=512, min_size=16)
 
 
 def _leaves(seed: int, count: int = 4) -> list[np.ndarray]:
@@ -68,7 +70,7 @@ def test_the_plan_is_the_best_within_the_budget(seed):
     widths = (*candidates, EXACT)
     errors = expected_errors(leaves, BASE, candidates)
     for budget_bits in (2.5, 3.0, 4.0, 5.3):
-        configs, plans = choose_bits(leaves, budget_bits=budget_bits, candidates=candidates, return_plan=True)
+        configs, plans = choose_bits(leaves, budget_bits=budget_bits, candidates=candidates, return_plan=True, config=BASE)
         budget = _budget(sizes, budget_bits)
         assert sum(p.bytes for p in plans) <= budget
         best = min(
@@ -86,7 +88,7 @@ def test_wide_leaves_get_the_bits_and_the_budget_holds():
     tree = {"wide": (r.standard_cauchy(1 << 14) * 10).astype(np.float32),
             "narrow": (r.standard_normal(1 << 14) * 1e-3).astype(np.float32),
             "step": np.int32(3), "bias": np.ones(8, np.float32)}  # kept as they are: not compressed
-    configs, plans = choose_bits(tree, budget_bits=4, return_plan=True)
+    configs, plans = choose_bits(tree, budget_bits=4, return_plan=True, config=BASE)
     assert configs["step"] == BASE and configs["bias"] == BASE  # int, and fewer than min_size values
     by_path = {p.path: p for p in plans}
     assert by_path["['wide']"].bits > by_path["['narrow']"].bits
@@ -100,7 +102,7 @@ def test_the_plan_is_a_config_jax_cgx_takes():
     mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:8])
     r = np.random.default_rng(2)
     grads = {"a": r.standard_normal((8, 4096)).astype(np.float32), "b": r.standard_cauchy((8, 4096)).astype(np.float32)}
-    configs = choose_bits(jax.tree.map(lambda g: g.mean(0), grads), budget_bits=3.0, candidates=(2, 3, 4))
+    configs = choose_bits(jax.tree.map(lambda g: g.mean(0), grads), budget_bits=3.0, candidates=(2, 3, 4), config=BASE)
     configs["b"] = None  # and an exact leaf beside them
 
     def mean(g):
@@ -115,33 +117,33 @@ def test_the_plan_is_a_config_jax_cgx_takes():
 
 def test_the_same_gradient_gives_the_same_plan():
     leaves = _leaves(3, 6)
-    first = choose_bits(leaves, budget_bits=3.5, return_plan=True)[1]
-    assert choose_bits([x.copy() for x in leaves], budget_bits=3.5, return_plan=True)[1] == first
+    first = choose_bits(leaves, budget_bits=3.5, return_plan=True, config=BASE)[1]
+    assert choose_bits([x.copy() for x in leaves], budget_bits=3.5, return_plan=True, config=BASE)[1] == first
 
 
 def test_bad_arguments_say_what_was_wrong():
     x = {"w": np.ones(4096, np.float32)}
     with pytest.raises(ValueError, match="below the narrowest candidate"):
-        choose_bits(x, budget_bits=1.5)
+        choose_bits(x, budget_bits=1.5, config=BASE)
     for bad in ((), (0, 4), (9,), (True,), (2.5,)):
         with pytest.raises(ValueError, match="candidates must be widths in 1..8"):
-            choose_bits(x, candidates=bad)
+            choose_bits(x, candidates=bad, config=BASE)
     for bad in (float("nan"), "4", True):
         with pytest.raises(ValueError, match="budget_bits must be a number"):
-            choose_bits(x, budget_bits=bad)
+            choose_bits(x, budget_bits=bad, config=BASE)
     with pytest.raises(TypeError, match="config must be a CompressionConfig"):
         choose_bits(x, config={"bits": 4})
     with pytest.raises(ValueError, match=r"leaf \['w'\] is not finite"):
-        choose_bits({"w": np.array([1.0, np.inf] * 2048, np.float32)})
+        choose_bits({"w": np.array([1.0, np.inf] * 2048, np.float32)}, config=BASE)
     with pytest.raises(TypeError, match="is traced"):
-        jax.jit(lambda g: choose_bits(g))(x)
+        jax.jit(lambda g: choose_bits(g, config=BASE))(x)
 
 
 def test_the_planner_replans_with_bounded_compilations(caplog):
     r = np.random.default_rng(4)
     like = {"a": np.zeros(1 << 13, np.float32), "b": np.zeros(1 << 13, np.float32)}
     planner = jax_cgx.adaptive.Planner(like, budget_bits=4, candidates=(2, 3, 4, 6, 8), bucket_sizes=None, every=10,
-                                       min_gain=0.05)  # widths only
+                                       min_gain=0.05, config=BASE)  # widths only
     assert {c.bits for c in jax.tree.leaves(planner.configs)} == {4} and planner.plans is None
     made = []
 
@@ -173,13 +175,13 @@ def test_the_planner_replans_with_bounded_compilations(caplog):
 
 
 def test_the_recommended_setting_is_planned_with_its_small_leaves_exact():
-    # layer_filter(CompressionConfig(bits=4, bucket_size=128), 1024), the recommended transformer setting:
+    # layer_filter(CompressionConfig(bits=4, bucket_size=128, min_size=16), 1024), the recommended transformer setting:
     # it was refused ("config must be a CompressionConfig or None, got function").
     r = np.random.default_rng(5)
     grads = {"w": (r.standard_cauchy((64, 128)) * 10).astype(np.float32),
              "v": r.standard_normal((64, 128)).astype(np.float32),
              "bias": r.standard_normal(64).astype(np.float32), "scale": r.standard_normal((16, 32)).astype(np.float32)}
-    base = jax_cgx.CompressionConfig(bits=4, bucket_size=128)
+    base = jax_cgx.CompressionConfig(bits=4, bucket_size=128, min_size=16)
     recommended = jax_cgx.optax.layer_filter(base, 1024)
     configs, plans = choose_bits(grads, budget_bits=4, config=recommended, return_plan=True, exact=False)
     assert configs["bias"] is None and configs["scale"] is None  # 1-D, or under 1024 values: exact, outside the plan
@@ -253,7 +255,7 @@ def test_compressed_mean_takes_the_plan():
     r = np.random.default_rng(5)
     grads = {"w": r.standard_normal((8, 64, 64)).astype(np.float32), "e": r.standard_cauchy((8, 32, 64)).astype(np.float32),
              "b": r.standard_normal((8, 64)).astype(np.float32)}
-    configs = choose_bits(jax.tree.map(lambda g: g.mean(0), grads), budget_bits=3.0, candidates=(2, 3, 4, 6))
+    configs = choose_bits(jax.tree.map(lambda g: g.mean(0), grads), budget_bits=3.0, candidates=(2, 3, 4, 6), config=BASE)
     assert configs["w"].bits != configs["e"].bits
     tx = jax_cgx.optax.compressed_mean("data", configs, layer_min_size=1024)
     filtered = {**configs, "b": None}
@@ -295,11 +297,11 @@ def test_the_relative_objective_does_not_see_a_leafs_scale():
     tree = {"a": r.standard_normal(1 << 13).astype(np.float32), "b": r.standard_cauchy(1 << 13).astype(np.float32)}
     scaled = {"a": tree["a"] * 1024, "b": tree["b"]}
     plan = lambda t, objective: [p.bits for p in choose_bits(t, budget_bits=3, objective=objective,  # noqa: E731
-                                                                return_plan=True)[1]]
+                                                                return_plan=True, config=BASE)[1]]
     assert plan(tree, "relative") == plan(scaled, "relative")
     assert plan(tree, "squared") != plan(scaled, "squared")
     with pytest.raises(ValueError, match="objective must be one of"):
-        choose_bits(tree, objective="adagrad")
+        choose_bits(tree, objective="adagrad", config=BASE)
 
 
 def _adam_errors_numpy(x: np.ndarray, bucket: int, bits: int, v: np.ndarray | None = None) -> float:
@@ -388,7 +390,7 @@ def test_width_and_bucket_size_plan_is_the_best_within_the_budget(seed):
     choices = [(b, bucket) for bucket in buckets for b in candidates] + [(EXACT, None)]
     for budget_bits in (2.5, 3.0, 4.0):
         configs, plans = choose_bits(leaves, budget_bits=budget_bits, candidates=candidates, bucket_sizes=buckets,
-                                     return_plan=True)
+                                     return_plan=True, config=BASE)
         budget = _budget(sizes, budget_bits)
         assert sum(p.bytes for p in plans) <= budget
         best = min(
@@ -405,19 +407,19 @@ def test_width_and_bucket_size_plan_is_the_best_within_the_budget(seed):
 def test_a_sparse_leaf_gets_small_buckets_and_one_bucket_size_is_the_width_plan():
     tree = {"embed": _spiky(0, 1 << 15), "w": np.random.default_rng(0).standard_normal(1 << 14).astype(np.float32)}
     configs, plans = choose_bits(tree, budget_bits=4, bucket_sizes=(64, 512, 4096), objective="relative",
-                                 return_plan=True)
+                                 return_plan=True, config=BASE)
     assert configs["embed"].bucket_size < 512  # its zero rows become exact buckets
     assert "bucket" in describe(plans) and str(configs["embed"].bucket_size) in describe(plans)
-    widths_only = choose_bits(tree, budget_bits=3.5, return_plan=True)[1]
-    assert choose_bits(tree, budget_bits=3.5, bucket_sizes=(512,), return_plan=True)[1] == widths_only
+    widths_only = choose_bits(tree, budget_bits=3.5, return_plan=True, config=BASE)[1]
+    assert choose_bits(tree, budget_bits=3.5, bucket_sizes=(512,), return_plan=True, config=BASE)[1] == widths_only
     assert {p.bucket_size for p in widths_only} == {512}
     for bad in ((), (0,), (2**31,), (True,), (64.0,), "64"):
         with pytest.raises(ValueError, match="bucket_sizes must be bucket sizes"):
-            choose_bits(tree, bucket_sizes=bad)
+            choose_bits(tree, bucket_sizes=bad, config=BASE)
 
 
 def test_leaf_errors_with_bucket_sizes_plan_as_the_gradient_does():
-    # leaf_errors' columns: each bucket size's widths, in order; choose_bits(errors=...) then plans as
+    # leaf_errors' columns: each bucket size's widths, in order; choose_bits(errors=..., config=BASE) then plans as
     # it does from the gradient itself; its configs reduce as each leaf's own config does, bitwise.
     mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:8])
     r = np.random.default_rng(8)
@@ -433,7 +435,7 @@ def test_leaf_errors_with_bucket_sizes_plan_as_the_gradient_does():
     assert choose_bits(mean, errors=errors, **kwargs)[1] == choose_bits(mean, **kwargs)[1]
     with pytest.raises(ValueError, match="candidates x bucket sizes"):
         choose_bits(mean, errors=errors[:, :3], **kwargs)
-    configs = choose_bits(mean, budget_bits=3, candidates=candidates, bucket_sizes=buckets)
+    configs = choose_bits(mean, budget_bits=3, candidates=candidates, bucket_sizes=buckets, config=BASE)
     configs["w"] = configs["w"].replace(bucket_size=128)  # two groups of different bucket sizes
 
     def both(g):
@@ -449,7 +451,7 @@ def test_leaf_errors_with_bucket_sizes_plan_as_the_gradient_does():
 def test_the_planner_keys_plans_on_width_and_bucket_size():
     like = {"e": np.zeros(1 << 14, np.float32), "w": np.zeros(1 << 14, np.float32)}
     planner = jax_cgx.adaptive.Planner(like, budget_bits=4, candidates=(2, 3, 4, 6), bucket_sizes=(64, 512, 4096),
-                                       every=1, objective="relative")
+                                       every=1, objective="relative", config=BASE)
     assert {(c.bits, c.bucket_size) for c in jax.tree.leaves(planner.configs)} == {(4, 512)}
     grads = {"e": _spiky(1, 1 << 14), "w": np.random.default_rng(1).standard_normal(1 << 14).astype(np.float32)}
     errors = planner.leaf_errors(grads)
@@ -466,13 +468,13 @@ def test_a_budget_no_option_fits_is_a_clear_error():
     # Before: "attempt to get argmin of an empty sequence".
     with pytest.raises(ValueError, match=r"choose_bits: .*bucket sizes \[1\]: no plan fits the budget: .* takes 16384 "
                                          r"bytes, the budget is 2112"):
-        choose_bits({"w": np.random.default_rng(0).standard_normal(4096).astype(np.float32)}, bucket_sizes=[1])
+        choose_bits({"w": np.random.default_rng(0).standard_normal(4096).astype(np.float32)}, bucket_sizes=[1], config=BASE)
 
 
 def test_the_planner_refuses_a_gradient_of_other_shapes_or_dtypes():
     # Before: another leaf shape was planned and adopted, sending 7.75x the budgeted bytes.
     like = {"e": np.zeros(1 << 12, np.float32), "w": np.zeros(1 << 12, np.float32)}
-    planner = jax_cgx.adaptive.Planner(like, budget_bits=4, candidates=(2, 4, 8), every=1)
+    planner = jax_cgx.adaptive.Planner(like, budget_bits=4, candidates=(2, 4, 8), every=1, config=BASE)
     wide = {"e": _spiky(1, 1 << 15), "w": np.zeros(1 << 12, np.float32)}
     with pytest.raises(ValueError, match=r"leaf \['e'\] has shape \(32768,\) .* made for shape \(4096,\)"):
         planner.observe(0, wide)
@@ -481,6 +483,17 @@ def test_the_planner_refuses_a_gradient_of_other_shapes_or_dtypes():
     with pytest.raises(ValueError, match="structure"):
         planner.observe(0, {"e": like["e"]})
     assert planner.changes == 0 and planner.plans is None
+
+
+def test_a_planner_whose_bucket_sizes_leave_out_the_configs_adopts_its_first_plan(caplog):
+    # The uniform start has CompressionConfig()'s buckets of 128, not among (64, 512): the first
+    # observe used to raise "the current choices [(4, 128)] are not all among ...".
+    like = {"w": np.zeros(1 << 14, np.float32)}
+    planner = jax_cgx.adaptive.Planner(like, budget_bits=4, candidates=(2, 4), bucket_sizes=(64, 512), every=1)
+    with caplog.at_level("INFO", logger="jax_cgx"):
+        assert planner.observe(0, {"w": np.random.default_rng(0).standard_normal(1 << 14).astype(np.float32)})
+    assert "not priced: its buckets of 128 are not among bucket_sizes" in caplog.text
+    assert planner.configs["w"].bucket_size in (64, 512)
 
 
 def test_the_planner_state_round_trips_through_orbax(tmp_path, caplog):
@@ -525,7 +538,7 @@ def test_the_planner_state_round_trips_through_orbax(tmp_path, caplog):
 def test_a_planner_restores_its_own_uniform_plan_whatever_its_bucket_sizes():
     # config's bucket size outside the bucket sizes offered: the uniform plan it starts from is its own.
     like = {"a": np.zeros(4096, np.float32)}
-    settings = dict(bucket_sizes=(64, 4096), config=jax_cgx.CompressionConfig(bucket_size=128))
+    settings = dict(bucket_sizes=(64, 4096), config=jax_cgx.CompressionConfig(bucket_size=128, min_size=16))
     state = jax_cgx.adaptive.Planner(like, **settings).state_dict()
     again = jax_cgx.adaptive.Planner(like, **settings)
     again.load_state_dict(state)
@@ -533,7 +546,7 @@ def test_a_planner_restores_its_own_uniform_plan_whatever_its_bucket_sizes():
 
 
 def test_the_planner_warns_of_a_step_factory_made_anew_each_step(caplog):
-    planner = jax_cgx.adaptive.Planner({"a": np.zeros(4096, np.float32)}, budget_bits=4)
+    planner = jax_cgx.adaptive.Planner({"a": np.zeros(4096, np.float32)}, budget_bits=4, config=BASE)
     with caplog.at_level("WARNING", logger="jax_cgx"):
         for _ in range(3):
             planner.compiled(lambda configs: configs)  # a new function each time: a new compilation each time
@@ -545,7 +558,7 @@ def test_explain_shows_the_plan_per_leaf():
     # its leaf table, for the sum and for the reduce-scatter; plans of another tree are refused.
     r = np.random.default_rng(5)
     tree = {"a": r.standard_normal((64, 64)).astype(np.float32), "b": _spiky(5), "c": np.zeros(8, np.float32)}
-    configs, plans = choose_bits(tree, budget_bits=3, bucket_sizes=(64, 512), return_plan=True)
+    configs, plans = choose_bits(tree, budget_bits=3, bucket_sizes=(64, 512), return_plan=True, config=BASE)
     for op in ("psum", "psum_scatter"):
         text = io.StringIO()
         tiled = {"tiled": True} if op == "psum_scatter" else {}  # as compressed_psum_scatter would need
@@ -579,7 +592,7 @@ def test_observe_loss_feeds_the_planner_from_the_helper(caplog):
     def loss_fn(p, x):
         return jnp.mean((jnp.tanh(x @ p["e"]) @ p["w"]) ** 2)
 
-    planner = jax_cgx.adaptive.Planner(params, budget_bits=4, every=2, min_gain=0.0)
+    planner = jax_cgx.adaptive.Planner(params, budget_bits=4, every=2, min_gain=0.0, config=BASE)
     assert planner.bucket_sizes == (64, 512, 4096)  # offered by default
     by_hand = jax.jit(jax.shard_map(
         lambda p, x: planner.leaf_errors(jax.grad(loss_fn)(jax.lax.pcast(p, "data", to="varying"), x), "data"),

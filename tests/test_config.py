@@ -8,8 +8,10 @@ from jax_cgx import CompressionConfig
 
 def test_defaults_and_hashable():
     c = CompressionConfig()
-    assert (c.bits, c.bucket_size, c.stochastic, c.skip_incomplete_buckets) == (4, 512, False, False)
-    assert (c.min_size, c.fusion_buffer_mb) == (16, 64)
+    assert (c.bits, c.bucket_size, c.stochastic, c.skip_incomplete_buckets) == (4, 128, False, False)
+    assert (c.min_size, c.fusion_buffer_mb) == (1024, 64)  # docs/choosing-settings.md: the default setting
+    torch_cgx = CompressionConfig.from_env({"CGX_COMPRESSION_QUANTIZATION_BITS": "4"})
+    assert (torch_cgx.bucket_size, torch_cgx.min_size) == (512, 16)  # torch_cgx's defaults there
     assert hash(c) == hash(CompressionConfig())
     assert {c: 1}[CompressionConfig()] == 1
     with pytest.raises(AttributeError):

@@ -21,7 +21,7 @@ from jax_cgx._src.data_parallel import buckets
 
 W = 8
 ROWS = 4 * W  # rows of the global batch
-FOUR_BITS = jax_cgx.CompressionConfig(bits=4, bucket_size=64)
+FOUR_BITS = jax_cgx.CompressionConfig(bits=4, bucket_size=64, min_size=16)
 
 
 def _mesh(axis_type=AxisType.Auto):

@@ -157,11 +157,12 @@ def test_config_none_is_compression_configs_defaults_without_torch_cgx_variables
 
 @pytest.mark.parametrize("env, want", [
     ({"CGX_COMPRESSION_QUANTIZATION_BITS": "8", "CGX_COMPRESSION_BUCKET_SIZE": "128"},
-     CompressionConfig(bits=8, bucket_size=128)),
-    # torch_cgx's defaults come with its variables: one set, compression stays off as there.
-    ({"CGX_FUSION_BUFFER_SIZE_MB": "32"}, CompressionConfig(bits=32, fusion_buffer_mb=32)),
+     CompressionConfig(bits=8, bucket_size=128, min_size=16)),
+    # torch_cgx's defaults come with its variables (buckets of 512, min_size 16): one set, compression
+    # stays off as there.
+    ({"CGX_FUSION_BUFFER_SIZE_MB": "32"}, CompressionConfig(bits=32, bucket_size=512, min_size=16, fusion_buffer_mb=32)),
     ({"CGX_CROSS_COMMUNICATOR_TYPE": "MPI", "JAX_CGX_ALGORITHM": "ring"},
-     CompressionConfig(bits=32, backend="xla", algorithm="ring")),
+     CompressionConfig(bits=32, bucket_size=512, min_size=16, backend="xla", algorithm="ring")),
 ], ids=["bits_and_bucket", "fusion_only", "communicator_only"])
 def test_torch_cgx_variables_make_config_none_from_env(monkeypatch, env, want):
     for name, value in env.items():
@@ -186,7 +187,7 @@ def test_config_none_is_logged_once_naming_its_source(monkeypatch, caplog):
     with caplog.at_level(logging.INFO, logger="jax_cgx"):
         for _ in range(2):
             jax_cgx.explain(TREE, world=4, file=None)
-    assert said() == [f"jax_cgx: explain with config=None uses {CompressionConfig(bits=32, backend='xla')!r}: "
+    assert said() == [f"jax_cgx: explain with config=None uses {CompressionConfig(bits=32, bucket_size=512, min_size=16, backend='xla')!r}: "
                       "torch_cgx's variables (CompressionConfig.from_env(): CGX_COMPRESSION_QUANTIZATION_BITS=32, "
                       "JAX_CGX_BACKEND=xla). bits=32, torch_cgx's default, reduces exactly: set "
                       "CGX_COMPRESSION_QUANTIZATION_BITS (1..8), or pass config=, to compress"], said()

@@ -26,7 +26,7 @@ import jax_cgx
 from jax_cgx._src.collectives import shards
 
 ROWS = 32
-CONFIG = jax_cgx.CompressionConfig(bits=8, bucket_size=64)
+CONFIG = jax_cgx.CompressionConfig(bits=8, bucket_size=64, min_size=16)
 SPECS_2D = {"b1": P("model"), "w1": P(None, "model"), "w2": P("model", None)}
 # lm1b's ("data", "fsdp", "tensor"): parameters over fsdp and tensor, the batch over data and fsdp.
 SPECS_3D = {"b1": P("tensor"), "w1": P("fsdp", "tensor"), "w2": P("tensor", "fsdp")}
@@ -242,7 +242,7 @@ def test_compiled_gradient_memory_is_the_shard(model_shards):
 def test_explain_prices_each_devices_shard_and_names_the_axes():
     params = {"b1": jnp.zeros(4096), "s": jnp.zeros((64, 64)), "w1": jnp.zeros((512, 2048))}
     specs = {"b1": P("model"), "s": P(), "w1": P(None, "model")}
-    config = jax_cgx.CompressionConfig(bits=4, fusion_buffer_mb=4)
+    config = jax_cgx.CompressionConfig(bits=4, fusion_buffer_mb=4, min_size=16)
     mesh = _mesh((4, 2), ("data", "model"), AxisType.Auto)
     outside = jax_cgx.explain(params, world=4, config=config, specs=specs, mesh=mesh, file=None)
 

@@ -14,7 +14,7 @@ from jax.sharding import PartitionSpec as P
 
 import jax_cgx
 
-CONFIG = jax_cgx.CompressionConfig(bits=4, bucket_size=64)
+CONFIG = jax_cgx.CompressionConfig(bits=4, bucket_size=64, min_size=16)
 
 
 def _mesh():

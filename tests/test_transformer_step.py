@@ -143,7 +143,7 @@ def test_float32_equals_the_unsharded_step():
 def test_8_bits_within_the_bound_of_the_data(leaf):
     mesh = jax.make_mesh((W,), ("data",))
     params = _init(jax.random.key(1))
-    config = jax_cgx.CompressionConfig(bits=8, bucket_size=128)
+    config = jax_cgx.CompressionConfig(bits=8, bucket_size=128, min_size=16)
     # One leaf compressed (the bound is stated per buffer), the others exact.
     step, optimizer = _step_fn({k: config if k == leaf else None for k in params})
     batch, key = _batch(7), jax.random.key(7)
@@ -195,7 +195,7 @@ def test_fsdp_and_tensor_axes_8_bits_within_the_bound_per_shard(leaf):
     mesh = _mesh_3d()
     params = _init(jax.random.key(4))
     placed = {k: jax.device_put(v, NamedSharding(mesh, SPECS_3D[k])) for k, v in params.items()}
-    config = jax_cgx.CompressionConfig(bits=8, bucket_size=128)
+    config = jax_cgx.CompressionConfig(bits=8, bucket_size=128, min_size=16)
     step, optimizer = _step_fn({k: config if k == leaf else None for k in params}, param_specs=SPECS_3D,
                                loss=LOSS_3D)
     batch, key = _batch(8), jax.random.key(8)

@@ -5,6 +5,7 @@ import json
 
 import pytest
 
+from jax_cgx import CompressionConfig
 from jax_cgx._src.exchange.chunks import wire_bytes_per_rank
 from jax_cgx.bench.model import CodecRates, LinkModel, encoded_chunk_bytes, parse_rate, predict
 
@@ -160,7 +161,7 @@ def test_bench_model_compares_each_algorithm_with_its_own_runs(tmp_path, capsys)
     lines = {line.split("│")[4].strip(): line for line in capsys.readouterr().out.splitlines() if line.count("│") > 8}
     rates = CodecRates.from_codec_json(str(codec), 4)
     for algorithm, measured in [("sra", "111.0"), ("ring", "222.0")]:
-        predicted = predict_nodes(64 * 2**20, 2, 4, 4, 512, LinkModel(125e6, 0.0), rates, algorithm=algorithm)
+        predicted = predict_nodes(64 * 2**20, 2, 4, 4, CompressionConfig.bucket_size, LinkModel(125e6, 0.0), rates, algorithm=algorithm)
         cells = [c.strip() for c in lines[algorithm].split("│")]
         assert cells[6] == f"{predicted['compressed'] * 1e3:.1f}" and cells[9].startswith(measured + " (")
     assert "333.0" not in str(lines) and "444.0" not in str(lines)

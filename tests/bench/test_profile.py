@@ -21,7 +21,7 @@ def test_phase_of_an_event(name, expected):
 
 
 def test_summarize_a_real_trace(tmp_path):
-    config = jax_cgx.CompressionConfig(bits=4)
+    config = jax_cgx.CompressionConfig(bits=4, min_size=16)
     f = jax.jit(lambda x: jax_cgx.dequantize(jax_cgx.quantize(x * 2, config)).reshape(1024, -1) @ x.reshape(1024, -1).T)
     x = jnp.ones((1 << 20,), jnp.float32)
     f(x).block_until_ready()

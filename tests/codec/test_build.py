@@ -48,7 +48,7 @@ def test_the_extensions_implement_this_code_s_interface():
 
 
 def test_cpu_lowering_is_the_ffi_custom_call():
-    f = jax.jit(lambda x: jax_cgx.dequantize(jax_cgx.quantize(x, CompressionConfig(bits=3)), impl="kernel"))
+    f = jax.jit(lambda x: jax_cgx.dequantize(jax_cgx.quantize(x, CompressionConfig(bits=3, min_size=16)), impl="kernel"))
     hlo = f.lower(jnp.ones(1000)).as_text()
     assert "jax_cgx_quantize" in hlo and "jax_cgx_dequantize" in hlo
 
@@ -56,13 +56,13 @@ def test_cpu_lowering_is_the_ffi_custom_call():
 @pytest.mark.skipif(not jax_cgx.cuda_extension_available(), reason="CUDA extension not built")
 def test_cuda_lowering_is_the_ffi_custom_call():
     """Cross-lowering for CUDA works without a GPU and must name our targets."""
-    f = jax.jit(lambda x: jax_cgx.quantize(x, CompressionConfig(bits=4), impl="kernel").payload)
+    f = jax.jit(lambda x: jax_cgx.quantize(x, CompressionConfig(bits=4, min_size=16), impl="kernel").payload)
     hlo = f.trace(jnp.ones(1000)).lower(lowering_platforms=("cuda",)).as_text()
     assert "jax_cgx_quantize" in hlo
 
 
 def test_platform_without_kernel_falls_back_to_reference_with_a_warning(caplog):
-    f = jax.jit(lambda x: jax_cgx.quantize(x, CompressionConfig(bits=4), impl="auto").payload)
+    f = jax.jit(lambda x: jax_cgx.quantize(x, CompressionConfig(bits=4, min_size=16), impl="auto").payload)
     with caplog.at_level(logging.WARNING, logger="jax_cgx"):
         hlo = f.trace(jnp.ones(1000)).lower(lowering_platforms=("tpu",)).as_text()
     assert "jax_cgx_quantize" not in hlo
@@ -70,6 +70,6 @@ def test_platform_without_kernel_falls_back_to_reference_with_a_warning(caplog):
 
 
 def test_platform_without_kernel_and_impl_kernel_raises():
-    f = jax.jit(lambda x: jax_cgx.quantize(x, CompressionConfig(bits=4), impl="kernel").payload)
+    f = jax.jit(lambda x: jax_cgx.quantize(x, CompressionConfig(bits=4, min_size=16), impl="kernel").payload)
     with pytest.raises(NotImplementedError, match="no compiled kernel.*impl='auto'"):
         f.trace(jnp.ones(1000)).lower(lowering_platforms=("tpu",))

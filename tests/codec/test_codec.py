@@ -54,7 +54,7 @@ def test_kernel_matches_reference_every_width(bucket_size, dtype, stochastic):
     """Bitwise parity and the error bound, for every width 1..8."""
     n = 2 * bucket_size + 7 if bucket_size < 4096 else bucket_size + 1021
     x = sample(n, dtype, seed=bucket_size)
-    configs = [CompressionConfig(bits=b, bucket_size=bucket_size, stochastic=stochastic) for b in BITS]
+    configs = [CompressionConfig(bits=b, bucket_size=bucket_size, stochastic=stochastic, min_size=16) for b in BITS]
     for bits, (q, y) in zip(BITS, check_parity_all(x, configs), strict=True):
         err, bound = error_bound(x, np.asarray(y), n, bucket_size, bits, stochastic)
         assert np.all(err <= bound), f"bits={bits}: error {err.max()} above bound"
@@ -67,7 +67,7 @@ def test_kernel_matches_reference_sizes(n, bucket_size):
     check_parity_all(
         x,
         [
-            CompressionConfig(bits=bits, bucket_size=bucket_size, stochastic=stochastic)
+            CompressionConfig(bits=bits, bucket_size=bucket_size, stochastic=stochastic, min_size=16)
             for bits, stochastic in itertools.product((1, 3, 4, 8), (False, True))
         ],
     )
@@ -76,7 +76,7 @@ def test_kernel_matches_reference_sizes(n, bucket_size):
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
 def test_skip_incomplete_buckets_keeps_tail_exact(dtype):
     x = sample(1000, dtype)
-    config = CompressionConfig(bits=4, bucket_size=64, skip_incomplete_buckets=True)
+    config = CompressionConfig(bits=4, bucket_size=64, skip_incomplete_buckets=True, min_size=16)
     q, y = check_parity(x, config)
     assert q.tail.shape == (1000 - 960,)
     assert q.meta.shape == (15, 2)
@@ -119,7 +119,7 @@ def test_quantize_has_a_zero_gradient_on_every_implementation(impl):
 
 def test_shapes_and_dtypes_round_trip():
     x = jnp.asarray(sample(6 * 7 * 11, jnp.bfloat16)).reshape(6, 7, 11)
-    q, y = roundtrip(x, KEY, CompressionConfig(bits=5, bucket_size=100), "kernel")
+    q, y = roundtrip(x, KEY, CompressionConfig(bits=5, bucket_size=100, min_size=16), "kernel")
     assert y.shape == x.shape and y.dtype == x.dtype
     assert q.shape == (6, 7, 11) and q.dtype == np.dtype(jnp.bfloat16)
 
@@ -134,7 +134,7 @@ def test_payload_is_dense_per_bucket(bits):
         full, rest = divmod(n, bucket)
         expected = full * -(-bucket * bits // 8) + -(-rest * bits // 8)
         assert jax_cgx.payload_bytes(n, bucket, bits) == expected
-        q = jax_cgx.quantize(jnp.zeros(n), CompressionConfig(bits=bits, bucket_size=bucket))
+        q = jax_cgx.quantize(jnp.zeros(n), CompressionConfig(bits=bits, bucket_size=bucket, min_size=16))
         assert q.payload.shape == (expected,)
         assert q.meta.shape == (-(-n // bucket), 2)
         assert q.nbytes == expected + 8 * q.meta.shape[0]
@@ -160,7 +160,7 @@ def _numpy_decode(payload, meta, n, bits, bucket_size):
 def test_byte_layout_matches_spec(bits):
     x = sample(1000, jnp.float32, seed=bits)
     for bucket in (3, 64, 500):
-        q, y = roundtrip(x, KEY, CompressionConfig(bits=bits, bucket_size=bucket), "kernel")
+        q, y = roundtrip(x, KEY, CompressionConfig(bits=bits, bucket_size=bucket, min_size=16), "kernel")
         np.testing.assert_array_equal(_numpy_decode(q.payload, q.meta, 1000, bits, bucket), np.asarray(y))
 
 
@@ -171,7 +171,7 @@ def test_byte_layout_matches_spec(bits):
 def test_degenerate_buckets_decode_exactly(dtype):
     x = np.repeat(np.asarray([3.25, -7.0, 0.0, 1e-3], np.float32), 64)
     x = np.asarray(jnp.asarray(x, dtype))
-    configs = [CompressionConfig(bits=bits, bucket_size=64) for bits in BITS]
+    configs = [CompressionConfig(bits=bits, bucket_size=64, min_size=16) for bits in BITS]
     for bits, (q, y) in zip(BITS, check_parity_all(x, configs), strict=True):
         assert_same_bits(y, x, f"degenerate bits={bits}")
         assert np.all(np.asarray(q.meta[:, 1]) == 0)
@@ -182,7 +182,7 @@ def test_nan_bucket_decodes_nan(stochastic):
     """(Infinities and values up to float32's largest: tests/codec/test_range.py.)"""
     x = sample(256, jnp.float32)
     x[70] = np.nan
-    q, y = check_parity(x, CompressionConfig(bits=4, bucket_size=64, stochastic=stochastic))
+    q, y = check_parity(x, CompressionConfig(bits=4, bucket_size=64, stochastic=stochastic, min_size=16))
     y = np.asarray(y)
     assert np.all(np.isnan(y[64:128])), "the bucket holding a NaN must decode to NaN"
     assert np.all(np.isfinite(y[:64])) and np.all(np.isfinite(y[128:])), "other buckets stay finite"
@@ -202,7 +202,7 @@ def test_tiny_values_and_negative_zero(dtype):
     check_parity_all(
         x,
         [
-            CompressionConfig(bits=bits, bucket_size=64, stochastic=stochastic)
+            CompressionConfig(bits=bits, bucket_size=64, stochastic=stochastic, min_size=16)
             for bits in (1, 4, 8)
             for stochastic in (False, True)
         ],
@@ -213,7 +213,7 @@ def test_large_range_buckets():
     x = sample(512, jnp.float32)
     x[:64] = np.linspace(-(2.0**124), 2.0**124, 64)
     x[64:128] = np.linspace(2.0**-120, 2.0**-119, 64)
-    for q, y in check_parity_all(x, [CompressionConfig(bits=bits, bucket_size=64) for bits in BITS]):
+    for q, y in check_parity_all(x, [CompressionConfig(bits=bits, bucket_size=64, min_size=16) for bits in BITS]):
         assert np.all(np.isfinite(np.asarray(y)))
 
 
@@ -243,7 +243,7 @@ def test_stochastic_rounding_is_unbiased():
     """E[decode(quantize(x))] = x: the mean over K keys is within 5 standard errors."""
     k, bits = 4096, 2
     x = jnp.asarray(sample(64, jnp.float32, seed=7))
-    config = CompressionConfig(bits=bits, bucket_size=64, stochastic=True)
+    config = CompressionConfig(bits=bits, bucket_size=64, stochastic=True, min_size=16)
     keys = jax.random.split(jax.random.key(0), k)
     ys = jax.jit(jax.vmap(lambda key: roundtrip(x, key, config, "kernel")[1]))(keys)
     scale = float(bucket_scales(x, 64, 64, bits)[0])  # from the data, not the codec's metadata
@@ -259,12 +259,12 @@ def test_stochastic_rounding_is_unbiased():
 
 def test_stochastic_needs_a_key():
     with pytest.raises(ValueError, match="PRNG key"):
-        jax_cgx.quantize(jnp.ones(10), CompressionConfig(stochastic=True))
+        jax_cgx.quantize(jnp.ones(10), CompressionConfig(stochastic=True, min_size=16))
 
 
 def test_same_key_same_bytes_and_raw_keys_work():
     x = jnp.asarray(sample(1000, jnp.float32))
-    config = CompressionConfig(bits=3, bucket_size=64, stochastic=True)
+    config = CompressionConfig(bits=3, bucket_size=64, stochastic=True, min_size=16)
     a = jax_cgx.quantize(x, config, key=jax.random.key(5))
     b = jax_cgx.quantize(x, config, key=jax.random.key(5))
     c = jax_cgx.quantize(x, config, key=jax.random.PRNGKey(5))  # legacy uint32[2] key
@@ -278,7 +278,7 @@ def test_same_key_same_bytes_and_raw_keys_work():
 def test_vmap_matches_per_example_calls():
     xs = jnp.asarray(sample(3 * 500, jnp.float32)).reshape(3, 500)
     keys = jax.random.split(KEY, 3)
-    config = CompressionConfig(bits=3, bucket_size=64, stochastic=True)
+    config = CompressionConfig(bits=3, bucket_size=64, stochastic=True, min_size=16)
     for impl in ("kernel", "reference"):
         qs, ys = jax.vmap(lambda x, k: roundtrip(x, k, config, impl))(xs, keys)
         for i in range(3):
@@ -292,7 +292,7 @@ def test_vmap_matches_per_example_calls():
 
 def test_nested_vmap():
     xs = jnp.asarray(sample(2 * 3 * 100, jnp.float16)).reshape(2, 3, 100)
-    config = CompressionConfig(bits=6, bucket_size=7)
+    config = CompressionConfig(bits=6, bucket_size=7, min_size=16)
     f = jax.vmap(jax.vmap(lambda x: roundtrip(x, KEY, config, "kernel")[1]))
     g = jax.vmap(jax.vmap(lambda x: roundtrip(x, KEY, config, "reference")[1]))
     assert_same_bits(f(xs), g(xs))
@@ -357,7 +357,7 @@ def _stack(qs):
 @pytest.mark.parametrize("with_addend", [False, True])
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
 def test_dequantize_sum_matches_reference(w, with_addend, dtype):
-    n, config = 1001, CompressionConfig(bits=4, bucket_size=64)
+    n, config = 1001, CompressionConfig(bits=4, bucket_size=64, min_size=16)
     xs = [jnp.asarray(sample(n, dtype, seed=s)) for s in range(w)]
     q = _stack([jax_cgx.quantize(x, config) for x in xs])
     addend = jnp.asarray(sample(n, dtype, seed=99)) if with_addend else None
@@ -374,7 +374,7 @@ def test_dequantize_sum_matches_reference(w, with_addend, dtype):
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
 @pytest.mark.parametrize("bits", [1, 2, 4, 5, 8])
 def test_dequantize_sum_requantize_matches_reference(bits, dtype, stochastic):
-    n, config = 777, CompressionConfig(bits=bits, bucket_size=100, skip_incomplete_buckets=bits == 5)
+    n, config = 777, CompressionConfig(bits=bits, bucket_size=100, skip_incomplete_buckets=bits == 5, min_size=16)
     q = _stack([jax_cgx.quantize(jnp.asarray(sample(n, dtype, seed=s)), config) for s in range(4)])
     addend = jnp.asarray(sample(n, dtype, seed=42))
     s_k, out_k = sum_requantize(q, addend, KEY, stochastic, "kernel")
@@ -408,8 +408,7 @@ def test_dequantize_sum_requantize_matches_reference(bits, dtype, stochastic):
 def test_property_parity_and_bound(n, bits, bucket_size, dtype, stochastic, skip, seed):
     x = sample(n, dtype, seed=seed)
     config = CompressionConfig(
-        bits=bits, bucket_size=bucket_size, stochastic=stochastic, skip_incomplete_buckets=skip
-    )
+        bits=bits, bucket_size=bucket_size, stochastic=stochastic, skip_incomplete_buckets=skip, min_size=16)
     q, y = check_parity(x, config, key=jax.random.key(seed))
     m = n - n % bucket_size if skip else n
     assert q.num_quantized == m
@@ -429,7 +428,7 @@ def test_property_parity_and_bound(n, bits, bucket_size, dtype, stochastic, skip
 def test_property_parity_on_arbitrary_floats(values, bits, bucket_size):
     """Any f32 input, special values included, gives the same bytes on kernel and reference."""
     x = np.asarray(values, np.float32)
-    _, y = check_parity(x, CompressionConfig(bits=bits, bucket_size=bucket_size))
+    _, y = check_parity(x, CompressionConfig(bits=bits, bucket_size=bucket_size, min_size=16))
     # What each bucket decodes to, from the data (not from the metadata under test): NaN where the
     # format says so; elsewhere infinities stay themselves and finite values stay finite.
     y = np.asarray(y)
@@ -448,11 +447,11 @@ def test_property_parity_on_arbitrary_floats(values, bits, bucket_size):
 
 def test_bad_inputs_raise_clear_errors():
     with pytest.raises(TypeError, match="int32 cannot be quantized"):
-        jax_cgx.quantize(jnp.arange(10), CompressionConfig())
+        jax_cgx.quantize(jnp.arange(10), CompressionConfig(min_size=16))
     with pytest.raises(ValueError, match="bits=32 is not a quantization width"):
         jax_cgx.quantize(jnp.ones(10), CompressionConfig(bits=32))
     with pytest.raises(ValueError, match="impl must be one of"):
-        jax_cgx.quantize(jnp.ones(10), CompressionConfig(), impl="fast")
+        jax_cgx.quantize(jnp.ones(10), CompressionConfig(min_size=16), impl="fast")
     with pytest.raises(ValueError, match="stack the W inputs"):
         jax_cgx.dequantize_sum(jax_cgx.quantize(jnp.ones(10)))
     with pytest.raises(TypeError, match="expected a jax_cgx.Quantized"):
@@ -473,12 +472,12 @@ def test_every_cpu_isa_variant_gives_the_same_bytes(isa):
     try:
         x = sample(3001, jnp.bfloat16, seed=11)
         configs = [
-            CompressionConfig(bits=bits, bucket_size=bucket, stochastic=stochastic)
+            CompressionConfig(bits=bits, bucket_size=bucket, stochastic=stochastic, min_size=16)
             for bits, bucket, stochastic in [(1, 64, False), (3, 500, True), (4, 512, False), (7, 3, True), (8, 4096, False)]
         ]
         # The handler picks its variant each time it runs, so cached programs follow set_isa.
         check_parity_all(x, configs, key=jax.random.key(len(isa)))
-        n, config = 1001, CompressionConfig(bits=5, bucket_size=100)
+        n, config = 1001, CompressionConfig(bits=5, bucket_size=100, min_size=16)
         q = _stack([jax_cgx.quantize(jnp.asarray(sample(n, jnp.float32, seed=s)), config) for s in range(3)])
         addend = jnp.asarray(sample(n, jnp.float16, seed=5))
         assert_same_bits(sum_plain(q, addend, "kernel"), sum_plain(q, addend, "reference"))

@@ -43,7 +43,7 @@ def test_cuda_matches_cpu_every_width(devices, bucket_size, dtype, stochastic):
     for n in (0, 1, 97, 2 * bucket_size + 7, 100_003):
         x = sample(n, dtype, seed=n + bucket_size)
         for bits in BITS:
-            config = CompressionConfig(bits=bits, bucket_size=bucket_size, stochastic=stochastic)
+            config = CompressionConfig(bits=bits, bucket_size=bucket_size, stochastic=stochastic, min_size=16)
             q_g, y_g = roundtrip(_on(gpu, x), _on(gpu, KEY), config, "kernel")
             what = f"n={n} bits={bits} B={bucket_size} {np.dtype(dtype).name}"
             _assert_same_roundtrip((q_g, y_g), roundtrip(_on(cpu, x), _on(cpu, KEY), config, "kernel"), what)
@@ -60,7 +60,7 @@ def test_cuda_special_values(devices):
     x[700:764] = 5.0  # degenerate
     for bits in BITS:
         for stochastic in (False, True):
-            config = CompressionConfig(bits=bits, bucket_size=64, stochastic=stochastic)
+            config = CompressionConfig(bits=bits, bucket_size=64, stochastic=stochastic, min_size=16)
             _assert_same_roundtrip(roundtrip(_on(gpu, x), _on(gpu, KEY), config, "kernel"),
                                    roundtrip(_on(cpu, x), _on(cpu, KEY), config, "kernel"), f"bits={bits}")
 
@@ -71,7 +71,7 @@ def test_cuda_special_values(devices):
 def test_cuda_reduce_kernels_match_cpu(devices, dtype, stochastic, w):
     gpu, cpu = devices
     for bits, bucket in [(1, 3), (4, 512), (5, 500), (8, 4096)]:
-        config = CompressionConfig(bits=bits, bucket_size=bucket)
+        config = CompressionConfig(bits=bits, bucket_size=bucket, min_size=16)
         n = 3 * bucket + 11
         xs = [jnp.asarray(sample(n, dtype, seed=s)) for s in range(w)]
         q = jax.tree.map(lambda *a: jnp.stack(a), *[jax_cgx.quantize(x, config) for x in xs])
@@ -90,7 +90,7 @@ def test_cuda_large_buffer(devices):
     gpu, cpu = devices
     n = 64 * 2**20
     x = jax.random.normal(jax.random.key(3), (n,), jnp.float32)
-    config = CompressionConfig(bits=4, bucket_size=512)
+    config = CompressionConfig(bits=4, bucket_size=512, min_size=16)
     q_g, y_g = roundtrip(_on(gpu, x), _on(gpu, KEY), config, "kernel")
     q_c, y_c = roundtrip(_on(cpu, x), _on(cpu, KEY), config, "kernel")
     assert_same_bits(q_g.payload, q_c.payload, "payload 256 MiB")
@@ -105,6 +105,6 @@ def test_reference_compiled_for_gpu_matches_kernels(devices, stochastic):
     x = sample(100_003, jnp.float32, seed=11)
     for bits in BITS:
         for bucket in (7, 512):
-            config = CompressionConfig(bits=bits, bucket_size=bucket, stochastic=stochastic)
+            config = CompressionConfig(bits=bits, bucket_size=bucket, stochastic=stochastic, min_size=16)
             _assert_same_roundtrip(roundtrip(_on(gpu, x), _on(gpu, KEY), config, "reference"),
                                    roundtrip(_on(cpu, x), _on(cpu, KEY), config, "kernel"), f"bits={bits} B={bucket}")

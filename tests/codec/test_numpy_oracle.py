@@ -59,7 +59,7 @@ def _run_all(x, valid, addend, key, configs, impl):
     and dequantize_sum_requantize of the W encodings of rows 1..W with ``addend``."""
     out = []
     for bits, bucket, stochastic, skip in configs:
-        cfg = CompressionConfig(bits=bits, bucket_size=bucket, stochastic=stochastic, skip_incomplete_buckets=skip)
+        cfg = CompressionConfig(bits=bits, bucket_size=bucket, stochastic=stochastic, skip_incomplete_buckets=skip, min_size=16)
         q = jax_cgx.quantize(x[0], cfg, key=key, impl=impl)
         decoded = jax_cgx.dequantize(q, impl=impl)
         seeds = jax.random.bits(key, (x.shape[0], 2), jnp.uint32)

@@ -81,7 +81,7 @@ def test_whole_range_every_width(dtype, stochastic):
     # Every width in float32; in the 16-bit types, the widths where the levels run short (1, 2)
     # and two common ones (the conversions are the same for all).
     widths = BITS if dtype == np.float32 else (1, 2, 4, 8)
-    configs = [CompressionConfig(bits=b, bucket_size=B, stochastic=stochastic) for b in widths]
+    configs = [CompressionConfig(bits=b, bucket_size=B, stochastic=stochastic, min_size=16) for b in widths]
     for bits, (_, y) in zip(widths, run_both(x, configs)):
         y = np.asarray(y)
         for k in range(x.size // B):
@@ -92,7 +92,7 @@ def test_whole_range_every_width(dtype, stochastic):
 def test_normal_buckets_keep_their_bytes():
     """Buckets of finite values within 2^125 carry no flags: the scale field is the scale."""
     x = np.random.default_rng(1).standard_normal(4 * B).astype(np.float32) * 1e30
-    for q, _ in run_both(x, [CompressionConfig(bits=b, bucket_size=B) for b in BITS]):
+    for q, _ in run_both(x, [CompressionConfig(bits=b, bucket_size=B, min_size=16) for b in BITS]):
         assert np.all(np.asarray(q.meta[:, 1]).view(np.uint32) & 0xFF == 0)
 
 
@@ -102,7 +102,7 @@ def test_overflowing_sum_is_infinite(stochastic):
     rng = np.random.default_rng(2)
     x = rng.standard_normal(4 * B).astype(np.float32)
     x[3], x[70], x[140] = 3e38, -3e38, 1e38
-    config = CompressionConfig(bits=4, bucket_size=B, stochastic=stochastic)
+    config = CompressionConfig(bits=4, bucket_size=B, stochastic=stochastic, min_size=16)
     results = []
     for impl in ("kernel", "reference"):
         ((q, _),) = roundtrip_all(x, KEY, (config,), impl)
@@ -127,7 +127,7 @@ def test_long_buckets(stochastic):
     n, bucket = 9000, 8192
     x = np.random.default_rng(4).standard_normal(n).astype(np.float32)
     x[100], x[5000], x[6000], x[8500] = np.inf, 3e38, -1e38, -np.inf
-    configs = tuple(CompressionConfig(bits=b, bucket_size=bucket, stochastic=stochastic) for b in (1, 4, 8))
+    configs = tuple(CompressionConfig(bits=b, bucket_size=bucket, stochastic=stochastic, min_size=16) for b in (1, 4, 8))
     for config, (q, y) in zip(configs, run_both(x, configs)):
         y = np.asarray(y)
         for part in (slice(0, bucket), slice(bucket, n)):

@@ -36,7 +36,7 @@ CASES = list(itertools.product(
 def test_compression_ratio_from_first_principles(dtype):
     itemsize = ITEMSIZE[dtype]
     for n, bits, bucket, skip in CASES:
-        config = CompressionConfig(bits=bits, bucket_size=bucket, skip_incomplete_buckets=skip)
+        config = CompressionConfig(bits=bits, bucket_size=bucket, skip_incomplete_buckets=skip, min_size=16)
         # The sizes are static: the shapes quantize gives, without running it.
         q = jax.eval_shape(lambda x: jax_cgx.quantize(x, config), jax.ShapeDtypeStruct((n,), dtype))  # noqa: B023
         want = expected_bytes(n, bits, bucket, skip, itemsize)
@@ -46,7 +46,7 @@ def test_compression_ratio_from_first_principles(dtype):
     # And the arrays an actual encoding holds are that many bytes.
     for n, bits, bucket, skip in [(1000, 3, 64, True), (4099, 8, 512, False), (7, 1, 3, True)]:
         q = jax_cgx.quantize(jnp.linspace(-1.0, 1.0, n, dtype=dtype),
-                             CompressionConfig(bits=bits, bucket_size=bucket, skip_incomplete_buckets=skip))
+                             CompressionConfig(bits=bits, bucket_size=bucket, skip_incomplete_buckets=skip, min_size=16))
         held = sum(np.asarray(a).nbytes for a in (q.payload, q.meta, q.tail))
         assert held == q.nbytes == expected_bytes(n, bits, bucket, skip, itemsize)
 
@@ -54,15 +54,15 @@ def test_compression_ratio_from_first_principles(dtype):
 def test_documented_ratios():
     """docs/format.md: 4 bits, B = 512, float32: 0.5156 bytes per value, 7.76x; docs/algorithm.md's
     table (4 / (bits/8 + 8/B)) for whole buckets."""
-    q = jax_cgx.quantize(jnp.ones(512 * 64), CompressionConfig(bits=4, bucket_size=512))
+    q = jax_cgx.quantize(jnp.ones(512 * 64), CompressionConfig(bits=4, bucket_size=512, min_size=16))
     assert q.nbytes / (512 * 64) == pytest.approx(0.5156, abs=1e-4)
     assert q.compression_ratio == pytest.approx(7.76, abs=0.005)
     for bits, bucket, table in [(1, 128, 21.3), (2, 512, 15.1), (8, 2048, 4.0), (5, 128, 5.8)]:
-        q = jax_cgx.quantize(jnp.ones(bucket * 8), CompressionConfig(bits=bits, bucket_size=bucket))
+        q = jax_cgx.quantize(jnp.ones(bucket * 8), CompressionConfig(bits=bits, bucket_size=bucket, min_size=16))
         assert q.compression_ratio == pytest.approx(4 / (bits / 8 + 8 / bucket), rel=1e-12)
         assert round(q.compression_ratio, 1) == table
 
 
 def test_empty_input_ratio_is_one():
-    q = jax_cgx.quantize(jnp.zeros(0), CompressionConfig(bits=4, bucket_size=64))
+    q = jax_cgx.quantize(jnp.zeros(0), CompressionConfig(bits=4, bucket_size=64, min_size=16))
     assert q.nbytes == 0 and q.compression_ratio == 1.0

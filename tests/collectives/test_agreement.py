@@ -32,7 +32,7 @@ def test_a_description_names_what_goes_on_the_wire():
 def test_one_process_never_touches_the_store(monkeypatch):
     monkeypatch.setattr(agreement, "_agree", lambda *a: pytest.fail("agreed with nobody"))
     mesh = jax.make_mesh((4,), ("d",), devices=jax.devices()[:4])
-    f = jax.jit(jax.shard_map(lambda v: jax_cgx.compressed_psum(v, "d", jax_cgx.CompressionConfig(bits=4)),
+    f = jax.jit(jax.shard_map(lambda v: jax_cgx.compressed_psum(v, "d", jax_cgx.CompressionConfig(bits=4, min_size=16)),
                               mesh=mesh, in_specs=P("d"), out_specs=P("d")))
     f.lower(jax.device_put(np.ones(4096, np.float32), NamedSharding(mesh, P("d")))).compile()
 

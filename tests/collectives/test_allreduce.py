@@ -43,7 +43,7 @@ def assert_replicas_identical(out):
 def test_replicas_identical_oracle_and_bound(bits, stochastic):
     n = 1000 + 3  # divisible by neither W nor the bucket
     xs = rows(n, seed=bits)
-    config = CompressionConfig(bits=bits, bucket_size=64, stochastic=stochastic)
+    config = CompressionConfig(bits=bits, bucket_size=64, stochastic=stochastic, min_size=16)
     mesh = mesh_1d()
     out = psum_1d(per_device(xs, mesh), KEY, config)
     assert_replicas_identical(out)
@@ -56,7 +56,7 @@ def test_replicas_identical_oracle_and_bound(bits, stochastic):
 @pytest.mark.parametrize("impl", ["kernel", "reference"])
 def test_kernel_and_reference_backends_agree(impl):
     xs = rows(4099)
-    config = CompressionConfig(bits=3, bucket_size=128)
+    config = CompressionConfig(bits=3, bucket_size=128, min_size=16)
     mesh = mesh_1d()
     out = psum_1d(per_device(xs, mesh), KEY, config, impl=impl)
     assert_same_bits(out[0], oracle(xs, config)[0])
@@ -65,7 +65,7 @@ def test_kernel_and_reference_backends_agree(impl):
 @pytest.mark.parametrize("check_vma", [True, False])
 def test_pmean_is_psum_over_world(check_vma):
     xs = rows(777)
-    config = CompressionConfig(bits=4, bucket_size=32)
+    config = CompressionConfig(bits=4, bucket_size=32, min_size=16)
     mesh = mesh_1d()
     s = psum_1d(per_device(xs, mesh), KEY, config, check_vma=check_vma)
     m = psum_1d(per_device(xs, mesh), KEY, config, check_vma=check_vma, mean=True)
@@ -121,8 +121,8 @@ def test_bits_32_is_exactly_psum_and_bits_16_is_half_psum():
     exact = lambda v: jax.lax.psum(v, "d")  # noqa: E731
     half = lambda v: jax.lax.psum(v.astype(jnp.bfloat16), "d").astype(v.dtype)  # noqa: E731
     assert jaxpr(lambda v: jax_cgx.compressed_psum(v, "d", CompressionConfig(bits=32))) == jaxpr(exact)
-    assert jaxpr(lambda v: jax_cgx.compressed_psum(v, "d", CompressionConfig(bits=16))) == jaxpr(half)
-    out = psum_1d(xs, KEY, CompressionConfig(bits=16))
+    assert jaxpr(lambda v: jax_cgx.compressed_psum(v, "d", CompressionConfig(bits=16, min_size=16))) == jaxpr(half)
+    out = psum_1d(xs, KEY, CompressionConfig(bits=16, min_size=16))
     assert_replicas_identical(out)
     # Each value cast to bfloat16, summed in bfloat16: the bound from the data (its worst case,
     # W roundings of sum |x|, is above the old empirical tolerance at the largest sums, which stays).
@@ -138,7 +138,7 @@ def test_bits_16_half_dtype(half):
     mesh = mesh_1d()
     xs = rows(300)
     dtype = jnp.dtype(half)
-    out = psum_1d(per_device(xs, mesh), KEY, CompressionConfig(bits=16, half_dtype=half))
+    out = psum_1d(per_device(xs, mesh), KEY, CompressionConfig(bits=16, half_dtype=half, min_size=16))
     assert out.dtype == np.float32
     assert_replicas_identical(out)
     body = lambda x: jax.lax.psum(x[0].astype(dtype), "d").astype(jnp.float32)[None]  # noqa: E731
@@ -147,7 +147,7 @@ def test_bits_16_half_dtype(half):
     err, bound = half_psum_bound(xs, out[0], dtype)
     assert np.all(err <= bound), float(np.max(err - bound))
     # A float16 leaf too: the result keeps the leaf's dtype.
-    out16 = psum_1d(per_device(xs.astype(jnp.float16), mesh), KEY, CompressionConfig(bits=16, half_dtype=half))
+    out16 = psum_1d(per_device(xs.astype(jnp.float16), mesh), KEY, CompressionConfig(bits=16, half_dtype=half, min_size=16))
     assert out16.dtype == np.float16
     err, bound = half_psum_bound(np.asarray(xs.astype(jnp.float16)), out16[0], dtype)
     assert np.all(err <= bound + 2.0**-11 * np.abs(out16[0].astype(np.float64))), float(np.max(err - bound))
@@ -156,7 +156,7 @@ def test_bits_16_half_dtype(half):
 def test_deterministic_across_runs():
     xs = rows(5000)
     mesh = mesh_1d()
-    config = CompressionConfig(bits=2, bucket_size=100, stochastic=True)
+    config = CompressionConfig(bits=2, bucket_size=100, stochastic=True, min_size=16)
     a = psum_1d(per_device(xs, mesh), KEY, config)
     b = psum_1d(per_device(xs, mesh), KEY, config)
     assert_same_bits(a, b)
@@ -166,7 +166,7 @@ def test_deterministic_across_runs():
 
 def test_skip_incomplete_buckets_reduces_the_tail_exactly():
     xs = rows(1000)
-    config = CompressionConfig(bits=4, bucket_size=64, skip_incomplete_buckets=True)
+    config = CompressionConfig(bits=4, bucket_size=64, skip_incomplete_buckets=True, min_size=16)
     mesh = mesh_1d()
     out = psum_1d(per_device(xs, mesh), KEY, config)
     assert_replicas_identical(out)
@@ -181,7 +181,7 @@ def test_skip_incomplete_buckets_reduces_the_tail_exactly():
 @pytest.mark.parametrize("check_vma", [True, False])
 def test_grad_like_psum(check_vma):
     xs = rows(640)
-    config = CompressionConfig(bits=8, bucket_size=64)
+    config = CompressionConfig(bits=8, bucket_size=64, min_size=16)
     mesh = mesh_1d()
     weights = jnp.linspace(-1, 1, 640)
 
@@ -212,7 +212,7 @@ def test_grad_like_psum(check_vma):
 
 def test_vmap_over_a_non_reduced_axis():
     xs = jax.random.normal(jax.random.key(1), (W, 3, 500))
-    config = CompressionConfig(bits=4, bucket_size=50)
+    config = CompressionConfig(bits=4, bucket_size=50, min_size=16)
     mesh = mesh_1d()
 
     def run(f):
@@ -228,14 +228,14 @@ def test_vmap_over_a_non_reduced_axis():
 
 
 def test_vmap_over_the_reduced_axis_is_rejected():
-    config = CompressionConfig(bits=4)
+    config = CompressionConfig(bits=4, min_size=16)
     with pytest.raises(NotImplementedError, match="vmapped axis 'i'"):
         jax.vmap(lambda v: jax_cgx.compressed_psum(v, "i", config), axis_name="i")(jnp.ones((4, 100)))
 
 
 def test_pmap():
     xs = rows(900)
-    config = CompressionConfig(bits=5, bucket_size=64)
+    config = CompressionConfig(bits=5, bucket_size=64, min_size=16)
     out = np.asarray(jax.pmap(lambda x: jax_cgx.compressed_psum(x, "i", config), axis_name="i")(xs))
     assert_replicas_identical(out)
     assert_same_bits(out[0], oracle(xs, config)[0])
@@ -243,7 +243,7 @@ def test_pmap():
 
 def test_scan_and_cond():
     xs = rows(256)
-    config = CompressionConfig(bits=4, bucket_size=64)
+    config = CompressionConfig(bits=4, bucket_size=64, min_size=16)
     mesh = mesh_1d()
 
     def body(x):
@@ -276,7 +276,7 @@ def _mesh_2d():
 def test_2d_mesh_one_axis_and_both(axes):
     mesh = _mesh_2d()
     xs = jax.random.normal(jax.random.key(2), (4, 2, 1000))
-    config = CompressionConfig(bits=4, bucket_size=64)
+    config = CompressionConfig(bits=4, bucket_size=64, min_size=16)
     f = jax.jit(
         jax.shard_map(
             lambda x: jax_cgx.compressed_psum(x[0, 0], axes, config)[None, None],
@@ -313,7 +313,7 @@ def test_pytree_of_mixed_leaves():
         "count": jnp.arange(W * 3, dtype=jnp.int32).reshape(W, 3),
         "nested": [jax.random.normal(jax.random.key(5), (W, 100)), jnp.zeros((W, 0))],
     }
-    config = CompressionConfig(bits=4, bucket_size=64, fusion_buffer_mb=0.004)  # ~1000 f32 per buffer
+    config = CompressionConfig(bits=4, bucket_size=64, fusion_buffer_mb=0.004, min_size=16)  # ~1000 f32 per buffer
     body = lambda t: jax.tree.map(lambda v: v[None], jax_cgx.compressed_psum(jax.tree.map(lambda v: v[0], t), "d", config))  # noqa: E731
     out = jax.tree.map(
         np.asarray,
@@ -343,8 +343,8 @@ def test_pytree_of_mixed_leaves():
 def test_fusion_buffer_sizes_do_not_change_correctness():
     xs = rows(3000)
     mesh = mesh_1d()
-    small = CompressionConfig(bits=4, bucket_size=64, fusion_buffer_mb=0.002)  # 524 values < the leaf
-    large = CompressionConfig(bits=4, bucket_size=64, fusion_buffer_mb=64)
+    small = CompressionConfig(bits=4, bucket_size=64, fusion_buffer_mb=0.002, min_size=16)  # 524 values < the leaf
+    large = CompressionConfig(bits=4, bucket_size=64, fusion_buffer_mb=64, min_size=16)
     a = psum_1d(per_device(xs, mesh), KEY, small)
     b = psum_1d(per_device(xs, mesh), KEY, large)
     assert_replicas_identical(a)
@@ -361,7 +361,7 @@ def test_fusion_buffer_sizes_do_not_change_correctness():
 def test_per_leaf_configs_pytree_and_callable():
     mesh = mesh_1d()
     tree = {"w": rows(2000, seed=1), "b": rows(2000, seed=2)}
-    four = CompressionConfig(bits=4, bucket_size=64)
+    four = CompressionConfig(bits=4, bucket_size=64, min_size=16)
 
     def run(config):
         body = lambda t: jax.tree.map(  # noqa: E731
@@ -389,7 +389,7 @@ def test_per_leaf_configs_pytree_and_callable():
 def test_hlo_has_codec_calls_and_no_f32_all_reduce():
     xs = rows(4096)
     mesh = mesh_1d()
-    config = CompressionConfig(bits=4, bucket_size=512)
+    config = CompressionConfig(bits=4, bucket_size=512, min_size=16)
     hlo = psum_1d_jit.lower(per_device(xs, mesh), KEY, config, impl="kernel").compile().as_text()
     for target in ("jax_cgx_quantize", "jax_cgx_dequantize_sum_requantize", "jax_cgx_dequantize"):
         assert target in hlo
@@ -408,17 +408,17 @@ def test_clear_errors():
         return jax.jit(jax.shard_map(lambda x: f(x[0])[None], mesh=mesh, in_specs=P("d"), out_specs=P("d"), check_vma=check_vma))(xs)
 
     with pytest.raises(NameError, match="axis name 'batch' is not bound"):
-        run(lambda v: jax_cgx.compressed_psum(v, "batch", CompressionConfig()))
+        run(lambda v: jax_cgx.compressed_psum(v, "batch", CompressionConfig(min_size=16)))
     with pytest.raises(NameError, match="axis name 'batch' is not bound"):
-        jax_cgx.compressed_psum(jnp.ones(4), "batch", CompressionConfig())
+        jax_cgx.compressed_psum(jnp.ones(4), "batch", CompressionConfig(min_size=16))
     with pytest.raises(ValueError, match="needs a PRNG key"):
-        run(lambda v: jax_cgx.compressed_psum(v, "d", CompressionConfig(stochastic=True)))
+        run(lambda v: jax_cgx.compressed_psum(v, "d", CompressionConfig(stochastic=True, min_size=16)))
     with pytest.raises(TypeError, match="complex64, which cannot"):
-        run(lambda v: jax_cgx.compressed_psum(v.astype(jnp.complex64), "d", CompressionConfig()).real)
+        run(lambda v: jax_cgx.compressed_psum(v.astype(jnp.complex64), "d", CompressionConfig(min_size=16)).real)
     with pytest.raises(TypeError, match="must be a CompressionConfig or None"):
         run(lambda v: jax_cgx.compressed_psum(v, "d", lambda p, leaf: 4))
     with pytest.raises(ValueError, match="impl must be one of"):
-        run(lambda v: jax_cgx.compressed_psum(v, "d", CompressionConfig(), impl="gpu"))
+        run(lambda v: jax_cgx.compressed_psum(v, "d", CompressionConfig(min_size=16), impl="gpu"))
 
 
 def test_config_none_reads_the_environment(monkeypatch):
@@ -428,7 +428,7 @@ def test_config_none_reads_the_environment(monkeypatch):
     monkeypatch.setenv("CGX_COMPRESSION_BUCKET_SIZE", "128")
     f = jax.shard_map(lambda x: jax_cgx.compressed_psum(x[0], "d")[None], mesh=mesh, in_specs=P("d"), out_specs=P("d"))
     out = np.asarray(jax.jit(f)(per_device(xs, mesh)))
-    assert_same_bits(out[0], oracle(xs, CompressionConfig(bits=3, bucket_size=128))[0])
+    assert_same_bits(out[0], oracle(xs, CompressionConfig(bits=3, bucket_size=128, min_size=16))[0])
 
 
 @pytest.mark.parametrize("world", [1, W])
@@ -439,7 +439,7 @@ def test_pmean_of_integer_leaves_is_lax_pmean(world):
                        jax.sharding.NamedSharding(mesh, P("d")))
 
     def body(v):
-        return jax_cgx.compressed_pmean(v[0], "d", CompressionConfig(bits=4))[None], jax.lax.pmean(v[0], "d")[None]
+        return jax_cgx.compressed_pmean(v[0], "d", CompressionConfig(bits=4, min_size=16))[None], jax.lax.pmean(v[0], "d")[None]
 
     got, want = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("d"), out_specs=P("d")))(x)
     assert got.dtype == want.dtype == jnp.float32

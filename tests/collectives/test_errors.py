@@ -40,12 +40,12 @@ def test_too_many_fusion_buffers_name_fusion_buffer_mb():
     # 0.001 MiB buffers of a 4 MiB leaf: 4003 buffers, which used to compile for minutes.
     xs = _spec((W, 2**20))
     with pytest.raises(ValueError, match=r"fusion_buffer_mb=0.001 .* 4003 fusion buffers.*fusion_buffer_mb >= "):
-        _trace_psum(xs, CompressionConfig(fusion_buffer_mb=0.001))
+        _trace_psum(xs, CompressionConfig(fusion_buffer_mb=0.001, min_size=16))
 
 
 def test_fusion_buffer_limit_is_inclusive_and_counts_every_group():
     per = int(MIN_FUSION_BUFFER_MB * 2**20) // 4  # float32 values per buffer
-    config = CompressionConfig(fusion_buffer_mb=MIN_FUSION_BUFFER_MB)
+    config = CompressionConfig(fusion_buffer_mb=MIN_FUSION_BUFFER_MB, min_size=16)
     _trace_psum(_spec((W, MAX_FUSION_BUFFERS * per)), config)
     with pytest.raises(ValueError, match=f"{MAX_FUSION_BUFFERS + 1} fusion buffers"):
         _trace_psum(_spec((W, MAX_FUSION_BUFFERS * per + 1)), config)
@@ -59,9 +59,9 @@ def test_fusion_buffer_limit_is_inclusive_and_counts_every_group():
 def test_suggested_fusion_buffer_size_fits():
     xs = _spec((W, 2**20))
     with pytest.raises(ValueError) as err:
-        _trace_psum(xs, CompressionConfig(fusion_buffer_mb=0.001))
+        _trace_psum(xs, CompressionConfig(fusion_buffer_mb=0.001, min_size=16))
     suggested = float(str(err.value).split("fusion_buffer_mb >= ")[1].split(" ")[0])
-    _trace_psum(xs, CompressionConfig(fusion_buffer_mb=suggested))
+    _trace_psum(xs, CompressionConfig(fusion_buffer_mb=suggested, min_size=16))
 
 
 def test_suggested_fusion_buffer_size_fits_leaves_alone():
@@ -69,15 +69,15 @@ def test_suggested_fusion_buffer_size_fits_leaves_alone():
     # 1 MiB buffer need 1200 buffers, not 600. The suggestion must count that way (2 MiB would not do).
     xs = [_spec((W, 2**17)) for _ in range(1200)]
     with pytest.raises(ValueError, match=r"into 1200 fusion buffers") as err:
-        _trace_psum(xs, CompressionConfig(fusion_buffer_mb=1))
+        _trace_psum(xs, CompressionConfig(fusion_buffer_mb=1, min_size=16))
     suggested = float(str(err.value).split("fusion_buffer_mb >= ")[1].split(" ")[0])
     assert suggested == 4
-    _trace_psum(xs, CompressionConfig(fusion_buffer_mb=suggested))
+    _trace_psum(xs, CompressionConfig(fusion_buffer_mb=suggested, min_size=16))
 
 
 def test_huge_fusion_buffers_plan():
     # Any finite size is accepted (test_config): the rule for leaves alone must not overflow a float.
-    _trace_psum(_spec((W, 4096)), CompressionConfig(fusion_buffer_mb=1e308))
+    _trace_psum(_spec((W, 4096)), CompressionConfig(fusion_buffer_mb=1e308, min_size=16))
 
 
 # ------------------------------------------------------------ empty leaves
@@ -114,7 +114,7 @@ def test_empty_leaf_with_min_size_zero(residual):
 
 @pytest.mark.parametrize("key", [0, 7, np.int64(3), "seed", 1.5])
 def test_non_key_is_a_clear_type_error(key):
-    config = CompressionConfig(stochastic=True)
+    config = CompressionConfig(stochastic=True, min_size=16)
     with pytest.raises(TypeError, match=r"quantize: key must be a PRNG key from jax.random.key"):
         jax_cgx.quantize(jnp.ones(1024), config, key=key)
     q = jax.vmap(lambda v: jax_cgx.quantize(v, config, key=jax.random.key(1)))(jnp.ones((2, 1024)))
@@ -131,11 +131,11 @@ def test_non_key_is_a_clear_type_error(key):
 
 def test_integer_key_message_shows_the_fix():
     with pytest.raises(TypeError, match=r"got the integer 0; pass key=jax.random.key\(0\)"):
-        jax_cgx.quantize(jnp.ones(1024), CompressionConfig(stochastic=True), key=0)
+        jax_cgx.quantize(jnp.ones(1024), CompressionConfig(stochastic=True, min_size=16), key=0)
 
 
 def test_valid_keys_still_work():
-    config = CompressionConfig(stochastic=True)
+    config = CompressionConfig(stochastic=True, min_size=16)
     typed = jax_cgx.quantize(jnp.arange(1024.0), config, key=jax.random.key(3))
     legacy = jax_cgx.quantize(jnp.arange(1024.0), config, key=jax.random.PRNGKey(3))
     np.testing.assert_array_equal(typed.payload, legacy.payload)
@@ -147,7 +147,7 @@ def test_valid_keys_still_work():
 
 
 def _quantized(skip: bool, stacked: bool):
-    config = CompressionConfig(bits=4, bucket_size=64, skip_incomplete_buckets=skip)
+    config = CompressionConfig(bits=4, bucket_size=64, skip_incomplete_buckets=skip, min_size=16)
     x = jnp.linspace(-1, 1, 1000, dtype=jnp.float32)
     if stacked:
         return jax.vmap(lambda v: jax_cgx.quantize(v, config, impl="reference"))(jnp.stack([x, -x]))
@@ -206,7 +206,7 @@ def test_tampered_arrays(changes, match, impl):
 @pytest.mark.parametrize("skip", [False, True])
 def test_untampered_quantized_passes(skip):
     x = jnp.linspace(-1, 1, 1000, dtype=jnp.float32)
-    q = jax_cgx.quantize(x, CompressionConfig(bits=4, bucket_size=64, skip_incomplete_buckets=skip))
+    q = jax_cgx.quantize(x, CompressionConfig(bits=4, bucket_size=64, skip_incomplete_buckets=skip, min_size=16))
     m = 960 if skip else 1000
     err, bound = error_bound(np.asarray(x), np.asarray(jax_cgx.dequantize(q)), m, 64, 4, False)  # was: atol 0.1
     assert np.all(err <= bound), float(np.max(err - bound))
@@ -237,7 +237,7 @@ def test_vmap_over_another_axis_still_works():
     mesh = mesh_1d()
 
     def body(x):
-        return jax.vmap(lambda r: jax_cgx.compressed_psum(r, "d", CompressionConfig(bits=8)))(x)
+        return jax.vmap(lambda r: jax_cgx.compressed_psum(r, "d", CompressionConfig(bits=8, min_size=16)))(x)
 
     f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(None, "d"), out_specs=P(None, None)))
     out = f(per_device(jnp.ones((3, W * 64)), mesh, P(None, "d")))
@@ -250,7 +250,7 @@ def test_buffers_past_int32_counts_are_refused(op):
     """A buffer of 2^31 values or more per rank: the kernels' int32 real-value counts would wrap
     and the buffer decode to zeros. Lowered only (nothing is allocated): a clear error instead."""
     n = 2**31 + 64
-    big = CompressionConfig(bits=4, fusion_buffer_mb=16384)
+    big = CompressionConfig(bits=4, fusion_buffer_mb=16384, min_size=16)
     mesh = jax.make_mesh((2, 2), ("o", "i"), devices=jax.devices()[:4])
     calls = {
         "psum": (lambda v: jax_cgx.compressed_psum(v, "o", big), (n,)),
@@ -273,7 +273,7 @@ def test_buffers_past_int32_counts_are_refused(op):
 ])
 def test_rank_counts_are_checked(world, inner, message):
     tree = {"w": jax.ShapeDtypeStruct((4096,), jnp.float32)}
-    config = CompressionConfig(bits=4)
+    config = CompressionConfig(bits=4, min_size=16)
     for op in ("psum", "psum_scatter", "all_gather"):
         with pytest.raises(ValueError, match=f"bytes_on_wire: {message}"):
             bytes_on_wire(tree, world, config, inner_world=inner, op=op)
@@ -285,7 +285,7 @@ def test_rank_counts_are_checked(world, inner, message):
 def test_explain_over_one_rank_and_the_scatter_refusals():
     tree = {"w": jax.ShapeDtypeStruct((64, 64), jnp.float32), "odd": jax.ShapeDtypeStruct((7,), jnp.float32)}
     # one rank: nothing moves, every leaf exact (before: ZeroDivisionError while printing)
-    report = jax_cgx.explain(tree, world=1, config=CompressionConfig(bits=4), file=None)
+    report = jax_cgx.explain(tree, world=1, config=CompressionConfig(bits=4, min_size=16), file=None)
     assert [r.how for r in report.leaves] == ["exact", "exact"] and report.buffers == []
     assert "over 1 ranks" in str(report)
     # what compressed_psum_scatter refuses, explain refuses with its words (before: a plan was printed)
@@ -310,7 +310,7 @@ def test_a_float64_leaf_is_refused_with_a_fix_that_works_for_config_none():
         from jax.sharding import PartitionSpec as P
         import jax_cgx
         mesh = jax.make_mesh((1,), ("data",), devices=jax.devices()[:1])
-        for config in (None, jax_cgx.CompressionConfig(bits=4)):
+        for config in (None, jax_cgx.CompressionConfig(bits=4, min_size=16)):
             f = lambda v: jax_cgx.compressed_pmean(jax.lax.pcast(v, "data", to="varying"), "data", config)
             try:
                 jax.shard_map(f, mesh=mesh, in_specs=P(), out_specs=P())({"w": jnp.zeros((64,), jnp.float64)})

@@ -73,10 +73,10 @@ def check(shape, config, n=1003, seed=0):
 
 
 CONFIGS = {
-    "sra-nearest": CompressionConfig(bits=4, bucket_size=64, hierarchical=True),
-    "sra-stochastic": CompressionConfig(bits=3, bucket_size=64, stochastic=True, hierarchical=True),
-    "ring-nearest": CompressionConfig(bits=5, bucket_size=32, algorithm="ring", hierarchical=True),
-    "ring-stochastic": CompressionConfig(bits=2, bucket_size=64, stochastic=True, algorithm="ring", hierarchical=True),
+    "sra-nearest": CompressionConfig(bits=4, bucket_size=64, hierarchical=True, min_size=16),
+    "sra-stochastic": CompressionConfig(bits=3, bucket_size=64, stochastic=True, hierarchical=True, min_size=16),
+    "ring-nearest": CompressionConfig(bits=5, bucket_size=32, algorithm="ring", hierarchical=True, min_size=16),
+    "ring-stochastic": CompressionConfig(bits=2, bucket_size=64, stochastic=True, algorithm="ring", hierarchical=True, min_size=16),
 }
 
 
@@ -88,19 +88,19 @@ def test_replicas_identical_and_bound(shape, config):
 
 def test_skip_incomplete_buckets():
     """The head is cut into whole buckets per shard; the tail is reduced exactly."""
-    config = CompressionConfig(bits=4, bucket_size=64, skip_incomplete_buckets=True, hierarchical=True)
+    config = CompressionConfig(bits=4, bucket_size=64, skip_incomplete_buckets=True, hierarchical=True, min_size=16)
     check((4, 2), config, n=1003)
 
 
 def test_one_node_is_an_exact_psum():
     xs = grid((1, 8), 500)
-    out = psum_grid(xs, mesh_2d((1, 8), NAMES), AXES, CompressionConfig(bits=2, hierarchical=True))
+    out = psum_grid(xs, mesh_2d((1, 8), NAMES), AXES, CompressionConfig(bits=2, hierarchical=True, min_size=16))
     np.testing.assert_allclose(out[0, 0], xs.astype(np.float64).sum((0, 1)), rtol=1e-5, atol=1e-5)
 
 
 def test_single_axis_raises():
     mesh = jax.make_mesh((8,), ("d",), axis_types=(jax.sharding.AxisType.Explicit,))
-    config = CompressionConfig(bits=4, hierarchical=True)
+    config = CompressionConfig(bits=4, hierarchical=True, min_size=16)
     f = jax.shard_map(lambda x: jax_cgx.compressed_psum(x[0], "d", config)[None], mesh=mesh, in_specs=P("d"), out_specs=P("d"))
     xs = jax.device_put(jnp.ones((8, 100)), NamedSharding(mesh, P("d")))
     with pytest.raises(ValueError, match=r"hierarchical=True needs a reduction over \(cross-node axes"):
@@ -112,7 +112,7 @@ def test_grad_like_psum_and_invariant_result(check_vma):
     shape, n = (2, 4), 640
     mesh = mesh_2d(shape, NAMES)
     xs = jax.device_put(grid(shape, n), NamedSharding(mesh, P(*NAMES)))
-    config = CompressionConfig(bits=8, bucket_size=64, hierarchical=True)
+    config = CompressionConfig(bits=8, bucket_size=64, hierarchical=True, min_size=16)
     weights = jnp.linspace(-1, 1, n)
 
     def grads(reduce):
@@ -136,19 +136,19 @@ def test_grad_like_psum_and_invariant_result(check_vma):
 
 def test_bytes_on_wire():
     tree = {"w": jax.ShapeDtypeStruct((4096,), jnp.float32), "b": jax.ShapeDtypeStruct((10,), jnp.float32)}
-    config = CompressionConfig(bits=4, bucket_size=512, hierarchical=True)
+    config = CompressionConfig(bits=4, bucket_size=512, hierarchical=True, min_size=16)
     exact_b = 2 * 7 / 8 * 10 * 4  # small leaf: a plain psum over all 8 ranks
     # Inner axis of 4: reduce-scatter + all-gather of 4 shards of 1024 values; the shard
     # goes through SRA over 2 nodes: 1 chunk of 512 values (256 payload bytes + 8 meta) each way.
     inner = 2 * 3 * 1024 * 4
     outer = 2 * 1 * (256 + 8)
     assert bytes_on_wire(tree, 8, config, inner_world=4) == round(inner + outer + exact_b)
-    ring = CompressionConfig(bits=4, bucket_size=512, hierarchical=True, algorithm="ring")
+    ring = CompressionConfig(bits=4, bucket_size=512, hierarchical=True, algorithm="ring", min_size=16)
     assert bytes_on_wire(tree, 8, ring, inner_world=4) == round(inner + outer + exact_b)
     # One node: an exact psum of everything.
     assert bytes_on_wire(tree, 8, config, inner_world=8) == round(2 * 7 / 8 * (4096 + 10) * 4)
     # Far fewer bytes cross nodes than a flat compressed exchange sends, but more move in total.
-    flat = bytes_on_wire(tree, 8, CompressionConfig(bits=4, bucket_size=512))
+    flat = bytes_on_wire(tree, 8, CompressionConfig(bits=4, bucket_size=512, min_size=16))
     assert outer < flat < inner + outer
     with pytest.raises(ValueError, match="inner_world"):
         bytes_on_wire(tree, 8, config)

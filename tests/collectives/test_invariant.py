@@ -25,7 +25,7 @@ from jax_cgx import CompressionConfig
 from jax_cgx.optax import compressed_mean
 
 N = 1000
-CONFIG = CompressionConfig(bits=4, bucket_size=64)
+CONFIG = CompressionConfig(bits=4, bucket_size=64, min_size=16)
 FIX = r"jax\.lax\.pcast\(params, 'd', to='varying'\)"
 
 

@@ -44,7 +44,7 @@ def test_fusion_buffers_under_stochastic_rounding_equal_the_numpy_oracle():
         "d": np.concatenate([a[:, :524], np.asarray(rows(300, seed=4))], axis=1),  # own group (skip config): 6, 7
         "small": np.asarray(rows(10, seed=5)),  # < min_size: exact
     }
-    stoch = CompressionConfig(bits=3, bucket_size=64, stochastic=True, fusion_buffer_mb=0.002)  # 524 f32 values
+    stoch = CompressionConfig(bits=3, bucket_size=64, stochastic=True, fusion_buffer_mb=0.002, min_size=16)  # 524 f32 values
     skip = stoch.replace(skip_incomplete_buckets=True, fusion_buffer_mb=0.002 - 1e-9)  # another group
     configs = {"a": stoch, "b": stoch, "c": stoch, "d": skip, "small": stoch}
     body = lambda t, k: jax.tree.map(  # noqa: E731
@@ -73,7 +73,7 @@ def test_testing_simulate_equals_the_numpy_oracle():
 
     xs = np.asarray(rows(1003, seed=6))
     for algorithm, simulate in (("sra", testing.simulate), ("ring", testing.simulate_ring)):
-        config = CompressionConfig(bits=3, bucket_size=64, stochastic=True, algorithm=algorithm)
+        config = CompressionConfig(bits=3, bucket_size=64, stochastic=True, algorithm=algorithm, min_size=16)
         seeds = seed_rows(KEY, config, W)
         find = numpy_oracle.sra if algorithm == "sra" else numpy_oracle.ring
         want = find(xs, np.asarray(seeds), bits=3, bucket_size=64, stochastic=True)
@@ -99,7 +99,7 @@ def test_psum_scatter_and_all_gather_equal_the_numpy_oracle():
     """Stochastic, several fusion buffers of whole leaves (one holding two leaves): each buffer one
     exchange with its own seeds, bitwise docs/algorithm.md's reduce-scatter and all-gather."""
     rng = np.random.default_rng(36)
-    cfg = CompressionConfig(bits=3, bucket_size=16, stochastic=True, fusion_buffer_mb=0.002)  # 65 values per block
+    cfg = CompressionConfig(bits=3, bucket_size=16, stochastic=True, fusion_buffer_mb=0.002, min_size=16)  # 65 values per block
     data = lambda *shape: (rng.standard_normal((W, *shape)) * np.exp(rng.uniform(-2, 2, (W,) + (1,) * len(shape)))  # noqa: E731
                            ).astype(np.float32)
     tree = {"a": data(W * 40), "b": data(W * 20), "c": data(W * 30, 3)}  # buffers [a, b], [c]

@@ -62,7 +62,7 @@ def _uses_compression(fn, x) -> bool:
 
 def test_unlimited_link_reduces_with_plain_psum_and_logs_once(caplog):
     x = _tree()
-    config = jax_cgx.CompressionConfig(bits=4, policy="auto", link_gbps=math.inf)
+    config = jax_cgx.CompressionConfig(bits=4, policy="auto", link_gbps=math.inf, min_size=16)
     fn = _psum_fn(config)
     with caplog.at_level(logging.INFO, logger="jax_cgx"):
         out = fn(x)
@@ -78,8 +78,8 @@ def test_unlimited_link_reduces_with_plain_psum_and_logs_once(caplog):
 
 def test_slow_link_compresses_bitwise_like_always():
     x = _tree()
-    auto = _psum_fn(jax_cgx.CompressionConfig(bits=4, policy="auto", link_gbps=0.1))
-    always = _psum_fn(jax_cgx.CompressionConfig(bits=4))
+    auto = _psum_fn(jax_cgx.CompressionConfig(bits=4, policy="auto", link_gbps=0.1, min_size=16))
+    always = _psum_fn(jax_cgx.CompressionConfig(bits=4, min_size=16))
     assert _uses_compression(auto, x)
     a, b = auto(x), always(x)
     for k in x:
@@ -95,7 +95,7 @@ def test_buffers_decided_one_by_one(monkeypatch):
     rng = np.random.default_rng(1)
     x = {"a": jnp.asarray(rng.standard_normal((W, 40000)), jnp.float32),
          "b": jnp.asarray(rng.standard_normal((W, 300)), jnp.float32)}
-    base = jax_cgx.CompressionConfig(bits=3, fusion_buffer_mb=1 / 16, stochastic=True)
+    base = jax_cgx.CompressionConfig(bits=3, fusion_buffer_mb=1 / 16, stochastic=True, min_size=16)
     calls = []
 
     def fake(values, dtype, world, config, **kw):
@@ -133,7 +133,7 @@ def test_leaves_alone_are_charged_no_fusion_copies():
     # order; b (100) is fused after them. A part of a leaf alone is joined once on the way out.
     from jax_cgx._src.collectives.plan import Group, Plan, fusion_spans
 
-    config = jax_cgx.CompressionConfig(bits=4, fusion_buffer_mb=4096 * 4 / 2**20)
+    config = jax_cgx.CompressionConfig(bits=4, fusion_buffer_mb=4096 * 4 / 2**20, min_size=16)
     group = Group(np.dtype(np.float32), config)
     plan = Plan(["quantized"] * 3, [config] * 3, {group: [0, 2, 1]}, [5000, 100, 2000], "cpu")
     assert plan.buffers(group) == [(0, 4096), (4096, 5000), (5000, 7000), (7000, 7100)]
@@ -145,7 +145,7 @@ def test_leaves_alone_are_charged_no_fusion_copies():
 
 def test_residual_of_an_uncompressed_buffer_is_zero():
     x = _tree()
-    out, res = _psum_fn(jax_cgx.CompressionConfig(bits=4, policy="auto", link_gbps=math.inf), residual=True)(x)
+    out, res = _psum_fn(jax_cgx.CompressionConfig(bits=4, policy="auto", link_gbps=math.inf, min_size=16), residual=True)(x)
     for k in x:
         assert not np.any(np.asarray(res[k])), k
 
@@ -154,7 +154,7 @@ def test_measured_figures_on_virtual_devices_choose_psum():
     # 8 devices of one process share its cores and its memory: nothing to gain, and the
     # measured link says so. Measured while tracing (in a thread of its own).
     x = _tree()
-    fn = _psum_fn(jax_cgx.CompressionConfig(bits=4, policy="auto"))
+    fn = _psum_fn(jax_cgx.CompressionConfig(bits=4, policy="auto", min_size=16))
     assert not _uses_compression(fn, x)
     fig = pricing.figures()
     assert fig.link_source == f"measured over {len(jax.devices())} devices"
@@ -186,7 +186,7 @@ def test_near_tie_is_timed_on_the_backend_that_runs(monkeypatch, caplog, tcp):
     timed = _tie_on_measured_link(monkeypatch, psum_s=1.0, exchange_s=0.01)
     mesh = Mesh(np.array(jax.devices()[:W]), ("d",))
     x = _tree()
-    config = jax_cgx.CompressionConfig(bits=4, policy="auto")
+    config = jax_cgx.CompressionConfig(bits=4, policy="auto", min_size=16)
     if tcp:
         jax_cgx.tcp.setup(mesh)
     try:
@@ -231,7 +231,7 @@ def test_buffers_are_timed_where_the_model_is_not_validated(monkeypatch, validat
     monkeypatch.setattr(pricing, "TIE_BAND", 1.0)
     if not validated:
         monkeypatch.setattr(pricing, "VALIDATED_PLATFORMS", frozenset())
-    config = jax_cgx.CompressionConfig(bits=4, policy="auto")
+    config = jax_cgx.CompressionConfig(bits=4, policy="auto", min_size=16)
     compressed = _uses_compression(_psum_fn(config), _tree())
     assert compressed == (_model_compresses(config) if validated else True)
     assert timed == ([] if validated else [(BIG + 300, "xla")])
@@ -242,21 +242,21 @@ def test_buffers_too_slow_to_time_are_not_timed_anywhere(monkeypatch):
     timed = _tie_on_measured_link(monkeypatch, psum_s=1.0, exchange_s=0.01)
     monkeypatch.setattr(pricing, "VALIDATED_PLATFORMS", frozenset())
     monkeypatch.setattr(pricing, "_SETTLE_MAX_S", 1e-9)
-    config = jax_cgx.CompressionConfig(bits=4, policy="auto")
+    config = jax_cgx.CompressionConfig(bits=4, policy="auto", min_size=16)
     assert _uses_compression(_psum_fn(config), _tree()) == _model_compresses(config)
     assert timed == []
 
 
 def test_given_link_rates_are_never_timed(monkeypatch):
     timed = _tie_on_measured_link(monkeypatch, psum_s=1.0, exchange_s=0.01)
-    fn = _psum_fn(jax_cgx.CompressionConfig(bits=4, policy="auto", link_gbps=math.inf))
+    fn = _psum_fn(jax_cgx.CompressionConfig(bits=4, policy="auto", link_gbps=math.inf, min_size=16))
     assert not _uses_compression(fn, _tree()) and timed == []
 
 
 def test_explain_and_bytes_on_wire_never_time(monkeypatch, caplog):
     # Timing is collective, and one process alone may call these: they use earlier timings only.
     timed = _tie_on_measured_link(monkeypatch, psum_s=1.0, exchange_s=0.01)
-    config = jax_cgx.CompressionConfig(bits=4, policy="auto")
+    config = jax_cgx.CompressionConfig(bits=4, policy="auto", min_size=16)
     report = jax_cgx.explain(jax.tree.map(lambda v: v[0], _tree()), world=W, config=config, file=None)
     bytes_on_wire(jax.tree.map(lambda v: v[0], _tree()), W, config)
     assert timed == [] and all(b.priced == "model" for b in report.buffers)
@@ -268,20 +268,20 @@ def test_explain_and_bytes_on_wire_never_time(monkeypatch, caplog):
 
 def test_timing_a_buffer_over_tcp_leaves_no_communicators():
     devices = jax.devices()[:W]
-    psum_s, exchange_s = pricing._time_exchange(devices, 4096, np.float32, jax_cgx.CompressionConfig(bits=4), "tcp")
+    psum_s, exchange_s = pricing._time_exchange(devices, 4096, np.float32, jax_cgx.CompressionConfig(bits=4, min_size=16), "tcp")
     assert psum_s > 0 and exchange_s > 0
     assert jax_cgx.tcp.communicators() == []
 
 
 def test_link_from_environment(monkeypatch):
     monkeypatch.setenv("JAX_CGX_LINK_GBPS", "2.5")
-    fig = pricing.figures(jax_cgx.CompressionConfig(policy="auto"))
+    fig = pricing.figures(jax_cgx.CompressionConfig(policy="auto", min_size=16))
     assert fig.link.bandwidth == 2.5e9 / 8 and fig.link_source == "JAX_CGX_LINK_GBPS"
-    fig = pricing.figures(jax_cgx.CompressionConfig(policy="auto", link_gbps=10.0))  # the config wins
+    fig = pricing.figures(jax_cgx.CompressionConfig(policy="auto", link_gbps=10.0, min_size=16))  # the config wins
     assert fig.link.bandwidth == 10e9 / 8 and fig.link_source == "CompressionConfig.link_gbps"
     monkeypatch.setenv("JAX_CGX_LINK_GBPS", "fast")
     with pytest.raises(ValueError, match="JAX_CGX_LINK_GBPS='fast' is not a number"):
-        pricing.figures(jax_cgx.CompressionConfig(policy="auto"))
+        pricing.figures(jax_cgx.CompressionConfig(policy="auto", min_size=16))
 
 
 @pytest.mark.parametrize("value, message", [
@@ -321,7 +321,7 @@ def test_bad_config_fields(kwargs, error):
 def test_bytes_on_wire_follows_the_decisions():
     x = {"w": jax.ShapeDtypeStruct((BIG,), jnp.float32)}
     plain = bytes_on_wire(x, W, jax_cgx.CompressionConfig(bits=32))
-    unlimited = jax_cgx.CompressionConfig(bits=4, policy="auto", link_gbps=math.inf)
+    unlimited = jax_cgx.CompressionConfig(bits=4, policy="auto", link_gbps=math.inf, min_size=16)
     slow = unlimited.replace(link_gbps=0.1)
     assert bytes_on_wire(x, W, unlimited) == plain
     assert bytes_on_wire(x, W, slow) == bytes_on_wire(x, W, slow.replace(policy="always")) < plain / 4
@@ -330,8 +330,8 @@ def test_bytes_on_wire_follows_the_decisions():
 def test_explain_prints_every_leaf():
     x = {"w": jax.ShapeDtypeStruct((BIG,), jnp.float32), "n": jax.ShapeDtypeStruct((4,), jnp.int32),
          "h": jax.ShapeDtypeStruct((1000,), jnp.bfloat16)}
-    configs = {"w": jax_cgx.CompressionConfig(bits=4, policy="auto", link_gbps=math.inf), "n": None,
-               "h": jax_cgx.CompressionConfig(bits=16)}
+    configs = {"w": jax_cgx.CompressionConfig(bits=4, policy="auto", link_gbps=math.inf, min_size=16), "n": None,
+               "h": jax_cgx.CompressionConfig(bits=16, min_size=16)}
     text = io.StringIO()
     report = jax_cgx.explain(x, config=configs, world=W, file=text)
     how = {r.path: r.how for r in report.leaves}
@@ -340,7 +340,7 @@ def test_explain_prints_every_leaf():
     assert [r.buffers for r in report.leaves] == [(), (), (0,)]  # h, n: their own lanes; w: the dissolved buffer
     assert not buf.compressed and buf.psum_ms < buf.compressed_ms * pricing.MIN_SPEEDUP and buf.values == BIG
     assert "psum (auto)" in text.getvalue() and "unlimited" in text.getvalue()
-    always = jax_cgx.explain(x, config=jax_cgx.CompressionConfig(bits=4, link_gbps=0.1), world=W, file=None)
+    always = jax_cgx.explain(x, config=jax_cgx.CompressionConfig(bits=4, link_gbps=0.1, min_size=16), world=W, file=None)
     assert [r.how for r in always.leaves] == ["compressed", "exact", "compressed"]  # h, n, w
     assert all(b.compressed and b.policy == "always" for b in always.buffers)
 
@@ -350,7 +350,7 @@ def test_explain_inside_shard_map_and_its_errors():
     seen = {}
 
     def body(v):
-        seen["report"] = jax_cgx.explain(v, "d", jax_cgx.CompressionConfig(bits=4, link_gbps=0.1), file=None)
+        seen["report"] = jax_cgx.explain(v, "d", jax_cgx.CompressionConfig(bits=4, link_gbps=0.1, min_size=16), file=None)
         return lax.psum(v, "d")
 
     jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("d"), out_specs=P()))(jnp.ones((W * 4096,)))
@@ -425,19 +425,19 @@ def test_bytes_on_wire_alone_never_measures_collectively(monkeypatch):
     pricing.reset()
     monkeypatch.setattr(pricing.jax, "process_count", lambda: 2)
     tree = {"w": jax.ShapeDtypeStruct((1 << 16,), jnp.float32)}
-    auto = jax_cgx.CompressionConfig(bits=4, policy="auto")
+    auto = jax_cgx.CompressionConfig(bits=4, policy="auto", min_size=16)
     for op in ("psum", "psum_scatter", "all_gather"):
         with pytest.raises(RuntimeError, match="one process cannot do it alone. Call jax_cgx.calibrate"):
             bytes_on_wire(tree, 8, auto, op=op)
-    assert bytes_on_wire(tree, 8, jax_cgx.CompressionConfig(bits=4)) > 0  # "always" needs no figures
+    assert bytes_on_wire(tree, 8, jax_cgx.CompressionConfig(bits=4, min_size=16)) > 0  # "always" needs no figures
     pricing.reset()
 
 
 @pytest.mark.parametrize("op", ["psum", "psum_scatter"])
 def test_explain_measures_nothing_for_a_policy_that_does_not_decide(monkeypatch, op):
-    # Before: explain(config=CompressionConfig(policy="always")) calibrated "auto" anyway (3.7 s).
+    # Before: explain(config=CompressionConfig(policy="always", min_size=16)) calibrated "auto" anyway (3.7 s).
     tree = {"w": jax.ShapeDtypeStruct((W * 4096,), jnp.float32)}
-    config = jax_cgx.CompressionConfig(bits=4, policy="always")
+    config = jax_cgx.CompressionConfig(bits=4, policy="always", min_size=16)
     calls = []
     real = pricing._calibrate_platform
     monkeypatch.setattr(pricing, "_calibrate_platform", lambda *a: calls.append(a) or real(*a))
@@ -511,7 +511,7 @@ def _fake_machine(monkeypatch, *, link_gbps, inside_gbps, across_gbps, timed=Non
 
 
 def test_forms_over_one_axis_and_over_nodes():
-    c = jax_cgx.CompressionConfig(bits=4, policy="auto")
+    c = jax_cgx.CompressionConfig(bits=4, policy="auto", min_size=16)
     assert forms.forms(c, 8, None) == [c] and forms.forms(c, 8, 8) == [c] and forms.forms(c, 8, 1) == [c]
     over_nodes = forms.forms(c.replace(algorithm="ring"), 8, 4)
     assert over_nodes[0] == c.replace(algorithm="ring")  # the configured form first
@@ -523,7 +523,7 @@ def test_forms_over_one_axis_and_over_nodes():
 def test_the_fastest_timed_form_is_chosen_and_logged(monkeypatch, caplog):
     times = {"psum": 0.800, "sra": 0.166, "ring": 0.154, "hierarchical sra": 0.183, "hierarchical ring": 0.190}
     settled = _fake_machine(monkeypatch, link_gbps=1, inside_gbps=11, across_gbps=0.5, timed=times)
-    c = jax_cgx.CompressionConfig(bits=4, policy="auto")
+    c = jax_cgx.CompressionConfig(bits=4, policy="auto", min_size=16)
     with caplog.at_level(logging.INFO, logger="jax_cgx"):
         chosen = forms.choose_form([16 << 20], np.float32, 4, c, inner_world=2)
     assert pricing.form_name(chosen) == "ring" and chosen.policy == "auto" and chosen.bits == 4
@@ -545,7 +545,7 @@ def test_bytes_on_wire_over_nodes_count_the_form_auto_chose(monkeypatch, fastest
     # of the form the step runs (flat or hierarchical), not of a flat psum-or-not from the model.
     times = {"psum": 0.800, "sra": 0.3, "ring": 0.3, "hierarchical sra": 0.3, "hierarchical ring": 0.3, fastest: 0.1}
     _fake_machine(monkeypatch, link_gbps=1, inside_gbps=11, across_gbps=0.5, timed=times)
-    c = jax_cgx.CompressionConfig(bits=4, policy="auto")
+    c = jax_cgx.CompressionConfig(bits=4, policy="auto", min_size=16)
     chosen = forms.choose_form([1 << 20], np.float32, 4, c, inner_world=2)
     assert pricing.form_name(chosen) == fastest
     like = jax.ShapeDtypeStruct((1 << 20,), jnp.float32)
@@ -560,7 +560,7 @@ def test_the_model_weighs_the_inside_of_a_node(monkeypatch, inside_gbps, expecte
     """Untimed (the model alone): a fast inside of a node (NVLink) makes hierarchical the fastest
     form across a 10 Gbit/s network; an inside as slow as the network makes it the slowest."""
     _fake_machine(monkeypatch, link_gbps=10, inside_gbps=inside_gbps, across_gbps=10 / 8)
-    c = jax_cgx.CompressionConfig(bits=4, policy="auto")
+    c = jax_cgx.CompressionConfig(bits=4, policy="auto", min_size=16)
     chosen = forms.choose_form([64 << 20], np.float32, 64, c, inner_world=8, measure=False)
     assert chosen.hierarchical == (expected == "hierarchical")
     hier = pricing.decide(64 << 20, np.float32, 64, c.replace(hierarchical=True), inner_world=8, measure=False,
@@ -583,11 +583,11 @@ def test_the_chosen_form_is_what_runs(monkeypatch):
         return np.asarray(jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(("node", "local")),
                                                 out_specs=P(("node", "local"))))(x))
 
-    auto = run(jax_cgx.CompressionConfig(bits=4, bucket_size=64, policy="auto"))
-    assert_same_bits(auto, run(jax_cgx.CompressionConfig(bits=4, bucket_size=64, algorithm="ring", hierarchical=True)))
-    assert not np.array_equal(auto, run(jax_cgx.CompressionConfig(bits=4, bucket_size=64)))  # not flat SRA's bits
+    auto = run(jax_cgx.CompressionConfig(bits=4, bucket_size=64, policy="auto", min_size=16))
+    assert_same_bits(auto, run(jax_cgx.CompressionConfig(bits=4, bucket_size=64, algorithm="ring", hierarchical=True, min_size=16)))
+    assert not np.array_equal(auto, run(jax_cgx.CompressionConfig(bits=4, bucket_size=64, min_size=16)))  # not flat SRA's bits
     # explain shows the form each buffer runs in
-    report = jax_cgx.explain({"w": jnp.ones((5000,))}, config=jax_cgx.CompressionConfig(bits=4, policy="auto"),
+    report = jax_cgx.explain({"w": jnp.ones((5000,))}, config=jax_cgx.CompressionConfig(bits=4, policy="auto", min_size=16),
                              world=8, inner_world=4, file=None)
     assert [b.form for b in report.buffers] == ["hierarchical ring"] and "hierarchical ring" in str(report)
 
@@ -604,7 +604,7 @@ def test_forms_over_nodes_time_the_psum_once(monkeypatch):
         return (0.8 if psum_s is None else psum_s), 0.2
 
     monkeypatch.setattr(pricing, "_time_exchange", timing)
-    c = jax_cgx.CompressionConfig(bits=4, policy="auto")
+    c = jax_cgx.CompressionConfig(bits=4, policy="auto", min_size=16)
     forms.choose_form([1 << 16], np.float32, 8, c, inner_world=4)
     assert [f for f, _, _ in calls] == ["sra", "ring", "hierarchical sra", "hierarchical ring"]
     assert [(inner, psum) for _, inner, psum in calls] == [(4, None)] + [(4, 0.8)] * 3
@@ -621,7 +621,7 @@ def test_forms_of_one_buffer_share_its_psum_and_rivals_are_timed_together(monkey
         return (0.8 if psum_s is None else psum_s), 0.2, *(0.1 * (i + 1) for i in range(len(rivals)))
 
     monkeypatch.setattr(pricing, "_time_exchange", timing)
-    c = jax_cgx.CompressionConfig(bits=4, policy="auto")
+    c = jax_cgx.CompressionConfig(bits=4, policy="auto", min_size=16)
     one, ring = c.replace(pipeline_segments=1), c.replace(algorithm="ring")
     with caplog.at_level(logging.INFO, logger="jax_cgx"):
         assert pricing._settle(1 << 16, np.float32, W, c, "xla", fig, rivals=(c, one, one)) == (0.8, 0.2)
@@ -637,7 +637,7 @@ def test_forms_of_one_buffer_share_its_psum_and_rivals_are_timed_together(monkey
 def test_rival_forms_are_timed_in_the_same_runs():
     # The real probe over the 8 CPU devices: one psum and both compressed forms, each a positive time.
     devices = jax.devices()[:W]
-    c = jax_cgx.CompressionConfig(bits=4)
+    c = jax_cgx.CompressionConfig(bits=4, min_size=16)
     times = pricing._time_exchange(devices, 1 << 15, np.float32, c, "xla", rivals=(c.replace(pipeline_segments=1),))
     assert len(times) == 3 and all(t > 0 for t in times)
     assert pricing._time_exchange(devices, 1 << 15, np.float32, c, "xla", psum_s=1.0,
@@ -663,7 +663,7 @@ def test_a_given_link_still_measures_the_inside_of_a_node(monkeypatch):
     assert pricing.levels(given, 2) == (2e9 / 8, None) and calls == [(2, False)]
     assert pricing.levels(given, 2) == (2e9 / 8, None) and calls == [(2, False)]  # measured once
     monkeypatch.setattr(pricing, "figures", lambda config=None, platform=None: given)
-    c = jax_cgx.CompressionConfig(bits=4, policy="auto", link_gbps=10)
+    c = jax_cgx.CompressionConfig(bits=4, policy="auto", link_gbps=10, min_size=16)
     assert not forms.choose_form([64 << 20], np.float32, 4, c.replace(hierarchical=True), inner_world=2).hierarchical
 
 
@@ -680,7 +680,7 @@ def test_auto_times_one_message_against_the_default_cut(monkeypatch, caplog, glo
     # large messages, so only a timing of both moves a group to one message.
     settled = _fake_machine(monkeypatch, link_gbps=10, inside_gbps=11, across_gbps=5,
                             timed={"psum": 0.8, "sra": 0.095, "sra, 1 message": one_s})
-    c = jax_cgx.CompressionConfig(bits=4, policy="auto")
+    c = jax_cgx.CompressionConfig(bits=4, policy="auto", min_size=16)
     with caplog.at_level(logging.INFO, logger="jax_cgx"):
         chosen = forms.choose_form([1 << 20, 16 << 20], np.float32, 4, c)
     assert chosen == c.replace(pipeline_segments=expected) and chosen.pipeline_segments == expected
@@ -694,7 +694,7 @@ def test_one_message_only_where_the_default_cut_is_unsure(monkeypatch, gloo_mess
     times = {"psum": 0.8, "sra": 0.095, "sra, 1 message": 0.05, "ring, 1 message": 0.04,
              "hierarchical sra, 1 message": 0.2, "hierarchical ring, 1 message": 0.2}
     settled = _fake_machine(monkeypatch, link_gbps=10, inside_gbps=11, across_gbps=5, timed=times)
-    c = jax_cgx.CompressionConfig(bits=4, policy="auto")
+    c = jax_cgx.CompressionConfig(bits=4, policy="auto", min_size=16)
     for kept in [c.replace(link_gbps=10.0), c.replace(pipeline_segments=4)]:  # sized to the link, or by the user
         assert forms.choose_form([16 << 20], np.float32, 4, kept) == kept
     assert forms.choose_form([1 << 12], np.float32, 4, c) == c  # one message already
@@ -723,5 +723,5 @@ def test_messages_are_not_timed_where_a_timing_would_take_too_long(monkeypatch, 
     # twice more for its messages: the default cut stays.
     settled = _fake_machine(monkeypatch, link_gbps=1, inside_gbps=11, across_gbps=1,
                             timed={"psum": 20.0, "sra": 2.0, "sra, 1 message": 1.0})
-    c = jax_cgx.CompressionConfig(bits=4, policy="auto")
+    c = jax_cgx.CompressionConfig(bits=4, policy="auto", min_size=16)
     assert forms.choose_messages([1 << 28], np.float32, 4, c) == c and settled == []

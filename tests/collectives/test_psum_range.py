@@ -73,7 +73,7 @@ CASES = [
 @pytest.mark.parametrize("algorithm,bits,impl,stochastic", CASES)
 def test_large_finite_values_stay_finite(algorithm, bits, impl, stochastic):
     """The probe: every device uniform in +-1e37 gave 32768 of 32768 NaN."""
-    config = CompressionConfig(bits=bits, bucket_size=64, algorithm=algorithm, stochastic=stochastic)
+    config = CompressionConfig(bits=bits, bucket_size=64, algorithm=algorithm, stochastic=stochastic, min_size=16)
     mesh, ring = mesh_1d(), algorithm == "ring"
     for xs in (uniform(1e37), uniform(F32_MAX / W, seed=1)):
         assert_like_psum(xs, psum_1d(per_device(xs, mesh), KEY, config, impl=impl), bits, stochastic, ring)
@@ -85,7 +85,7 @@ def test_large_finite_values_stay_finite(algorithm, bits, impl, stochastic):
 
 @pytest.mark.parametrize("algorithm,bits,impl,stochastic", CASES)
 def test_overflow_and_non_finite_inputs(algorithm, bits, impl, stochastic):
-    config = CompressionConfig(bits=bits, bucket_size=64, algorithm=algorithm, stochastic=stochastic)
+    config = CompressionConfig(bits=bits, bucket_size=64, algorithm=algorithm, stochastic=stochastic, min_size=16)
     xs = uniform(1.0, seed=3)
     xs[:, 5], xs[:, 200] = 3e38, -3e38  # sums past the largest float: +inf, -inf
     xs[2, 300] = np.inf  # one rank's inf
@@ -105,7 +105,7 @@ def test_overflow_and_non_finite_inputs(algorithm, bits, impl, stochastic):
 
 def test_bfloat16_whole_range():
     xs = np.asarray(jnp.asarray(uniform(F32_MAX / W, seed=4), jnp.bfloat16))
-    config = CompressionConfig(bits=4, bucket_size=64)
+    config = CompressionConfig(bits=4, bucket_size=64, min_size=16)
     out = psum_1d(per_device(xs, mesh_1d()), KEY, config)
     assert np.all(np.isfinite(np.asarray(out, np.float32)))
     assert_like_psum(np.asarray(xs, np.float32), np.asarray(out, np.float32), 4)

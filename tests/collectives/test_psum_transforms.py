@@ -341,7 +341,7 @@ def test_vmap_with_no_batched_operand():
 
     from jax_cgx import CompressionConfig
 
-    config = CompressionConfig(bits=4, bucket_size=64)
+    config = CompressionConfig(bits=4, bucket_size=64, min_size=16)
     mesh = mesh_1d()
     xs = per_device(jax.random.normal(jax.random.key(0), (W, 1000)), mesh)
     keys = jax.random.split(jax.random.key(1), 3)

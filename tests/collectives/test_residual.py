@@ -71,7 +71,7 @@ CASES = [(a, b, s) for a in ("sra", "ring") for b in (2, 4, 8) for s in (False, 
 def test_identity_and_bound(algorithm, bits, stochastic):
     n = 1003  # divisible by neither W nor the bucket: padding is dropped
     xs = rows(n, seed=bits)
-    config = CompressionConfig(bits=bits, bucket_size=64, stochastic=stochastic, algorithm=algorithm)
+    config = CompressionConfig(bits=bits, bucket_size=64, stochastic=stochastic, algorithm=algorithm, min_size=16)
     key = KEY if stochastic else None
     out, res, plain = residual_grid(xs, mesh_1d(), "d", config, key)
     assert_same_bits(out, plain, "(a) sum with vs without the residual")
@@ -85,7 +85,7 @@ def test_identity_and_bound(algorithm, bits, stochastic):
 @pytest.mark.parametrize("algorithm", ["sra", "ring"])
 def test_smaller_worlds(w, algorithm):
     xs = rows(700, w=w, seed=w)
-    config = CompressionConfig(bits=3, bucket_size=32, algorithm=algorithm, stochastic=True)
+    config = CompressionConfig(bits=3, bucket_size=32, algorithm=algorithm, stochastic=True, min_size=16)
     out, res, plain = residual_grid(xs, mesh_of(w), "d", config, KEY, check_vma=algorithm == "sra")
     assert_same_bits(out, plain)
     assert_identity(xs, out[0], res)
@@ -94,7 +94,7 @@ def test_smaller_worlds(w, algorithm):
 
 def test_one_rank_is_exact_with_zero_residual():
     xs = rows(300, w=1)
-    out, res, _ = residual_grid(xs, mesh_of(1), "d", CompressionConfig(bits=2))
+    out, res, _ = residual_grid(xs, mesh_of(1), "d", CompressionConfig(bits=2, min_size=16))
     assert_same_bits(out, xs)
     assert not np.any(res)
 
@@ -104,7 +104,7 @@ def test_one_rank_is_exact_with_zero_residual():
 def test_2d_mesh(axes, algorithm):
     names = ("a", "b")
     xs = np.asarray(jax.random.normal(jax.random.key(4), (4, 2, 900)))
-    config = CompressionConfig(bits=4, bucket_size=64, algorithm=algorithm)
+    config = CompressionConfig(bits=4, bucket_size=64, algorithm=algorithm, min_size=16)
     out, res, plain = residual_grid(xs, mesh_2d((4, 2), names), axes, config)
     assert_same_bits(out, plain)
     for g_x, g_out, g_res in zip(*(reduction_groups(a, names, axes) for a in (xs, out, res))):
@@ -118,7 +118,7 @@ def test_hierarchical(algorithm, stochastic):
     names = ("node", "local")
     n = 1003
     xs = np.asarray(jax.random.normal(jax.random.key(6), (4, 2, n)) * jnp.logspace(-1, 1, n))
-    config = CompressionConfig(bits=2, bucket_size=64, algorithm=algorithm, stochastic=stochastic, hierarchical=True)
+    config = CompressionConfig(bits=2, bucket_size=64, algorithm=algorithm, stochastic=stochastic, hierarchical=True, min_size=16)
     out, res, plain = residual_grid(xs, mesh_2d((4, 2), names), names, config, KEY if stochastic else None)
     assert_same_bits(out, plain)
     assert_identity(xs.reshape(8, n), out[0, 0], res.reshape(8, n))
@@ -135,7 +135,7 @@ def test_one_node_hierarchical_is_exact():
     names = ("node", "local")
     xs = np.asarray(jax.random.normal(jax.random.key(6), (1, 4, 500)))
     mesh = jax.make_mesh((1, 4), names, devices=jax.devices()[:4], axis_types=(jax.sharding.AxisType.Explicit,) * 2)
-    out, res, plain = residual_grid(xs, mesh, names, CompressionConfig(bits=2, hierarchical=True))
+    out, res, plain = residual_grid(xs, mesh, names, CompressionConfig(bits=2, hierarchical=True, min_size=16))
     assert_same_bits(out, plain)
     assert not np.any(res)
 
@@ -144,7 +144,7 @@ def test_one_node_hierarchical_is_exact():
 @pytest.mark.parametrize("algorithm", ["sra", "ring"])
 def test_half_precision_inputs(dtype, algorithm):
     xs = rows(1000, dtype=dtype, seed=3)
-    config = CompressionConfig(bits=4, bucket_size=128, algorithm=algorithm)
+    config = CompressionConfig(bits=4, bucket_size=128, algorithm=algorithm, min_size=16)
     out, res, plain = residual_grid(xs, mesh_1d(), "d", config)
     assert_same_bits(out, plain)
     assert res.dtype == xs.dtype
@@ -153,7 +153,7 @@ def test_half_precision_inputs(dtype, algorithm):
 
 def test_half_lane_residual_is_the_local_cast_error():
     xs = rows(500, seed=9)
-    config = CompressionConfig(bits=16)
+    config = CompressionConfig(bits=16, min_size=16)
     out, res, plain = residual_grid(xs, mesh_1d(), "d", config)
     assert_same_bits(out, plain)
     cast_error = xs - np.asarray(jnp.asarray(xs).astype(jnp.bfloat16).astype(jnp.float32))
@@ -170,7 +170,7 @@ def test_exact_lanes_and_skipped_tail_have_zero_residual():
         out, res, plain = residual_grid(xs, mesh, "d", config)
         assert_same_bits(out, plain)
         assert not np.any(res)
-    config = CompressionConfig(bits=4, bucket_size=64, skip_incomplete_buckets=True)
+    config = CompressionConfig(bits=4, bucket_size=64, skip_incomplete_buckets=True, min_size=16)
     out, res, plain = residual_grid(xs, mesh, "d", config)
     assert_same_bits(out, plain)
     head = 1000 // 64 * 64
@@ -201,12 +201,12 @@ def test_pytree_with_mixed_lanes():
         "ring": rows(900, seed=5),
         "empty": np.zeros((W, 0), np.float32),
     }
-    four = CompressionConfig(bits=4, bucket_size=64, fusion_buffer_mb=0.004)  # ~1000 f32 per buffer
+    four = CompressionConfig(bits=4, bucket_size=64, fusion_buffer_mb=0.004, min_size=16)  # ~1000 f32 per buffer
 
     def spec(path, leaf):
         name = jax.tree_util.keystr(path)
         if "half" in name:
-            return CompressionConfig(bits=16)
+            return CompressionConfig(bits=16, min_size=16)
         if "ring" in name:
             return four.replace(algorithm="ring", stochastic=True)
         return four
@@ -237,7 +237,7 @@ def test_pytree_with_mixed_lanes():
 
 def test_pmean_returns_the_residual_of_the_sum():
     xs = rows(800, seed=8)
-    config = CompressionConfig(bits=3, bucket_size=64)
+    config = CompressionConfig(bits=3, bucket_size=64, min_size=16)
     mesh = mesh_1d()
     s_out, s_res, _ = residual_grid(xs, mesh, "d", config)
     m_out, m_res, m_plain = residual_grid(xs, mesh, "d", config, mean=True)
@@ -250,7 +250,7 @@ def test_typing_sum_invariant_residual_varying():
     """Under check_vma the sum is invariant (out_specs P()) and the residual varies per rank."""
     mesh = mesh_1d()
     xs = rows(640)
-    config = CompressionConfig(bits=4, bucket_size=64)
+    config = CompressionConfig(bits=4, bucket_size=64, min_size=16)
     f = jax.jit(
         jax.shard_map(
             lambda x: jax_cgx.compressed_psum(x[0], "d", config, return_residual=True),
@@ -278,7 +278,7 @@ def test_typing_sum_invariant_residual_varying():
 
 def test_vmap_over_a_non_reduced_axis():
     xs = np.asarray(jax.random.normal(jax.random.key(1), (W, 3, 500)))
-    config = CompressionConfig(bits=4, bucket_size=50, algorithm="ring")
+    config = CompressionConfig(bits=4, bucket_size=50, algorithm="ring", min_size=16)
     mesh = mesh_1d()
 
     def run(f):
@@ -297,7 +297,7 @@ def test_vmap_over_a_non_reduced_axis():
 
 
 def test_vmap_over_the_reduced_axis_is_rejected():
-    config = CompressionConfig(bits=4)
+    config = CompressionConfig(bits=4, min_size=16)
     with pytest.raises(NotImplementedError, match="vmapped axis 'i'"):
         jax.vmap(lambda v: jax_cgx.compressed_psum(v, "i", config, return_residual=True), axis_name="i")(
             jnp.ones((4, 100))
@@ -306,7 +306,7 @@ def test_vmap_over_the_reduced_axis_is_rejected():
 
 def test_pmap():
     xs = rows(900, seed=4)
-    config = CompressionConfig(bits=2, bucket_size=64)
+    config = CompressionConfig(bits=2, bucket_size=64, min_size=16)
     out, res = jax.pmap(lambda x: jax_cgx.compressed_psum(x, "i", config, return_residual=True), axis_name="i")(xs)
     out, res = np.asarray(out), np.asarray(res)
     assert_same_bits(out[0], oracle(xs, config)[0])
@@ -315,7 +315,7 @@ def test_pmap():
 
 def test_differentiating_raises():
     mesh = mesh_1d()
-    config = CompressionConfig(bits=4)
+    config = CompressionConfig(bits=4, min_size=16)
 
     def body(x):
         return jax.grad(lambda v: jnp.sum(jax_cgx.compressed_psum(v, "d", config, return_residual=True)[1]))(x)
@@ -326,7 +326,7 @@ def test_differentiating_raises():
 
 
 def test_nccl_backend_raises_on_cpu():
-    config = CompressionConfig(bits=4, backend="nccl")
+    config = CompressionConfig(bits=4, backend="nccl", min_size=16)
     with pytest.raises(NotImplementedError, match="computed by the xla backend only"):
         residual_grid(rows(100), mesh_1d(), "d", config)
 
@@ -338,7 +338,7 @@ def test_cuda_lowering_is_xla_and_nccl_raises(caplog):
     x = jax.ShapeDtypeStruct((4, 1000), jnp.float32, sharding=NamedSharding(mesh, P("d")))
 
     def lower(backend):
-        config = CompressionConfig(bits=4, backend=backend)
+        config = CompressionConfig(bits=4, backend=backend, min_size=16)
         body = lambda v: jax_cgx.compressed_psum(v[0], "d", config, return_residual=True)[1][None]  # noqa: E731
         f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("d"), out_specs=P("d")))
         return f.trace(x).lower(lowering_platforms=("cuda",)).as_text()

@@ -39,7 +39,7 @@ CASES = [(bits, stochastic, list(MESHES)[(bits + 2 * stochastic) % 4]) for bits 
 
 
 def ring(**kw):
-    return CompressionConfig(algorithm="ring", **kw)
+    return CompressionConfig(algorithm="ring", **{"min_size": 16, **kw})
 
 
 def grid(shape, n, seed=0, dtype=jnp.float32):
@@ -93,7 +93,7 @@ def test_error_grows_with_hops_but_sra_stays_at_two():
     exact = np.asarray(xs, np.float64).sum(0)
     err = {}
     for algorithm in ("sra", "ring"):
-        out = psum_1d(per_device(xs, mesh), KEY, CompressionConfig(bits=2, bucket_size=64, algorithm=algorithm))
+        out = psum_1d(per_device(xs, mesh), KEY, CompressionConfig(bits=2, bucket_size=64, algorithm=algorithm, min_size=16))
         err[algorithm] = np.sqrt(np.mean((out[0] - exact) ** 2))
     assert err["ring"] > err["sra"]
 
@@ -164,7 +164,7 @@ def test_hlo_talks_to_neighbours_only():
 def test_bytes_on_wire_same_as_sra():
     tree = {"w": jax.ShapeDtypeStruct((3, 1000), jnp.float32), "b": jax.ShapeDtypeStruct((10,), jnp.float32)}
     for world in (2, 4, 8):
-        sra = bytes_on_wire(tree, world, CompressionConfig(bits=4, bucket_size=128))
+        sra = bytes_on_wire(tree, world, CompressionConfig(bits=4, bucket_size=128, min_size=16))
         assert bytes_on_wire(tree, world, ring(bits=4, bucket_size=128)) == sra > 0
 
 

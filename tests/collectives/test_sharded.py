@@ -57,7 +57,7 @@ def test_psum_scatter_bits32_is_lax(tiled, dim, shape):
     ref = _run(lambda v: lax.psum_scatter(v, "d", scatter_dimension=dim, tiled=tiled), xs)
     assert_same_bits(ours, ref, "bits=32")
     for half_dtype in ("bfloat16", "float16"):
-        half = jax_cgx.CompressionConfig(bits=16, half_dtype=half_dtype)
+        half = jax_cgx.CompressionConfig(bits=16, half_dtype=half_dtype, min_size=16)
         ours = _run(lambda v: jax_cgx.compressed_psum_scatter(v, "d", half, scatter_dimension=dim, tiled=tiled), xs)  # noqa: B023
         ref = _run(lambda v: lax.psum_scatter(v.astype(half_dtype), "d", scatter_dimension=dim,  # noqa: B023
                                               tiled=tiled).astype(jnp.float32), xs)
@@ -73,7 +73,7 @@ def test_psum_scatter_bits32_is_lax(tiled, dim, shape):
 def test_all_gather_bits32_is_lax(tiled, axis):
     xs = _data((40, 24))
     for bits, cast in ((32, jnp.float32), (16, jnp.bfloat16), (16, jnp.float16)):
-        cfg = jax_cgx.CompressionConfig(bits=bits, half_dtype=np.dtype(cast).name if bits == 16 else "bfloat16")
+        cfg = jax_cgx.CompressionConfig(bits=bits, half_dtype=np.dtype(cast).name if bits == 16 else "bfloat16", min_size=16)
         ours = _run(lambda v: jax_cgx.compressed_all_gather(v, "d", cfg, axis=axis, tiled=tiled), xs)  # noqa: B023
         ref = _run(lambda v: lax.all_gather(v.astype(cast), "d", axis=axis, tiled=tiled).astype(jnp.float32), xs)  # noqa: B023
         assert_same_bits(ours, ref, f"bits={bits}")
@@ -87,7 +87,7 @@ def test_psum_scatter_error_within_the_bound(bits, stochastic):
     # Block o of the result: the owner's block exact, each peer's quantized once.
     m = 1000  # values per block: not a multiple of the bucket (a short last bucket) nor of 16 (padding)
     xs = _data((W, m), seed=bits)
-    cfg = jax_cgx.CompressionConfig(bits=bits, bucket_size=BUCKET, stochastic=stochastic)
+    cfg = jax_cgx.CompressionConfig(bits=bits, bucket_size=BUCKET, stochastic=stochastic, min_size=16)
     key = jax.random.key(bits) if stochastic else None
     out = _run(lambda v: jax_cgx.compressed_psum_scatter(v, "d", cfg, key=key), xs)  # [W(owner), m]
     x64 = xs.astype(np.float64)
@@ -107,7 +107,7 @@ def test_psum_scatter_error_within_the_bound(bits, stochastic):
 def test_all_gather_error_within_the_bound_and_replicas_identical(bits, stochastic):
     m = 1000
     xs = _data((m,), seed=bits)
-    cfg = jax_cgx.CompressionConfig(bits=bits, bucket_size=BUCKET, stochastic=stochastic)
+    cfg = jax_cgx.CompressionConfig(bits=bits, bucket_size=BUCKET, stochastic=stochastic, min_size=16)
     key = jax.random.key(bits) if stochastic else None
     out = _run(lambda v: jax_cgx.compressed_all_gather(v, "d", cfg, key=key), xs)  # [W(replica), W(shard), m]
     for r in range(1, W):
@@ -128,7 +128,7 @@ def test_pytrees_lanes_and_fusion():
             "v": rng.standard_normal((W, W, 50)).astype(np.float32),
             "small": rng.standard_normal((W, W)).astype(np.float32),  # < min_size: exact
             "n": np.arange(W * W * 3, dtype=np.int32).reshape(W, W, 3)}
-    cfg = jax_cgx.CompressionConfig(bits=4, bucket_size=BUCKET)
+    cfg = jax_cgx.CompressionConfig(bits=4, bucket_size=BUCKET, min_size=16)
     out = _run(lambda t: jax_cgx.compressed_psum_scatter(t, "d", cfg, tiled=True), tree)
     ref = _run(lambda t: jax.tree.map(lambda a: lax.psum_scatter(a, "d", tiled=True), t), tree)
     for k in ("small", "n"):
@@ -150,7 +150,7 @@ def test_bytes_on_wire_ops():
     plain = jax_cgx.CompressionConfig(bits=32)
     assert jax_cgx.bytes_on_wire(x, W, plain, op="psum_scatter") == (W - 1) * (4096 + 4) * 4
     assert jax_cgx.bytes_on_wire(x, W, plain, op="all_gather") == (W - 1) * W * (4096 + 4) * 4
-    four = jax_cgx.CompressionConfig(bits=4, bucket_size=512)
+    four = jax_cgx.CompressionConfig(bits=4, bucket_size=512, min_size=16)
     packed = 4096 // 2 + 8 * 8  # 4096 values at 4 bits, 8 buckets of (min, scale)
     assert jax_cgx.bytes_on_wire(x, W, four, op="psum_scatter") == (W - 1) * (packed + 4 * 4)
     with pytest.raises(ValueError, match="op must be one of 'psum', 'psum_scatter', 'all_gather'"):
@@ -163,7 +163,7 @@ def test_gradients_are_lax_gradients():
     # A linear loss: the cotangent does not depend on the (compressed) value, so the gradient
     # must be lax's to the bit (quantization is the identity to differentiation).
     xs = _data((2 * W, 30))
-    cfg = jax_cgx.CompressionConfig(bits=3, bucket_size=BUCKET)
+    cfg = jax_cgx.CompressionConfig(bits=3, bucket_size=BUCKET, min_size=16)
     weights = np.random.default_rng(1).standard_normal((W, 2, 30)).astype(np.float32)
 
     def loss(xs, scatter):
@@ -188,7 +188,7 @@ def test_gradients_are_lax_gradients():
 
 def test_vmap_scan_and_no_check_vma():
     xs = _data((3, W, 200))  # a vmapped leading axis of 3
-    cfg = jax_cgx.CompressionConfig(bits=4, bucket_size=BUCKET)
+    cfg = jax_cgx.CompressionConfig(bits=4, bucket_size=BUCKET, min_size=16)
     one = lambda v: jax_cgx.compressed_psum_scatter(v, "d", cfg)  # noqa: E731
     vmapped = _run(jax.vmap(one), xs)
     looped = _run(lambda v: jnp.stack([one(v[i]) for i in range(3)]), xs)
@@ -203,7 +203,7 @@ def test_vmap_scan_and_no_check_vma():
 
 def test_errors():
     xs = _data((W + 1, 10))
-    cfg = jax_cgx.CompressionConfig(bits=4)
+    cfg = jax_cgx.CompressionConfig(bits=4, min_size=16)
     with pytest.raises(ValueError, match=r"has 9 entries along scatter_dimension 0; with tiled=False it must equal"):
         _run(lambda v: jax_cgx.compressed_psum_scatter(v, "d", cfg), xs)
     with pytest.raises(ValueError, match="not divisible by the 8 ranks"):
@@ -227,7 +227,7 @@ def test_settings_that_do_not_apply_are_logged_once(caplog, monkeypatch):
 
     monkeypatch.setattr(scatter_gather, "_logged", set())  # whatever earlier tests logged
     xs = _data((W, 100))
-    cfg = jax_cgx.CompressionConfig(bits=4, bucket_size=BUCKET, algorithm="ring", skip_incomplete_buckets=True)
+    cfg = jax_cgx.CompressionConfig(bits=4, bucket_size=BUCKET, algorithm="ring", skip_incomplete_buckets=True, min_size=16)
     with caplog.at_level("INFO", logger="jax_cgx"):
         for _ in range(2):
             _run(lambda v: jax_cgx.compressed_all_gather(v, "d", cfg), xs[:, 0])
@@ -238,7 +238,7 @@ def test_settings_that_do_not_apply_are_logged_once(caplog, monkeypatch):
 
 def test_pmap():
     xs = _data((W, 100))
-    cfg = jax_cgx.CompressionConfig(bits=4, bucket_size=BUCKET)
+    cfg = jax_cgx.CompressionConfig(bits=4, bucket_size=BUCKET, min_size=16)
     ours = jax.pmap(lambda v: jax_cgx.compressed_psum_scatter(v, "d", cfg), axis_name="d")(xs)
     in_shard_map = _run(lambda v: jax_cgx.compressed_psum_scatter(v, "d", cfg), xs)
     assert_same_bits(np.asarray(ours), in_shard_map, "pmap = shard_map")
@@ -275,7 +275,7 @@ def test_two_processes_two_devices_each(tmp_path):
 @pytest.mark.parametrize("stochastic", [False, True], ids=["nearest", "stochastic"])
 def test_residuals_add_up_to_the_error(stochastic):
     xs = _data((W, 1000), seed=9)
-    cfg = jax_cgx.CompressionConfig(bits=3, bucket_size=BUCKET, stochastic=stochastic)
+    cfg = jax_cgx.CompressionConfig(bits=3, bucket_size=BUCKET, stochastic=stochastic, min_size=16)
     key = jax.random.key(4) if stochastic else None
     out, res = _run(lambda v: jax_cgx.compressed_psum_scatter(v, "d", cfg, key=key, return_residual=True), xs)
     plain = _run(lambda v: jax_cgx.compressed_psum_scatter(v, "d", cfg, key=key), xs)
@@ -295,7 +295,7 @@ def test_one_rank_is_exact():
     # Nothing moves over one rank, so nothing is quantized (as compressed_psum).
     mesh = Mesh(np.array(jax.devices()[:1]), ("d",))
     x = np.random.default_rng(0).standard_normal((1, 300)).astype(np.float32)
-    cfg = jax_cgx.CompressionConfig(bits=2, bucket_size=BUCKET)
+    cfg = jax_cgx.CompressionConfig(bits=2, bucket_size=BUCKET, min_size=16)
     for fn in (lambda v: jax_cgx.compressed_psum_scatter(v, "d", cfg, tiled=True),
                lambda v: jax_cgx.compressed_all_gather(v, "d", cfg, tiled=True),
                lambda v: jax_cgx.compressed_psum_scatter(v, "d", cfg, tiled=True, return_residual=True)[0]):
@@ -343,7 +343,7 @@ def test_policy_auto_prices_the_sharded_collectives(op, fresh_policy, caplog):
     _fixed_codec_rates(fresh_policy)
     ours, theirs, shape, primitive = _SHARDED_OPS[op]
     xs = _data(shape)
-    fast = jax_cgx.CompressionConfig(bits=4, bucket_size=BUCKET, policy="auto", link_gbps=float("inf"))
+    fast = jax_cgx.CompressionConfig(bits=4, bucket_size=BUCKET, policy="auto", link_gbps=float("inf"), min_size=16)
     with caplog.at_level("INFO", logger="jax_cgx"):
         got = _run(lambda v: ours(v, fast), xs)
         _run(lambda v: ours(v, fast), xs)  # traced again: logged once
@@ -379,7 +379,7 @@ def test_policy_auto_times_a_sharded_near_tie_with_its_own_collectives(op, fresh
         return 1.0, 0.01  # compressing wins by far
 
     monkeypatch.setattr(pricing, "_time_exchange", timing)
-    config = jax_cgx.CompressionConfig(bits=4, bucket_size=BUCKET, policy="auto")
+    config = jax_cgx.CompressionConfig(bits=4, bucket_size=BUCKET, policy="auto", min_size=16)
     assert primitive in _traced(lambda v: ours(v, config), _data(shape))
     assert timed == [(shape[0], "xla")]
 
@@ -388,7 +388,7 @@ def test_policy_auto_times_a_sharded_near_tie_with_its_own_collectives(op, fresh
 def test_explain_shows_the_sharded_decisions(op, fresh_policy):
     _fixed_codec_rates(fresh_policy)
     tree = {"w": jax.ShapeDtypeStruct((W * 4096,), jnp.float32), "i": jax.ShapeDtypeStruct((W,), jnp.int32)}
-    fast = jax_cgx.CompressionConfig(bits=4, bucket_size=BUCKET, policy="auto", link_gbps=float("inf"))
+    fast = jax_cgx.CompressionConfig(bits=4, bucket_size=BUCKET, policy="auto", link_gbps=float("inf"), min_size=16)
     tiled = {"tiled": True} if op == "psum_scatter" else {}  # as compressed_psum_scatter would need
     report = jax_cgx.explain(tree, world=W, config=fast, op=op, file=None, **tiled)
     assert {r.path: r.how for r in report.leaves} == {"['w']": "lax (auto)", "['i']": "exact"}

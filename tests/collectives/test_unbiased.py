@@ -121,7 +121,7 @@ def _ring_variance(x64):
 @pytest.mark.parametrize("algorithm", ["sra", "ring"])
 def test_compressed_psum_is_unbiased(algorithm):
     xs = biased_for_nearest(W, N, seed=1)
-    config = CompressionConfig(bits=BITS, bucket_size=B, stochastic=True, algorithm=algorithm)
+    config = CompressionConfig(bits=BITS, bucket_size=B, stochastic=True, algorithm=algorithm, min_size=16)
     samples = _vmapped(lambda x, k: jax_cgx.compressed_psum(x, "d", config, key=k), xs, KEYS)  # [W, K, N]
     for r in range(1, W):
         np.testing.assert_array_equal(samples[r], samples[0])
@@ -135,7 +135,7 @@ def test_compressed_psum_is_unbiased(algorithm):
 def test_compressed_psum_scatter_is_unbiased():
     # xs[rank, block, m]: block o goes to rank o, the owner's own block exact, each peer's quantized once.
     xs = biased_for_nearest(W * W, M, seed=2).reshape(W, W, M)
-    config = CompressionConfig(bits=BITS, bucket_size=B, stochastic=True)
+    config = CompressionConfig(bits=BITS, bucket_size=B, stochastic=True, min_size=16)
     samples = _vmapped(lambda x, k: jax_cgx.compressed_psum_scatter(x, "d", config, key=k), xs, KEYS)  # [W, K, M]
     nearest = config.replace(stochastic=False)
     near = _once(lambda x: jax_cgx.compressed_psum_scatter(x, "d", nearest), xs)
@@ -150,7 +150,7 @@ def test_compressed_psum_scatter_is_unbiased():
 
 def test_compressed_all_gather_is_unbiased():
     xs = biased_for_nearest(W, M, seed=3)
-    config = CompressionConfig(bits=BITS, bucket_size=B, stochastic=True)
+    config = CompressionConfig(bits=BITS, bucket_size=B, stochastic=True, min_size=16)
     samples = _vmapped(lambda x, k: jax_cgx.compressed_all_gather(x, "d", config, key=k), xs, KEYS)  # [W, K, W, M]
     for r in range(1, W):
         np.testing.assert_array_equal(samples[r], samples[0])

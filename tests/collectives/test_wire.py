@@ -63,12 +63,12 @@ def test_the_given_link_reaches_every_primitive(monkeypatch):
     from jax_cgx._src.config import given_link_gbps
 
     monkeypatch.delenv("JAX_CGX_LINK_GBPS", raising=False)
-    assert given_link_gbps(CompressionConfig()) is None
+    assert given_link_gbps(CompressionConfig(min_size=16)) is None
     monkeypatch.setenv("JAX_CGX_LINK_GBPS", "10")
-    assert given_link_gbps(CompressionConfig()) == 10.0
-    assert given_link_gbps(CompressionConfig(link_gbps=1)) == 1.0
+    assert given_link_gbps(CompressionConfig(min_size=16)) == 10.0
+    assert given_link_gbps(CompressionConfig(link_gbps=1, min_size=16)) == 1.0
     monkeypatch.setenv("JAX_CGX_LINK_GBPS", "fast")
-    assert given_link_gbps(CompressionConfig()) is None
+    assert given_link_gbps(CompressionConfig(min_size=16)) is None
     mesh = mesh_2d((8, 1))
     config = CompressionConfig(bits=4, min_size=16, link_gbps=25)  # the all-gather's 64 values compressed
 

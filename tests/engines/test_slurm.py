@@ -111,6 +111,8 @@ def test_a_requeued_job_resumes_on_fewer_tasks(cluster, tmp_path, tmp_path_facto
     before = log.read_text()
     requeue = cluster.run(["scontrol", "requeue", job])
     assert requeue.returncode == 0, log_of(requeue)
+    # SLURM holds a requeued job about two minutes before it may start again: start it now.
+    cluster.run(["scontrol", "update", f"JobId={job}", "StartTime=now"])
     deadline = time.monotonic() + 300
     while (state := cluster.job_state(job)) not in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "GONE"):
         assert time.monotonic() < deadline, f"job {job} still {state}:\n{log.read_text()}\n{cluster.logs()}"

@@ -144,7 +144,7 @@ def test_setup_on_one_gpu_and_errors():
     jax_cgx.nccl.load()
     jax_cgx.nccl.setup(mesh)  # W=1: nothing to create
     x = jax.device_put(jnp.arange(4096, dtype=jnp.float32), gpu)
-    cfg = jax_cgx.CompressionConfig(bits=4, backend="nccl")
+    cfg = jax_cgx.CompressionConfig(bits=4, backend="nccl", min_size=16)
     f = jax.jit(jax.shard_map(lambda v: jax_cgx.compressed_psum(v, "i", cfg), mesh=mesh,
                               in_specs=jax.P(), out_specs=jax.P(), check_vma=False))
     np.testing.assert_array_equal(np.asarray(f(x)), np.asarray(x))  # a sum over one rank is exact

@@ -49,7 +49,7 @@ def communicators(cuda_mesh, monkeypatch):
 
 
 def test_nccl_backend_lowers_to_one_custom_call_per_buffer(communicators):
-    hlo = _lower(CompressionConfig(bits=4, bucket_size=64, pipeline_segments=3, backend="nccl"))
+    hlo = _lower(CompressionConfig(bits=4, bucket_size=64, pipeline_segments=3, backend="nccl", min_size=16))
     calls = re.findall(r"custom_call @jax_cgx_nccl_allreduce\(", hlo)
     assert len(calls) == 1, hlo
     assert "comm_key = 1234" in hlo and "segments = 3" in hlo and "world = 4" in hlo
@@ -59,19 +59,19 @@ def test_nccl_backend_lowers_to_one_custom_call_per_buffer(communicators):
 
 
 def test_vmapped_rows_are_one_call_each(communicators):
-    hlo = _lower(CompressionConfig(bits=8, backend="nccl"), rows=3)
+    hlo = _lower(CompressionConfig(bits=8, backend="nccl", min_size=16), rows=3)
     assert len(re.findall(r"custom_call @jax_cgx_nccl_allreduce\(", hlo)) == 3
 
 
 def test_xla_backend_and_auto_without_communicators_use_collectives(communicators):
-    hlo = _lower(CompressionConfig(bits=4, backend="xla"))
+    hlo = _lower(CompressionConfig(bits=4, backend="xla", min_size=16))
     assert "jax_cgx_nccl_allreduce" not in hlo and "all_to_all" in hlo
 
 
 def test_auto_takes_the_communicators(communicators):
     """Where jax_cgx.nccl.setup connected the axes, auto runs the nccl backend (level with the xla
     backend on an H100 since one segment: docs/gpu-results.md)."""
-    hlo = _lower(CompressionConfig(bits=4, backend="auto"))
+    hlo = _lower(CompressionConfig(bits=4, backend="auto", min_size=16))
     assert len(re.findall(r"custom_call @jax_cgx_nccl_allreduce\(", hlo)) == 1
     assert "all_to_all" not in hlo
 
@@ -84,8 +84,8 @@ def test_auto_passing_a_backend_over_warns_once(communicators, monkeypatch, capl
     monkeypatch.setattr(protocol, "_warned", set())
     monkeypatch.setattr(backends.get("nccl"), "passed_over_by_auto", "measured slower here")
     with caplog.at_level("WARNING", logger="jax_cgx"):
-        hlo = _lower(CompressionConfig(bits=4, backend="auto"))
-        _lower(CompressionConfig(bits=8, backend="auto"))
+        hlo = _lower(CompressionConfig(bits=4, backend="auto", min_size=16))
+        _lower(CompressionConfig(bits=8, backend="auto", min_size=16))
     assert "jax_cgx_nccl_allreduce" not in hlo and "all_to_all" in hlo
     warnings = [r.getMessage() for r in caplog.records if "backend='auto' runs the xla backend" in r.getMessage()]
     assert len(warnings) == 1, warnings
@@ -93,14 +93,14 @@ def test_auto_passing_a_backend_over_warns_once(communicators, monkeypatch, capl
 
 
 def test_auto_without_communicators_is_xla_and_nccl_raises(cuda_mesh):
-    assert "jax_cgx_nccl_allreduce" not in _lower(CompressionConfig(bits=4, backend="auto"))
+    assert "jax_cgx_nccl_allreduce" not in _lower(CompressionConfig(bits=4, backend="auto", min_size=16))
     with pytest.raises(nccl.NcclError, match=r"jax_cgx\.nccl\.setup"):
-        _lower(CompressionConfig(bits=4, backend="nccl"))
+        _lower(CompressionConfig(bits=4, backend="nccl", min_size=16))
 
 
 def test_nccl_backend_on_cpu_raises():
     mesh = jax.make_mesh((4,), ("d",), devices=jax.devices()[:4])
-    f = jax.jit(jax.shard_map(lambda v: jax_cgx.compressed_psum(v[0], "d", CompressionConfig(backend="nccl"))[None],
+    f = jax.jit(jax.shard_map(lambda v: jax_cgx.compressed_psum(v[0], "d", CompressionConfig(backend="nccl", min_size=16))[None],
                               mesh=mesh, in_specs=P("d"), out_specs=P("d")))
     with pytest.raises(Exception, match="CUDA GPUs only"):
         f.lower(jax.ShapeDtypeStruct((4, 1000), jnp.float32, sharding=NamedSharding(mesh, P("d"))))
@@ -161,37 +161,37 @@ _TARGETS = {"psum_scatter": "jax_cgx_nccl_reduce_scatter", "all_gather": "jax_cg
 
 @pytest.mark.parametrize("op", ["psum_scatter", "all_gather"])
 def test_sharded_collectives_lower_to_one_custom_call_per_buffer(communicators, op):
-    hlo = _lower_sharded(op, CompressionConfig(bits=4, bucket_size=64, pipeline_segments=3, backend="nccl"))
+    hlo = _lower_sharded(op, CompressionConfig(bits=4, bucket_size=64, pipeline_segments=3, backend="nccl", min_size=16))
     assert len(re.findall(rf"custom_call @{_TARGETS[op]}\(", hlo)) == 1, hlo
     assert "comm_key = 1234" in hlo and "segments = 3" in hlo and "world = 4" in hlo
     assert "has_side_effect = true" in hlo
     assert "all_to_all" not in hlo and "all_gather\"" not in hlo and "stablehlo.all_gather" not in hlo
     # vmapped rows: one call each; backend="xla": XLA's collectives, no custom call
-    rows = _lower_sharded(op, CompressionConfig(bits=8, backend="nccl"), rows=3)
+    rows = _lower_sharded(op, CompressionConfig(bits=8, backend="nccl", min_size=16), rows=3)
     assert len(re.findall(rf"custom_call @{_TARGETS[op]}\(", rows)) == 3
-    assert _TARGETS[op] not in _lower_sharded(op, CompressionConfig(bits=4, backend="xla"))
-    assert _TARGETS[op] in _lower_sharded(op, CompressionConfig(bits=4, backend="auto"))  # auto takes them
+    assert _TARGETS[op] not in _lower_sharded(op, CompressionConfig(bits=4, backend="xla", min_size=16))
+    assert _TARGETS[op] in _lower_sharded(op, CompressionConfig(bits=4, backend="auto", min_size=16))  # auto takes them
 
 
 @pytest.mark.parametrize("op", ["psum_scatter", "all_gather"])
 def test_sharded_collectives_without_communicators(cuda_mesh, op):
-    assert _TARGETS[op] not in _lower_sharded(op, CompressionConfig(bits=4, backend="auto"))
+    assert _TARGETS[op] not in _lower_sharded(op, CompressionConfig(bits=4, backend="auto", min_size=16))
     with pytest.raises(nccl.NcclError, match=r"jax_cgx\.nccl\.setup"):
-        _lower_sharded(op, CompressionConfig(bits=4, backend="nccl"))
+        _lower_sharded(op, CompressionConfig(bits=4, backend="nccl", min_size=16))
 
 
 def test_reduce_scatter_residual_is_xla_only(communicators, monkeypatch):
     # auto takes the communicators here: the residual alone sends it to xla.
-    hlo = _lower_sharded("psum_scatter", CompressionConfig(bits=4), return_residual=True)
+    hlo = _lower_sharded("psum_scatter", CompressionConfig(bits=4, min_size=16), return_residual=True)
     assert "jax_cgx_nccl_reduce_scatter" not in hlo and "all_to_all" in hlo
     with pytest.raises(NotImplementedError, match="xla backend only"):
-        _lower_sharded("psum_scatter", CompressionConfig(bits=4, backend="nccl"), return_residual=True)
+        _lower_sharded("psum_scatter", CompressionConfig(bits=4, backend="nccl", min_size=16), return_residual=True)
 
 
 @pytest.mark.parametrize("op", ["psum_scatter", "all_gather"])
 def test_sharded_nccl_backend_on_cpu_raises(op):
     mesh = jax.make_mesh((4,), ("d",), devices=jax.devices()[:4])
-    cfg = CompressionConfig(bits=4, backend="nccl")
+    cfg = CompressionConfig(bits=4, backend="nccl", min_size=16)
     if op == "psum_scatter":
         fn = lambda v: jax_cgx.compressed_psum_scatter(v[0], "d", cfg, tiled=True)[None]  # noqa: E731
     else:

@@ -15,7 +15,7 @@ import jax_cgx
 from jax_cgx.optax import resize_state, sharded, state_specs, topk_mean
 
 W = 8
-CONFIG = jax_cgx.CompressionConfig(bits=4, bucket_size=64)
+CONFIG = jax_cgx.CompressionConfig(bits=4, bucket_size=64, min_size=16)
 
 
 def _mesh(axis_type=AxisType.Auto, n=W):

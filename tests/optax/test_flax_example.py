@@ -175,7 +175,7 @@ def test_compressed_gradient_within_the_bound(digits):
     graphdef, params, batch_stats = _split(dropout=0.5, sync=False)
     _, grads = _data_parallel(graphdef, 4)(params, batch_stats, x, y, key)
     _, per_device = _per_device(graphdef, params, batch_stats, x, y, key)
-    config = jax_cgx.CompressionConfig(bits=4, bucket_size=128)
+    config = jax_cgx.CompressionConfig(bits=4, bucket_size=128, min_size=16)
     for (path, leaf), mine in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(per_device)):
         if leaf.size >= 1024:
             # W = 8: the mean times 8 is exactly the sum the bound is stated for.

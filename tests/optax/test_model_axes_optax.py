@@ -17,7 +17,7 @@ import jax_cgx
 from jax_cgx.optax import compressed_mean, resize_state, shard_shapes, state_specs, topk_mean
 
 ROWS = 32
-CONFIG = jax_cgx.CompressionConfig(bits=8, bucket_size=64)
+CONFIG = jax_cgx.CompressionConfig(bits=8, bucket_size=64, min_size=16)
 # "s" stays replicated over "model": it is fused apart from the split leaves (a bucket shared with
 # another device's shard would decode it differently on the two model devices).
 SPECS = {"b1": P("model"), "s": P(), "w1": P(None, "model"), "w2": P("model", None)}

@@ -15,7 +15,7 @@ import jax_cgx
 from jax_cgx.optax import compressed_mean, skip_not_finite, state_specs
 
 W = 8
-CONFIG = jax_cgx.CompressionConfig(bits=4, bucket_size=64)
+CONFIG = jax_cgx.CompressionConfig(bits=4, bucket_size=64, min_size=16)
 
 
 def _mesh():

@@ -20,7 +20,7 @@ from jax_cgx._src.optax.mean import (
 )
 from jax_cgx.optax import compressed_mean_state_specs
 
-FOUR = CompressionConfig(bits=4, bucket_size=64)
+FOUR = CompressionConfig(bits=4, bucket_size=64, min_size=16)
 
 
 def params_like():
@@ -115,7 +115,8 @@ def test_config_none_reads_the_environment_once(monkeypatch):
 
     def body(g):
         g = local(g)
-        return stacked((tx.update(g, tx.init(g))[0], jax_cgx.compressed_pmean(g, "d", CompressionConfig(bits=3))))
+        return stacked((tx.update(g, tx.init(g))[0], jax_cgx.compressed_pmean(
+            g, "d", CompressionConfig.from_env({"CGX_COMPRESSION_QUANTIZATION_BITS": "3"}))))
 
     out, ref = jax.tree.map(
         np.asarray,
@@ -195,7 +196,7 @@ def _drift_case(algorithm, error_feedback, bits=2):
     k1, k2 = jax.random.split(jax.random.key(0))
     # A fixed mean plus noise: nearest rounding errs the same way step after step.
     grads = {"w": jax.random.normal(k1, shape) + 0.3 * jax.random.normal(k2, (T_STEPS, W, *shape))}
-    config = CompressionConfig(bits=bits, bucket_size=128, algorithm=algorithm)
+    config = CompressionConfig(bits=bits, bucket_size=128, algorithm=algorithm, min_size=16)
     tx = compressed_mean("d", config, error_feedback=error_feedback)
     us, res, state = _run_steps(tx, grads, mesh_1d())
     applied = np.asarray(us["w"], np.float64).sum(0)
@@ -225,7 +226,7 @@ def test_error_feedback_telescopes_and_bounds_the_drift(algorithm):
     magnitude = T_STEPS * W * 2.0**-21 * (np.abs(np.asarray(grads, np.float64)).max() + np.abs(final).max())
     np.testing.assert_allclose(drift, -final.mean(0), rtol=0, atol=magnitude)
 
-    config = CompressionConfig(bits=bits, bucket_size=128, algorithm=algorithm)
+    config = CompressionConfig(bits=bits, bucket_size=128, algorithm=algorithm, min_size=16)
     compressed = (np.asarray(grads[-1]) + res[-2]).reshape(W, -1)  # float32, as the last step added them
     find = ring_oracle if algorithm == "ring" else oracle
     _, scales, chunk = find(compressed, config)[:3]
@@ -288,7 +289,7 @@ def test_state_round_trips_through_jit_and_shard_map(error_feedback):
 def test_pmap_matches_shard_map():
     mesh = mesh_1d()
     params = {"w": jnp.zeros((50, 40))}
-    tx = compressed_mean("i", CompressionConfig(bits=3, bucket_size=64), error_feedback=True)
+    tx = compressed_mean("i", CompressionConfig(bits=3, bucket_size=64, min_size=16), error_feedback=True)
     grads = grads_like(params, lead=(3, W), seed=4)
     state = jax.tree.map(lambda a: jnp.broadcast_to(a, (W, *a.shape)), tx.init(params))
     step = jax.pmap(tx.update, axis_name="i")
@@ -296,7 +297,7 @@ def test_pmap_matches_shard_map():
     for t in range(3):
         u, state = step(jax.tree.map(lambda g: g[t], grads), state)
         pmapped.append(np.asarray(u["w"][0]))
-    tx_d = compressed_mean("d", CompressionConfig(bits=3, bucket_size=64), error_feedback=True)
+    tx_d = compressed_mean("d", CompressionConfig(bits=3, bucket_size=64, min_size=16), error_feedback=True)
     us, res, _ = _run_steps(tx_d, grads, mesh)
     for t in range(3):
         assert_same_bits(pmapped[t], us["w"][t], f"step {t}")
@@ -590,7 +591,7 @@ def test_complex_leaves_are_averaged_exactly():
 def test_layer_filter_is_compressed_means_per_leaf_config():
     import jax_cgx.optax as cgx_optax
 
-    config = CompressionConfig(bits=4)
+    config = CompressionConfig(bits=4, min_size=16)
     spec = cgx_optax.layer_filter(config, layer_min_size=100)
     leaves = {"w": jnp.zeros((10, 20)), "small": jnp.zeros((5, 5)), "bias": jnp.zeros(500),
               "ints": jnp.zeros((10, 20), jnp.int32)}

@@ -158,7 +158,7 @@ def test_error_feedback_applies_the_true_gradients_up_to_one_residual():
     n, steps, lr = 300, 12, 0.1
     rng = np.random.default_rng(3)
     batches = rng.standard_normal((steps, 4 * W, n)).astype(np.float32)
-    two_bits = jax_cgx.CompressionConfig(bits=2, bucket_size=64)
+    two_bits = jax_cgx.CompressionConfig(bits=2, bucket_size=64, min_size=16)
 
     def loss(params, c):
         return jnp.mean(c @ params["w"])
@@ -253,7 +253,7 @@ def test_the_gradient_of_replicated_parameters_raises_naming_pcast(error_feedbac
     params, x, y = _problem()
     params = jax.device_put(params, NamedSharding(mesh, P()))
     x, y = jax.device_put((x, y), NamedSharding(mesh, P("data")))
-    opt = cgx_optax.sharded(optax.sgd(0.1), "data", grad_config=jax_cgx.CompressionConfig(bits=4),
+    opt = cgx_optax.sharded(optax.sgd(0.1), "data", grad_config=jax_cgx.CompressionConfig(bits=4, min_size=16),
                             error_feedback=error_feedback)
     specs = opt.state_specs(params, mesh)
     state = jax.jit(jax.shard_map(opt.init, mesh=mesh, in_specs=P(), out_specs=specs))(params)

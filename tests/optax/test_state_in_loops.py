@@ -20,7 +20,7 @@ from jax_cgx.optax import compressed_mean, powersgd_mean, topk_mean
 STEPS = 3
 TRANSFORMS = {
     "compressed_mean-ef": lambda: compressed_mean(
-        "data", CompressionConfig(bits=4, bucket_size=64), layer_min_size=16, error_feedback=True),
+        "data", CompressionConfig(bits=4, bucket_size=64, min_size=16), layer_min_size=16, error_feedback=True),
     "topk-momentum": lambda: topk_mean("data", 0.1, min_size=16, momentum=0.9),
     "topk-small-leaf": lambda: topk_mean("data", 0.1, min_size=10**9, momentum=0.9),  # its u is a mean's
     "powersgd-ef": lambda: powersgd_mean("data", 2, start_iter=1),

@@ -13,7 +13,7 @@ from jax.sharding import PartitionSpec as P
 import jax_cgx.optax as cgx_optax
 from jax_cgx import CompressionConfig
 
-FOUR = CompressionConfig(bits=4, bucket_size=64)
+FOUR = CompressionConfig(bits=4, bucket_size=64, min_size=16)
 PARAMS = {"w": jnp.ones((64, 40)), "b": jnp.ones((40,)), "h": jnp.ones((48, 32), jnp.bfloat16)}
 STEPS = 5  # odd: MultiSteps(every_k_schedule=2) ends with one gradient accumulated
 

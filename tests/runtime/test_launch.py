@@ -89,7 +89,7 @@ def _check_results(out: pathlib.Path, nproc: int, devices_per_process: int) -> N
     for d in range(1, world):
         assert_same_bits(rows[d], rows[0], f"device {d} vs device 0")
     xs = np.random.default_rng(0).standard_normal((world, 777)).astype(np.float32)
-    assert_same_bits(rows[0], oracle(xs, CompressionConfig(bits=4, bucket_size=64))[0], "vs oracle")
+    assert_same_bits(rows[0], oracle(xs, CompressionConfig(bits=4, bucket_size=64, min_size=16))[0], "vs oracle")
 
 
 def test_launcher_runs_a_compressed_psum(tmp_path):

@@ -20,7 +20,7 @@ import jax_cgx
 import jax_cgx.optax as cgx_optax
 
 AXIS = "d"
-FOUR = jax_cgx.CompressionConfig(bits=4, bucket_size=64)
+FOUR = jax_cgx.CompressionConfig(bits=4, bucket_size=64, min_size=16)
 PARAMS = {"w": np.linspace(-1, 1, 64 * 40, dtype=np.float32).reshape(64, 40),
           "b": np.zeros((40,), np.float32),
           "h": np.linspace(1, -1, 48 * 30, dtype=np.float32).reshape(48, 30)}

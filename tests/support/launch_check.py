@@ -124,7 +124,7 @@ def main() -> None:
     mesh = jax.make_mesh((len(devices),), ("d",), axis_types=(jax.sharding.AxisType.Explicit,), devices=devices)
     xs = np.random.default_rng(0).standard_normal((len(devices), 777)).astype(np.float32)
     x = jax.make_array_from_callback(xs.shape, NamedSharding(mesh, P("d")), lambda idx: xs[idx])
-    config = jax_cgx.CompressionConfig(bits=4, bucket_size=64)
+    config = jax_cgx.CompressionConfig(bits=4, bucket_size=64, min_size=16)
     f = jax.jit(jax.shard_map(lambda v: jax_cgx.compressed_psum(v[0], "d", config)[None], mesh=mesh,
                               in_specs=P("d"), out_specs=P("d")))
     y = f(x)

@@ -22,7 +22,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jax_cgx  # noqa: E402
 
-CONFIG = jax_cgx.CompressionConfig(bits=4, bucket_size=64)
+CONFIG = jax_cgx.CompressionConfig(bits=4, bucket_size=64, min_size=16)
 SPECS = {"b1": P("model"), "w1": P(None, "model"), "w2": P("model", None)}
 LAYOUTS = {"data_across": ("data", "model"), "model_across": ("model", "data")}
 

@@ -21,14 +21,14 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 import jax_cgx  # noqa: E402
 
 CASES = {
-    "bits2": jax_cgx.CompressionConfig(bits=2, bucket_size=64),
-    "bits4": jax_cgx.CompressionConfig(bits=4, bucket_size=64),
-    "bits8": jax_cgx.CompressionConfig(bits=8, bucket_size=64),
-    "bits4_stochastic": jax_cgx.CompressionConfig(bits=4, bucket_size=64, stochastic=True),
+    "bits2": jax_cgx.CompressionConfig(bits=2, bucket_size=64, min_size=16),
+    "bits4": jax_cgx.CompressionConfig(bits=4, bucket_size=64, min_size=16),
+    "bits8": jax_cgx.CompressionConfig(bits=8, bucket_size=64, min_size=16),
+    "bits4_stochastic": jax_cgx.CompressionConfig(bits=4, bucket_size=64, stochastic=True, min_size=16),
     # Messages cut into many collectives in flight in one program (jax_cgx._src.exchange.wire): the same bytes.
-    "bits4_segments7": jax_cgx.CompressionConfig(bits=4, bucket_size=64, pipeline_segments=7),
+    "bits4_segments7": jax_cgx.CompressionConfig(bits=4, bucket_size=64, pipeline_segments=7, min_size=16),
     "bits3_stochastic_segments64": jax_cgx.CompressionConfig(bits=3, bucket_size=64, stochastic=True,
-                                                            pipeline_segments=64),
+                                                            pipeline_segments=64, min_size=16),
 }
 
 

@@ -27,21 +27,21 @@ from jax_cgx import CompressionConfig
 
 N = 100_003  # odd: a short last chunk and zero padding
 CASES = {
-    "sra_b4": CompressionConfig(bits=4, bucket_size=512),
-    "sra_b8_stochastic": CompressionConfig(bits=8, bucket_size=128, stochastic=True),
-    "sra_b2_segments3": CompressionConfig(bits=2, bucket_size=64, pipeline_segments=3),
-    "sra_b4_stochastic_segments5": CompressionConfig(bits=4, bucket_size=100, stochastic=True, pipeline_segments=5),
-    "ring_b4": CompressionConfig(bits=4, bucket_size=512, algorithm="ring"),
+    "sra_b4": CompressionConfig(bits=4, bucket_size=512, min_size=16),
+    "sra_b8_stochastic": CompressionConfig(bits=8, bucket_size=128, stochastic=True, min_size=16),
+    "sra_b2_segments3": CompressionConfig(bits=2, bucket_size=64, pipeline_segments=3, min_size=16),
+    "sra_b4_stochastic_segments5": CompressionConfig(bits=4, bucket_size=100, stochastic=True, pipeline_segments=5, min_size=16),
+    "ring_b4": CompressionConfig(bits=4, bucket_size=512, algorithm="ring", min_size=16),
     "ring_b3_stochastic_segments2": CompressionConfig(bits=3, bucket_size=256, stochastic=True, algorithm="ring",
-                                                      pipeline_segments=2),
+                                                      pipeline_segments=2, min_size=16),
 }
 DTYPES = {"f32": np.float32, "bf16": jax.numpy.bfloat16}
 # compressed_psum_scatter (tiled: each rank's [W * M] -> its [M]) and compressed_all_gather ([M] -> [W, M]).
 M = 25_001  # odd: blocks not a multiple of the kernels' alignment
 SHARDED_CASES = {
-    "b4": CompressionConfig(bits=4, bucket_size=512),
-    "b8_stochastic_segments3": CompressionConfig(bits=8, bucket_size=128, stochastic=True, pipeline_segments=3),
-    "b2_segments5": CompressionConfig(bits=2, bucket_size=100, pipeline_segments=5),
+    "b4": CompressionConfig(bits=4, bucket_size=512, min_size=16),
+    "b8_stochastic_segments3": CompressionConfig(bits=8, bucket_size=128, stochastic=True, pipeline_segments=3, min_size=16),
+    "b2_segments5": CompressionConfig(bits=2, bucket_size=100, pipeline_segments=5, min_size=16),
 }
 SHARDED_TARGETS = {"psum_scatter": "jax_cgx_nccl_reduce_scatter", "all_gather": "jax_cgx_nccl_all_gather"}
 

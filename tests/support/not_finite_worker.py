@@ -24,7 +24,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 import jax_cgx  # noqa: E402
 from jax_cgx.optax import compressed_mean, skip_not_finite, state_specs  # noqa: E402
 
-CONFIG = jax_cgx.CompressionConfig(bits=4, bucket_size=64)
+CONFIG = jax_cgx.CompressionConfig(bits=4, bucket_size=64, min_size=16)
 
 
 def batches(world: int, bad: bool) -> list[np.ndarray]:

@@ -44,7 +44,7 @@ def main() -> None:
         try:
             if sys.argv[5] == "--calibrate-only":
                 jax_cgx.calibrate()
-            record = dict(figures=repr(pricing.figures(jax_cgx.CompressionConfig(policy="auto"))))
+            record = dict(figures=repr(pricing.figures(jax_cgx.CompressionConfig(policy="auto", min_size=16))))
         except ValueError as e:
             record = dict(error=str(e))
         _write(out_dir, pid, record)
@@ -54,7 +54,7 @@ def main() -> None:
     mesh = jax.make_mesh((len(devices),), ("d",), axis_types=(jax.sharding.AxisType.Explicit,), devices=devices)
     xs = np.random.default_rng(0).standard_normal((len(devices), 1 << 16)).astype(np.float32)
     x = jax.make_array_from_callback(xs.shape, NamedSharding(mesh, P("d")), lambda idx: xs[idx])
-    config = jax_cgx.CompressionConfig(bits=4, policy="auto")  # the link is measured while tracing
+    config = jax_cgx.CompressionConfig(bits=4, policy="auto", min_size=16)  # the link is measured while tracing
     f = jax.jit(jax.shard_map(lambda v: jax_cgx.compressed_psum(v[0], "d", config)[None],
                               mesh=mesh, in_specs=P("d"), out_specs=P("d")))
     jaxpr = str(f.trace(x).jaxpr)

@@ -20,7 +20,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jax_cgx  # noqa: E402
 
-CONFIG = jax_cgx.CompressionConfig(bits=3, bucket_size=64, stochastic=True)
+CONFIG = jax_cgx.CompressionConfig(bits=3, bucket_size=64, stochastic=True, min_size=16)
 M = 700  # values per block
 
 

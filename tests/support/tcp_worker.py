@@ -51,7 +51,7 @@ def main() -> None:
             key = jax.random.key(7) if stochastic else None
             for backend in ("tcp", "xla"):
                 config = jax_cgx.CompressionConfig(bits=3, bucket_size=256, stochastic=stochastic, backend=backend,
-                                                   pipeline_segments=5)
+                                                   pipeline_segments=5, min_size=16)
                 f, x = reduce(config, local, key, fn)
                 out = np.asarray(f(x).addressable_shards[0].data)[0]
                 results[f"{backend}_{fn.__name__}_{n}_{np.dtype(dtype).name}_{stochastic}"] = out.view(np.uint8)
@@ -63,7 +63,7 @@ def main() -> None:
         """The error a tcp reduction of n values raises here ("no error" if none). ``run_first``: run
         once on every process, then the last one leaves: the next call takes jax's fast dispatch path
         with a step that returns the reduction's result as it is (it raised ValueError there)."""
-        f, x = reduce(jax_cgx.CompressionConfig(backend="tcp"), np.ones((1, n), np.float32))
+        f, x = reduce(jax_cgx.CompressionConfig(backend="tcp", min_size=16), np.ones((1, n), np.float32))
         try:
             if run_first:
                 jax.block_until_ready(f(x))

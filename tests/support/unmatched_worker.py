@@ -33,7 +33,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 rank = info.process_index
 steps = dict(map(int, s.split(":")) for s in args.steps).get(rank, 3)
 mesh = jax.make_mesh((jax.device_count(),), ("d",))
-config = jax_cgx.CompressionConfig(bits=4)
+config = jax_cgx.CompressionConfig(bits=4, min_size=16)
 step = jax.jit(jax.shard_map(lambda v: jax_cgx.compressed_pmean(v, "d", config), mesh=mesh, in_specs=P("d"),
                              out_specs=P("d")))
 x = jax.make_array_from_process_local_data(NamedSharding(mesh, P("d")),

@@ -76,7 +76,7 @@ def test_bitwise_equal_to_xla_backend(mesh2d, n, dtype, bits, bucket, stochastic
 def test_rows_and_fusion_buffers(mesh2d):
     """vmapped rows: one custom call per row; several fusion buffers; every replica equal."""
     x = jax.random.normal(jax.random.key(0), (8, 3, 50_000))
-    config = CompressionConfig(bits=4, bucket_size=256, stochastic=True)
+    config = CompressionConfig(bits=4, bucket_size=256, stochastic=True, min_size=16)
     hlo, got = _reduce(mesh2d, ("a", "b"), config, x, jax.random.key(1), rows=True)
     assert hlo.count(f"@{TARGET}") >= 3
     _, want = _reduce(mesh2d, ("a", "b"), config.replace(backend="xla"), x, jax.random.key(1), rows=True)
@@ -86,7 +86,7 @@ def test_rows_and_fusion_buffers(mesh2d):
 
     tree = {"w": jax.random.normal(jax.random.key(2), (8, 300_000)), "b": jnp.ones((8, 300))}
     spec = P(("a", "b"))
-    small = CompressionConfig(bits=4, fusion_buffer_mb=0.5)  # three buffers for w
+    small = CompressionConfig(bits=4, fusion_buffer_mb=0.5, min_size=16)  # three buffers for w
 
     def run(config):
         f = jax.jit(jax.shard_map(lambda t: jax.tree.map(lambda v: v[None], jax_cgx.compressed_pmean(
@@ -120,7 +120,7 @@ def test_many_calls_pending_at_once(mesh2d):
         f = jax.jit(jax.shard_map(body, mesh=mesh2d, in_specs=spec, out_specs=spec))
         return [np.asarray(o) for o in f(*jax.device_put(leaves, NamedSharding(mesh2d, spec)))]
 
-    for i, (got, want) in enumerate(zip(run(CompressionConfig(backend="tcp")), run(CompressionConfig(backend="xla")))):
+    for i, (got, want) in enumerate(zip(run(CompressionConfig(backend="tcp", min_size=16)), run(CompressionConfig(backend="xla", min_size=16)))):
         assert_same_bits(got, want, f"leaf {i}")
 
 
@@ -137,21 +137,21 @@ def test_gradient_through_the_tcp_backend(mesh2d):
         f = jax.jit(jax.shard_map(body, mesh=mesh2d, in_specs=spec, out_specs=spec))
         return f.lower(x).as_text(), np.asarray(f(x))
 
-    hlo, got = grad_of(CompressionConfig(bits=5))
+    hlo, got = grad_of(CompressionConfig(bits=5, min_size=16))
     assert TARGET in hlo  # (forward and transpose may share one lowered function)
-    assert_same_bits(got, grad_of(CompressionConfig(bits=5, backend="xla"))[1], "gradient")
+    assert_same_bits(got, grad_of(CompressionConfig(bits=5, backend="xla", min_size=16))[1], "gradient")
 
 
 def test_auto_uses_xla_where_tcp_cannot_run(mesh2d):
     x = jax.random.normal(jax.random.key(0), (8, 10_000))
-    hlo, _ = _reduce(mesh2d, ("a", "b"), CompressionConfig(algorithm="ring"), x)
+    hlo, _ = _reduce(mesh2d, ("a", "b"), CompressionConfig(algorithm="ring", min_size=16), x)
     assert TARGET not in hlo  # the ring runs on the xla backend
-    hlo, _ = _reduce(_mesh(), "d", CompressionConfig(), x)  # a mesh nobody set up
+    hlo, _ = _reduce(_mesh(), "d", CompressionConfig(min_size=16), x)  # a mesh nobody set up
     assert TARGET not in hlo
     with pytest.raises(TcpError, match="ring algorithm"):
-        _reduce(mesh2d, ("a", "b"), CompressionConfig(algorithm="ring", backend="tcp"), x)
+        _reduce(mesh2d, ("a", "b"), CompressionConfig(algorithm="ring", backend="tcp", min_size=16), x)
     with pytest.raises(TcpError, match=r"jax_cgx\.tcp\.setup\(mesh\)"):
-        _reduce(_mesh(), "d", CompressionConfig(backend="tcp"), x)
+        _reduce(_mesh(), "d", CompressionConfig(backend="tcp", min_size=16), x)
 
 
 def test_error_feedback_residuals_run_on_xla(mesh2d):
@@ -163,9 +163,9 @@ def test_error_feedback_residuals_run_on_xla(mesh2d):
             v[0], ("a", "b"), config, return_residual=True))
         return jax.jit(jax.shard_map(body, mesh=mesh2d, in_specs=spec, out_specs=spec)).lower(x).as_text()
 
-    assert TARGET not in lowered(CompressionConfig())
+    assert TARGET not in lowered(CompressionConfig(min_size=16))
     with pytest.raises(NotImplementedError, match="error feedback"):
-        lowered(CompressionConfig(backend="tcp"))
+        lowered(CompressionConfig(backend="tcp", min_size=16))
 
 
 def test_a_call_after_teardown_fails_instead_of_hanging():
@@ -174,7 +174,7 @@ def test_a_call_after_teardown_fails_instead_of_hanging():
     jax_cgx.tcp.setup(mesh, timeout_s=30)
     assert {c.rank for c in jax_cgx.tcp.communicators() if c.key == jax_cgx.tcp.lookup(mesh, "d")} == {0, 1, 2, 3}
     x = jax.device_put(jnp.ones((4, 5000)), NamedSharding(mesh, P("d")))
-    f = jax.jit(jax.shard_map(lambda v: jax_cgx.compressed_psum(v[0], "d", CompressionConfig(backend="tcp"))[None],
+    f = jax.jit(jax.shard_map(lambda v: jax_cgx.compressed_psum(v[0], "d", CompressionConfig(backend="tcp", min_size=16))[None],
                               mesh=mesh, in_specs=P("d"), out_specs=P("d")))
     np.testing.assert_array_equal(np.asarray(f(x)), 4.0)
     assert jax_cgx.tcp.teardown(mesh) == 4
@@ -219,7 +219,7 @@ def test_setup_checks_its_arguments(monkeypatch):
 
 def test_hierarchical_runs_its_outer_exchange_on_tcp(mesh2d):
     x = jax.random.normal(jax.random.key(4), (8, 100_000))
-    config = CompressionConfig(bits=4, hierarchical=True)
+    config = CompressionConfig(bits=4, hierarchical=True, min_size=16)
     hlo, got = _reduce(mesh2d, ("a", "b"), config, x)
     assert f"@{TARGET}_start(" in hlo
     assert_same_bits(got, _reduce(mesh2d, ("a", "b"), config.replace(backend="xla"), x)[1], "hierarchical")
@@ -233,7 +233,7 @@ def test_pmap_over_a_mesh_that_was_set_up():
         y = np.random.default_rng(0).standard_normal((8, 5000)).astype(np.float32)
 
         def run(backend):
-            config = CompressionConfig(bits=4, backend=backend)
+            config = CompressionConfig(bits=4, backend=backend, min_size=16)
             return np.asarray(jax.pmap(lambda v: jax_cgx.compressed_psum(v, "i", config), axis_name="i")(y))
 
         assert_same_bits(run("tcp"), run("xla"), "pmap")

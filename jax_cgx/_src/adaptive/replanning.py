@@ -157,20 +157,26 @@ class Planner:
         if step % self.every:
             return False
         self._check_like(grads)
+        # The uniform plan a planner starts from has the config's bucket size, which explicit
+        # bucket_sizes may leave out: it is then not priced, and the first plan is adopted.
+        options = {(b, k) for k in self.bucket_sizes for b in self.candidates} | {(EXACT, None)}
+        current = self._choices if set(self._choices) <= options else None
         configs, plans, before = _choose(grads, self.budget_bits, self.candidates, self.config, self.exact, "Planner",
-                                         current=self._choices, errors=errors, objective=self.objective,
+                                         current=current, errors=errors, objective=self.objective,
                                          bucket_sizes=self.bucket_sizes)
         after = sum(p.error for p in plans)
         choices = tuple(p.choice for p in plans)
-        if choices == self._choices or after > (1 - self.min_gain) * before:
+        if current is not None and (choices == self._choices or after > (1 - self.min_gain) * before):
             why = ("it is the best plan for this gradient" if choices == self._choices else
                    f"the best plan's predicted error, {after:.4g}, is not {self.min_gain:.0%} below it (min_gain)")
             log.info("jax_cgx: step %d: the bit widths stay: predicted error %.4g; %s", step, before, why)
             return False
         self._configs, self._choices, self.plans = configs, choices, plans
         self.changes += 1
-        log.info("jax_cgx: step %d: new bit widths, predicted error %.4g (the previous plan's: %.4g)\n%s",
-                 step, after, before, describe(plans))
+        previous = (f"{before:.4g}" if current is not None else
+                    f"not priced: its buckets of {self.base.bucket_size} are not among bucket_sizes")
+        log.info("jax_cgx: step %d: new bit widths, predicted error %.4g (the previous plan's: %s)\n%s",
+                 step, after, previous, describe(plans))
         return True
 
     def _check_like(self, grads) -> None:
