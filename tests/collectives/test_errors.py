@@ -313,7 +313,7 @@ def test_a_float64_leaf_is_refused_with_a_fix_that_works_for_config_none():
         for config in (None, jax_cgx.CompressionConfig(bits=4, min_size=16)):
             f = lambda v: jax_cgx.compressed_pmean(jax.lax.pcast(v, "data", to="varying"), "data", config)
             try:
-                jax.shard_map(f, mesh=mesh, in_specs=P(), out_specs=P())({"w": jnp.zeros((64,), jnp.float64)})
+                jax.shard_map(f, mesh=mesh, in_specs=P(), out_specs=P())({"w": jnp.zeros((4096,), jnp.float64)})
             except TypeError as err:
                 print("refused:", err)
     """)
