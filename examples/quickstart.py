@@ -164,8 +164,9 @@ ERROR_NOTE = {
 
 # Measured on emulated links (docs/performance.md): the same kind of step, bigger (16.8 M parameters).
 MEASURED = """\
-Measured, not predicted (docs/performance.md): a 16.8 M-parameter step on 2 processes over emulated
-1 Gbit/s links runs 2.7x faster with 4-bit compressed_mean than with pmean, 3.15x with
+Measured, not predicted (docs/performance.md, with buckets of 512, the default until 2026-11-29): a
+16.8 M-parameter step on 2 processes over emulated 1 Gbit/s links runs 2.7x faster with 4-bit
+compressed_mean than with pmean, 3.15x with
 reduce_in_backward; the same step in PyTorch DDP, in the same processes, 1.56x with its fp16 hook
 and 2.34x with PowerSGD. Reproduce (Linux, root: network namespaces and tc; torch for the ddp: steps):
   sudo python benchmarks/netem/run.py -p 2 --rate 1gbit --script benchmarks/train_step.py -- \\
