@@ -360,7 +360,9 @@ def _outer_job(env) -> str | None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m jax_cgx.launch", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        # The docstring's reST literals (``x``) read as plain text in a terminal and on the docs page.
+        prog="python -m jax_cgx.launch", description=__doc__.replace("``", ""),
+        formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("-n", "--nproc", type=integer(1), required=True, metavar="N",
                         help=f"number of processes (at least 1, at most {MAX_PROCESSES} here)")
