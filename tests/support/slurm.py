@@ -32,6 +32,11 @@ def unavailable() -> str | None:
                 "(.ci/run does)")
     if os.geteuid() != 0:
         return "a local SLURM needs root (its daemons run as root and start tasks as the submitting user)"
+    try:
+        socket.getaddrinfo(NODE, None)
+    except OSError:
+        return (f"this host's name {NODE!r} does not resolve (the node's name, where jax puts the coordinator): "
+                "add it to /etc/hosts")
     return None
 
 
