@@ -66,11 +66,17 @@ class LeafPlan(NamedTuple):
     """One leaf's choice: its path, values, bits (``EXACT`` = 32: sent exact), predicted error,
     bytes and bucket size (None when sent exact)."""
 
+    #: The leaf's path in the pytree (``jax.tree_util.keystr``).
     path: str
+    #: Its number of values.
     size: int
+    #: The bits per value chosen (``EXACT``, 32: sent exact).
     bits: int
+    #: The predicted error of the plan's objective for this leaf.
     error: float
+    #: The bytes it sends (payload and bucket metadata).
     bytes: int
+    #: The bucket size chosen (None when sent exact).
     bucket_size: int | None = None
 
     @property

@@ -51,10 +51,15 @@ class BackendError(RuntimeError):
 class CommunicatorInfo(NamedTuple):
     """One communicator a backend holds in this process (``jax_cgx.nccl.communicators()``, ``jax_cgx.tcp...``)."""
 
+    #: The family key of the reduction's group (an attribute of the custom call).
     key: int
+    #: The device ordinal it runs on (``jax.Device.local_hardware_id``).
     ordinal: int
+    #: This device's rank in the communicator.
     rank: int
+    #: The communicator's number of ranks.
     world: int
+    #: What the backend says of it (peers, transport).
     description: str
 
 

@@ -36,19 +36,17 @@ __all__ = [
 
 
 class CompressedMeanState(NamedTuple):
-    """State of :func:`compressed_mean`.
+    """State of :func:`compressed_mean`."""
 
-    count: int32 scalar, the number of updates so far (the same on every rank); the
-      stochastic-rounding key of a step folds it in. With error feedback or stochastic
-      rounding a step whose mean is non-finite does not count (see "Non-finite steps").
-    residual: with ``error_feedback``, this rank's error-feedback residual: a pytree like
-      the parameters, each leaf in the parameter's dtype (zeros at init; it differs between
-      ranks), except that leaves the layer filter always reduces exactly (``ndim <= 1``,
-      fewer than ``layer_min_size`` elements, non-float) hold ``optax.MaskedNode()`` (no
-      leaves): they never lose anything. Without error feedback: ``()``.
-    """
-
+    #: int32 scalar, the number of updates so far (the same on every rank); the stochastic-rounding
+    #: key of a step folds it in. With error feedback or stochastic rounding a step whose mean is
+    #: non-finite does not count (see "Non-finite steps").
     count: jax.Array
+    #: With ``error_feedback``, this rank's error-feedback residual: a pytree like the parameters,
+    #: each leaf in the parameter's dtype (zeros at init; it differs between ranks), except that
+    #: leaves the layer filter always reduces exactly (``ndim <= 1``, fewer than ``layer_min_size``
+    #: elements, non-float) hold ``optax.MaskedNode()`` (no leaves): they never lose anything.
+    #: Without error feedback: ``()``.
     residual: Any
 
 

@@ -96,9 +96,14 @@ __all__ = ["PowerSGDState", "powersgd_mean", "powersgd_bytes"]
 class PowerSGDState(NamedTuple):
     """State of :func:`powersgd_mean` (see the module docstring for the layout)."""
 
-    count: jax.Array  # int32 scalar: updates so far
-    q: Any  # pytree like the gradients: [m, r] float32 per compressed leaf (warm start), else MaskedNode
-    error: Any  # pytree like the gradients: leaf-shaped float32 per compressed leaf, else MaskedNode
+    #: The number of updates so far (an int32 scalar).
+    count: jax.Array
+    #: The warm start, a pytree like the gradients (``[m, r]`` float32 per compressed leaf, else
+    #: ``optax.MaskedNode()``).
+    q: Any
+    #: This rank's error feedback, a pytree like the gradients (leaf-shaped float32 per compressed
+    #: leaf, else ``optax.MaskedNode()``).
+    error: Any
 
 
 def _plan(shape, dtype, rank: int, min_compression_rate: float):

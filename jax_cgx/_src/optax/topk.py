@@ -89,19 +89,17 @@ __all__ = ["TopKState", "topk_mean", "topk_bytes"]
 
 
 class TopKState(NamedTuple):
-    """State of :func:`topk_mean`.
+    """State of :func:`topk_mean`."""
 
-    - ``count``: int32 scalar, finite steps taken (the same on every rank).
-    - ``u``: momentum, float32 (complex64 for complex leaves), a pytree like the parameters.
-      Compressed leaves: this rank's momentum (differs between ranks). Uncompressed leaves:
-      the momentum of the mean (the same on every rank). ``optax.MaskedNode()`` (no leaves)
-      where no momentum is kept (``momentum=0``, non-float leaves).
-    - ``v``: accumulated velocity, float32, like the parameters for compressed leaves (this rank's),
-      ``optax.MaskedNode()`` for the others.
-    """
-
+    #: int32 scalar, finite steps taken (the same on every rank).
     count: jax.Array
+    #: Momentum, float32 (complex64 for complex leaves), a pytree like the parameters. Compressed
+    #: leaves: this rank's momentum (differs between ranks). Uncompressed leaves: the momentum of
+    #: the mean (the same on every rank). ``optax.MaskedNode()`` (no leaves) where no momentum is
+    #: kept (``momentum=0``, non-float leaves).
     u: Any
+    #: Accumulated velocity, float32, like the parameters for compressed leaves (this rank's),
+    #: ``optax.MaskedNode()`` for the others.
     v: Any
 
 

@@ -68,10 +68,14 @@ __all__ = ["ShardedState", "ShardedOptimizer", "sharded"]
 class ShardedState(NamedTuple):
     """This device's part of a :func:`sharded` optimizer's state."""
 
-    master: Any  # this device's block of every parameter, flat, in full precision
-    inner: Any  # the wrapped optimizer's state for ``master``
-    skipped: jax.Array  # int32: steps skipped because the mean gradient was not finite
-    residual: Any = ()  # error feedback: what quantizing this device's gradient lost, flat and padded
+    #: This device's block of every parameter, flat, in full precision.
+    master: Any
+    #: The wrapped optimizer's state for ``master``.
+    inner: Any
+    #: The steps skipped because the mean gradient was not finite (int32).
+    skipped: jax.Array
+    #: What quantizing this device's gradient lost (error feedback), flat and padded; ``()`` without.
+    residual: Any = ()
 
 
 class ShardedOptimizer(NamedTuple):
@@ -81,8 +85,11 @@ class ShardedOptimizer(NamedTuple):
     Not an optax ``GradientTransformation``: ``update`` returns the new parameters, not updates
     (see :func:`sharded`)."""
 
+    #: ``init(params) -> ShardedState``, inside ``shard_map``.
     init: Callable[..., ShardedState]
+    #: ``update(grads, state, key=None) -> (params, state)``, inside ``shard_map``.
     update: Callable[..., tuple[Any, ShardedState]]
+    #: ``state_specs(params, mesh) -> ShardedState`` of ``PartitionSpec``: ``shard_map``'s specs of the state.
     state_specs: Callable[..., ShardedState]
 
 
