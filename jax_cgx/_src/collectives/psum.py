@@ -65,7 +65,8 @@ def compressed_psum(
       x: a pytree of arrays.
       axis_name: a mapped axis name, or a tuple of them.
       config: a :class:`CompressionConfig` for every leaf; ``None`` for
-        ``CompressionConfig()``'s defaults (4 bits), or, where torch_cgx's ``CGX_*``
+        ``CompressionConfig()``'s defaults (4 bits in buckets of 128, leaves under 1024 values
+        exact), or, where torch_cgx's ``CGX_*``
         variables are set, ``CompressionConfig.from_env()`` (torch_cgx's meaning: compression
         is off unless ``CGX_COMPRESSION_QUANTIZATION_BITS`` is set); which one is logged once
         (INFO). A pytree of configs matching ``x`` (``None`` entries are reduced exactly); or
@@ -365,6 +366,20 @@ def compressed_pmean(
     A leaf typed invariant over ``axis_name`` raises as in :func:`compressed_psum`: the mean of a
     gradient JAX has already summed would be ``W`` times the mean gradient. ``specs``: as for
     :func:`compressed_psum`, on a mesh with model axes left to XLA's partitioner.
+
+    Args:
+      x: a pytree of arrays, this rank's values.
+      axis_name: a mapped axis name, or a tuple of them (the mean is over all of them).
+      config: as for :func:`compressed_psum` (``None``: ``CompressionConfig()``, or torch_cgx's
+        variables where set).
+      key: a PRNG key, required when any leaf uses stochastic rounding.
+      impl: the codec implementation: ``"auto"``, ``"kernel"`` or ``"reference"``.
+      return_residual: also return this rank's compression error of the sum, for error feedback.
+      specs: as for :func:`compressed_psum`.
+
+    Returns:
+      A pytree like ``x``: the mean, bitwise identical on every rank; with ``return_residual=True``,
+      ``(mean, residual)`` as above.
 
     Examples:
       >>> from jax.sharding import NamedSharding, PartitionSpec as P
