@@ -243,6 +243,29 @@ def initialize(
     still held at exit (absl's ``app.run`` holds it), else, like a ``raise SystemExit(n)``
     statement, it waits in the barrier, and the process says so on stderr. An uncaught
     exception under another ``sys.excepthook`` installed later still exits at once.
+
+    Args:
+      coordinator_address: ``host:port`` of process 0's coordinator service; None: from the
+        launcher (above).
+      num_processes: the number of processes; None: from the launcher.
+      process_id: this process's index; None: from the launcher.
+      local_device_ids: the local devices this process drives; None: as described above.
+      cpu_collectives: jax's CPU collectives for several processes (``"gloo"``); ``None`` or ``""``
+        leaves jax's setting alone.
+      one_gpu_per_process: with several processes on a node, each takes the GPU of its local rank.
+      initialization_timeout: seconds jax waits for every process to join.
+      exit_on_uncaught_exception: a failing process ends at once with its status (above).
+      unmatched_timeout_s: seconds a process may wait in one collective after a peer finished
+        (else ``JAX_CGX_UNMATCHED_TIMEOUT_S``, else 20; 0: never ended).
+      **jax_options: passed to ``jax.distributed.initialize`` as they are.
+
+    Returns:
+      This process's :class:`ProcessInfo` (``source`` says which launcher it came from).
+
+    Raises:
+      ValueError: a launcher's variables that are malformed, out of range or partial (named).
+      RuntimeError: no coordinator can be found (MPICH or Open MPI 5 on several nodes without
+        ``JAX_COORDINATOR_ADDRESS`` or mpi4py), or SLURM's first node name does not resolve.
     """
     fn = "jax_cgx.distributed.initialize"
     one_gpu_per_process = check_bool(fn, "one_gpu_per_process", one_gpu_per_process)

@@ -30,6 +30,16 @@ def _check_sizes(fn: str, m, bucket_size, bits=1) -> None:
 def num_buckets(m: int, bucket_size: int) -> int:
     """Buckets for ``m`` values: ceil(m / bucket_size).
 
+    Args:
+      m: the number of values (>= 0).
+      bucket_size: values per bucket (>= 1).
+
+    Returns:
+      The number of buckets, each with its own (min, scale) metadata (8 bytes).
+
+    Raises:
+      ValueError: ``m`` or ``bucket_size`` not a whole number, ``m`` negative, or a bucket size below 1.
+
     Examples:
       >>> jax_cgx.num_buckets(1000, 512)
       2
@@ -40,6 +50,18 @@ def num_buckets(m: int, bucket_size: int) -> int:
 
 def payload_bytes(m: int, bucket_size: int, bits: int) -> int:
     """Packed bytes for ``m`` values: ceil(n*bits/8) per bucket of n values.
+
+    Args:
+      m: the number of values (>= 0).
+      bucket_size: values per bucket (>= 1).
+      bits: bits per value, 1..8.
+
+    Returns:
+      The payload's bytes (each bucket starts on a byte), without the buckets' metadata.
+
+    Raises:
+      ValueError: a size that is not a whole number, ``m`` negative, a bucket size below 1, or bits
+        outside 1..8.
 
     Examples:
       >>> jax_cgx.payload_bytes(1000, 512, 4)
