@@ -87,6 +87,15 @@ def detect(env: Mapping[str, str] | None = None) -> ProcessInfo:
     not a quiet single-process run. SLURM counts only inside an ``srun`` step: a batch script's
     shell, without the step's size ``SLURM_STEP_NUM_TASKS``, runs as one process.
 
+    Args:
+      env: the variables to read (default: ``os.environ``).
+
+    Returns:
+      A :class:`ProcessInfo`; ``source="single"`` (process 0 of 1) where no launcher is found.
+
+    Raises:
+      ValueError: a launcher's variable malformed, out of range, or set without its partner.
+
     Examples:
       >>> jax_cgx.distributed.detect()  # a process started on its own
       ProcessInfo(process_index=0, process_count=1, local_rank=0, local_count=1, coordinator_address=None, source='single')

@@ -66,7 +66,12 @@ def cuda() -> ModuleType | None:
 
 
 def cuda_extension_available() -> bool:
-    """True when jax_cgx was built with its CUDA extension (a GPU may still be absent)."""
+    """Whether jax_cgx was built with its CUDA extension.
+
+    Returns:
+      True when the CUDA kernels were compiled in (a GPU may still be absent); False where the
+      build found no nvcc (GPU arrays then use the pure-JAX reference, bitwise the same).
+    """
     return _cuda is not None
 
 

@@ -193,7 +193,15 @@ def _check_quantized(q, what: str, stacked: bool) -> None:
 
 
 def dequantize(q: Quantized, *, impl: Impl = "auto") -> jax.Array:
-    """The array ``q`` encodes, in its original shape and dtype."""
+    """The array ``q`` encodes, in its original shape and dtype.
+
+    Args:
+      q: what :func:`~jax_cgx.quantize` returned (or a slice of a stacked one).
+      impl: the codec implementation: ``"auto"``, ``"kernel"`` or ``"reference"`` (bitwise the same).
+
+    Returns:
+      The decoded array: each value ``min + level * scale`` of its bucket.
+    """
     _check_quantized(q, "dequantize", stacked=False)
     check_impl(impl)
     out = dequantize_rows(

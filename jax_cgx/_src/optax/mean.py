@@ -75,6 +75,13 @@ def layer_filter(config, layer_min_size: int = 1024):
 
     A ``config`` for :func:`jax_cgx.compressed_pmean`, :func:`jax_cgx.bytes_on_wire` or
     :func:`jax_cgx.reduce_in_backward` that treats leaves as ``compressed_mean`` does.
+
+    Args:
+      config: a :class:`~jax_cgx.CompressionConfig` (or a config function) for the leaves kept in.
+      layer_min_size: leaves with fewer values are reduced exactly.
+
+    Returns:
+      A config function ``(path, leaf) -> CompressionConfig | None``.
     """
 
     def leaf_config(path, leaf):
