@@ -297,7 +297,8 @@ def initialize(
     env = os.environ
     if info.coordinator_address is None and (
             info.source == "mpich" or (info.source == "openmpi" and "OMPI_MCA_orte_hnp_uri" not in env)):
-        address = (info.source == "openmpi" and _one_node_coordinator(info, env)) or _coordinator_from_mpi4py()
+        one_node = _one_node_coordinator(info, env) if info.source == "openmpi" else None
+        address = one_node or _coordinator_from_mpi4py()
         if address is None:
             name = "MPICH/PMI" if info.source == "mpich" else f"Open MPI {env.get('OMPI_VERSION', '5')} on several nodes"
             raise RuntimeError(
@@ -306,8 +307,8 @@ def initialize(
                 "process: mpirun -x JAX_COORDINATOR_ADDRESS=...), pass coordinator_address=, or install mpi4py"
             )
         log.info("jax_cgx.distributed: %s: coordinator %s (%s)", info.source, address,
-                 "every rank on one node: 127.0.0.1, the port from the PMIx namespace"
-                 if address.startswith("127.0.0.1:") and info.source == "openmpi" else "rank 0's, sent by mpi4py")
+                 "every rank on one node: 127.0.0.1, the port from the PMIx namespace" if one_node
+                 else "rank 0's, sent by mpi4py")
         info = dataclasses.replace(info, coordinator_address=address)
     if info.coordinator_address is None and info.source == "slurm":
         _check_slurm_coordinator()
