@@ -48,8 +48,8 @@ DEFAULT_TESTS = (
     "tests/collectives/test_unbiased.py",
     "tests/collectives/test_allreduce.py",
     "tests/collectives/test_sharded.py",
-    "tests/collectives/test_hierarchical.py::test_bytes_on_wire",
-    "tests/collectives/test_padding.py::test_the_issue_example",
+    "tests/exchange/test_hierarchical.py::test_bytes_on_wire",
+    "tests/exchange/test_padding.py::test_the_issue_example",
     "tests/codec/test_range.py",
 )
 # The xla backend on virtual CPU devices: no second process (tcp, jax.distributed), no GPU.
@@ -95,7 +95,7 @@ MUTATIONS = (
         "sent_real = real",
         "SRA: the owner's own chunk is also sent encoded, so it enters its sum twice"),
     Mutation(
-        "scatter-wrong-block", "jax_cgx/_src/collectives/reduce_scatter.py",
+        "scatter-wrong-block", "jax_cgx/_src/exchange/reduce_scatter.py",
         "own = lax.dynamic_index_in_dim(padded, me, axis=1, keepdims=False)",
         "own = lax.dynamic_index_in_dim(padded, (me + 1) % w, axis=1, keepdims=False)",
         "compressed_psum_scatter: the owner adds its next neighbour's block instead of its own"),

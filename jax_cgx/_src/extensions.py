@@ -2,13 +2,18 @@
 (built where nvcc was found). Every other module reaches them through :func:`cpu` and :func:`cuda`,
 never by their private names, so that a missing or broken build is explained in one place.
 
-Also the CPU kernels' instruction-set variant (``JAX_CGX_CPU_ISA``), chosen at import.
+Loading them registers every FFI target they export with XLA, here and nowhere else: the codec's
+kernels and the tcp and nccl transports' calls alike, so no part of jax_cgx depends on another
+having been imported first. Also the CPU kernels' instruction-set variant (``JAX_CGX_CPU_ISA``),
+chosen at import.
 """
 
 from __future__ import annotations
 
 import os
 from types import ModuleType
+
+import jax
 
 __all__ = ["INTERFACE_VERSION", "ISAS", "ISA_ENV", "check_interface", "choose_isa", "cpu", "cuda",
            "cuda_extension_available", "cuda_import_error", "require_cuda_extension"]
@@ -53,6 +58,19 @@ except ImportError as err:
     _cuda_error = err
 if _cuda is not None:
     check_interface(_cuda)  # a stale CUDA build is an error, not a silent fallback to the reference
+
+
+def _register_targets() -> None:
+    """Every FFI target of the extensions, registered with XLA under its name (each extension's
+    ``registrations()``: name -> handler capsule), for the platform it runs on."""
+    for name, capsule in _cpu.registrations().items():
+        jax.ffi.register_ffi_target(name, capsule, platform="cpu")
+    if _cuda is not None:
+        for name, capsule in _cuda.registrations().items():
+            jax.ffi.register_ffi_target(name, capsule, platform="CUDA")
+
+
+_register_targets()
 
 
 def cpu() -> ModuleType:

@@ -24,7 +24,6 @@ to it, once the processes agreed on it (:mod:`~jax_cgx._src.backends.agreement`)
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -299,9 +298,3 @@ def register_lowering(prim, api: str, op: str, program: XlaProgram, *, residual:
     # Not cacheable: a cached lowering is emitted once as a private function that every identical
     # call site calls, and a backend may chain its calls within the block they are lowered into (tcp).
     mlir.register_lowering(prim, rule, cacheable=False)
-
-
-def lower_program(ctx, operands: tuple, params: dict[str, Any], program: XlaProgram):
-    """``program`` lowered into ``ctx`` with ``params``: what the xla backend does."""
-    fn = functools.partial(program.fn, platforms=tuple(ctx.module_context.platforms), **params)
-    return mlir.lower_fun(fn, multiple_results=program.multiple_results)(ctx, *operands)

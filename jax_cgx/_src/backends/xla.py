@@ -8,7 +8,11 @@ lowers the one it is given.
 
 from __future__ import annotations
 
-from jax_cgx._src.backends.protocol import Backend, lower_program, register
+import functools
+
+from jax.interpreters import mlir
+
+from jax_cgx._src.backends.protocol import Backend, register
 
 __all__ = ["XlaBackend"]
 
@@ -18,8 +22,11 @@ class XlaBackend(Backend):
     residuals = True
 
     def lower(self, ctx, op, operands, params, program):
+        """``program`` (the collective's :class:`~jax_cgx._src.backends.protocol.XlaProgram`) lowered
+        into ``ctx`` with ``params``, its messages cut for the platforms being lowered for."""
         del op
-        return lower_program(ctx, operands, params, program)
+        fn = functools.partial(program.fn, platforms=tuple(ctx.module_context.platforms), **params)
+        return mlir.lower_fun(fn, multiple_results=program.multiple_results)(ctx, *operands)
 
 
 register(XlaBackend())

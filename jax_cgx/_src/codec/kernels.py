@@ -42,16 +42,6 @@ cuda_extension_available = extensions.cuda_extension_available
 require_cuda_extension = extensions.require_cuda_extension
 
 
-def _register_targets() -> None:
-    for name, capsule in extensions.cpu().registrations().items():
-        jax.ffi.register_ffi_target(name, capsule, platform="cpu")
-    if extensions.cuda() is not None:
-        for name, capsule in extensions.cuda().registrations().items():
-            jax.ffi.register_ffi_target(name, capsule, platform="CUDA")
-
-
-_register_targets()
-
 # ------------------------------------------------------------- primitives
 
 

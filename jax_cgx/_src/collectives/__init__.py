@@ -4,14 +4,14 @@
   fusion buffers, ``bytes_on_wire``;
 - :mod:`~jax_cgx._src.collectives.backward`: ``reduce_in_backward``, the mean taken in the backward pass;
 - :mod:`~jax_cgx._src.collectives.reduce_scatter`, :mod:`~jax_cgx._src.collectives.all_gather`:
-  ``compressed_psum_scatter`` and ``compressed_all_gather`` (sharded training), each a
-  primitive with its rules and its pytree API; :mod:`~jax_cgx._src.collectives.scatter_gather` holds
-  what they share (lanes, fusion of whole leaves, keys, bytes on the wire);
+  ``compressed_psum_scatter`` and ``compressed_all_gather`` (sharded training) on pytrees;
+  :mod:`~jax_cgx._src.collectives.scatter_gather` holds what they share (lanes, fusion of whole
+  leaves, keys, bytes on the wire);
 - :mod:`~jax_cgx._src.collectives.plan`: how each leaf is reduced (its lane, its fusion buffers, and
   with ``policy="auto"`` each buffer's decision and form, from :mod:`jax_cgx._src.policy`);
 - :mod:`~jax_cgx._src.collectives.explain`: ``jax_cgx.explain``, the plan printed.
 
-One buffer's all-reduce, its algorithms and the xla backend's program are the exchange's
+One buffer's collective (each op's primitive, its program and its rules) is the exchange's
 (:mod:`jax_cgx._src.exchange`); ``policy="auto"``'s figures and decisions are the policy's
 (:mod:`jax_cgx._src.policy`).
 

@@ -8,11 +8,10 @@ keeping its own shard in full precision would break. The error of a value of ran
 shard is at most ``s_r / 2`` (``s_r`` its bucket's scale; ``s_r`` with stochastic
 rounding). Moves ``(W - 1)/W`` of the gathered compressed bytes per rank.
 
-The module reads top to bottom: the per-device program on rows, the primitive, its rules
-(differentiation as ``lax.all_gather``: the tangent goes through lax's exact collective, so
-``jax.grad`` gives lax's gradient, a ``psum_scatter``; vmap folds into rows; lowering through
-the backend chosen while tracing, :mod:`jax_cgx._src.backends`, whose xla backend runs the program
-above and any other computes the same bits), and the pytree API.
+One fusion buffer at a time by the primitive of :mod:`jax_cgx._src.exchange.all_gather`;
+differentiation is ``lax.all_gather``'s (``jax.grad`` gives lax's gradient, a ``psum_scatter``).
+The module holds the pytree API (lanes, fusion buffers and ``policy="auto"`` as
+:func:`~jax_cgx.compressed_psum` has them).
 """
 
 from __future__ import annotations
@@ -21,70 +20,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.extend.core import Primitive
-from jax.interpreters import ad
 
-from jax_cgx._src import codec, compat
+from jax_cgx._src import compat
 from jax_cgx._src.arguments import check_bool
 from jax_cgx._src.codec import Impl, check_impl
 from jax_cgx._src.collectives.plan import ConfigSpec
-from jax_cgx._src.collectives.scatter_gather import Leaves, check_key, compressed_buffers, register, timing_key
-from jax_cgx._src.config import given_link_gbps
-from jax_cgx._src.exchange import wire
-from jax_cgx._src.exchange.chunks import chunk_length, gather_decode_chunks, row_plan
+from jax_cgx._src.collectives.scatter_gather import Leaves, check_key, compressed_buffers, timing_key
+from jax_cgx._src.exchange.all_gather import compressed_gather, lax_all_gather
 
-__all__ = ["compressed_all_gather", "compressed_all_gather_p", "gather_rows"]
+__all__ = ["compressed_all_gather"]
 
 API = "compressed_all_gather"
-
-
-# ------------------------------------------------------------------ the per-device program
-
-def gather_rows(x, seeds, *, axes, world, bits, bucket_size, stochastic, impl, segments, message_cap=None):
-    """``x[R, m]`` (this rank's shard), ``seeds[R, 2]`` -> ``[R, W, m]``: every rank's shard,
-    decoded, the same bits on every replica."""
-    r, m = x.shape
-    c = chunk_length(m, 1, bucket_size, False)  # m, aligned for the kernels' vector loads
-    padded = x if c == m else lax.dynamic_update_slice(jnp.zeros((r, c), x.dtype), x, (0, 0))
-    p, nb, codec_args, k = row_plan(c, bits, bucket_size, impl, segments, message_cap)
-    payload, meta = codec.quantize_rows(padded, seeds, stochastic=stochastic, valid=jnp.full((r,), m, jnp.int32),
-                                        **codec_args)
-    return gather_decode_chunks(wire.to_wire(payload, meta), axes, k, p, nb, x.dtype, codec_args)[:, :, :m]
-
-
-# ------------------------------------------------------------------ the primitive and its rules
-
-compressed_all_gather_p = Primitive("jax_cgx_compressed_all_gather")
-
-
-def _abstract_eval(x, seeds, *, axes, world, invariant, **params):
-    del seeds, params
-    compat.check_axis_names(axes, API)
-    # Typed as lax.all_gather's result: varying over the axes, or invariant with to="invarying".
-    out = x.update(shape=(x.shape[0], world, x.shape[1]))
-    if invariant and compat.check_vma_enabled():
-        out = compat.remove_varying(out, axes)
-    return out, {compat.NamedAxisEffect(a) for a in axes}
-
-
-def _jvp(primals, tangents, *, axes, invariant, **params):
-    x, seeds = primals
-    out = compressed_all_gather_p.bind(x, seeds, axes=axes, invariant=invariant, **params)
-    tx = tangents[0]
-    if type(tx) is ad.Zero:
-        return out, ad.Zero.from_primal_value(out)
-    # Quantization is the identity to differentiation: lax's exact, linear all_gather.
-    return out, _lax_all_gather(tx, axes, 1, False, invariant)
-
-
-def _lax_all_gather(x, axes, axis: int, tiled: bool, invariant: bool):
-    if invariant and compat.check_vma_enabled():
-        return compat.all_gather_invariant(x, axes, axis=axis, tiled=tiled)
-    return lax.all_gather(x, axes, axis=axis, tiled=tiled)
-
-
-register(compressed_all_gather_p, abstract_eval=_abstract_eval, program=gather_rows, jvp=_jvp, api=API,
-         op="all_gather", lax_name="all_gather", typing_only=("invariant",))
 
 
 # ------------------------------------------------------------------ the API
@@ -128,6 +74,18 @@ def compressed_all_gather(x, axis_name, config: ConfigSpec = None, *, axis: int 
       key: a PRNG key for stochastic rounding, the same on every rank (each folds in its index).
       impl: the codec implementation: "auto", "kernel" or "reference" (bitwise the same).
 
+    Returns:
+      A pytree like ``x``: each leaf the ranks' shards in rank order, stacked along a new
+      dimension ``axis`` (``tiled=False``) or concatenated along ``axis`` (``tiled=True``), in
+      the leaf's dtype, bitwise the same on every rank.
+
+    Raises:
+      ValueError: ``to`` neither ``"varying"`` nor ``"invarying"``; ``tiled`` not a bool; an unknown
+        ``impl``; a scalar leaf with ``tiled=True``; ``axis`` out of range for a leaf; a stochastic
+        config without ``key``.
+      NameError: an axis of ``axis_name`` that is not bound (outside ``shard_map``/``pmap``).
+      TypeError: ``key`` that is not one PRNG key.
+
     Examples:
       >>> from jax.sharding import NamedSharding, PartitionSpec as P
       >>> mesh = jax.make_mesh((8,), ("data",))
@@ -164,20 +122,18 @@ def compressed_all_gather(x, axis_name, config: ConfigSpec = None, *, axis: int 
     for i, (kind, leaf) in enumerate(zip(leaves.lanes, leaves.leaves)):
         # One rank: nothing moves, exact. policy="auto" may leave a buffer's leaves to lax.
         if kind == "exact" or (kind == "quantized" and (world == 1 or i in uncompressed)):
-            out[i] = _lax_all_gather(compat.ensure_varying(leaf, axes), axes, axes_of[i], tiled, invariant)
+            out[i] = lax_all_gather(compat.ensure_varying(leaf, axes), axes, axes_of[i], tiled, invariant)
         elif kind == "half":
             half = compat.ensure_varying(leaf.astype(jnp.dtype(leaves.configs[i].half_dtype)), axes)
-            out[i] = _lax_all_gather(half, axes, axes_of[i], tiled, invariant).astype(leaf.dtype)
+            out[i] = lax_all_gather(half, axes, axes_of[i], tiled, invariant).astype(leaf.dtype)
     if compressed:
         for group, members, seeds, backend in compressed:
             cfg = group.config
             flat = [leaves.leaves[i].reshape(-1) for i in members]
             joined = flat[0] if len(flat) == 1 else lax.optimization_barrier(jnp.concatenate(flat))
             joined = compat.ensure_varying(joined, axes)
-            rows = compressed_all_gather_p.bind(
-                joined[None], seeds[:, 0], axes=axes, world=world, bits=cfg.bits, bucket_size=cfg.bucket_size,
-                stochastic=cfg.stochastic, impl=impl, segments=cfg.pipeline_segments, invariant=invariant,
-                backend=backend, link_gbps=given_link_gbps(cfg))[0]
+            rows = compressed_gather(joined, seeds[:, 0], axes, world, cfg, impl=impl, backend=backend,
+                                     invariant=invariant)
             start = 0
             for i, piece in zip(members, flat):
                 shard = rows[:, start:start + piece.size]

@@ -11,28 +11,23 @@ its leaves share buckets only where one leaf ends and the next begins.
 
 from __future__ import annotations
 
-import functools
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.extend.core import Primitive
-from jax.interpreters import ad, batching
 
 from jax_cgx._src import backends, compat
-from jax_cgx._src.codec import batch_rows
 from jax_cgx._src.codec.quantized import META_BYTES, num_buckets, payload_bytes
 from jax_cgx._src.collectives.plan import ConfigSpec, Group, lane, leaf_configs, varying_beyond
 from jax_cgx._src.config import CompressionConfig
-from jax_cgx._src.exchange import wire as _wire
 from jax_cgx._src.exchange.chunks import chunk_length
 from jax_cgx._src.policy import pricing
 
 __all__ = ["Leaves", "fuse", "buffer_keys", "buffers", "compressed_buffers", "copied", "decide", "check_config",
-           "check_key", "wire_bytes", "register", "timing_key"]
+           "check_key", "wire_bytes", "timing_key"]
 
 log = logging.getLogger("jax_cgx")
 _logged: set = set()
@@ -190,31 +185,3 @@ def wire_bytes(x, world: int, config: ConfigSpec, op: str) -> int:
         packed = payload_bytes(c, group.config.bucket_size, group.config.bits)
         total += (world - 1) * (packed + num_buckets(c, group.config.bucket_size) * META_BYTES)
     return int(round(total))
-
-
-def register(prim: Primitive, *, abstract_eval: Callable, program: Callable, jvp: Callable, api: str, op: str,
-             lax_name: str, typing_only: tuple[str, ...] = ()) -> None:
-    """Register a row-shaped collective's rules: ``abstract_eval``, its lowering through the
-    backend chosen for it (:func:`jax_cgx._src.backends.register_lowering`; the xla backend runs
-    ``program``, the per-device rows program, given the platform's message cap, without the
-    ``typing_only`` params), ``jvp``, the impl, and vmap folding into rows."""
-    multiple = prim.multiple_results
-
-    def xla_program(*operands, platforms, link_gbps, **params):
-        for name in typing_only:
-            params.pop(name)
-        return program(*operands, message_cap=_wire.message_cap(platforms, link_gbps), **params)
-
-    def batch(axis_data, args, dims, *, axes, **params):
-        if axis_data.name is not None and axis_data.name in axes:
-            raise NotImplementedError(
-                f"{api} over the vmapped axis {axis_data.name!r} is not supported: vmap has no wire to compress; "
-                f"use jax.lax.{lax_name}, or map the axis with shard_map/pmap")
-        return batch_rows(prim, args, dims, axes=axes, **params)
-
-    prim.def_effectful_abstract_eval(abstract_eval)
-    prim.def_impl(functools.partial(compat.apply_primitive, prim))
-    backends.register_lowering(prim, api, op, backends.XlaProgram(xla_program, multiple),
-                               residual=prim.name.endswith("_residual"))
-    ad.primitive_jvps[prim] = jvp
-    batching.fancy_primitive_batchers[prim] = batch

@@ -1,13 +1,18 @@
-"""One buffer's compressed all-reduce: the primitive, its algorithms, and how they cut the wire.
+"""One buffer's compressed collective: one module per op, each a primitive, its program and its binding.
 
 - :mod:`~jax_cgx._src.exchange.all_reduce`: ``compressed_allreduce_p`` (and its error-feedback
-  twin) and its JAX rules, and :func:`~jax_cgx._src.exchange.all_reduce.compressed_sum`, which binds
-  it with the backend chosen for it;
-- :mod:`~jax_cgx._src.exchange.algorithms`: the xla backend's program, the algorithm named by the
-  config (:func:`~jax_cgx._src.exchange.algorithms.xla_rows`);
+  twin), the algorithm its ``algorithm`` parameter names, and
+  :func:`~jax_cgx._src.exchange.all_reduce.compressed_sum`, which binds it;
+- :mod:`~jax_cgx._src.exchange.reduce_scatter`: ``compressed_reduce_scatter_p`` (and its twin),
+  its program and :func:`~jax_cgx._src.exchange.reduce_scatter.compressed_scatter`;
+- :mod:`~jax_cgx._src.exchange.all_gather`: ``compressed_all_gather_p``, its program and
+  :func:`~jax_cgx._src.exchange.all_gather.compressed_gather`;
+- :mod:`~jax_cgx._src.exchange.primitives`: the rules the three share (lowering by the chosen
+  backend, vmap as rows, the impl), registered by one call;
 - :mod:`~jax_cgx._src.exchange.sra`, :mod:`~jax_cgx._src.exchange.ring`,
-  :mod:`~jax_cgx._src.exchange.hierarchical`: one module per algorithm;
-- :mod:`~jax_cgx._src.exchange.chunks`: how SRA and the ring cut a buffer, and their shared last step;
+  :mod:`~jax_cgx._src.exchange.hierarchical`: the all-reduce's algorithms, one module each;
+- :mod:`~jax_cgx._src.exchange.chunks`: how a buffer is cut into chunks, and the shared
+  all-gather-and-decode;
 - :mod:`~jax_cgx._src.exchange.wire`: encodings as byte rows and the XLA collectives that move them,
   their messages sized to the platform and the link.
 

@@ -11,9 +11,13 @@ the same compressed sum without it), and vmap over a non-reduced axis folds into
 
 Its ``backend`` parameter is the backend chosen for it while tracing
 (:func:`jax_cgx._src.backends.choose_in_trace`); its one lowering rule hands it to that backend
-(:func:`jax_cgx._src.backends.register_lowering`). The xla backend lowers :data:`XLA_PROGRAM`: the
-chosen algorithm (:mod:`~jax_cgx._src.exchange.algorithms`) written with XLA collectives around
-the codec's kernels.
+(:func:`jax_cgx._src.backends.register_lowering`). The xla backend runs :func:`allreduce_rows`: the
+algorithm its ``algorithm`` parameter names (:data:`ALGORITHM_ROWS`: SRA, the ring), written with
+XLA collectives around the codec's kernels.
+
+The module reads like its siblings (:mod:`~jax_cgx._src.exchange.reduce_scatter`,
+:mod:`~jax_cgx._src.exchange.all_gather`): the per-device program, the primitive and its rules,
+:func:`compressed_sum`, which binds it; then the error-feedback twin.
 
 ``compressed_allreduce_residual_p`` runs the same program and also returns each rank's
 share of the compression error, for error feedback (docs/algorithm.md, "Error feedback").
@@ -26,18 +30,32 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.extend.core import Primitive
-from jax.interpreters import ad, batching
+from jax.interpreters import ad
 
 from jax_cgx._src import backends, compat
-from jax_cgx._src.codec import batch_rows
 from jax_cgx._src.config import CompressionConfig, given_link_gbps
-from jax_cgx._src.exchange.algorithms import xla_rows
 from jax_cgx._src.exchange.chunks import chunk_length
+from jax_cgx._src.exchange.primitives import register
+from jax_cgx._src.exchange.ring import ring_rows
+from jax_cgx._src.exchange.sra import sra_rows
 
-__all__ = ["compressed_allreduce_p", "compressed_allreduce_residual_p", "compressed_sum", "reduction",
-           "XLA_PROGRAM", "RESIDUAL_XLA_PROGRAM"]
+__all__ = ["ALGORITHM_ROWS", "allreduce_rows", "compressed_allreduce_p", "compressed_allreduce_residual_p",
+           "compressed_sum", "reduction"]
 
 API = "compressed_psum"
+
+
+# ------------------------------------------------------------------ the per-device program
+
+#: The all-reduce's algorithms by name (``CompressionConfig.algorithm``): each the per-device program on rows.
+ALGORITHM_ROWS = {"sra": sra_rows, "ring": ring_rows}
+
+
+def allreduce_rows(x, seeds, valid, *, algorithm, **params):
+    """``algorithm``'s program on rows ``x[R, n]``: what the xla backend runs. ``residual=True`` (in
+    ``params``) also returns this rank's compression error; ``segments`` and ``message_cap`` say
+    how messages are cut (:mod:`jax_cgx._src.exchange.wire`)."""
+    return ALGORITHM_ROWS[algorithm](x, seeds, valid, **params)
 
 
 def reduction(axes: tuple, world: int, config: CompressionConfig, impl: str = "auto",
@@ -98,15 +116,6 @@ def _abstract_eval(x, seeds, valid, *, axes, **params):
     return out, {compat.NamedAxisEffect(a) for a in axes}
 
 
-# What the xla backend lowers (each backend computes the same bytes).
-XLA_PROGRAM = backends.XlaProgram(xla_rows)
-RESIDUAL_XLA_PROGRAM = backends.XlaProgram(functools.partial(xla_rows, residual=True), multiple_results=True)
-
-
-compressed_allreduce_p.def_effectful_abstract_eval(_abstract_eval)
-compressed_allreduce_p.def_impl(functools.partial(compat.apply_primitive, compressed_allreduce_p))
-backends.register_lowering(compressed_allreduce_p, API, "psum", XLA_PROGRAM)
-
 
 def _jvp(primals, tangents, **params):
     x, seeds, valid = primals
@@ -129,26 +138,9 @@ def _transpose(ct, x, seeds, valid, *, axes, divisor, **params):
     return compressed_allreduce_p.bind(ct, seeds, valid, axes=axes, divisor=divisor, **params), None, None
 
 
-ad.primitive_jvps[compressed_allreduce_p] = _jvp
-ad.primitive_transposes[compressed_allreduce_p] = _transpose
-
-
-def _batcher(prim):
-    """vmap over a non-reduced axis folds into rows; over a reduced axis there is no wire."""
-
-    def batch(axis_data, args, dims, *, axes, **params):
-        if axis_data.name is not None and axis_data.name in axes:
-            raise NotImplementedError(
-                f"compressed_psum over the vmapped axis {axis_data.name!r} is not supported: vmap "
-                "has no wire to compress. Reduce it with jax.lax.psum, or map that axis with "
-                "jax.shard_map / jax.pmap."
-            )
-        return batch_rows(prim, args, dims, axes=axes, **params)
-
-    return batch
-
-
-batching.fancy_primitive_batchers[compressed_allreduce_p] = _batcher(compressed_allreduce_p)
+register(compressed_allreduce_p, abstract_eval=_abstract_eval, program=allreduce_rows, jvp=_jvp, api=API, op="psum",
+         lax_name="psum")
+ad.primitive_transposes[compressed_allreduce_p] = _transpose  # linear: differentiation is psum's
 
 
 # ------------------------------------------ the primitive with error feedback
@@ -176,8 +168,6 @@ def _residual_jvp(primals, tangents, **params):
     )
 
 
-compressed_allreduce_residual_p.def_effectful_abstract_eval(_residual_abstract_eval)
-compressed_allreduce_residual_p.def_impl(functools.partial(compat.apply_primitive, compressed_allreduce_residual_p))
-backends.register_lowering(compressed_allreduce_residual_p, API, "psum", RESIDUAL_XLA_PROGRAM, residual=True)
-ad.primitive_jvps[compressed_allreduce_residual_p] = _residual_jvp
-batching.fancy_primitive_batchers[compressed_allreduce_residual_p] = _batcher(compressed_allreduce_residual_p)
+register(compressed_allreduce_residual_p, abstract_eval=_residual_abstract_eval,
+         program=functools.partial(allreduce_rows, residual=True), jvp=_residual_jvp, api=API, op="psum",
+         lax_name="psum")
