@@ -1,7 +1,8 @@
 """Test setup: 8 virtual CPU devices, skipping of `gpu` tests where no GPU is present, and
 tests/support (shared cases, bitwise comparison, worker scripts) on sys.path.
 
-The folders mirror the package (codec/, collectives/, nccl/, optax/, runtime/, bench/);
+The folders mirror the package's jax_cgx/_src (adaptive/, backends/, codec/, collectives/, config/,
+data_parallel/, exchange/, nccl/, optax/, policy/, tcp/), beside runtime/, engines/ and bench/;
 test file names stay unique across them (pytest's default import mode needs that).
 """
 

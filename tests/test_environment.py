@@ -126,7 +126,7 @@ def test_valid_variables_a_config_leaves_unused_are_logged_once(monkeypatch, cap
 
 def test_a_malformed_link_rate_is_a_warning_where_the_config_never_reads_it(monkeypatch, caplog):
     # Raising there on one process would leave the others in the policy's agreement; the
-    # calibration that reads it raises (tests/collectives/test_policy.py).
+    # calibration that reads it raises (tests/policy/test_policy.py).
     monkeypatch.setenv("JAX_CGX_LINK_GBPS", "fast")
     with caplog.at_level(logging.WARNING, logger="jax_cgx"):
         jax_cgx.bytes_on_wire(TREE, 4, CompressionConfig(bits=4))

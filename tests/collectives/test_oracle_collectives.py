@@ -1,7 +1,7 @@
 """The collectives against tests/support/numpy_oracle.py, written from docs/format.md and docs/algorithm.md
 alone (8 virtual CPU devices): fusion buffers and their seeds under stochastic rounding, the
 reduce-scatter and all-gather, and jax_cgx.testing's simulators. The all-reduce's other bitwise
-checks (tests/collectives/test_allreduce.py, test_ring.py, test_hierarchical.py, ...) reach the
+checks (tests/collectives/test_allreduce.py, tests/exchange/test_ring.py, test_hierarchical.py, ...) reach the
 same oracle through allreduce_cases.oracle / ring_oracle.
 """
 

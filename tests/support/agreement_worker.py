@@ -1,4 +1,4 @@
-"""One process of the cross-process agreement tests (tests/collectives/test_agreement_processes.py).
+"""One process of the cross-process agreement tests (tests/backends/test_agreement_processes.py).
 
     python tests/support/agreement_worker.py PROCESS_ID NUM_PROCESSES PORT OUT_DIR
 

@@ -1,5 +1,5 @@
-"""Checks shared by the tests of meshes with model axes (tests/test_model_axes.py,
-tests/test_transformer_step.py): one device's block of a sharded array, and the codec's bound per
+"""Checks shared by the tests of meshes with model axes (tests/data_parallel/test_model_axes.py,
+tests/data_parallel/test_transformer_step.py): one device's block of a sharded array, and the codec's bound per
 shard."""
 
 import numpy as np

@@ -1,4 +1,4 @@
-"""One process of the multi-process test of meshes with model axes (tests/test_model_axes.py).
+"""One process of the multi-process test of meshes with model axes (tests/data_parallel/test_model_axes.py).
 
     python tests/support/model_axes_worker.py PROCESS_ID NUM_PROCESSES PORT OUT_DIR
 

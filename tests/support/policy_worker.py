@@ -1,4 +1,4 @@
-"""One process of the multi-process policy="auto" test (tests/collectives/test_policy.py).
+"""One process of the multi-process policy="auto" test (tests/policy/test_policy.py).
 
     python tests/support/policy_worker.py PROCESS_ID NUM_PROCESSES PORT OUT_DIR [--figures-only | --calibrate-only]
 

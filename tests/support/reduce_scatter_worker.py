@@ -1,4 +1,4 @@
-"""One process of tests/collectives/test_reduce_scatter_gloo.py: the hierarchical form's exact
+"""One process of tests/exchange/test_reduce_scatter_gloo.py: the hierarchical form's exact
 reduce-scatter inside a node against numpy, bitwise, over several calls (and lax's own
 psum_scatter beside it, reported: jax-ml/jax#40830 makes it wrong on gloo).
 

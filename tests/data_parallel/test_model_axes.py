@@ -222,7 +222,7 @@ def test_local_shape():
 @pytest.mark.parametrize("model_shards", [2, 4])
 def test_compiled_gradient_memory_is_the_shard(model_shards):
     # benchmarks/model_axes_memory.py's step, smaller: XLA's own per-device figures.
-    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "benchmarks"))
     import model_axes_memory
 
     shards._warned.clear()
