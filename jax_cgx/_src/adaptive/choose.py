@@ -64,7 +64,20 @@ _META_BYTES = 8  # per bucket: its minimum and scale
 
 class LeafPlan(NamedTuple):
     """One leaf's choice: its path, values, bits (``EXACT`` = 32: sent exact), predicted error,
-    bytes and bucket size (None when sent exact)."""
+    bytes and bucket size (None when sent exact).
+
+    Made by :func:`choose_bits` (``return_plan=True``) and :class:`~jax_cgx.adaptive.Planner`
+    (``Planner.plans``); a plan built by hand (to compare with one, or to pass to
+    :func:`describe` or :func:`jax_cgx.explain`) takes the fields in order.
+
+    Args:
+      path: the leaf's path, as ``jax.tree_util.keystr`` writes it.
+      size: its number of values.
+      bits: its width, 1..8, or ``EXACT`` (32).
+      error: its predicted error.
+      bytes: the bytes it sends.
+      bucket_size: its bucket size; None (the default) when sent exact.
+    """
 
     #: The leaf's path in the pytree (``jax.tree_util.keystr``).
     path: str
@@ -140,7 +153,17 @@ def _base(config, api: str, with_paths=()) -> tuple[CompressionConfig, list]:
 def leaf_bytes(size: int, bits: float, bucket_size: int | None) -> int:
     """Bytes of a leaf of ``size`` values sent at ``bits`` in buckets of ``bucket_size`` (``EXACT``:
     float32, no metadata, any bucket size; a fractional width: the budget of a uniform one), as
-    :func:`choose_bits` counts them."""
+    :func:`choose_bits` counts them.
+
+    Args:
+      size: the leaf's number of values.
+      bits: bits per value (``EXACT``, 32: sent exact in float32).
+      bucket_size: values per bucket; ignored (may be None) for ``EXACT``.
+
+    Returns:
+      ``ceil(size * bits / 8)`` payload bytes plus 8 per bucket, an ``int``; ``4 * size`` for
+      ``EXACT``.
+    """
     if bits == EXACT:
         return 4 * size
     return math.ceil(size * bits / 8) + _META_BYTES * -(-size // bucket_size)
@@ -159,6 +182,29 @@ def leaf_errors(grads, config: CompressionConfig | Callable | None = None, candi
     ``second_moment`` (``objective="adam"`` only): a pytree like ``grads`` of the optimizer's running
     mean square of each value, e.g. Adam's bias-corrected ``nu`` (Adam divides by its square root),
     to weigh each value's error against instead of the value's own square: ``e / (nu + e)``.
+
+    Args:
+      grads: a pytree of arrays (traced or concrete).
+      config: as for :func:`choose_bits`: its bucket size and rounding, and which leaves are
+        planned; None: ``CompressionConfig()``.
+      candidates: the widths, 1..8.
+      axis_name: a mapped axis name (or tuple of them) to average the errors over; None (the
+        default): this device's errors alone.
+      objective: ``"squared"``, ``"relative"`` or ``"adam"``, as for :func:`choose_bits`.
+      bucket_sizes: the bucket sizes; None: ``config``'s.
+      second_moment: see above; None (the default): each value's own square.
+
+    Returns:
+      A float32 array of shape ``[planned leaves, len(bucket_sizes) * len(candidates)]`` (duplicates
+      dropped), leaves in flattening order.
+
+    Raises:
+      ValueError: ``candidates`` not widths in 1..8 or empty; ``bucket_sizes`` empty or out of
+        1..2^31-1; an unknown ``objective``; ``second_moment`` without ``objective="adam"``, or not
+        of the gradient's structure and shapes; a config function giving the leaves different
+        configs.
+      TypeError: ``config`` not a :class:`~jax_cgx.CompressionConfig`, a config function or None, or a
+        config function returning something else.
     """
     cands = _candidates(candidates, "leaf_errors")
     with_paths, treedef = jax.tree_util.tree_flatten_with_path(grads)
@@ -201,6 +247,18 @@ def expected_errors(leaves: Sequence[jax.Array], config: CompressionConfig, widt
     leaf to each width with ``config``'s bucket size and rounding (module docstring).
 
     Computed on the leaves' devices; one float per leaf and width comes to the host.
+
+    Args:
+      leaves: the arrays (concrete: the result comes to the host).
+      config: its ``bucket_size`` and ``stochastic`` (expected error of stochastic rounding) are used.
+      widths: the widths, 1..8, in the order of the result's columns.
+      objective: ``"squared"`` (the default), ``"relative"`` or ``"adam"`` (module docstring).
+
+    Returns:
+      A float64 numpy array of shape ``[len(leaves), len(widths)]``.
+
+    Raises:
+      ValueError: an unknown ``objective``.
     """
     widths = tuple(int(b) for b in widths)
     objective = _objective(objective, "expected_errors")
@@ -377,6 +435,16 @@ def solve(options: list[list[tuple[int, float, Any]]], budget: float) -> list[tu
 
     ``options``: per leaf, a list of ``(bytes, error, label)`` (the label, e.g. a width or a
     ``(width, bucket_size)`` pair, is returned as given). Returns the chosen option of each leaf.
+
+    Args:
+      options: per leaf, its options ``(bytes, error, label)``.
+      budget: the most bytes the chosen options may take together.
+
+    Returns:
+      A list with one option per leaf, each as given in ``options``; empty for no leaves.
+
+    Raises:
+      ValueError: no plan fits: the cheapest options of all leaves together exceed ``budget``.
     """
     if not options:
         return []
@@ -415,7 +483,15 @@ def solve(options: list[list[tuple[int, float, Any]]], budget: float) -> list[tu
 
 
 def describe(plans: Sequence[LeafPlan]) -> str:
-    """A table of a plan: per leaf its bits, bucket size, predicted error and bytes, and the totals."""
+    """A table of a plan: per leaf its bits, bucket size, predicted error and bytes, and the totals.
+
+    Args:
+      plans: the plan's :class:`LeafPlan`\\ s, as :func:`choose_bits` (``return_plan=True``) or
+        ``Planner.plans`` gives them.
+
+    Returns:
+      The table as a ``str``, one line per leaf after a header, then a line of totals.
+    """
     rows = [f"{'leaf':<40} {'values':>10} {'bits':>5} {'bucket':>7} {'pred. error':>12} {'bytes':>10}"]
     for p in plans:
         bits = "exact" if p.bits == EXACT else str(p.bits)

@@ -62,9 +62,12 @@ class Planner:
     Args:
       like: a pytree with the gradient's structure, shapes and dtypes (the parameters, or
         ``jax.ShapeDtypeStruct`` objects).
-      budget_bits, candidates, config, exact: as for :func:`~jax_cgx.adaptive.choose_bits` (``config``
+      budget_bits: as for :func:`~jax_cgx.adaptive.choose_bits`.
+      candidates: as for :func:`~jax_cgx.adaptive.choose_bits`.
+      config: as for :func:`~jax_cgx.adaptive.choose_bits` (``config``
         may be a config function: ``jax_cgx.optax.layer_filter(CompressionConfig(bits=4, bucket_size=128),
         1024)``, the recommended transformer setting, keeps its small leaves exact and plans the rest).
+      exact: as for :func:`~jax_cgx.adaptive.choose_bits`.
       bucket_sizes: the bucket sizes a leaf may get, as for :func:`~jax_cgx.adaptive.choose_bits`;
         ``"auto"`` (the default): :data:`~jax_cgx.adaptive.AUTO_BUCKET_SIZES` and ``config``'s bucket size; None:
         ``config``'s alone (then only widths change).
@@ -72,6 +75,12 @@ class Planner:
       objective: as for :func:`~jax_cgx.adaptive.choose_bits`.
       min_gain: adopt a new plan only when its predicted error is at most ``1 - min_gain`` times
         the current plan's on the same gradient (0: whenever it differs).
+
+    Raises:
+      ValueError: ``every`` not a positive int; ``min_gain`` outside [0, 1); ``exact`` not a bool;
+        ``budget_bits``, ``candidates``, ``bucket_sizes`` or ``objective`` refused as by
+        :func:`~jax_cgx.adaptive.choose_bits`; a config function giving the leaves different configs.
+      TypeError: ``config`` not a :class:`~jax_cgx.CompressionConfig`, a config function or None.
 
     The first plan, before any gradient, is uniform: the widest candidate within ``budget_bits``, in
     ``config``'s buckets. A plan is keyed by each leaf's ``(bits, bucket_size)``.

@@ -76,6 +76,12 @@ def quantize(
       A :class:`Quantized` pytree; :func:`dequantize` restores an array of ``x``'s
       shape and dtype.
 
+    Raises:
+      TypeError: ``config`` not a :class:`~jax_cgx.CompressionConfig`; ``x`` not float32, bfloat16 or
+        float16; ``key`` not one PRNG key.
+      ValueError: ``config.bits`` outside 1..8; an unknown ``impl``; more than 2^32 - 1 values; a
+        stochastic config without ``key``.
+
     Its gradient is zero, as ``jnp.round``'s is; a straight-through estimate is
     ``x + jax.lax.stop_gradient(dequantize(quantize(x)) - x)``.
 
@@ -201,6 +207,11 @@ def dequantize(q: Quantized, *, impl: Impl = "auto") -> jax.Array:
 
     Returns:
       The decoded array: each value ``min + level * scale`` of its bucket.
+
+    Raises:
+      TypeError: ``q`` not a :class:`Quantized`.
+      ValueError: ``q``'s fields disagreeing with each other (a ``Quantized`` changed by hand, or a
+        stacked one); an unknown ``impl``.
     """
     _check_quantized(q, "dequantize", stacked=False)
     check_impl(impl)
@@ -243,6 +254,22 @@ def dequantize_sum(
     The sum is taken in a fixed order (``addend`` first, then inputs 0..W-1), so
     every device computing it gets the same bits. Returns ``q.shape`` in ``dtype``
     (default ``q.dtype``).
+
+    Args:
+      q: W encodings of arrays of one shape and config, stacked along a leading axis.
+      addend: an array of ``q.shape`` (float32, bfloat16 or float16) added first; None (the default):
+        nothing.
+      dtype: the result's dtype, float32, bfloat16 or float16; None (the default): ``q.dtype``.
+      impl: the codec implementation: ``"auto"``, ``"kernel"`` or ``"reference"`` (bitwise the same).
+
+    Returns:
+      The sum, an array of shape ``q.shape`` in ``dtype``.
+
+    Raises:
+      TypeError: ``q`` not a :class:`Quantized`; ``addend`` or ``dtype`` not a float type the codec
+        takes.
+      ValueError: ``q`` not stacked, or its fields disagreeing with each other; ``addend`` not of
+        shape ``q.shape``; an unknown ``impl``.
     """
     _check_quantized(q, "dequantize_sum", stacked=True)
     check_impl(impl)
@@ -270,6 +297,26 @@ def dequantize_sum_requantize(
     This is the owner's step of the SRA all-reduce (docs/algorithm.md): returns the
     re-quantized sum (same bits and bucket size) and its decoded value, which is what
     every replica will decode from it.
+
+    Args:
+      q: W encodings of arrays of one shape and config, stacked along a leading axis.
+      addend: an array of ``q.shape`` (float32, bfloat16 or float16) added first; None (the default):
+        nothing.
+      stochastic: re-quantize with stochastic rounding (then ``key`` is needed) instead of
+        round-to-nearest.
+      key: a PRNG key, for ``stochastic=True``.
+      impl: the codec implementation: ``"auto"``, ``"kernel"`` or ``"reference"`` (bitwise the same).
+
+    Returns:
+      ``(summed, decoded)``: ``summed`` a :class:`Quantized` of one array (not stacked) with ``q``'s
+      shape, dtype, bits and bucket size, its tail the exact sum of the tails; ``decoded`` what
+      :func:`dequantize` gives for ``summed``, an array of ``q.shape`` in ``q.dtype``.
+
+    Raises:
+      TypeError: ``q`` not a :class:`Quantized`; ``addend`` not a float type the codec takes; ``key``
+        not one PRNG key.
+      ValueError: ``stochastic`` not a bool, or True without ``key``; ``q`` not stacked, or its fields
+        disagreeing with each other; ``addend`` not of shape ``q.shape``; an unknown ``impl``.
     """
     stochastic = check_bool("dequantize_sum_requantize", "stochastic", stochastic)
     _check_quantized(q, "dequantize_sum_requantize", stacked=True)

@@ -75,7 +75,25 @@ class LeafReport:
 
 @dataclasses.dataclass(frozen=True)
 class Explanation:
-    """What :func:`explain` found; ``str()`` gives the tables it prints."""
+    """What :func:`explain` found; ``str()`` gives the tables it prints.
+
+    Made by :func:`explain`, not by users.
+
+    Attributes:
+      world: the number of ranks of the reduction.
+      leaves: a :class:`~jax_cgx._src.collectives.explain.LeafReport` per leaf of ``x``, in
+        flattening order.
+      buffers: a :class:`~jax_cgx._src.collectives.explain.BufferReport` per fusion buffer (none
+        for one rank).
+      figures: the cost model's figures the buffers were priced with; None where none are known
+        (the policy is not ``"auto"`` and the machine is not measured yet).
+      op: ``"psum"``, ``"psum_scatter"`` or ``"all_gather"``; for the last two a buffer's
+        ``psum_ms`` is that ``lax`` collective's.
+      axes: the reduced axis names, where ``explain`` was given ``axis_name`` with ``op="psum"``
+        (else empty).
+      model_axes: the mesh axes left to XLA's partitioner, over which each device reduces its own
+        shards (else empty).
+    """
 
     world: int
     leaves: list[LeafReport]
@@ -158,9 +176,10 @@ def explain(x, axis_name=None, config: ConfigSpec = None, *, world: int | None =
       world: the number of ranks the sum runs over (instead of ``axis_name``).
       inner_world: the inner axis's size, for hierarchical configs given ``world``.
       op: the collective: "psum", "psum_scatter" or "all_gather".
-      scatter_dimension, tiled: with ``op="psum_scatter"``, as for
+      scatter_dimension: with ``op="psum_scatter"``, as for
         :func:`~jax_cgx.compressed_psum_scatter`: a leaf it would refuse is refused here, with its
         error.
+      tiled: with ``op="psum_scatter"``, as for :func:`~jax_cgx.compressed_psum_scatter` (likewise).
       file: where to print (``None``: only return the :class:`Explanation`).
       plans: the :class:`~jax_cgx.adaptive.LeafPlan` table of the plan ``config`` came from
         (``choose_bits(..., return_plan=True)``, ``Planner.plans``): each planned leaf's predicted
@@ -171,6 +190,19 @@ def explain(x, axis_name=None, config: ConfigSpec = None, *, world: int | None =
         over the data axes alone the model axes are the mesh's others (a leaf's ``Explicit`` type
         gives its spec where ``specs`` does not); outside, give ``mesh=`` too.
       mesh: with ``specs`` outside ``shard_map``: the mesh whose axes the specs name.
+
+    Returns:
+      An :class:`Explanation`: a :class:`~jax_cgx._src.collectives.explain.LeafReport` per leaf and
+      a :class:`~jax_cgx._src.collectives.explain.BufferReport` per fusion buffer, with the figures
+      they were priced with; the same tables are printed to ``file`` unless it is ``None``.
+
+    Raises:
+      ValueError: an unknown ``op``; both or neither of ``axis_name`` and ``world``; ``world`` or
+        ``inner_world`` not a positive int, or ``inner_world`` not dividing ``world``; ``mesh``
+        without ``specs``; ``plans`` naming a path the tree lacks; a leaf that
+        ``compressed_psum_scatter`` would refuse (``op="psum_scatter"``).
+      NameError: an axis of ``axis_name`` that is not bound (outside ``shard_map``/``pmap``).
+      NotImplementedError: model axes (``specs``) with an ``op`` other than ``"psum"``.
 
     Examples:
       >>> report = jax_cgx.explain({"w": jnp.zeros((1024, 1024)), "b": jnp.zeros(8)}, world=8, file=None)

@@ -290,6 +290,17 @@ def bytes_on_wire(x, world: int, config: ConfigSpec = None, *, inner_world: int 
         uncompressed reduce-scatter plus all-gather of the (padded) buffer over the inner
         axis, ``2(Wi-1)/Wi`` times its bytes, plus the compressed exchange of one shard
         over the ``world / inner_world`` outer ranks.
+      op: the collective counted: ``"psum"`` (the default), ``"psum_scatter"`` or
+        ``"all_gather"``, as above.
+
+    Returns:
+      The bytes one rank sends, an ``int`` (rounded to the nearest byte); 0 for ``world=1``.
+
+    Raises:
+      ValueError: an unknown ``op``; ``world`` or ``inner_world`` not a positive int, or
+        ``inner_world`` not dividing ``world``; a hierarchical config without ``inner_world``
+        (``op="psum"``); a leaf whose size ``world`` does not divide (``op="psum_scatter"``).
+      RuntimeError: ``policy="auto"`` in a multi-process job before the figures were measured.
 
     Examples:
       >>> jax_cgx.bytes_on_wire(jnp.zeros(1 << 20), 8, jax_cgx.CompressionConfig(bits=4))

@@ -43,6 +43,9 @@ def skip_not_finite(axis_name):
     Returns:
       ``should_skip(updates, gradient_step, params) -> (skip, state)``, as optax's
       ``skip_not_finite`` but agreed over ``axis_name``.
+
+    Raises:
+      ValueError: ``axis_name`` empty or not axis names.
     """
     axes = checks.check_axes("jax_cgx.optax.skip_not_finite", axis_name)
 

@@ -175,6 +175,17 @@ def compressed_mean(
       seed: seed of the stochastic-rounding keys.
       impl: codec implementation: ``"auto"``, ``"kernel"`` or ``"reference"``.
 
+    Returns:
+      An ``optax.GradientTransformation``: ``init(params)`` makes a :class:`CompressedMeanState`;
+      ``update(updates, state, params=None)`` returns ``(mean, new_state)``, ``mean`` a pytree like
+      the updates.
+
+    Raises:
+      ValueError: an unknown ``impl``; ``layer_min_size`` not an integer >= 0; ``error_feedback`` not a
+        bool; ``seed`` not an integer in the int64 range; ``axis_name`` empty or not axis names.
+      TypeError: ``config`` not a :class:`~jax_cgx.CompressionConfig`, a pytree of them, a function or
+        None.
+
     The state (:class:`CompressedMeanState`) has fixed shapes and dtypes, so the
     transformation composes with ``jit``, ``optax.chain``, ``optax.MultiSteps`` (which runs
     the inner update, and so the exchange, on every micro-step and keeps the state of the
@@ -314,6 +325,15 @@ def cast_mean(axis_name, dtype=jnp.bfloat16) -> optax.GradientTransformation:
       axis_name: the mapped axis (or a tuple of axes) to average over.
       dtype: the floating type the sum runs in, ``jnp.bfloat16`` (default) or
         ``jnp.float16``.
+
+    Returns:
+      An ``optax.GradientTransformation``: ``init(params)`` makes a :class:`CastMeanState`;
+      ``update(updates, state, params=None)`` returns ``(mean, state)``, ``mean`` a pytree like the
+      updates (float leaves keep their dtype).
+
+    Raises:
+      TypeError: ``dtype`` other than bfloat16 or float16.
+      ValueError: ``axis_name`` empty or not axis names.
 
     Examples:
       >>> from jax.sharding import NamedSharding, PartitionSpec as P

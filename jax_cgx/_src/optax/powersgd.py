@@ -201,6 +201,12 @@ def powersgd_mean(
       An ``optax.GradientTransformation`` with state :class:`PowerSGDState`. ``init`` uses no
       collectives (call it anywhere); ``update`` must run where ``axis_name`` is bound and
       returns the same updates on every rank, in the gradients' dtypes.
+
+    Raises:
+      ValueError: ``rank`` not an integer >= 1; ``start_iter`` not an integer >= 0;
+        ``min_compression_rate`` or ``orthogonalization_epsilon`` not a finite real >= 0;
+        ``error_feedback`` or ``warm_start`` not a bool; ``seed`` not an integer in the int64 range;
+        ``axis_name`` empty or not axis names.
     """
     fn = "powersgd_mean"
     rank = checks.check_int(fn, "rank", rank, minimum=1)
@@ -348,6 +354,19 @@ def powersgd_bytes(params, world: int, rank: int = 1, min_compression_rate: floa
     Every all-reduce (P and Q of each compressed leaf, in float32; each uncompressed leaf in its
     own dtype) is counted as a bandwidth-optimal all-reduce: ``2 (world - 1) / world`` of its
     bytes. ``params`` may hold arrays or ``jax.ShapeDtypeStruct`` objects.
+
+    Args:
+      params: the parameters (or gradients): a pytree of arrays or ``jax.ShapeDtypeStruct`` objects.
+      world: the number of ranks the mean is over.
+      rank: the approximation rank, as for :func:`powersgd_mean`.
+      min_compression_rate: as for :func:`powersgd_mean`: which leaves are compressed.
+
+    Returns:
+      The bytes one rank sends per step, an ``int`` (rounded down); 0 for ``world=1``.
+
+    Raises:
+      ValueError: ``world`` or ``rank`` not an integer >= 1; ``min_compression_rate`` not a finite
+        real >= 0.
 
     Examples:
       >>> params = {"w": jax.ShapeDtypeStruct((1024, 1024), jnp.float32), "b": jax.ShapeDtypeStruct((1024,), jnp.float32)}

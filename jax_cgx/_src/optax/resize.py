@@ -282,6 +282,26 @@ def resize_state(state, params, axis_name, *, world: int, saved_world: int | Non
     Raises a ``ValueError`` naming the leaf when a per-device leaf is not a stack of the
     parameter's blocks, when the per-device leaves disagree on ``W`` (or with ``saved_world``), or
     when a leaf laid out as the parameters has another shape: the state of other parameters.
+
+    Args:
+      state: the optax state as saved: global arrays (or ``jax.ShapeDtypeStruct``\\ s under
+        ``jax.eval_shape``), laid out for ``W`` devices.
+      params: the parameters (or ``jax.ShapeDtypeStruct``\\ s) the state was built for.
+      axis_name: the data axis (or a tuple of axes) the state's per-device leaves are split over.
+      world: the number of devices along ``axis_name`` to lay the state out for (>= 1).
+      saved_world: ``W``, where known (see above); None (the default): read off the state.
+      param_specs: for a ZeRO state of parameters split over model axes, a ``PartitionSpec`` per
+        parameter; None (the default): no model axes.
+      mesh: with ``param_specs``, the mesh whose model axes they name.
+
+    Returns:
+      A state with the structure of ``state``, its per-device leaves laid out for ``world``
+      devices; ``state`` itself where it was saved on ``world`` devices already.
+
+    Raises:
+      ValueError: as above; ``world`` or ``saved_world`` not an integer >= 1; ``axis_name`` empty or
+        not axis names; ``param_specs`` without ``mesh``, not one spec per parameter, or naming an
+        axis that is not a model axis of ``mesh``.
     """
     world = checks.check_int(_FN, "world", world, minimum=1)
     if saved_world is not None:

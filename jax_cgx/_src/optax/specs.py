@@ -86,6 +86,23 @@ def state_specs(state, axis_name, param_specs=None):
 
     Raises a ``ValueError`` for a ``MultiSteps`` accumulator of a scalar parameter: it differs
     between devices but has no axis for ``shard_map`` to split.
+
+    Args:
+      state: the optax state, concrete or abstract (``jax.ShapeDtypeStruct`` leaves).
+      axis_name: the data axis (or a tuple of axes) jax_cgx's transformations average over, as
+        given to them.
+      param_specs: ``None`` (the default: parameters not sharded over model axes), or a
+        ``PartitionSpec`` per parameter (a pytree like the parameters, or a prefix of it).
+
+    Returns:
+      A pytree with the structure of ``state``: a ``PartitionSpec`` per leaf (``optax.MaskedNode()``
+      kept where the state holds one).
+
+    Raises:
+      ValueError: ``axis_name`` empty or not axis names; a ``MultiSteps`` accumulator of a scalar
+        parameter (above); a spec of ``param_specs`` that names an axis of ``axis_name``.
+      TypeError: ``param_specs`` with a leaf that is not a ``PartitionSpec``.
+      NotImplementedError: a :class:`PowerSGDState` in ``state`` given ``param_specs``.
     """
     axes = checks.check_axes("jax_cgx.optax.state_specs", axis_name)
     split = P(axes[0] if len(axes) == 1 else axes)
@@ -149,6 +166,15 @@ def shard_shapes(params, param_specs, mesh):
     ``param_specs`` (a pytree of ``PartitionSpec``\ s like ``params``) on ``mesh``: what a
     transformation sees inside a ``shard_map`` that splits the parameters over model axes, for
     ``jax.eval_shape(tx.init, ...)`` before :func:`state_specs`.
+
+    Args:
+      params: the parameters: a pytree of arrays or ``jax.ShapeDtypeStruct``\ s.
+      param_specs: a ``PartitionSpec`` per parameter, a pytree with the structure of ``params``.
+      mesh: the mesh the specs name the axes of (a ``jax.sharding.Mesh`` or ``AbstractMesh``).
+
+    Returns:
+      A pytree like ``params`` of ``jax.ShapeDtypeStruct``: each parameter's dtype, and its shape with
+      every dimension divided by the sizes of the mesh axes its spec splits it over (rounded down).
 
     Examples:
       >>> from jax.sharding import PartitionSpec as P

@@ -168,6 +168,19 @@ def topk_mean(
         exactly (``lax.pmean``).
       seed: seed of the threshold sampling.
 
+    Returns:
+      An ``optax.GradientTransformation``: ``init(params)`` makes a :class:`TopKState`;
+      ``update(updates, state, params=None)`` returns ``(mean, new_state)``, the momentum-corrected
+      mean a pytree like the updates, bitwise the same on every rank. Both raise a ``TypeError`` for
+      a float64 or complex128 leaf that top-k would keep or send (in 32 bits).
+
+    Raises:
+      ValueError: ``ratio``, ``sample_ratio`` or (with ``warmup_steps``) an entry of
+        ``warmup_ratios`` not in (0, 1]; ``warmup_ratios`` empty (with ``warmup_steps``); ``momentum``
+        not a finite real >= 0; ``nesterov`` not a bool, or True with ``momentum=0``;
+        ``warmup_steps`` not an integer >= 0; ``min_size`` not an integer >= 1; ``seed`` not an
+        integer in the int64 range; ``axis_name`` empty or not axis names.
+
     The state (:class:`TopKState`) is per rank. Under ``jax.pmap`` that is automatic; across
     ``jax.shard_map`` calls give it the specs of :func:`jax_cgx.optax.state_specs` (or keep the
     training loop inside one ``shard_map``). ``init`` uses no collective.
@@ -309,6 +322,19 @@ def topk_bytes(params, world: int, ratio: float = 0.001, min_size: int = 1024) -
     their bytes (rounded up), and so do compressed leaves where ``k == n`` (then float32).
     During warm-up phase ``i`` pass ``ratio=warmup_ratios[i]``. ``params``: arrays or
     ``jax.ShapeDtypeStruct``.
+
+    Args:
+      params: the parameters (or gradients): a pytree of arrays or ``jax.ShapeDtypeStruct`` objects.
+      world: the number of ranks the mean is over.
+      ratio: the density, as for :func:`topk_mean`, in (0, 1].
+      min_size: as for :func:`topk_mean`: which leaves are compressed.
+
+    Returns:
+      The bytes one rank sends per step, an ``int``; 0 for ``world=1``.
+
+    Raises:
+      ValueError: ``world`` not an integer >= 1; ``ratio`` not in (0, 1]; ``min_size`` not an
+        integer >= 1.
 
     Examples:
       >>> params = {"w": jax.ShapeDtypeStruct((1024, 1024), jnp.float32), "b": jax.ShapeDtypeStruct((1024,), jnp.float32)}

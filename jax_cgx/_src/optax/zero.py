@@ -131,6 +131,10 @@ def sharded(optimizer: optax.GradientTransformation, axis_name, *, grad_config: 
               return params, state, jax.lax.pmean(loss, "data")
 
       docs/guide.md ("ZeRO: jax_cgx.optax.sharded") has it complete, mesh and data included.
+
+    Raises:
+      TypeError: ``optimizer`` without callable ``init`` and ``update``.
+      ValueError: ``axis_name`` empty or not axis names; ``error_feedback`` not a bool.
     """
     fn = "jax_cgx.optax.sharded"
     if not (callable(getattr(optimizer, "init", None)) and callable(getattr(optimizer, "update", None))):
