@@ -39,7 +39,20 @@ COORDINATOR_VARIABLE = "JAX_CGX_COORDINATOR"
 
 @dataclasses.dataclass(frozen=True)
 class ProcessInfo:
-    """Where this process sits in the job."""
+    """Where this process sits in the job.
+
+    Made by :func:`detect` and :func:`initialize`.
+
+    Attributes:
+      process_index: this process's rank, 0..process_count-1.
+      process_count: the number of processes in the job.
+      local_rank: its rank among the processes on its node (0 where the launcher gives none).
+      local_count: the number of processes on its node (1 where the launcher gives none).
+      coordinator_address: ``host:port`` of process 0's coordinator service, where known (None:
+        jax finds it itself, or a single process).
+      source: where the above came from: ``"arguments"``, ``"jax_cgx.launch"``, ``"openmpi"``,
+        ``"mpich"``, ``"slurm"`` or ``"single"`` (no launcher: process 0 of 1).
+    """
 
     process_index: int
     process_count: int
@@ -272,7 +285,9 @@ def initialize(
       This process's :class:`ProcessInfo` (``source`` says which launcher it came from).
 
     Raises:
-      ValueError: a launcher's variables that are malformed, out of range or partial (named).
+      ValueError: a launcher's variables that are malformed, out of range or partial (named);
+        ``one_gpu_per_process`` or ``exit_on_uncaught_exception`` not a bool; ``unmatched_timeout_s``
+        (or ``JAX_CGX_UNMATCHED_TIMEOUT_S``) not a number of seconds in [0, 1e9].
       RuntimeError: no coordinator can be found (MPICH or Open MPI 5 on several nodes without
         ``JAX_COORDINATOR_ADDRESS`` or mpi4py), or SLURM's first node name does not resolve.
     """

@@ -50,7 +50,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable as _Callable  # not a public name of this module
 
 from jax_cgx import allocator
 from jax_cgx._src import ends, mps, outputs
@@ -59,7 +59,11 @@ from jax_cgx.distributed import COORDINATOR_VARIABLE, RANK_VARIABLES
 
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that is free now (for a coordinator)."""
+    """A TCP port on 127.0.0.1 that is free now (for a coordinator).
+
+    Returns:
+      The port number, an ``int``. It is not held: another program may take it before it is used.
+    """
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -109,7 +113,15 @@ def _die_with_launcher() -> None:
 
 
 def process_state(pid: int) -> str | None:
-    """The kernel's state of a process (``R``, ``S``, ``T`` stopped, ``t`` traced, ...); None if unknown."""
+    """The kernel's state of a process (``R``, ``S``, ``T`` stopped, ``t`` traced, ...); None if unknown.
+
+    Args:
+      pid: the process's id.
+
+    Returns:
+      The state letter from ``/proc/<pid>/stat``; None where it cannot be read (no such process,
+      no ``/proc``).
+    """
     try:
         with open(f"/proc/{pid}/stat") as f:
             data = f.read()
@@ -119,7 +131,14 @@ def process_state(pid: int) -> str | None:
 
 
 def describe_status(status: int) -> str:
-    """A process's end in words: "exited with 3", "was killed by SIGSEGV (status 139)"."""
+    """A process's end in words: "exited with 3", "was killed by SIGSEGV (status 139)".
+
+    Args:
+      status: a ``subprocess.Popen`` returncode: an exit status (>= 0), or ``-N`` for signal ``N``.
+
+    Returns:
+      The words, a ``str``.
+    """
     if status >= 0:
         return f"exited with {status}"
     try:
@@ -130,7 +149,14 @@ def describe_status(status: int) -> str:
 
 
 def exit_code(status: int) -> int:
-    """A Popen returncode as a shell reports it: 128 + N for signal N."""
+    """A Popen returncode as a shell reports it: 128 + N for signal N.
+
+    Args:
+      status: a ``subprocess.Popen`` returncode: an exit status (>= 0), or ``-N`` for signal ``N``.
+
+    Returns:
+      ``status`` itself where it is >= 0, else ``128 + N``.
+    """
     return status if status >= 0 else 128 - status
 
 
@@ -142,6 +168,14 @@ class ProcessGroup:
     those already started are stopped and the error is raised.
 
     Also used by benchmarks/netem/run.py, which starts its ranks inside network namespaces.
+
+    Args:
+      commands: each process's argument vector (its rank is its index), started at once.
+      envs: each process's whole environment, in the same order.
+      cwd: the processes' working directory; None (the default): the launcher's.
+
+    Raises:
+      OSError: a process could not be started (after the ones already started are stopped).
     """
 
     def __init__(self, commands: list[list[str]], envs: list[dict[str, str]], cwd=None):
@@ -220,7 +254,7 @@ class ProcessGroup:
         if first is not None and first in self.running():
             self._wait(lambda: first not in self.running(), time.monotonic() + grace)
 
-    def _wait(self, done: Callable[[], bool], deadline: float | None) -> bool:
+    def _wait(self, done: _Callable[[], bool], deadline: float | None) -> bool:
         """Block, woken by each end noted, until ``done()`` or ``deadline`` (a ``time.monotonic()``);
         True unless it is the deadline that came."""
         with self._changed:
@@ -287,7 +321,16 @@ def _say(message: str) -> None:
 
 
 class Job(ProcessGroup):
-    """N processes of one script, wired for ``jax_cgx.distributed.initialize``."""
+    """N processes of one script, wired for ``jax_cgx.distributed.initialize``.
+
+    Args:
+      argv: the command every process runs (``[sys.executable, script, *args]``).
+      n: the number of processes.
+      devices: simulated CPU devices per process (``XLA_FLAGS``); None: ``XLA_FLAGS`` as inherited.
+
+    Raises:
+      OSError: a process could not be started (after the ones already started are stopped).
+    """
 
     def __init__(self, argv: list[str], n: int, devices: int | None):
         port = free_port()
@@ -359,6 +402,23 @@ def _outer_job(env) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``python -m jax_cgx.launch``: start the job its command line describes and wait for it
+    (the module docstring says what the launcher does).
+
+    Args:
+      argv: the command line after the program's name; None (the default): ``sys.argv[1:]``.
+
+    Returns:
+      The launcher's exit status: 0 when every process exited with 0; else the status of the
+      process that failed first (128 + N for signal N); 124 when ``--timeout`` passed; 2 when the
+      MPS daemon of ``--mps`` could not be run.
+
+    Raises:
+      SystemExit: a bad command line (argparse's status 2; also ``-n`` above ``MAX_PROCESSES``, or the
+        launcher itself one of several processes of mpirun or srun); a signal to the launcher
+        (status 128 + the signal, once the processes are stopped).
+      OSError: a process could not be started.
+    """
     parser = argparse.ArgumentParser(
         # The docstring's reST literals (``x``) read as plain text in a terminal and on the docs page.
         prog="python -m jax_cgx.launch", description=__doc__.replace("``", ""),

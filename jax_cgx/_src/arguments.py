@@ -25,6 +25,15 @@ BITS = range(1, 9)
 
 
 def integer(minimum: int) -> Callable[[str], int]:
+    """An argparse ``type``: a whole number >= ``minimum``.
+
+    Args:
+      minimum: the least value accepted.
+
+    Returns:
+      ``parse(text) -> int``, which raises ``argparse.ArgumentTypeError`` (an argparse error naming
+      the flag) for text that is not a whole number or is below ``minimum``.
+    """
     def parse(text: str) -> int:
         try:
             value = int(text)
@@ -38,7 +47,18 @@ def integer(minimum: int) -> Callable[[str], int]:
 
 
 def number(minimum: float, *, above: bool = False) -> Callable[[str], float]:
-    """A finite float >= ``minimum`` (> with ``above``)."""
+    """A finite float >= ``minimum`` (> with ``above``).
+
+    An argparse ``type``.
+
+    Args:
+      minimum: the least value accepted.
+      above: refuse ``minimum`` itself too.
+
+    Returns:
+      ``parse(text) -> float``, which raises ``argparse.ArgumentTypeError`` (an argparse error naming
+      the flag) for text that is not a finite number in range.
+    """
     def parse(text: str) -> float:
         try:
             value = float(text)

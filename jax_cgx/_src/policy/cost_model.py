@@ -58,7 +58,15 @@ __all__ = ["CodecRates", "LinkModel", "encoded_chunk_bytes", "inside_seconds", "
 
 @dataclasses.dataclass(frozen=True)
 class CodecRates:
-    """Measured throughput, bytes of float32 input per second."""
+    """Measured throughput, bytes of float32 input per second.
+
+    Args:
+      quantize: the codec's quantization rate.
+      dequantize: its decoding rate.
+      add: memory bandwidth: psum's float32 sums and the copies around the kernels (default 4e9).
+      reduce: the fused dequantize-sum-requantize step's rate; None (the default): priced as a decode
+        plus ``1/W`` of a quantization.
+    """
 
     quantize: float
     dequantize: float
@@ -81,7 +89,12 @@ class CodecRates:
 
 @dataclasses.dataclass(frozen=True)
 class LinkModel:
-    """Per-rank link: bandwidth in bytes/s each way (``inf``: unlimited), and a fixed cost per message."""
+    """Per-rank link: bandwidth in bytes/s each way (``inf``: unlimited), and a fixed cost per message.
+
+    Args:
+      bandwidth: bytes/s each way (``inf``: unlimited); 1 Gbit/s is ``1e9 / 8``.
+      latency: seconds per message (default 2e-4).
+    """
 
     bandwidth: float
     latency: float = 2e-4
@@ -112,16 +125,35 @@ def predict(size_bytes: float, world: int, bits: int, bucket_size: int, link: Li
     """Predicted seconds: ``psum`` (the uncompressed collective), ``compressed`` and the
     compressed time's parts.
 
-    ``op``: "psum" (the all-reduce above; ``size_bytes`` is the buffer per rank),
-    "psum_scatter" (``size_bytes`` is each rank's input, ``W`` blocks) or "all_gather"
-    (``size_bytes`` is each rank's shard); the comment above ``OPS`` in jax_cgx/_src/policy/cost_model.py says what the two sharded ones do.
-    ``size_bytes``: the buffer's bytes per rank, of ``itemsize``-byte values.
-    ``host_cores``: all ``world`` ranks share one machine with this many cores (compute
-    slows by ``max(1, world / host_cores)``); None: every rank has a core of its own.
-    ``segments``: messages per collective, as ``CompressionConfig.pipeline_segments``
-    (0: by size, each message at most ``message_cap`` bytes; None: one message).
-    ``share``: how many ranks share each core, given directly (overrides ``host_cores``).
-    ``algorithm``: "sra" or "ring" (the all-reduce's steps; the sharded ops are SRA's halves).
+    Args:
+      size_bytes: the buffer's bytes per rank, of ``itemsize``-byte values: for ``op="psum"`` the
+        buffer per rank, for "psum_scatter" each rank's input (``W`` blocks), for "all_gather" each
+        rank's shard.
+      world: the number of ranks ``W``.
+      bits: bits per quantized value, 1..8.
+      bucket_size: values per bucket.
+      link: each rank's link.
+      rates: the codec's throughput.
+      host_cores: all ``world`` ranks share one machine with this many cores (compute
+        slows by ``max(1, world / host_cores)``); None: every rank has a core of its own.
+      segments: messages per collective, as ``CompressionConfig.pipeline_segments``
+        (0: by size, each message at most ``message_cap`` bytes).
+      itemsize: bytes per value of the buffer (4, the default: float32).
+      message_cap: the most bytes per message where ``segments`` is 0 (default 256 KiB, the xla
+        backend's on multi-process CPU); None: one message.
+      share: how many ranks share each core, given directly (overrides ``host_cores``).
+      op: "psum" (the all-reduce above), "psum_scatter" or "all_gather"; the comment above
+        ``OPS`` in jax_cgx/_src/policy/cost_model.py says what the two sharded ones do.
+      algorithm: "sra" or "ring" (the all-reduce's steps; the sharded ops are SRA's halves).
+
+    Returns:
+      A ``dict``: ``"psum"`` and ``"compressed"`` (seconds), the compressed time's parts
+      ``"wire"``, ``"codec"`` and ``"copies"`` (seconds, adding up to ``"compressed"``),
+      ``"messages"`` (per collective) and ``"speedup"`` (``psum / compressed``); all 0 (speedup 1.0)
+      for ``world < 2``.
+
+    Raises:
+      ValueError: an unknown ``op`` or ``algorithm``.
     """
     if op not in OPS:
         raise ValueError(f"op must be one of {tuple(OPS)}, got {op!r}")

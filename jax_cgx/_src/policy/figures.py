@@ -17,7 +17,19 @@ def gbits(rate: float) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class Figures:
-    """What the cost model knows about this machine, the same on every process."""
+    """What the cost model knows about this machine, the same on every process.
+
+    Made by :func:`~jax_cgx.cost_model.figures` and :func:`~jax_cgx.calibrate`.
+
+    Attributes:
+      link: the link's rate and per-message cost (its latency 0 where the rate was given).
+      rates: the codec's measured rates.
+      platform: the JAX platform measured (``"cpu"``, ``"gpu"``, ...).
+      link_source: where the link's figures come from: ``"measured over N devices"``,
+        ``"JAX_CGX_LINK_GBPS"`` or ``"CompressionConfig.link_gbps"``.
+      share: ranks per core (CPU devices of one process share its cores); 1.0 off CPU.
+      exchange: the compressed exchange's measured fixed cost and rate.
+    """
 
     link: LinkModel
     rates: CodecRates

@@ -195,6 +195,19 @@ def figures(config: CompressionConfig | None = None, platform: str | None = None
     The link rate is ``config.link_gbps``, else ``JAX_CGX_LINK_GBPS``, else measured; the
     codec rates are measured. Measurements run once per process and are collective (every
     process must call this, directly or through a first trace); later calls are free.
+
+    Args:
+      config: the config whose ``link_gbps`` is read; None (the default): the environment's
+        ``JAX_CGX_LINK_GBPS``, else measured.
+      platform: the JAX platform (``"cpu"``, ``"gpu"``, ...); None (the default):
+        ``jax.default_backend()``.
+
+    Returns:
+      The :class:`~jax_cgx.cost_model.Figures` ``config`` is decided with on ``platform``.
+
+    Raises:
+      ValueError: a malformed ``JAX_CGX_LINK_GBPS`` (raised after the processes agree), or link rates
+        that differ between the processes.
     """
     platform = platform or jax.default_backend()
     link_gbps, source, bad_env = _given_link(config)
@@ -228,6 +241,18 @@ def calibrate(platform: str | None = None) -> Figures:
     step. Calling it at start-up keeps that time out of the first step and logs the
     figures. Measures the link even when ``JAX_CGX_LINK_GBPS`` is set; returns the
     measured figures.
+
+    Args:
+      platform: the JAX platform to measure (``"cpu"``, ``"gpu"``, ...); None (the default):
+        ``jax.default_backend()``.
+
+    Returns:
+      The :class:`~jax_cgx.cost_model.Figures` measured on ``platform``: the link's (measured, not
+      given) and the codec's. Measured once per process: later calls return the same figures.
+
+    Raises:
+      ValueError: a malformed ``JAX_CGX_LINK_GBPS``, or one that differs between the processes
+        (raised after they agree, on every process).
     """
     platform = platform or jax.default_backend()
     with _lock:

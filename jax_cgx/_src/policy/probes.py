@@ -59,6 +59,10 @@ class ExchangeFit:
     It catches what the codec rates alone miss: XLA's per-collective cost, and on one
     process's virtual CPU devices the threads' rendezvous (measured there: 14 ms for 4 MiB
     per device where the codec rates predict 5 ms). Decisions take the larger of the two.
+
+    Attributes:
+      overhead: the fixed cost, in seconds (0.0 where not measured).
+      rate: bytes of float32 per rank per second (``inf`` where not measured).
     """
 
     overhead: float = 0.0
