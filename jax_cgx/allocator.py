@@ -57,6 +57,16 @@ def reuse_large_allocations(limit_bytes: int = _LIMIT) -> bool:
     """Ask glibc to serve allocations below ``limit_bytes`` from its reusable heap.
 
     Returns whether glibc took every setting (False elsewhere than glibc: nothing changed).
+
+    Args:
+      limit_bytes: the mmap threshold, in bytes, 1..2^30 (default 2^30, 1 GiB); freed memory up to
+        twice it is kept, and every thread shares the main arena.
+
+    Returns:
+      True where glibc took every setting; False where it refused one, or elsewhere than glibc.
+
+    Raises:
+      ValueError: ``limit_bytes`` not an int in 1..2^30.
     """
     global _applied
     if isinstance(limit_bytes, bool) or not isinstance(limit_bytes, int) or not 0 < limit_bytes <= _LIMIT:
@@ -80,13 +90,29 @@ def reuse_large_allocations(limit_bytes: int = _LIMIT) -> bool:
 
 
 def applied() -> bool:
-    """Whether this process reuses large allocations (set by jax_cgx or by a call here)."""
+    """Whether this process reuses large allocations (set by jax_cgx or by a call here).
+
+    Returns:
+      True once a call of :func:`reuse_large_allocations` (``import jax_cgx``'s included) took every
+      setting.
+    """
     return _applied
 
 
 def wanted(environ=None) -> bool:
     """Whether ``JAX_CGX_REUSE_ALLOCATIONS`` (default 1) asks for reused large allocations; a
-    ``ValueError`` naming it for any other value than 1/0/true/false."""
+    ``ValueError`` naming it for any other value than 1/0/true/false.
+
+    Args:
+      environ: the variables to read (default: ``os.environ``).
+
+    Returns:
+      False for ``0`` or ``false`` (any case, spaces around ignored); True otherwise (unset, empty,
+      ``1`` or ``true``).
+
+    Raises:
+      ValueError: any other value.
+    """
     env = os.environ if environ is None else environ
     raw = env.get(ENV, "1").strip().lower()
     if raw not in ("0", "1", "false", "true", ""):
@@ -96,7 +122,20 @@ def wanted(environ=None) -> bool:
 
 
 def apply_default(environ=None) -> bool:
-    """What ``import jax_cgx`` does: :func:`reuse_large_allocations` unless ``JAX_CGX_REUSE_ALLOCATIONS=0``."""
+    """What ``import jax_cgx`` does: :func:`reuse_large_allocations` unless ``JAX_CGX_REUSE_ALLOCATIONS=0``.
+
+    Logs a WARNING, with the fix, where it comes after ``jax.distributed.initialize()`` or after JAX
+    made its devices (unless ``MALLOC_ARENA_MAX=1`` is set).
+
+    Args:
+      environ: the variables to read (default: ``os.environ``).
+
+    Returns:
+      What :func:`reuse_large_allocations` returned; False where the variable turned it off.
+
+    Raises:
+      ValueError: ``JAX_CGX_REUSE_ALLOCATIONS`` neither 1/0 nor true/false (:func:`wanted`).
+    """
     env = os.environ if environ is None else environ
     if not wanted(env):
         log.debug("jax_cgx: %s=0, glibc's allocator left as it is", ENV)

@@ -23,6 +23,21 @@ def simulate(xs, seeds, *, chunk, bits, bucket_size, stochastic, impl="reference
     ``jax_cgx._src.exchange.sra.sra_rows`` receives them). Returns ``(out[n], scales)`` where ``scales``
     holds, for the error bound, ``quantized[o][r]``: the per-bucket scales of chunk
     ``o`` as rank ``r`` quantized it, and ``summed[o]``: those of the re-quantized sum.
+
+    Args:
+      xs: ``[W, n]``, the ranks' buffers (float32, bfloat16 or float16).
+      seeds: ``[W, W+1, 2]`` uint32, each rank's seed rows.
+      chunk: values per chunk, with ``W * chunk >= n``: what the collective cuts ``n`` values into
+        (``jax_cgx._src.exchange.chunks.chunk_length``).
+      bits: bits per value, 1..8.
+      bucket_size: values per bucket.
+      stochastic: stochastic rounding (driven by ``seeds``) instead of round-to-nearest.
+      impl: the codec implementation: ``"reference"`` (the default), ``"kernel"`` or ``"auto"``.
+
+    Returns:
+      ``(out, scales)``: ``out``, shape ``[n]`` in ``xs``'s dtype, the sum every rank decodes;
+      ``scales``, a dict of float32 arrays: ``"quantized"`` of shape ``[W, W, buckets]`` (chunk,
+      rank, bucket) and ``"summed"`` of shape ``[W, buckets]`` (chunk, bucket).
     """
     w, n = xs.shape
     c = chunk
@@ -59,6 +74,21 @@ def simulate_ring(xs, seeds, *, chunk, bits, bucket_size, stochastic, impl="refe
     ``scales["hops"][o, h]`` holds the per-bucket scales of the ``h``-th of the W
     quantizations chunk ``o`` went through (``h = 0``: the first, ``h = W-1``: the
     final encoding every replica decodes), for the error bound.
+
+    Args:
+      xs: ``[W, n]``, the ranks' buffers (float32, bfloat16 or float16).
+      seeds: ``[W, W+1, 2]`` uint32, each rank's seed rows.
+      chunk: values per chunk, with ``W * chunk >= n``: what the collective cuts ``n`` values into
+        (``jax_cgx._src.exchange.chunks.chunk_length``).
+      bits: bits per value, 1..8.
+      bucket_size: values per bucket.
+      stochastic: stochastic rounding (driven by ``seeds``) instead of round-to-nearest.
+      impl: the codec implementation: ``"reference"`` (the default), ``"kernel"`` or ``"auto"``.
+
+    Returns:
+      ``(out, scales)``: ``out``, shape ``[n]`` in ``xs``'s dtype, the sum every rank decodes;
+      ``scales``, a dict holding ``"hops"``, a float32 array of shape ``[W, W, buckets]`` (chunk,
+      quantization, bucket).
     """
     w, n = xs.shape
     c = chunk
