@@ -78,6 +78,18 @@ def groups(mesh, axes) -> list[list[Any]]:
     is rank: the linear index over ``axes`` in the given order, first axis major, which
     is what ``lax.axis_index(axes)`` returns inside ``shard_map``. Groups are ordered by
     their other coordinates, in mesh order.
+
+    Args:
+      mesh: a concrete ``jax.sharding.Mesh``.
+      axes: a mesh axis name, or a tuple of them (the rank order).
+
+    Returns:
+      A list of groups, each a list of ``jax.Device`` in rank order.
+
+    Raises:
+      ValueError: ``axes`` empty, naming an axis twice or one ``mesh`` lacks; ``mesh``'s devices not
+        matching its axes.
+      TypeError: an ``AbstractMesh`` (it has no devices).
     """
     devices, names = mesh_parts(mesh)
     return [list(g) for g in groups_array(devices, names, normalize_axes(axes, names))]
@@ -104,6 +116,18 @@ def family_key(mesh, axes) -> int:
     Hashes (blake2b) the mesh's device ids in mesh order, its axis names and shape, and
     the axes tuple: equal on every process and across runs. Every group of the family
     shares it; the C++ registry tells groups apart by device ordinal.
+
+    Args:
+      mesh: a concrete ``jax.sharding.Mesh``.
+      axes: a mesh axis name, or a tuple of them (their order counts).
+
+    Returns:
+      The key, an ``int`` in 0..2^63-1.
+
+    Raises:
+      ValueError: ``axes`` empty, naming an axis twice or one ``mesh`` lacks; ``mesh``'s devices not
+        matching its axes.
+      TypeError: an ``AbstractMesh`` (it has no devices).
     """
     devices, names = mesh_parts(mesh)
     return key_of(mesh_ident(devices, names), normalize_axes(axes, names))

@@ -130,6 +130,9 @@ def library_candidates() -> list[str]:
     2. ``libnccl.so.2`` of the ``nvidia-nccl-cu13`` wheel
        (``nvidia.nccl.__path__[0]/lib/libnccl.so.2``), when installed;
     3. ``""``: the dynamic loader's default search for ``libnccl.so.2``.
+
+    Returns:
+      The candidates, a list of ``str`` paths, the last always ``""``.
     """
     candidates: list[str] = []
     env = os.environ.get(LIBRARY_ENV, "")
@@ -151,6 +154,13 @@ def load() -> int:
 
     Tries :func:`library_candidates` in order. Raises :class:`NcclNotFoundError` when the
     CUDA extension is missing or was built without NCCL, or when no candidate loads.
+
+    Returns:
+      NCCL's version code, an ``int`` (``ncclGetVersion``'s: 23203 for 2.32.3).
+
+    Raises:
+      NcclNotFoundError: no CUDA extension, one built without NCCL, or no candidate that loads
+        (the message lists each one tried, with why).
     """
     global _loaded
     with _load_lock:

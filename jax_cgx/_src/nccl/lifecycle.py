@@ -35,7 +35,12 @@ _atexit_registered = False
 
 @dataclasses.dataclass(frozen=True, repr=False)
 class Communicators:
-    """What :func:`setup` made available: the families of ``mesh``, axes tuple -> key."""
+    """What :func:`setup` made available: the families of ``mesh``, axes tuple -> key.
+
+    Args:
+      mesh: the mesh given to :func:`setup`.
+      families: each family of the call, its axes tuple -> its family key (read-only).
+    """
 
     mesh: Any
     families: Mapping[tuple[str, ...], int]
@@ -79,6 +84,19 @@ def setup(mesh, axes=None, *, id_exchange: str = "auto", timeout_s: float | None
     Returns the families of this call (axes tuple -> key). Families already set up are
     kept, so calling again is cheap. Raises :class:`NcclError` (or
     :class:`~jax_cgx._src.nccl.library.NcclNotFoundError`) with what went wrong and how to fix it.
+
+    Returns:
+      A :class:`Communicators`: ``mesh``, and ``families``, each family of ``axes`` whose groups have
+      more than one device (those set up before included) -> its family key.
+
+    Raises:
+      ValueError: an unknown ``id_exchange``; ``axes`` empty, naming an axis twice or one ``mesh``
+        lacks; ``mesh``'s devices not matching its axes; ``timeout_s`` (or
+        ``JAX_CGX_NCCL_TIMEOUT_S``) not a number of seconds in (0, 1e9].
+      TypeError: an ``AbstractMesh`` (it has no devices).
+      NcclError: devices that are not CUDA devices; a unique id exchange or ``ncclCommInitRank`` that
+        failed or timed out.
+      NcclNotFoundError: no CUDA extension, one built without NCCL, or no libnccl that loads.
     """
     global _atexit_registered
     if id_exchange not in ID_EXCHANGES:
@@ -151,6 +169,19 @@ def teardown(mesh=None, *, abort: bool = False) -> int:
     ``abort=True`` uses ``ncclCommAbort`` (never waits for peers). No computation that
     uses them may still be running: block on its results first. Call on every process.
     Returns how many communicators the extension released.
+
+    Args:
+      mesh: the mesh whose communicators go (those of every family set up on it); None (the
+        default): every communicator of this process.
+      abort: ``ncclCommAbort`` instead of ``ncclCommDestroy``.
+
+    Returns:
+      The number of communicators released, an ``int`` (0 where none were set up, or without the
+      CUDA extension).
+
+    Raises:
+      ValueError: ``abort`` not a bool; ``mesh``'s devices not matching its axes.
+      TypeError: an ``AbstractMesh``.
     """
     abort = check_bool("jax_cgx.nccl.teardown", "abort", abort)
     with registry.lock:

@@ -25,12 +25,25 @@ def lookup(mesh, axes) -> int | None:
     ``mesh`` may be a concrete ``jax.sharding.Mesh`` or an ``AbstractMesh``; an abstract
     mesh matches the registered meshes with the same axis names and sizes, and gives a
     key only when exactly one matches. ``None`` when there is no such family.
+
+    Args:
+      mesh: a ``jax.sharding.Mesh`` or ``AbstractMesh`` (None: no key).
+      axes: the reduction's axis name, or a tuple of them (in the order given to :func:`setup
+        <jax_cgx.nccl.setup>`'s ``axes``).
+
+    Returns:
+      The family key, a non-negative ``int`` below 2^63; None where no such family was set up here
+      (also for axes the mesh lacks, or an object that is not a mesh).
     """
     return connected.find(mesh, axes)[0]
 
 
 def communicators() -> list[CommunicatorInfo]:
-    """Every communicator registered in the CUDA extension (empty without NCCL support)."""
+    """Every communicator registered in the CUDA extension (empty without NCCL support).
+
+    Returns:
+      A list of :class:`~jax_cgx.nccl.CommunicatorInfo`, one per (family, local device).
+    """
     if not library.compiled():
         return []
     return [CommunicatorInfo(*row) for row in library.binding().nccl_communicators()]

@@ -87,7 +87,13 @@ def _loopback(address: str) -> bool:
 
 
 def host_address() -> str:
-    """The address this process's peers reach it at (see the package docstring)."""
+    """The address this process's peers reach it at (see the package docstring).
+
+    Returns:
+      ``$JAX_CGX_TCP_HOST`` where set; ``"127.0.0.1"`` for one process; else this machine's address
+      on the route to the ``jax.distributed`` coordinator (the default route's interface where that
+      is a loopback address and the coordinator's is not), a ``str``.
+    """
     if (host := os.environ.get(HOST_ENV)):
         return host
     if jax.process_count() == 1:
@@ -112,7 +118,16 @@ def host_address() -> str:
 
 
 def lookup(mesh, axes) -> int | None:
-    """The family key when :func:`setup` connected ``(mesh, axes)`` here, else None."""
+    """The family key when :func:`setup` connected ``(mesh, axes)`` here, else None.
+
+    Args:
+      mesh: a ``jax.sharding.Mesh`` or ``AbstractMesh``, matched as by :func:`jax_cgx.nccl.lookup`.
+      axes: the reduction's axis name, or a tuple of them.
+
+    Returns:
+      The family key, a non-negative ``int`` below 2^63; None where no such family was connected
+      here (also for axes the mesh lacks, or an object that is not a mesh).
+    """
     return connected.find(mesh, axes)[0]
 
 
@@ -240,6 +255,19 @@ def setup(mesh, axes=None, *, timeout_s: float | None = None):
 
     Returns the families of this call (axes tuple -> key), a read-only mapping. Families
     already set up are kept, so calling again is cheap.
+
+    Returns:
+      A read-only mapping: each family of ``axes`` whose groups have more than one device (those set
+      up before included), its axes tuple -> its family key.
+
+    Raises:
+      TypeError: ``mesh`` not a concrete ``jax.sharding.Mesh``; ``timeout_s`` not a number.
+      ValueError: ``timeout_s`` (or ``JAX_CGX_TCP_TIMEOUT_S``) not in (0, 1e9] seconds; ``axes``
+        empty, naming an axis twice or one ``mesh`` lacks; ``mesh``'s devices not matching its axes.
+      TcpError: devices that are not CPU devices; several processes without ``jax.distributed``
+        initialized; a connection that failed.
+      TcpPeerError: a peer that never published its address or never connected within the timeout,
+        refused, or was claimed twice.
     """
     global _atexit_registered
     _check_mesh(mesh)
@@ -319,6 +347,17 @@ def teardown(mesh=None) -> int:
 
     No computation that uses them may still be running: block on its results first. A
     call still waiting for peers fails with an error instead of hanging.
+
+    Args:
+      mesh: the mesh whose communicators go (those of every family set up on it); None (the
+        default): every tcp communicator of this process.
+
+    Returns:
+      The number of communicators stopped, an ``int`` (0 where none were set up).
+
+    Raises:
+      TypeError: an ``AbstractMesh``.
+      ValueError: ``mesh``'s devices not matching its axes.
     """
     binding = extensions.cpu()
     with lock:
@@ -338,7 +377,11 @@ def teardown(mesh=None) -> int:
 
 
 def communicators() -> list[CommunicatorInfo]:
-    """Every tcp communicator of this process."""
+    """Every tcp communicator of this process.
+
+    Returns:
+      A list of :class:`~jax_cgx.nccl.CommunicatorInfo`, one per (family, local device).
+    """
     return [CommunicatorInfo(*row) for row in extensions.cpu().tcp_communicators()]
 
 
