@@ -44,6 +44,30 @@ class CompressionConfig:
     checked when the config is made: a bad value raises ``TypeError`` or ``ValueError`` naming it.
     docs/choosing-settings.md says which values suit which link.
 
+    The constructor's arguments are the fields, each described under Attributes.
+
+    Args:
+      bits: 1..8, 16 or 32 (default 4).
+      bucket_size: 1..2^31-1 values (default 128).
+      stochastic: a bool (default False).
+      skip_incomplete_buckets: a bool (default False).
+      min_size: an int >= 0 (default 1024).
+      fusion_buffer_mb: a finite number of MiB >= 1/1024 (default 64).
+      half_dtype: ``"bfloat16"`` (the default) or ``"float16"``.
+      backend: ``"auto"`` (the default), ``"xla"``, ``"nccl"`` or ``"tcp"``.
+      algorithm: ``"sra"`` (the default) or ``"ring"``.
+      hierarchical: a bool (default False).
+      pipeline_segments: 0..64 (default 0: by size).
+      policy: ``"always"`` (the default) or ``"auto"``.
+      link_gbps: a number of Gbit/s > 0 (``inf``: unlimited), or None (the default).
+
+    Raises:
+      TypeError: ``bits``, ``bucket_size``, ``min_size`` or ``pipeline_segments`` not an int;
+        ``stochastic``, ``skip_incomplete_buckets`` or ``hierarchical`` not a bool;
+        ``fusion_buffer_mb`` or ``link_gbps`` not a number.
+      ValueError: a value out of its range above, or an unknown ``half_dtype``, ``backend``,
+        ``algorithm`` or ``policy``.
+
     Attributes:
       bits: **Codec.** Bits per quantized value, 1..8; 16 means an all-reduce in
         ``half_dtype``; 32 means no compression (a plain ``psum``).

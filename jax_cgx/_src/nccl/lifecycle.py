@@ -81,10 +81,6 @@ def setup(mesh, axes=None, *, id_exchange: str = "auto", timeout_s: float | None
       timeout_s: how long to wait for another process's unique id (default
         ``$JAX_CGX_NCCL_TIMEOUT_S`` or 300 s).
 
-    Returns the families of this call (axes tuple -> key). Families already set up are
-    kept, so calling again is cheap. Raises :class:`NcclError` (or
-    :class:`~jax_cgx._src.nccl.library.NcclNotFoundError`) with what went wrong and how to fix it.
-
     Returns:
       A :class:`Communicators`: ``mesh``, and ``families``, each family of ``axes`` whose groups have
       more than one device (those set up before included) -> its family key.
@@ -97,6 +93,10 @@ def setup(mesh, axes=None, *, id_exchange: str = "auto", timeout_s: float | None
       NcclError: devices that are not CUDA devices; a unique id exchange or ``ncclCommInitRank`` that
         failed or timed out.
       NcclNotFoundError: no CUDA extension, one built without NCCL, or no libnccl that loads.
+
+    Returns the families of this call (axes tuple -> key). Families already set up are
+    kept, so calling again is cheap. Raises :class:`NcclError` (or
+    :class:`~jax_cgx._src.nccl.library.NcclNotFoundError`) with what went wrong and how to fix it.
     """
     global _atexit_registered
     if id_exchange not in ID_EXCHANGES:

@@ -83,7 +83,15 @@ class ShardedOptimizer(NamedTuple):
     inside ``shard_map``; ``state_specs(params, mesh)`` gives the state's ``PartitionSpec``\\ s.
 
     Not an optax ``GradientTransformation``: ``update`` returns the new parameters, not updates
-    (see :func:`sharded`)."""
+    (see :func:`sharded`).
+
+    Made by :func:`sharded`; built by hand it takes the three functions in order.
+
+    Args:
+      init: the ``init`` function (below).
+      update: the ``update`` function (below).
+      state_specs: the ``state_specs`` function (below).
+    """
 
     #: ``init(params) -> ShardedState``, inside ``shard_map``.
     init: Callable[..., ShardedState]

@@ -253,9 +253,6 @@ def setup(mesh, axes=None, *, timeout_s: float | None = None):
       timeout_s: how long set-up waits for peers, and how long a call waits for bytes to
         move before failing (default ``$JAX_CGX_TCP_TIMEOUT_S`` or 300 s).
 
-    Returns the families of this call (axes tuple -> key), a read-only mapping. Families
-    already set up are kept, so calling again is cheap.
-
     Returns:
       A read-only mapping: each family of ``axes`` whose groups have more than one device (those set
       up before included), its axes tuple -> its family key.
@@ -268,6 +265,9 @@ def setup(mesh, axes=None, *, timeout_s: float | None = None):
         initialized; a connection that failed.
       TcpPeerError: a peer that never published its address or never connected within the timeout,
         refused, or was claimed twice.
+
+    Returns the families of this call (axes tuple -> key), a read-only mapping. Families
+    already set up are kept, so calling again is cheap.
     """
     global _atexit_registered
     _check_mesh(mesh)
