@@ -31,6 +31,7 @@ copyright = "2026, the jax_cgx developers"
 extensions = [
     "myst_parser",
     "sphinx.ext.autodoc",
+    "sphinx.ext.autosummary",  # the table each API page opens with
     "sphinx.ext.napoleon",  # Google-style docstrings
     "sphinx.ext.doctest",
     "sphinx.ext.intersphinx",
@@ -58,6 +59,9 @@ myst_enable_extensions = ["dollarmath", "colon_fence"]
 autodoc_member_order = "bysource"
 autodoc_typehints = "description"
 autodoc_default_options = {"members": True, "show-inheritance": False}
+# Each API page opens with an autosummary table of its module's public names, each row a link to its
+# entry further down the same page (no stub pages: autodoc documents the names where they are).
+autosummary_generate = False
 napoleon_google_docstring = True
 napoleon_numpy_docstring = False
 napoleon_use_rtype = False
@@ -79,3 +83,29 @@ _generated.mkdir(exist_ok=True)
 _help = subprocess.run([sys.executable, "-m", "jax_cgx.launch", "--help"], capture_output=True, text=True,
                        check=True, env={**os.environ, "COLUMNS": "100"})
 (_generated / "launch_help.txt").write_text(_help.stdout)
+
+
+# A constant has no docstring of its own (autodoc would summarize ``(2, 3, 4)`` with tuple's): its
+# summary in the table is the first sentence of its ``.. py:data::`` entry on its API page.
+def _data_descriptions() -> dict[str, list[str]]:
+    found = {}
+    for page in sorted((HERE / "api").glob("*.rst")):
+        module = None
+        for block in re.split(r"\n(?=\S)", page.read_text()):
+            if m := re.match(r"\.\. (?:auto|current)module:: (\S+)", block):
+                module = m.group(1)
+            elif (m := re.match(r"\.\. py:data:: (\S+)\n((?:   :.*\n)*)\n((?:   .*\n?|\n)+)", block)) and module:
+                found[f"{module}.{m.group(1)}"] = [line[3:] for line in m.group(3).rstrip().splitlines()]
+    return found
+
+
+def _summarize_constants(app, what, name, obj, options, lines):
+    if what == "data" and name in _DATA and getattr(obj, "__doc__", None) == getattr(type(obj), "__doc__", None):
+        lines[:] = _DATA[name]
+
+
+_DATA = _data_descriptions()
+
+
+def setup(app):
+    app.connect("autodoc-process-docstring", _summarize_constants)
