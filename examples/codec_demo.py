@@ -1,4 +1,6 @@
-"""Compress a gradient-sized array with jax_cgx's codec and show what it costs and saves.
+"""Compress a gradient-sized array with jax_cgx's codec and show what it costs and saves
+=====================================================================================
+
 
     python examples/codec_demo.py [--bits 4] [--bucket-size 128] [--mib 16] [--stochastic]
 

@@ -1,4 +1,6 @@
-"""A data-parallel training step with compressed_pmean next to pmean.
+"""A data-parallel training step with compressed_pmean next to pmean
+=================================================================
+
 
     python examples/quickstart.py [--bits 4] [--bucket-size 128] [--steps 20] [--devices 8]
     python -m jax_cgx.launch -n 2 --devices-per-process 4 examples/quickstart.py

@@ -1,5 +1,8 @@
-"""A jax_cgx job on Ray: one actor per process, each starting jax's runtime with
-``jax_cgx.distributed.initialize`` on the coordinator actor 0 offers, then running the same function.
+"""A jax_cgx job on Ray
+====================
+
+One actor per process, each starting jax's runtime with ``jax_cgx.distributed.initialize`` on the
+coordinator actor 0 offers, then running the same function.
 
     python examples/ray_job.py [--address auto] [--processes 4] [--cpus-per-process 1] [--gpus-per-process 0]
 

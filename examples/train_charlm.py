@@ -1,4 +1,6 @@
-"""Data-parallel training of a small character-level transformer, with a compressed gradient mean.
+"""Data-parallel training of a small character-level transformer, with a compressed gradient mean
+==============================================================================================
+
 
     python examples/train_charlm.py                                   # uncompressed (pmean)
     python examples/train_charlm.py --compressor maxmin --bits 4

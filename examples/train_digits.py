@@ -1,4 +1,6 @@
-"""Data-parallel training of an MLP on scikit-learn's digits, with a compressed gradient mean.
+"""Data-parallel training of an MLP on scikit-learn's digits, with a compressed gradient mean
+==========================================================================================
+
 
     python examples/train_digits.py                                   # uncompressed (pmean)
     python examples/train_digits.py --compressor maxmin --bits 4      # 4-bit max-min quantization

@@ -1,4 +1,6 @@
-"""A Flax NNX model on scikit-learn's digits, its gradients averaged by jax_cgx, two ways.
+"""A Flax NNX model on scikit-learn's digits, its gradients averaged by jax_cgx, two ways
+======================================================================================
+
 
     pip install -e ".[flax]"
     python examples/train_flax.py                                   # a plain jax.jit step, 4-bit mean

@@ -1,4 +1,6 @@
-"""A Flax NNX CNN with BatchNorm and Dropout, data-parallel with jax_cgx, on scikit-learn's digits.
+"""A Flax NNX CNN with BatchNorm and Dropout, data-parallel with jax_cgx, on scikit-learn's digits
+===============================================================================================
+
 
     pip install -e ".[flax]"
     python examples/train_flax_cnn.py                       # 4-bit gradients, BatchNorm per device

@@ -1,5 +1,8 @@
-"""The char transformer of train_charlm.py, trained ZeRO-style: the optimizer's state sharded over the
-devices, the gradients reduce-scattered and the parameters all-gathered, both compressed.
+"""The char transformer of train_charlm.py, trained ZeRO-style
+===========================================================
+
+The optimizer's state sharded over the devices, the gradients reduce-scattered and the parameters
+all-gathered, both compressed.
 
     python examples/train_sharded.py                                  # 4-bit gradients, 8-bit parameters
     python examples/train_sharded.py --grad-bits 32 --param-bits 32   # sharded, exact
