@@ -71,6 +71,11 @@ def reduce_in_backward(tree, axis_name, config: ConfigSpec = None, *, key: jax.A
     Returns:
       ``tree`` unchanged (typed as varying over ``axis_name`` under ``check_vma``).
 
+    Raises:
+      ValueError: an unknown ``impl``; in the backward pass, what :func:`compressed_pmean` raises.
+      NameError: an axis of ``axis_name`` that is not bound (outside ``shard_map``/``pmap``).
+      TypeError: ``key`` that is not one PRNG key.
+
     Examples:
       >>> from jax.sharding import NamedSharding, PartitionSpec as P
       >>> mesh = jax.make_mesh((8,), ("data",))

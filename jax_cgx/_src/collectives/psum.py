@@ -105,7 +105,11 @@ def compressed_psum(
         with respect to replicated parameters, which JAX has already summed): the message
         names the fix, ``jax.lax.pcast(params, axis_name, to="varying")`` before
         differentiating. Leaves reduced exactly are ``lax.psum``'s, which sums such a value
-        ``W`` times.
+        ``W`` times. Also for ``return_residual`` not a bool, an unknown ``impl``, a stochastic
+        config without ``key``, or more fusion buffers than ``MAX_FUSION_BUFFERS`` (1024).
+      NameError: an axis of ``axis_name`` that is not bound (outside ``shard_map``/``pmap``).
+      TypeError: ``key`` that is not one PRNG key.
+      NotImplementedError: a compressed leaf reduced over a ``vmap``'s axis.
 
     Examples:
       >>> from jax.sharding import NamedSharding, PartitionSpec as P
@@ -391,6 +395,13 @@ def compressed_pmean(
     Returns:
       A pytree like ``x``: the mean, bitwise identical on every rank; with ``return_residual=True``,
       ``(mean, residual)`` as above.
+
+    Raises:
+      ValueError: as :func:`compressed_psum` raises (a compressed leaf typed invariant over
+        ``axis_name``, a bad argument).
+      NameError: an axis of ``axis_name`` that is not bound (outside ``shard_map``/``pmap``).
+      TypeError: ``key`` that is not one PRNG key.
+      NotImplementedError: a compressed leaf reduced over a ``vmap``'s axis.
 
     Examples:
       >>> from jax.sharding import NamedSharding, PartitionSpec as P

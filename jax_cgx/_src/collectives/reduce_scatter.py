@@ -114,7 +114,12 @@ def compressed_psum_scatter(x, axis_name, config: ConfigSpec = None, *, scatter_
 
     Raises:
       ValueError: under ``shard_map(check_vma=True)``, for a leaf that would be compressed but
-        is typed invariant over ``axis_name``, as :func:`~jax_cgx.compressed_psum` does.
+        is typed invariant over ``axis_name``, as :func:`~jax_cgx.compressed_psum` does. Also for
+        ``tiled`` or ``return_residual`` not a bool, an unknown ``impl``, ``scatter_dimension`` out of
+        range for a leaf, a leaf whose ``scatter_dimension`` is not the number of ranks
+        (``tiled=False``) or a multiple of it (``tiled=True``), or a stochastic config without ``key``.
+      NameError: an axis of ``axis_name`` that is not bound (outside ``shard_map``/``pmap``).
+      TypeError: ``key`` that is not one PRNG key.
 
     Examples:
       >>> from jax.sharding import NamedSharding, PartitionSpec as P

@@ -164,6 +164,15 @@ def data_parallel_value_and_grad(fun: Callable[..., Any], *, mesh=None, axis_nam
       ``fun(params, *batch, **kwargs)``, replicated (the same on every device, not split; the
       ``device_keys`` folded per device) and not differentiated.
 
+    Raises:
+      TypeError: ``fun`` not callable; ``device_keys`` or ``shared_keys`` not names (strings).
+      ValueError: ``has_aux``, ``weighted``, ``in_backward`` or ``allow_int`` not a bool; ``aux``
+        holding something other than the modes above; a name in both ``device_keys`` and
+        ``shared_keys``; ``bucket_mb`` not a positive number; ``axis_name`` empty or not axis names,
+        or not an axis of ``mesh``. ``grad_fn`` raises too, naming the argument, for what is
+        refused above (a badly placed or split batch, an integer parameter without ``allow_int``, a
+        stray PRNG key, no mesh).
+
     Examples:
       >>> from jax.sharding import NamedSharding, PartitionSpec as P
       >>> mesh = jax.make_mesh((8,), ("data",))
