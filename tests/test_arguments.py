@@ -1,11 +1,11 @@
 """Arguments of the public functions: booleans are real booleans (one shared check,
 jax_cgx/_src/arguments.py), and jax_cgx.optax.sharded checks what it is given when it is built."""
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from meshes import device_mesh
 
 import jax_cgx
 import jax_cgx.optax as cgx_optax
@@ -16,10 +16,6 @@ NOT_BOOLS = ["False", "True", 0, 1, None, "no"]
 X = {"w": jnp.ones((8,), jnp.float32)}
 
 
-def _mesh():
-    return jax.make_mesh((1,), ("data",), devices=jax.devices()[:1])
-
-
 CALLS = {
     "compressed_psum(return_residual)": lambda v: jax_cgx.compressed_psum(X, "data", return_residual=v),
     "compressed_pmean(return_residual)": lambda v: jax_cgx.compressed_pmean(X, "data", return_residual=v),
@@ -28,7 +24,7 @@ CALLS = {
     "compressed_psum_scatter(tiled)": lambda v: jax_cgx.compressed_psum_scatter(X, "data", tiled=v),
     "compressed_all_gather(tiled)": lambda v: jax_cgx.compressed_all_gather(X, "data", tiled=v),
     "data_parallel_value_and_grad(has_aux)":
-        lambda v: jax_cgx.data_parallel_value_and_grad(lambda p: 0.0, mesh=_mesh(), has_aux=v),
+        lambda v: jax_cgx.data_parallel_value_and_grad(lambda p: 0.0, mesh=device_mesh((1,), ("data",)), has_aux=v),
     "dequantize_sum_requantize(stochastic)": lambda v: jax_cgx.dequantize_sum_requantize(None, stochastic=v),
     "nccl.teardown(abort)": lambda v: jax_cgx.nccl.teardown(abort=v),
     "distributed.initialize(one_gpu_per_process)":
@@ -61,7 +57,7 @@ def test_one_boolean_check():
 def test_data_parallel_needs_an_axis():
     # axis_name=() failed with an IndexError.
     with pytest.raises(ValueError, match="data_parallel_value_and_grad: axis_name must name at least one mapped axis"):
-        jax_cgx.data_parallel_value_and_grad(lambda p: 0.0, mesh=_mesh(), axis_name=())
+        jax_cgx.data_parallel_value_and_grad(lambda p: 0.0, mesh=device_mesh((1,), ("data",)), axis_name=())
 
 
 @pytest.mark.parametrize("axis_name", [(), [], None, ("data", None), (("data",),)], ids=repr)

@@ -11,14 +11,11 @@ from bitwise import assert_same_bits
 from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from meshes import device_mesh
 
 import jax_cgx
 
 CONFIG = jax_cgx.CompressionConfig(bits=4, bucket_size=64, min_size=16)
-
-
-def _mesh():
-    return jax.make_mesh((1,), ("data",), devices=jax.devices()[:1])
 
 
 def _x():
@@ -36,7 +33,7 @@ def _x():
      lambda v: lax.all_gather(v, "data", tiled=True), P("data")),
 ])
 def test_every_collective_is_lax_on_one_device(name, ours, theirs, out):
-    mesh = _mesh()
+    mesh = device_mesh((1,), ("data",))
     x = jax.device_put(_x(), NamedSharding(mesh, P("data")))
     run = lambda f: jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P("data"), out_specs=out))(x)  # noqa: E731
     assert_same_bits(np.asarray(run(ours)), np.asarray(run(theirs)), name)
@@ -44,7 +41,7 @@ def test_every_collective_is_lax_on_one_device(name, ours, theirs, out):
 
 @pytest.mark.parametrize("in_backward", [True, False], ids=["in_backward", "after"])
 def test_the_jit_helper_is_value_and_grad_on_one_device(in_backward):
-    mesh = _mesh()
+    mesh = device_mesh((1,), ("data",))
     loss = lambda w, x: jnp.mean(jnp.tanh(x @ w) ** 2)  # noqa: E731
     w = jnp.asarray(np.random.default_rng(1).standard_normal((16, 64)).astype(np.float32))
     x = jnp.asarray(np.random.default_rng(2).standard_normal((8, 16)).astype(np.float32))
@@ -63,7 +60,7 @@ def test_the_jit_helper_is_value_and_grad_on_one_device(in_backward):
     (lambda: jax_cgx.optax.powersgd_mean("data", rank=2), "finite"),  # a rank-2 approximation
 ], ids=["compressed_mean", "cast_mean", "topk_mean", "powersgd_mean"])
 def test_optax_transformations_on_one_device(make, exact):
-    mesh = _mesh()
+    mesh = device_mesh((1,), ("data",))
     tx = make()
     params = {"w": jnp.asarray(np.random.default_rng(3).standard_normal((32, 64)).astype(np.float32))}
     grads = {"w": jnp.asarray(np.random.default_rng(4).standard_normal((32, 64)).astype(np.float32))}
@@ -84,7 +81,7 @@ def test_optax_transformations_on_one_device(make, exact):
 
 
 def test_the_sharded_optimizer_on_one_device():
-    mesh = _mesh()
+    mesh = device_mesh((1,), ("data",))
     opt = jax_cgx.optax.sharded(optax.sgd(0.1), "data", grad_config=CONFIG)
     params = {"w": jnp.asarray(np.random.default_rng(5).standard_normal((32, 64)).astype(np.float32))}
     grads = {"w": jnp.ones((32, 64), jnp.float32)}

@@ -20,6 +20,7 @@ from allreduce_cases import (
 )
 from bitwise import assert_same_bits
 from jax.sharding import PartitionSpec as P
+from meshes import device_mesh
 
 import jax_cgx
 from jax_cgx import CompressionConfig
@@ -268,13 +269,9 @@ def test_scan_and_cond():
 # ------------------------------------------------------------- 2-D meshes
 
 
-def _mesh_2d():
-    return jax.make_mesh((4, 2), ("data", "model"), axis_types=(jax.sharding.AxisType.Explicit,) * 2)
-
-
 @pytest.mark.parametrize("axes", ["data", ("data", "model"), ("model", "data")])
 def test_2d_mesh_one_axis_and_both(axes):
-    mesh = _mesh_2d()
+    mesh = device_mesh((4, 2), ("data", "model"))
     xs = jax.random.normal(jax.random.key(2), (4, 2, 1000))
     config = CompressionConfig(bits=4, bucket_size=64, min_size=16)
     f = jax.jit(

@@ -15,6 +15,7 @@ from allreduce_cases import sra_bound
 from bitwise import assert_same_bits
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
+from meshes import device_mesh
 
 import jax_cgx
 from jax_cgx._src.data_parallel import buckets
@@ -22,10 +23,6 @@ from jax_cgx._src.data_parallel import buckets
 W = 8
 ROWS = 4 * W  # rows of the global batch
 FOUR_BITS = jax_cgx.CompressionConfig(bits=4, bucket_size=64, min_size=16)
-
-
-def _mesh(axis_type=AxisType.Auto):
-    return jax.make_mesh((W,), ("data",), axis_types=(axis_type,), devices=jax.devices()[:W])
 
 
 def _loss(params, x, y):
@@ -64,7 +61,7 @@ def _assert_replicated(tree):
 
 @pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit], ids=["auto", "explicit"])
 def test_bits32_is_value_and_grad_of_the_whole_batch(axis_type):
-    mesh = _mesh(axis_type)
+    mesh = device_mesh((W,), ("data",), axis_type)
     params, x, y = _placed(mesh, *_problem())
     grad_fn = jax_cgx.data_parallel_value_and_grad(_loss, mesh=mesh, config=jax_cgx.CompressionConfig(bits=32))
     loss, grads = jax.jit(grad_fn)(params, x, y)
@@ -81,7 +78,7 @@ def test_compressed_is_the_shard_map_recipe_bitwise(axis_type, bucket_mb):
     # The helper is the README's recipe written once: pcast, value_and_grad, then compressed_pmean of
     # the whole tree (in_backward=False) or of each bucket (in backward, the default), with the
     # bucket's key fold_in(key, b). 0.001 MiB: w1 (4096 bytes) alone, then b1 and w2 (1280 bytes).
-    mesh = _mesh(axis_type)
+    mesh = device_mesh((W,), ("data",), axis_type)
     params, x, y = _placed(mesh, *_problem())
     key = jax.random.key(3)
     config = FOUR_BITS.replace(stochastic=True)
@@ -131,14 +128,14 @@ def test_buckets_take_leaves_last_first():
 
 
 def test_bucket_mb_is_checked():
-    mesh = _mesh()
+    mesh = device_mesh((W,), ("data",), AxisType.Auto)
     for bad in (0, -1.0, float("nan"), float("inf"), True, "4"):
         with pytest.raises(ValueError, match="bucket_mb must be a positive number of MiB"):
             jax_cgx.data_parallel_value_and_grad(_loss, mesh=mesh, bucket_mb=bad)
 
 
 def test_compressed_gradient_within_the_bound():
-    mesh = _mesh()
+    mesh = device_mesh((W,), ("data",), AxisType.Auto)
     params, x, y = _problem()
     only_w1 = {"w1": FOUR_BITS, "b1": None, "w2": None}  # per-leaf configs: b1, w2 exact
     grad_fn = jax_cgx.data_parallel_value_and_grad(_loss, mesh=mesh, config=only_w1)
@@ -154,7 +151,7 @@ def test_compressed_gradient_within_the_bound():
 
 
 def test_aux_is_averaged_like_the_loss():
-    mesh = _mesh()
+    mesh = device_mesh((W,), ("data",), AxisType.Auto)
     params, x, y = _problem()
 
     def loss_with_aux(params, x, y):
@@ -171,7 +168,7 @@ def test_aux_is_averaged_like_the_loss():
 
 def test_keyword_arguments_reach_fun_whole_and_undifferentiated():
     # On an Explicit mesh, where shard_map cannot close over a placed array: replicated, not split.
-    mesh = _mesh(AxisType.Explicit)
+    mesh = device_mesh((W,), ("data",), AxisType.Explicit)
     placed = _placed(mesh, *_problem())
     rep = NamedSharding(mesh, P())
 
@@ -188,7 +185,7 @@ def test_keyword_arguments_reach_fun_whole_and_undifferentiated():
 
 
 def test_pytree_batch_and_errors():
-    mesh = _mesh()
+    mesh = device_mesh((W,), ("data",), AxisType.Auto)
     params, x, y = _problem()
     grad_fn = jax_cgx.data_parallel_value_and_grad(lambda p, batch: _loss(p, batch["x"], batch["y"]), mesh=mesh,
                                                    config=jax_cgx.CompressionConfig(bits=32))
@@ -208,7 +205,7 @@ def test_pytree_batch_and_errors():
 
 def test_an_empty_batch_is_refused_by_name():
     # Before: NaN silently (or an error from inside XLA's partitioner).
-    mesh = _mesh()
+    mesh = device_mesh((W,), ("data",), AxisType.Auto)
     params, x, y = _problem()
     grad_fn = jax_cgx.data_parallel_value_and_grad(_loss, mesh=mesh)
     with pytest.raises(ValueError, match=r"batch argument 0 \(`x`\) has no rows: .* Skip empty batches"):
@@ -217,7 +214,7 @@ def test_an_empty_batch_is_refused_by_name():
 
 @pytest.mark.parametrize("in_backward", [True, False])
 def test_integer_parameters_need_allow_int_and_get_float0(in_backward):
-    mesh = _mesh()
+    mesh = device_mesh((W,), ("data",), AxisType.Auto)
     params, x, y = _problem()
     with_int = dict(params, steps=np.int32(3))
 
@@ -263,7 +260,7 @@ def test_explicit_mesh_errors_name_the_argument_and_the_fix(jit):
         call(split_w1, placed_x, placed_y)
     # The fix as the message writes it, and the same call on an Auto mesh, give the same bits.
     fixed = call(placed_params, jax.device_put(x, NamedSharding(mesh, P("data"))), placed_y)
-    auto = _mesh(AxisType.Auto)
+    auto = device_mesh((W,), ("data",), AxisType.Auto)
     grad_auto = jax_cgx.data_parallel_value_and_grad(_loss, mesh=auto, config=FOUR_BITS)
     want = (jax.jit(grad_auto) if jit else grad_auto)(params, x, y)
     for got, ref in zip(jax.tree.leaves(fixed), jax.tree.leaves(want)):
@@ -286,7 +283,7 @@ def test_flax_linen_and_equinox_parameters():
     eqx = pytest.importorskip("equinox")
     import optax
 
-    mesh = _mesh()
+    mesh = device_mesh((W,), ("data",), AxisType.Auto)
     _, x, y = _problem()
     labels = (np.abs(y[:, 0]) * 3).astype(np.int32) % 4
     exact = jax_cgx.CompressionConfig(bits=32)
@@ -336,7 +333,7 @@ def test_other_mesh_axes_stay_with_the_partitioner(axis_type):
 # --- what a transformer's step returns and takes (issue 47) ---------------------------------------
 
 def test_the_mesh_comes_from_the_context():
-    mesh = _mesh(AxisType.Explicit)
+    mesh = device_mesh((W,), ("data",), AxisType.Explicit)
     params, x, y = _placed(mesh, *_problem())
     grad_fn = jax_cgx.data_parallel_value_and_grad(_loss, config=jax_cgx.CompressionConfig(bits=32))
     with pytest.raises(ValueError, match=r"no mesh: pass mesh=, or call grad_fn inside `with jax.set_mesh\(mesh\):`"):
@@ -361,7 +358,7 @@ def _logits_loss(params, x, y):
 
 @pytest.mark.parametrize("mode", ["mean", "sum", "batch", "per_device"])
 def test_aux_modes(mode, caplog):
-    mesh = _mesh()
+    mesh = device_mesh((W,), ("data",), AxisType.Auto)
     params, x, y = _problem()
     grad_fn = jax_cgx.data_parallel_value_and_grad(_logits_loss, mesh=mesh, has_aux=True, aux=mode,
                                                    config=jax_cgx.CompressionConfig(bits=32))
@@ -400,7 +397,7 @@ def _weighted_loss(params, x, y, weights):
 def test_a_weighted_loss_is_the_unsharded_weighted_mean(in_backward):
     # Each device holds a different number of real (weight 1) rows: the mean of the devices' means
     # is not the batch's weighted mean; weighted=True gives the latter, as one unsharded step would.
-    mesh = _mesh()
+    mesh = device_mesh((W,), ("data",), AxisType.Auto)
     params, x, y = _problem()
     per_device = ROWS // W
     real = np.arange(W) % per_device + 1  # device d holds d % 4 + 1 real rows, the rest padding
@@ -427,7 +424,7 @@ def _dropout_loss(params, x, y, *, rng):
 
 
 def test_device_keys_draw_a_mask_per_device_and_undeclared_keys_are_refused():
-    mesh = _mesh()
+    mesh = device_mesh((W,), ("data",), AxisType.Auto)
     params, x, y = _problem()
     key = jax.random.key(5)
     exact = jax_cgx.CompressionConfig(bits=32)
@@ -467,7 +464,8 @@ def test_a_module_level_per_row_array_is_refused_by_name():
     assert ROWS == len(_MODULE_POSITIONS)
     with pytest.raises(ValueError, match=r"fun reads the module-level `_MODULE_POSITIONS` \(float32\[32, 1\]\), "
                                          r"whose leading dimension is the batch's 32 rows"):
-        jax_cgx.data_parallel_value_and_grad(_loss_reading_a_module_level_array, mesh=_mesh())(*_problem())
+        jax_cgx.data_parallel_value_and_grad(_loss_reading_a_module_level_array,
+                                             mesh=device_mesh((W,), ("data",), AxisType.Auto))(*_problem())
 
 
 def test_a_loss_closing_over_a_module_runs():
@@ -478,12 +476,13 @@ def test_a_loss_closing_over_a_module_runs():
     def loss_fn(p, x, y):
         return local_jnp.mean((local_jnp.tanh(x @ p["w1"]) @ p["w2"] - y) ** 2)
 
-    loss, _ = jax_cgx.data_parallel_value_and_grad(loss_fn, mesh=_mesh())(*_problem())
+    mesh = device_mesh((W,), ("data",), AxisType.Auto)
+    loss, _ = jax_cgx.data_parallel_value_and_grad(loss_fn, mesh=mesh)(*_problem())
     assert np.isfinite(float(loss))
 
 
 def test_a_closed_over_per_row_array_is_refused_by_name():
-    mesh = _mesh()
+    mesh = device_mesh((W,), ("data",), AxisType.Auto)
     params, x, y = _problem()
     positions = np.arange(ROWS, dtype=np.float32)[:, None]
 

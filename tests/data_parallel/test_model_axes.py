@@ -20,6 +20,7 @@ from hlo import collectives, float_all_gathers
 from jax import lax
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
+from meshes import device_mesh
 from model_axes_cases import assert_within_bound_per_shard
 
 import jax_cgx
@@ -49,10 +50,6 @@ def _loss(params, x, y, *, explicit=False):
     return jnp.mean((out - y) ** 2)
 
 
-def _mesh(shape, names, axis_type):
-    return jax.make_mesh(shape, names, axis_types=(axis_type,) * len(names), devices=jax.devices()[:8])
-
-
 def _placed(mesh, specs, params, x, y, batch_spec=P("data")):
     params = {k: jax.device_put(v, NamedSharding(mesh, specs[k])) for k, v in params.items()}
     x, y = (jax.device_put(a, NamedSharding(mesh, batch_spec)) for a in (x, y))
@@ -72,7 +69,7 @@ def _compiled(fn, *args):
 @pytest.mark.parametrize("in_backward", [True, False], ids=["in_backward", "after"])
 @pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit], ids=["auto", "explicit"])
 def test_2d_gradients_keep_their_sharding_exact_and_within_the_bound(axis_type, in_backward):
-    mesh = _mesh((4, 2), ("data", "model"), axis_type)
+    mesh = device_mesh((4, 2), ("data", "model"), axis_type)
     explicit = axis_type == AxisType.Explicit
     params, x, y = _problem()
     placed = _placed(mesh, SPECS_2D, params, x, y)
@@ -102,7 +99,7 @@ def test_2d_gradients_keep_their_sharding_exact_and_within_the_bound(axis_type, 
 
 @pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit], ids=["auto", "explicit"])
 def test_3d_fsdp_and_tensor_axes_the_fsdp_reduction_stays_xlas(axis_type):
-    mesh = _mesh((2, 2, 2), ("data", "fsdp", "tensor"), axis_type)
+    mesh = device_mesh((2, 2, 2), ("data", "fsdp", "tensor"), axis_type)
     explicit = axis_type == AxisType.Explicit
     params, x, y = _problem(1)
     placed = _placed(mesh, SPECS_3D, params, x, y, batch_spec=P(("data", "fsdp")))
@@ -137,7 +134,7 @@ def test_3d_fsdp_and_tensor_axes_the_fsdp_reduction_stays_xlas(axis_type):
 
 
 def test_unknown_sharding_under_jit_is_reduced_whole_and_said(caplog):
-    mesh = _mesh((4, 2), ("data", "model"), AxisType.Auto)
+    mesh = device_mesh((4, 2), ("data", "model"), AxisType.Auto)
     params, x, y = _problem()
     placed = _placed(mesh, SPECS_2D, params, x, y)
     grad_fn = jax_cgx.data_parallel_value_and_grad(_loss, mesh=mesh, config=CONFIG)
@@ -161,7 +158,7 @@ def test_unknown_sharding_under_jit_is_reduced_whole_and_said(caplog):
 
 
 def test_specs_that_cannot_work_are_refused_by_name():
-    mesh = _mesh((4, 2), ("data", "model"), AxisType.Auto)
+    mesh = device_mesh((4, 2), ("data", "model"), AxisType.Auto)
     params, x, y = _problem()
     placed = _placed(mesh, {k: P() for k in params}, params, x, y)
 
@@ -188,7 +185,7 @@ def test_specs_that_cannot_work_are_refused_by_name():
 def test_compressed_pmean_in_a_shard_map_over_data_alone():
     # The collective itself, written by hand inside a shard_map that leaves "model" to XLA:
     # the specs keep each leaf's sharding; without them (Auto) the leaf is reduced whole.
-    mesh = _mesh((4, 2), ("data", "model"), AxisType.Auto)
+    mesh = device_mesh((4, 2), ("data", "model"), AxisType.Auto)
     params, x, y = _problem()
     placed = _placed(mesh, SPECS_2D, params, x, y)
 
@@ -243,7 +240,7 @@ def test_explain_prices_each_devices_shard_and_names_the_axes():
     params = {"b1": jnp.zeros(4096), "s": jnp.zeros((64, 64)), "w1": jnp.zeros((512, 2048))}
     specs = {"b1": P("model"), "s": P(), "w1": P(None, "model")}
     config = jax_cgx.CompressionConfig(bits=4, fusion_buffer_mb=4, min_size=16)
-    mesh = _mesh((4, 2), ("data", "model"), AxisType.Auto)
+    mesh = device_mesh((4, 2), ("data", "model"), AxisType.Auto)
     outside = jax_cgx.explain(params, world=4, config=config, specs=specs, mesh=mesh, file=None)
 
     def inside(p):

@@ -15,6 +15,7 @@ import pytest
 from allreduce_cases import sra_bound
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from meshes import device_mesh
 from model_axes_cases import assert_within_bound_per_shard
 
 import jax_cgx
@@ -170,12 +171,8 @@ GROUPS = 2  # the data axis: fsdp splits each data group's 8 rows further, exact
 LOSS_3D = functools.partial(loss_fn, one_hot=True)
 
 
-def _mesh_3d():
-    return jax.make_mesh((GROUPS, 2, 2), ("data", "fsdp", "tensor"), axis_types=(jax.sharding.AxisType.Auto,) * 3)
-
-
 def test_fsdp_and_tensor_axes_float32_equals_the_unsharded_step():
-    mesh = _mesh_3d()
+    mesh = device_mesh((GROUPS, 2, 2), ("data", "fsdp", "tensor"), jax.sharding.AxisType.Auto)
     params = {k: jax.device_put(v, NamedSharding(mesh, SPECS_3D[k])) for k, v in _init(jax.random.key(2)).items()}
     step, optimizer = _step_fn(jax_cgx.CompressionConfig(bits=32), param_specs=SPECS_3D, loss=LOSS_3D)
     batch, key = _batch(3), jax.random.key(103)
@@ -192,7 +189,7 @@ def test_fsdp_and_tensor_axes_float32_equals_the_unsharded_step():
 
 @pytest.mark.parametrize("leaf", ["up", "embed"])
 def test_fsdp_and_tensor_axes_8_bits_within_the_bound_per_shard(leaf):
-    mesh = _mesh_3d()
+    mesh = device_mesh((GROUPS, 2, 2), ("data", "fsdp", "tensor"), jax.sharding.AxisType.Auto)
     params = _init(jax.random.key(4))
     placed = {k: jax.device_put(v, NamedSharding(mesh, SPECS_3D[k])) for k, v in params.items()}
     config = jax_cgx.CompressionConfig(bits=8, bucket_size=128, min_size=16)

@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 from allreduce_cases import (
     mesh_1d,
-    mesh_2d,
     per_device,
     psum_1d,
     psum_1d_jit,
@@ -19,6 +18,7 @@ from allreduce_cases import (
 )
 from bitwise import assert_same_bits
 from jax.sharding import PartitionSpec as P
+from meshes import device_mesh
 
 import jax_cgx
 from jax_cgx import CompressionConfig
@@ -47,16 +47,12 @@ def grid(shape, n, seed=0, dtype=jnp.float32):
     return np.asarray((x * jnp.logspace(-2, 1, n)).astype(dtype))
 
 
-def make_mesh(shape, names):
-    return mesh_1d() if names == ("d",) else mesh_2d(shape, names)
-
-
 def check_against_oracle(case, n, config, seed=0, dtype=jnp.float32):
     """Replicas of each group bitwise equal, equal to simulate_ring, and within the bound."""
     shape, names, axes = MESHES[case]
     xs = grid(shape, n, seed, dtype)
     key = KEY if config.stochastic else None
-    out = psum_grid(xs, make_mesh(shape, names), axes, config, key)
+    out = psum_grid(xs, device_mesh(shape, names), axes, config, key)
     groups_in, groups_out = reduction_groups(xs, names, axes), reduction_groups(out, names, axes)
     for g, (x_g, out_g) in enumerate(zip(groups_in, groups_out, strict=True)):
         for r in range(1, out_g.shape[0]):

@@ -10,16 +10,13 @@ import pytest
 from bitwise import assert_same_bits
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
+from meshes import device_mesh
 
 import jax_cgx
 from jax_cgx.optax import resize_state, sharded, state_specs, topk_mean
 
 W = 8
 CONFIG = jax_cgx.CompressionConfig(bits=4, bucket_size=64, min_size=16)
-
-
-def _mesh(axis_type=AxisType.Auto, n=W):
-    return jax.make_mesh((n,), ("data",), axis_types=(axis_type,), devices=jax.devices()[:n])
 
 
 def _params():
@@ -32,7 +29,7 @@ def _grads(params, seed):
 
 
 def test_topk_state_of_empty_and_scalar_leaves_saves_and_steps(tmp_path):
-    mesh = _mesh()
+    mesh = device_mesh((W,), ("data",), AxisType.Auto)
     params = _params()
     tx = optax.chain(topk_mean("data", 0.1, min_size=1), optax.sgd(0.1))
     specs = state_specs(jax.eval_shape(tx.init, params), "data")
@@ -51,7 +48,7 @@ def test_topk_state_of_empty_and_scalar_leaves_saves_and_steps(tmp_path):
 
 @pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit], ids=["auto", "explicit"])
 def test_sharded_optimizer_with_empty_and_scalar_parameters(axis_type, tmp_path):
-    mesh = _mesh(axis_type)
+    mesh = device_mesh((W,), ("data",), axis_type)
     params = jax.device_put(_params(), NamedSharding(mesh, P()))
     opt = sharded(optax.adam(1e-2), "data", grad_config=CONFIG, error_feedback=True)
     specs = opt.state_specs(params, mesh)
@@ -81,7 +78,7 @@ def test_sharded_optimizer_with_empty_and_scalar_parameters(axis_type, tmp_path)
 
 
 def test_compressed_psum_scatter_of_an_empty_leaf():
-    mesh = _mesh()
+    mesh = device_mesh((W,), ("data",), AxisType.Auto)
 
     def body(v):
         x = {"e": jnp.zeros((0, 4)), "w": v[0]}

@@ -26,6 +26,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
 import train_flax  # noqa: E402
 import train_flax_cnn  # noqa: E402
 from flax import nnx  # noqa: E402
+from meshes import device_mesh
 
 COMMON = ["--devices", "8", "--steps", "30", "--batch", "128", "--log-every", "0"]
 
@@ -67,11 +68,6 @@ def digits():
     return x[:ROWS].reshape(ROWS, 8, 8), y[:ROWS]
 
 
-def _mesh():
-    return jax.make_mesh((W,), (train_flax_cnn.AXIS,), axis_types=(jax.sharding.AxisType.Explicit,),
-                         devices=jax.devices()[:W])
-
-
 def _split(dropout, sync):
     model = train_flax_cnn.CNN(dropout=dropout, sync_batch_stats=sync, rngs=nnx.Rngs(0))
     return nnx.split(model, nnx.Param, nnx.BatchStat)
@@ -79,7 +75,7 @@ def _split(dropout, sync):
 
 def _data_parallel(graphdef, bits):
     """The recipe's gradient, jitted: ``f(params, batch_stats, x, y, key) -> ((loss, aux), grads)``."""
-    mesh = _mesh()
+    mesh = device_mesh((W,), (train_flax_cnn.AXIS,))
     grad_fn = jax_cgx.data_parallel_value_and_grad(
         train_flax_cnn.make_loss_fn(graphdef), mesh=mesh, axis_name=train_flax_cnn.AXIS,
         config=train_flax_cnn.compression(bits, 128), has_aux=True, aux=("mean", "batch"),

@@ -12,6 +12,7 @@ from bitwise import assert_same_bits
 from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from meshes import device_mesh
 
 import jax_cgx
 from jax_cgx.optax import compressed_mean, resize_state, shard_shapes, state_specs, topk_mean
@@ -42,10 +43,6 @@ def _local_loss(params, x, y):
     """The same loss on a device's shards: the hidden units split over "model" (Megatron's MLP)."""
     h = jnp.tanh(x @ params["w1"] + params["b1"])
     return jnp.mean((lax.psum(h @ params["w2"], "model") @ params["s"] - y) ** 2)
-
-
-def _mesh(data=4):
-    return jax.make_mesh((data, 2), ("data", "model"), devices=jax.devices()[:2 * data])
 
 
 def _run(tx, mesh, params, x, y, steps):
@@ -85,7 +82,7 @@ def _assert_placed_alike(got, mesh):
 
 def test_compressed_mean_with_error_feedback_on_model_sharded_leaves():
     params, x, y = _problem()
-    mesh, lr = _mesh(), 0.1
+    mesh, lr = device_mesh((4, 2), ("data", "model")), 0.1
     make = lambda c: optax.chain(compressed_mean("data", c, layer_min_size=16, error_feedback=True),  # noqa: E731
                                  optax.sgd(lr))
     ref = _sgd_reference(params, x, y, lr, 3)
@@ -105,7 +102,7 @@ def test_compressed_mean_with_error_feedback_on_model_sharded_leaves():
 
 def test_topk_mean_on_model_sharded_leaves():
     params, x, y = _problem()
-    mesh, lr = _mesh(), 0.1
+    mesh, lr = device_mesh((4, 2), ("data", "model")), 0.1
     make = lambda ratio: optax.chain(topk_mean("data", ratio, momentum=0.0, min_size=16), optax.sgd(lr))  # noqa: E731
     exact, _, _ = _run(make(1.0), mesh, params, x, y, 2)
     ref = _sgd_reference(params, x, y, lr, 2)
@@ -134,7 +131,7 @@ def test_state_specs_follow_the_parameters():
 def test_orbax_round_trip_and_resize_over_data(tmp_path):
     params, x, y = _problem(1)
     tx = optax.chain(compressed_mean("data", CONFIG, layer_min_size=16, error_feedback=True), optax.adam(1e-2))
-    _, state, specs = _run(tx, _mesh(4), params, x, y, 2)
+    _, state, specs = _run(tx, device_mesh((4, 2), ("data", "model")), params, x, y, 2)
     path = tmp_path / "state"
     with ocp.StandardCheckpointer() as checkpointer:
         checkpointer.save(path, state)
@@ -150,7 +147,7 @@ def test_orbax_round_trip_and_resize_over_data(tmp_path):
     np.testing.assert_allclose(new[0], old.mean(0), rtol=1e-6, atol=1e-7)
     np.testing.assert_array_equal(new[0], new[1])
     # The resized state runs on the smaller mesh with the same specs.
-    mesh2 = _mesh(2)
+    mesh2 = device_mesh((2, 2), ("data", "model"))
     placed = {k: jax.device_put(v, NamedSharding(mesh2, SPECS[k])) for k, v in params.items()}
     small = jax.tree.map(lambda a, s: jax.device_put(a, NamedSharding(mesh2, s)), small, specs)
     step = jax.jit(jax.shard_map(lambda p, s, x, y: tx.update(jax.grad(_local_loss)(
@@ -183,12 +180,13 @@ def test_sharded_optimizer_over_data_with_parameters_split_over_model(error_feed
     params, x, y = _problem(2)
     lr = 0.1
     ref = _sgd_reference(params, x, y, lr, 2)
-    exact, _, _ = _run_zero(jax_cgx.optax.sharded(optax.sgd(lr), "data"), _mesh(), params, x, y, 2)
+    mesh = device_mesh((4, 2), ("data", "model"))
+    exact, _, _ = _run_zero(jax_cgx.optax.sharded(optax.sgd(lr), "data"), mesh, params, x, y, 2)
     for k in ref:
         np.testing.assert_allclose(exact[k], ref[k], rtol=1e-5, atol=2e-6, err_msg=k)
     opt = jax_cgx.optax.sharded(optax.sgd(lr), "data", grad_config=CONFIG, error_feedback=error_feedback)
-    got, state, specs = _run_zero(opt, _mesh(), params, x, y, 2)
-    _assert_placed_alike(got, mesh=_mesh())
+    got, state, specs = _run_zero(opt, mesh, params, x, y, 2)
+    _assert_placed_alike(got, mesh=mesh)
     for k in ref:
         np.testing.assert_allclose(got[k], ref[k], atol=2e-3, err_msg=k)
     # Each model shard's flat parameter in turn, split over data within it.
@@ -198,7 +196,7 @@ def test_sharded_optimizer_over_data_with_parameters_split_over_model(error_feed
     np.testing.assert_array_equal(w1[1].reshape(16, 32), np.asarray(got["w1"])[:, 32:])
 
     # 4 -> 2 data devices, "model" unchanged: the master shards re-padded exactly, training goes on.
-    mesh2 = _mesh(2)
+    mesh2 = device_mesh((2, 2), ("data", "model"))
     resized = resize_state(state, params, "data", world=2, param_specs=SPECS, mesh=mesh2)
     np.testing.assert_array_equal(np.asarray(resized.master["w1"]).reshape(2, -1)[:, :16 * 32], w1)
     specs2 = opt.state_specs(params, mesh2, param_specs=SPECS)

@@ -10,16 +10,13 @@ import optax
 import pytest
 from bitwise import assert_same_bits
 from jax.sharding import PartitionSpec as P
+from meshes import device_mesh
 
 import jax_cgx
 from jax_cgx.optax import compressed_mean, skip_not_finite, state_specs
 
 W = 8
 CONFIG = jax_cgx.CompressionConfig(bits=4, bucket_size=64, min_size=16)
-
-
-def _mesh():
-    return jax.make_mesh((W,), ("data",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:W])
 
 
 def _grads(step, bad=False):
@@ -35,7 +32,7 @@ def _tx(skip):
 
 
 def _run(tx, batches):
-    mesh = _mesh()
+    mesh = device_mesh((W,), ("data",), jax.sharding.AxisType.Auto)
     params = {"w": jnp.zeros((32, 64), jnp.float32)}
     specs = state_specs(jax.eval_shape(tx.init, params), "data")
     state = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs))(params)
@@ -78,7 +75,7 @@ def test_optax_own_skip_test_disagrees_between_devices():
 
 
 def test_skip_not_finite_counts_every_device_and_checks_its_axis():
-    mesh = _mesh()
+    mesh = device_mesh((W,), ("data",), jax.sharding.AxisType.Auto)
     fn = skip_not_finite("data")
     g = np.ones((W, 4), np.float32)
     g[2, 1], g[5, 0] = np.inf, np.nan

@@ -14,6 +14,7 @@ import pytest
 from bitwise import assert_same_bits
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from meshes import device_mesh
 
 from jax_cgx._src.optax import powersgd
 from jax_cgx._src.optax.powersgd import powersgd_bytes
@@ -21,10 +22,6 @@ from jax_cgx.optax import PowerSGDState, TopKState, powersgd_mean
 
 W = 8
 AUTO = jax.sharding.AxisType.Auto
-
-
-def mesh_1d():
-    return jax.make_mesh((W,), ("d",), axis_types=(AUTO,))
 
 
 SHAPES = {
@@ -52,7 +49,7 @@ def rank_grads(seed, shapes=SHAPES, scale=1.0):
 
 def put(tree, spec, mesh=None):
     """device_put with ``spec`` (zero-size placeholders replicated: where jit puts them)."""
-    mesh = mesh or mesh_1d()
+    mesh = mesh or device_mesh((W,), ("d",), AUTO)
     return jax.tree.map(lambda x: jax.device_put(x, NamedSharding(mesh, spec if x.size else P())), tree)
 
 
@@ -89,7 +86,8 @@ def shard_map_step(tx, check_vma=True, q_per_rank=False, with_pmean=False):
 
     out_specs = (P("d"), spec) + ((P("d"),) if with_pmean else ())
     return jax.jit(
-        jax.shard_map(body, mesh=mesh_1d(), in_specs=(P("d"), spec), out_specs=out_specs, check_vma=check_vma)
+        jax.shard_map(body, mesh=device_mesh((W,), ("d",), AUTO), in_specs=(P("d"), spec), out_specs=out_specs,
+                      check_vma=check_vma)
     )
 
 
@@ -413,7 +411,8 @@ def test_chain_with_adam_check_vma_replicated_out_specs():
         upd, state = tx.update(jax.tree.map(lambda x: x[0], g), state, params)
         return optax.apply_updates(params, upd), state
 
-    step = jax.jit(jax.shard_map(body, mesh=mesh_1d(), in_specs=(P(), P("d"), spec), out_specs=(P(), spec)))
+    step = jax.jit(jax.shard_map(body, mesh=device_mesh((W,), ("d",), AUTO), in_specs=(P(), P("d"), spec),
+                                 out_specs=(P(), spec)))
     state, params = (to_global(state[0]), put(state[1], P())), put(params, P())
     for t in range(3):
         params, state = step(params, rank_grads(80 + t), state)
@@ -440,7 +439,8 @@ def test_composes_with_chain_multisteps_apply_if_finite(mapper):
             u, s = tx.update(jax.tree.map(lambda x: x[0], g), jax.tree.map(lambda x: x[0], s))
             return jax.tree.map(lambda x: x[None], (u, s))
 
-        run = jax.jit(jax.shard_map(body, mesh=mesh_1d(), in_specs=P("d"), out_specs=P("d"), check_vma=False))
+        run = jax.jit(jax.shard_map(body, mesh=device_mesh((W,), ("d",), AUTO), in_specs=P("d"), out_specs=P("d"),
+                                    check_vma=False))
     if mapper == "pmap":
         state = jax.pmap(lambda _: tx.init(params_like(small)))(np.arange(W))
     else:

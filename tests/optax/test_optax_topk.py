@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from allreduce_cases import mesh_1d
 from bitwise import assert_same_bits
 from jax import lax
 from jax.sharding import NamedSharding
@@ -24,10 +25,6 @@ PARAMS = {
 }
 COMPRESSED = ("w", "e")
 LITE = {"w": PARAMS["w"], "b": PARAMS["b"]}  # one leaf of each kind: faster to compile
-
-
-def mesh_1d():
-    return jax.make_mesh((W,), ("d",), axis_types=(jax.sharding.AxisType.Explicit,))
 
 
 def grads(step, params=PARAMS, seed=0, scale=1.0):

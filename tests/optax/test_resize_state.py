@@ -12,15 +12,12 @@ import numpy as np
 import pytest
 from checkpoint_cases import AXIS, CASES, PARAMS, ZERO_CASE, Run
 from jax.sharding import PartitionSpec as P
+from meshes import device_mesh
 
 import jax_cgx.optax as cgx_optax
 
 STEPS = 3
 EPS32 = np.finfo(np.float32).eps
-
-
-def _mesh(n):
-    return jax.make_mesh((n,), (AXIS,), axis_types=(jax.sharding.AxisType.Explicit,), devices=jax.devices()[:n])
 
 
 def _flat(tree):
@@ -34,7 +31,7 @@ def _blocks(leaf, world):
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("before,after", [(8, 4), (4, 8)])
 def test_resize_keeps_what_it_promises(case, before, after, caplog):
-    old = Run(case, _mesh(before)).init()
+    old = Run(case, device_mesh((before,), (AXIS,))).init()
     for t in range(STEPS):
         old.step(t)
     with caplog.at_level(logging.INFO, logger="jax_cgx"):
@@ -42,7 +39,7 @@ def test_resize_keeps_what_it_promises(case, before, after, caplog):
     per_device = P(AXIS) in jax.tree.leaves(old.specs)
     assert (f"{before} -> {after} devices" if per_device else "no per-device leaves") in caplog.text
 
-    new = Run(case, _mesh(after))
+    new = Run(case, device_mesh((after,), (AXIS,)))
     abstract = jax.eval_shape(new._init, new.params)
     # The saved layout's shapes from the new state's, through resize_state (orbax's restore target).
     saved = jax.eval_shape(lambda s: cgx_optax.resize_state(s, PARAMS, AXIS, world=before), abstract)
@@ -82,7 +79,7 @@ def test_resize_keeps_what_it_promises(case, before, after, caplog):
 
 
 def test_the_same_world_keeps_the_state(caplog):
-    run = Run("mean+ef", _mesh(8)).init()
+    run = Run("mean+ef", device_mesh((8,), (AXIS,))).init()
     run.step(0)
     with caplog.at_level(logging.INFO, logger="jax_cgx"):
         assert cgx_optax.resize_state(run.state, PARAMS, AXIS, world=8) is run.state
@@ -90,7 +87,7 @@ def test_the_same_world_keeps_the_state(caplog):
 
 
 def test_a_state_of_other_parameters_is_refused():
-    run = Run("mean+ef", _mesh(8)).init()
+    run = Run("mean+ef", device_mesh((8,), (AXIS,))).init()
     other = dict(PARAMS, w=np.zeros((40, 64), np.float32))
     # Its momentum (laid out as the parameters) says it first.
     with pytest.raises(ValueError, match=r"resize_state: the state at \[1\]\[0\]\.trace\['w'\] has shape \(64, 40\) "
@@ -107,11 +104,12 @@ def test_the_state_of_a_smaller_model_of_the_same_width_is_refused():
     # (64, 40) on 8 devices is (512, 40), as (32, 40) on 16. Adam's moments (laid out as the
     # parameters) say it; with a momentum-SGD chain, saved_world= does.
     smaller = dict(PARAMS, w=np.zeros((32, 40), np.float32), h=np.zeros((24, 30), np.float32))
-    adam = Run("mean", _mesh(8)).init()
+    adam = Run("mean", device_mesh((8,), (AXIS,))).init()
     with pytest.raises(ValueError, match=r"the state at \[1\]\[0\]\.mu\['h'\] has shape \(48, 30\) where the "
                                          r"parameter has \(24, 30\): it is the state of other parameters"):
         cgx_optax.resize_state(adam.state, smaller, AXIS, world=4)
-    mean = Run("mean+ef", _mesh(8)).init().state[0]  # the mean's state alone: nothing laid out as the parameters
+    # the mean's state alone: nothing laid out as the parameters
+    mean = Run("mean+ef", device_mesh((8,), (AXIS,))).init().state[0]
     with pytest.raises(ValueError, match=r"laid out for 16 devices with these parameters, not the saved_world=8"):
         cgx_optax.resize_state(mean, smaller, AXIS, world=4, saved_world=8)
     resized = cgx_optax.resize_state(mean, PARAMS, AXIS, world=4, saved_world=8)

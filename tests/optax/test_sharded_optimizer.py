@@ -9,15 +9,12 @@ import pytest
 from bitwise import assert_same_bits
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from meshes import device_mesh
 
 import jax_cgx
 import jax_cgx.optax as cgx_optax
 
 W = 8
-
-
-def _mesh():
-    return jax.make_mesh((W,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,), devices=jax.devices()[:W])
 
 
 def _loss(params, x, y):
@@ -63,7 +60,7 @@ def _replicated_trainer(tx, mesh, params):
 
 
 def test_exact_is_data_parallel_adam_with_the_state_sharded():
-    mesh = _mesh()
+    mesh = device_mesh((W,), ("data",))
     params, x, y = _problem()
     params = jax.device_put(params, NamedSharding(mesh, P()))
     x, y = jax.device_put((x, y), NamedSharding(mesh, P("data")))
@@ -85,7 +82,7 @@ def test_exact_is_data_parallel_adam_with_the_state_sharded():
 
 
 def test_compressed_trains_and_replicas_agree():
-    mesh = _mesh()
+    mesh = device_mesh((W,), ("data",))
     params, x, y = _problem()
     params = jax.device_put(params, NamedSharding(mesh, P()))
     x, y = jax.device_put((x, y), NamedSharding(mesh, P("data")))
@@ -107,7 +104,7 @@ def test_compressed_trains_and_replicas_agree():
 
 
 def test_a_non_finite_step_is_skipped_everywhere():
-    mesh = _mesh()
+    mesh = device_mesh((W,), ("data",))
     params, x, y = _problem()
     params = jax.device_put(params, NamedSharding(mesh, P()))
     x, y = jax.device_put((x, y), NamedSharding(mesh, P("data")))
@@ -129,7 +126,7 @@ def test_a_non_finite_step_is_skipped_everywhere():
 def test_specs_need_a_mesh_axis():
     with pytest.raises(NameError):
         params, _, _ = _problem()
-        cgx_optax.sharded(optax.adam(1e-2), "model").state_specs(params, _mesh())
+        cgx_optax.sharded(optax.adam(1e-2), "model").state_specs(params, device_mesh((W,), ("data",)))
 
 
 def test_the_sharded_example_trains():
@@ -154,7 +151,7 @@ def test_error_feedback_applies_the_true_gradients_up_to_one_residual():
     # A loss linear in the parameters: each step's true mean gradient is known. With SGD the
     # parameters move by lr times the applied means; with error feedback those add up to the true
     # means minus the last residual (summed over the devices, divided by W).
-    mesh = _mesh()
+    mesh = device_mesh((W,), ("data",))
     n, steps, lr = 300, 12, 0.1
     rng = np.random.default_rng(3)
     batches = rng.standard_normal((steps, 4 * W, n)).astype(np.float32)
@@ -189,7 +186,7 @@ def test_error_feedback_applies_the_true_gradients_up_to_one_residual():
 
 def test_gradients_must_be_each_devices_own():
     # Without pcast, JAX hands every device the already summed gradient: W times the mean.
-    mesh = _mesh()
+    mesh = device_mesh((W,), ("data",))
     params, x, y = _problem()
     params = jax.device_put(params, NamedSharding(mesh, P()))
     x, y = jax.device_put((x, y), NamedSharding(mesh, P("data")))
@@ -206,7 +203,7 @@ def test_gradients_must_be_each_devices_own():
 
 
 def test_bfloat16_parameters_keep_a_float32_master():
-    mesh = _mesh()
+    mesh = device_mesh((W,), ("data",))
     params, x, y = _problem()
     params = jax.device_put(jax.tree.map(lambda p: p.astype(jnp.bfloat16), params), NamedSharding(mesh, P()))
     x, y = jax.device_put((x.astype(jnp.bfloat16), y.astype(jnp.bfloat16)), NamedSharding(mesh, P("data")))
@@ -249,7 +246,7 @@ def test_the_readme_recipe_trains():
 def test_the_gradient_of_replicated_parameters_raises_naming_pcast(error_feedback):
     # Without pcast JAX has already summed the gradient over "data"; error feedback's per-device
     # residual must not hide that (it would type the sum varying, and the step would apply W times it).
-    mesh = _mesh()
+    mesh = device_mesh((W,), ("data",))
     params, x, y = _problem()
     params = jax.device_put(params, NamedSharding(mesh, P()))
     x, y = jax.device_put((x, y), NamedSharding(mesh, P("data")))

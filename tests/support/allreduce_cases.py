@@ -13,6 +13,7 @@ import numpy_oracle
 from codec_cases import flushed, step_bound
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from meshes import device_mesh
 
 import jax_cgx
 
@@ -20,7 +21,7 @@ W = 8
 
 
 def mesh_1d():
-    return jax.make_mesh((W,), ("d",), axis_types=(jax.sharding.AxisType.Explicit,))
+    return device_mesh((W,), ("d",))
 
 
 def per_device(xs, mesh, spec=P("d")):
@@ -78,7 +79,7 @@ def exact_psum(xs):
 
 
 def mesh_2d(shape, names=("a", "b")):
-    return jax.make_mesh(shape, names, axis_types=(jax.sharding.AxisType.Explicit,) * len(shape))
+    return device_mesh(shape, names)
 
 
 def psum_grid(xs, mesh, axes, config, key=None, check_vma=True, impl="auto"):

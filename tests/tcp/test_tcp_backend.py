@@ -11,6 +11,7 @@ import pytest
 from bitwise import assert_same_bits
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from meshes import device_mesh
 
 import jax_cgx
 from jax_cgx import CompressionConfig
@@ -20,13 +21,9 @@ from jax_cgx.tcp import TcpError
 TARGET = "jax_cgx_tcp_allreduce"
 
 
-def _mesh(shape=(8,), names=("d",)):
-    return jax.make_mesh(shape, names, axis_types=(jax.sharding.AxisType.Explicit,) * len(names))
-
-
 @pytest.fixture(scope="module")
 def mesh2d():
-    mesh = _mesh((2, 4), ("a", "b"))
+    mesh = device_mesh((2, 4), ("a", "b"))
     families = jax_cgx.tcp.setup(mesh)
     assert set(families) == {("a",), ("b",), ("a", "b")}
     yield mesh
@@ -146,12 +143,12 @@ def test_auto_uses_xla_where_tcp_cannot_run(mesh2d):
     x = jax.random.normal(jax.random.key(0), (8, 10_000))
     hlo, _ = _reduce(mesh2d, ("a", "b"), CompressionConfig(algorithm="ring", min_size=16), x)
     assert TARGET not in hlo  # the ring runs on the xla backend
-    hlo, _ = _reduce(_mesh(), "d", CompressionConfig(min_size=16), x)  # a mesh nobody set up
+    hlo, _ = _reduce(device_mesh((8,), ("d",)), "d", CompressionConfig(min_size=16), x)  # a mesh nobody set up
     assert TARGET not in hlo
     with pytest.raises(TcpError, match="ring algorithm"):
         _reduce(mesh2d, ("a", "b"), CompressionConfig(algorithm="ring", backend="tcp", min_size=16), x)
     with pytest.raises(TcpError, match=r"jax_cgx\.tcp\.setup\(mesh\)"):
-        _reduce(_mesh(), "d", CompressionConfig(backend="tcp", min_size=16), x)
+        _reduce(device_mesh((8,), ("d",)), "d", CompressionConfig(backend="tcp", min_size=16), x)
 
 
 def test_error_feedback_residuals_run_on_xla(mesh2d):
@@ -169,7 +166,7 @@ def test_error_feedback_residuals_run_on_xla(mesh2d):
 
 
 def test_a_call_after_teardown_fails_instead_of_hanging():
-    mesh = _mesh((4,), ("d",)) if False else jax.make_mesh((4,), ("d",), devices=jax.devices()[4:],
+    mesh = device_mesh((4,), ("d",)) if False else jax.make_mesh((4,), ("d",), devices=jax.devices()[4:],
                                                           axis_types=(jax.sharding.AxisType.Explicit,))
     jax_cgx.tcp.setup(mesh, timeout_s=30)
     assert {c.rank for c in jax_cgx.tcp.communicators() if c.key == jax_cgx.tcp.lookup(mesh, "d")} == {0, 1, 2, 3}
@@ -200,7 +197,7 @@ def test_segments_by_size_and_bad_arguments():
 
 
 def test_setup_checks_its_arguments(monkeypatch):
-    mesh = _mesh()
+    mesh = device_mesh((8,), ("d",))
     with pytest.raises(ValueError, match="timeout must be > 0"):
         jax_cgx.tcp.setup(mesh, timeout_s=0)
     monkeypatch.setenv("JAX_CGX_TCP_TIMEOUT_S", "soon")
@@ -213,7 +210,7 @@ def test_setup_checks_its_arguments(monkeypatch):
     monkeypatch.delenv("JAX_CGX_TCP_TIMEOUT_S")
     with pytest.raises(ValueError, match="not axes of the mesh"):
         jax_cgx.tcp.setup(mesh, "model", timeout_s=5)
-    assert jax_cgx.tcp.setup(_mesh((1,), ("d",)) if False else jax.make_mesh(
+    assert jax_cgx.tcp.setup(device_mesh((1,), ("d",)) if False else jax.make_mesh(
         (1,), ("d",), devices=jax.devices()[:1]), timeout_s=5) == {}  # one device: nothing to connect
 
 

@@ -18,6 +18,7 @@ import pytest
 from bitwise import assert_same_bits
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from meshes import device_mesh
 from processes import run_all
 
 import jax_cgx
@@ -26,10 +27,6 @@ from jax_cgx._src.tcp import handshake, lifecycle
 from jax_cgx.tcp import TcpError
 
 WORLD = 8
-
-
-def _mesh():
-    return jax.make_mesh((WORLD,), ("d",), axis_types=(jax.sharding.AxisType.Explicit,))
 
 
 def _sums(mesh, backend):
@@ -55,7 +52,7 @@ def _set_up_under_attack(monkeypatch, attack, timeout_s=30.0):
         return out
 
     monkeypatch.setattr(lifecycle, "_addresses", addresses)
-    mesh = _mesh()
+    mesh = device_mesh((WORLD,), ("d",))
     start = time.monotonic()
     jax_cgx.tcp.setup(mesh, timeout_s=timeout_s)
     return mesh, time.monotonic() - start
@@ -74,7 +71,7 @@ def strangers(caplog):
         yield opened
     for s in opened:
         s.close()
-    jax_cgx.tcp.teardown(_mesh())
+    jax_cgx.tcp.teardown(device_mesh((WORLD,), ("d",)))
 
 
 def _rejections(caplog):
@@ -256,14 +253,14 @@ def test_setup_checks_mesh_and_timeout(monkeypatch):
     with pytest.raises(TypeError, match=r"expected a concrete jax.sharding.Mesh of CPU devices.*got NoneType"):
         jax_cgx.tcp.setup(None)
     with pytest.raises(TypeError, match="timeout_s must be a number of seconds"):
-        jax_cgx.tcp.setup(_mesh(), timeout_s="5")
+        jax_cgx.tcp.setup(device_mesh((WORLD,), ("d",)), timeout_s="5")
     for bad in (-1, float("nan"), float("inf")):
         with pytest.raises(ValueError, match="timeout must be > 0"):
-            jax_cgx.tcp.setup(_mesh(), timeout_s=bad)
+            jax_cgx.tcp.setup(device_mesh((WORLD,), ("d",)), timeout_s=bad)
     monkeypatch.setenv("JAX_CGX_TCP_HOST", "192.0.2.1")  # TEST-NET-1: not an address of this host
     with pytest.raises(TcpError, match="cannot listen on 192.0.2.1"):
-        jax_cgx.tcp.setup(_mesh(), timeout_s=5)
-    assert jax_cgx.tcp.lookup(_mesh(), "d") is None
+        jax_cgx.tcp.setup(device_mesh((WORLD,), ("d",)), timeout_s=5)
+    assert jax_cgx.tcp.lookup(device_mesh((WORLD,), ("d",)), "d") is None
 
 
 _TWIN_SCRIPT = """
