@@ -39,6 +39,17 @@ def _has_gpu() -> bool:
         return False
 
 
+@pytest.fixture
+def fresh_policy():
+    """jax_cgx._src.policy.pricing with no measured figure and no logged decision, before the test and
+    after it (pricing.reset); the fixture's value is the module."""
+    from jax_cgx._src.policy import pricing
+
+    pricing.reset()
+    yield pricing
+    pricing.reset()
+
+
 def pytest_collection_modifyitems(config, items):
     # Modules with `slow` tests (30 s or more) run first: pytest-xdist's workers then end on short
     # tests, instead of one waiting while the other finishes a long one. Whole modules move, so

@@ -4,12 +4,9 @@ inside gloo, no hang; matching ones run, agreeing once per compile (jax_cgx._src
 One run of tests/support/agreement_worker.py serves every test here."""
 
 import json
-import sys
 
 import pytest
-from processes import SUPPORT, run_all
-
-from jax_cgx.launch import free_port
+from processes import run_all, worker_commands
 
 pytestmark = pytest.mark.multiprocess
 
@@ -17,10 +14,7 @@ pytestmark = pytest.mark.multiprocess
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     out = tmp_path_factory.mktemp("agreement")
-    port = free_port()
-    commands = [[sys.executable, str(SUPPORT / "agreement_worker.py"), str(i), "2", str(port), str(out)]
-                for i in range(2)]
-    outcomes = run_all(commands, timeout=240)
+    outcomes = run_all(worker_commands("agreement_worker.py", 2, out), timeout=240)
     results = []
     for pid, (_, log) in enumerate(outcomes):
         path = out / f"process{pid}.json"

@@ -10,8 +10,9 @@ from allreduce_cases import half_psum_bound
 from bitwise import assert_same_bits
 from codec_cases import bucket_scales
 from jax import lax
-from jax.sharding import Mesh
+from jax.sharding import AxisType, Mesh
 from jax.sharding import PartitionSpec as P
+from meshes import device_mesh
 from processes import run_workers
 from sharded_worker import inputs, programs
 
@@ -21,14 +22,11 @@ W = 8
 BUCKET = 64
 
 
-def _mesh():
-    return Mesh(np.array(jax.devices()[:W]), ("d",))
-
-
 def _run(fn, xs, check_vma=True):
     """``fn`` on device i's ``xs[i]``; returns every device's result stacked."""
     body = lambda v: jax.tree.map(lambda o: o[None], fn(jax.tree.map(lambda a: a[0], v)))  # noqa: E731
-    out = jax.jit(jax.shard_map(body, mesh=_mesh(), in_specs=P("d"), out_specs=P("d"), check_vma=check_vma))(xs)
+    mesh = device_mesh((W,), ("d",), AxisType.Auto)
+    out = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("d"), out_specs=P("d"), check_vma=check_vma))(xs)
     return jax.tree.map(np.asarray, out)
 
 
@@ -167,7 +165,8 @@ def test_gradients_are_lax_gradients():
     weights = np.random.default_rng(1).standard_normal((W, 2, 30)).astype(np.float32)
 
     def loss(xs, scatter):
-        out = jax.shard_map(lambda v: scatter(v[0])[None], mesh=_mesh(), in_specs=P("d"), out_specs=P("d"))(xs)
+        out = jax.shard_map(lambda v: scatter(v[0])[None], mesh=device_mesh((W,), ("d",), AxisType.Auto),
+                            in_specs=P("d"), out_specs=P("d"))(xs)
         return jnp.sum(out * weights)
 
     ours = jax.grad(loss)(xs, lambda v: jax_cgx.compressed_psum_scatter(v, "d", cfg, tiled=True))
@@ -178,7 +177,8 @@ def test_gradients_are_lax_gradients():
     g_weights = np.random.default_rng(2).standard_normal((W, W, 30)).astype(np.float32)
 
     def gather_loss(xs, gather):
-        out = jax.shard_map(lambda v: gather(v[0])[None], mesh=_mesh(), in_specs=P("d"), out_specs=P("d"))(xs)
+        out = jax.shard_map(lambda v: gather(v[0])[None], mesh=device_mesh((W,), ("d",), AxisType.Auto),
+                            in_specs=P("d"), out_specs=P("d"))(xs)
         return jnp.sum(out * g_weights)
 
     ours = jax.grad(gather_loss)(shards, lambda v: jax_cgx.compressed_all_gather(v, "d", cfg))
@@ -313,18 +313,10 @@ _SHARDED_OPS = {
 }
 
 
-@pytest.fixture
-def fresh_policy():
-    from jax_cgx._src.policy import pricing
-
-    pricing.reset()
-    yield pricing
-    pricing.reset()
-
-
 def _traced(fn, xs) -> str:
     body = lambda v: fn(v[0])[None]  # noqa: E731
-    return str(jax.jit(jax.shard_map(body, mesh=_mesh(), in_specs=P("d"), out_specs=P("d"))).trace(xs).jaxpr)
+    mesh = device_mesh((W,), ("d",), AxisType.Auto)
+    return str(jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("d"), out_specs=P("d"))).trace(xs).jaxpr)
 
 
 def _fixed_codec_rates(pricing) -> None:

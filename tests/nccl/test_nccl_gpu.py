@@ -8,7 +8,6 @@ single-program oracle of the algorithm.
 """
 
 import os
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -17,13 +16,12 @@ import pytest
 from allreduce_cases import oracle, seed_rows
 from bitwise import assert_same_bits
 from nccl_gpu_worker import CASES, DTYPES, SHARDED_CASES, SHARDED_TARGETS, inputs  # noqa: E402
-from processes import SUPPORT, run_all
+from processes import SUPPORT, run_all, worker_commands
 
 import jax_cgx
 from jax_cgx import testing
 from jax_cgx._src import backends
 from jax_cgx._src.exchange.chunks import chunk_length
-from jax_cgx.launch import free_port
 
 WORKER = SUPPORT / "nccl_gpu_worker.py"
 
@@ -81,9 +79,7 @@ def test_the_same_harness_on_cpu(tmp_path):
 
 
 def _run_workers(tmp_path, nproc, envs, *flags) -> dict:
-    port = free_port()
-    commands = [[sys.executable, str(WORKER), str(i), str(nproc), str(port), str(tmp_path), *flags]
-                for i in range(nproc)]
+    commands = worker_commands(WORKER, nproc, tmp_path, *flags)
     for i, (returncode, log) in enumerate(run_all(commands, timeout=900, envs=envs)):
         assert returncode == 0, f"process {i}:\n{log[-6000:]}"
     results = {}

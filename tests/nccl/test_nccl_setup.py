@@ -21,13 +21,12 @@ import pytest
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 from nccl_worker import FakeDevice, FakeNccl, fake_mesh  # noqa: E402
-from processes import SUPPORT, run_all
+from processes import SUPPORT, run_all, worker_commands
 
 from jax_cgx import nccl
 from jax_cgx._src import backends
 from jax_cgx._src.backends import protocol
 from jax_cgx._src.nccl import library, lifecycle, registry, unique_ids
-from jax_cgx.launch import free_port
 
 WORKER = SUPPORT / "nccl_worker.py"
 
@@ -480,9 +479,8 @@ def test_exchange_needs_a_method(fake, monkeypatch):
 
 @pytest.mark.multiprocess
 def test_two_processes_exchange_ids(tmp_path):
-    nproc, port = 2, free_port()
-    commands = [[sys.executable, str(WORKER), str(i), str(nproc), str(port), str(tmp_path)] for i in range(nproc)]
-    for returncode, log in run_all(commands, timeout=240):
+    nproc = 2
+    for returncode, log in run_all(worker_commands(WORKER, nproc, tmp_path), timeout=240):
         assert returncode == 0, log[-4000:]
     results = [json.loads((tmp_path / f"process{i}.json").read_text()) for i in range(nproc)]
 

@@ -2,26 +2,20 @@
 4 CPU devices each save after 3 steps; 2 new processes restore and take the next 3, bitwise equal to
 the uninterrupted run (tests/support/checkpoint_worker.py; the cases: checkpoint_cases.py)."""
 
-import sys
 
 import numpy as np
 import pytest
 from bitwise import assert_same_bits
 from checkpoint_cases import CASES
 from checkpoint_worker import MORE, SAVE_AT
-from processes import SUPPORT, run_all
-
-from jax_cgx.launch import free_port
+from processes import run_all, worker_commands
 
 pytest.importorskip("orbax.checkpoint")
 
 
 def _launch(directory, mode: str) -> list[dict]:
-    nproc, port = 2, free_port()
-    worker = SUPPORT / "checkpoint_worker.py"
-    commands = [[sys.executable, str(worker), str(i), str(nproc), str(port), str(directory), mode]
-                for i in range(nproc)]
-    for returncode, log in run_all(commands, timeout=600):
+    nproc = 2
+    for returncode, log in run_all(worker_commands("checkpoint_worker.py", nproc, directory, mode), timeout=600):
         assert returncode == 0, log[-4000:]
     return [dict(np.load(directory / f"{mode}-process{i}.npz")) for i in range(nproc)]
 

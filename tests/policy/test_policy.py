@@ -8,7 +8,6 @@ import logging
 import math
 import os
 import re
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -18,22 +17,18 @@ from bitwise import assert_same_bits
 from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
-from processes import SUPPORT, run_all, run_workers
+from processes import run_all, run_workers, worker_commands
 
 import jax_cgx
 from jax_cgx._src.collectives import bytes_on_wire
 from jax_cgx._src.policy import cost_model, forms, pricing
-from jax_cgx.launch import free_port
 
 W = 8
 BIG = 1 << 18  # values per device of the large leaf: 1 MiB of float32
 
 
-@pytest.fixture(autouse=True)
-def fresh_policy():
-    pricing.reset()
-    yield
-    pricing.reset()
+# Every test starts and ends with no measured figure and no logged decision (conftest.py's fresh_policy).
+pytestmark = pytest.mark.usefixtures("fresh_policy")
 
 
 def _tree():
@@ -389,10 +384,8 @@ def test_processes_given_different_link_rates_fail_clearly(tmp_path, first):
     """JAX_CGX_LINK_GBPS on one process only: that one would skip the link probe the other runs
     collectively (a hang, or mismatched programs). Both raise at the first calibration instead,
     also when that is jax_cgx.calibrate(), which measures the link whatever the variable says."""
-    nproc, port = 2, free_port()
-    worker = SUPPORT / "policy_worker.py"
-    commands = [[sys.executable, str(worker), str(i), str(nproc), str(port), str(tmp_path), first]
-                for i in range(nproc)]
+    nproc = 2
+    commands = worker_commands("policy_worker.py", nproc, tmp_path, first)
     env = {k: v for k, v in os.environ.items() if k != "JAX_CGX_LINK_GBPS"}
     for returncode, log in run_all(commands, timeout=300, envs=[env, {**env, "JAX_CGX_LINK_GBPS": "2.5"}]):
         assert returncode == 0, log[-4000:]
@@ -407,10 +400,8 @@ def test_processes_given_different_link_rates_fail_clearly(tmp_path, first):
 def test_a_malformed_link_rate_on_one_process_fails_everywhere(tmp_path):
     """A bad JAX_CGX_LINK_GBPS on one process: it raises after the agreement the others wait in
     (before, it raised first and left them blocked there), and the others say why."""
-    nproc, port = 2, free_port()
-    worker = SUPPORT / "policy_worker.py"
-    commands = [[sys.executable, str(worker), str(i), str(nproc), str(port), str(tmp_path), "--calibrate-only"]
-                for i in range(nproc)]
+    nproc = 2
+    commands = worker_commands("policy_worker.py", nproc, tmp_path, "--calibrate-only")
     env = {k: v for k, v in os.environ.items() if k != "JAX_CGX_LINK_GBPS"}
     for returncode, log in run_all(commands, timeout=300, envs=[env, {**env, "JAX_CGX_LINK_GBPS": "fast"}]):
         assert returncode == 0, log[-4000:]

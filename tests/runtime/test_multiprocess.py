@@ -1,6 +1,5 @@
 """compressed_psum across 2 processes x 2 CPU devices (jax.distributed on 127.0.0.1, gloo)."""
 
-import sys
 
 import jax
 import numpy as np
@@ -8,18 +7,15 @@ import pytest
 from allreduce_cases import oracle, sra_bound
 from bitwise import assert_same_bits
 from mp_worker import CASES, inputs  # noqa: E402
-from processes import SUPPORT, run_all
-
-from jax_cgx.launch import free_port
+from processes import SUPPORT, run_all, worker_commands
 
 pytestmark = pytest.mark.multiprocess
 WORKER = SUPPORT / "mp_worker.py"
 
 
 def test_two_processes_two_devices_each(tmp_path):
-    nproc, port = 2, free_port()
-    commands = [[sys.executable, str(WORKER), str(i), str(nproc), str(port), str(tmp_path)] for i in range(nproc)]
-    for returncode, log in run_all(commands, timeout=300):
+    nproc = 2
+    for returncode, log in run_all(worker_commands(WORKER, nproc, tmp_path), timeout=300):
         assert returncode == 0, log[-4000:]
 
     results = {}

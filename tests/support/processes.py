@@ -2,6 +2,7 @@
 
 import pathlib
 import subprocess
+import sys
 
 # The folder of the worker scripts the tests start (this one).
 SUPPORT = pathlib.Path(__file__).resolve().parent
@@ -28,16 +29,20 @@ def run_all(commands, timeout: float, envs=None, **popen) -> list[tuple[int, str
     return [(p.returncode, log) for p, log in zip(procs, logs)]
 
 
+def worker_commands(script, nproc: int, out_dir, *args: str) -> list[list[str]]:
+    """The command lines of ``nproc`` processes of the worker ``script`` (a file here, or a path),
+    which takes ``PROCESS_ID NUM_PROCESSES PORT OUT_DIR`` and then ``args``, on one free coordinator
+    port: for :func:`run_all`."""
+    from jax_cgx.launch import free_port
+
+    port = free_port()
+    return [[sys.executable, str(SUPPORT / script), str(i), str(nproc), str(port), str(out_dir), *args]
+            for i in range(nproc)]
+
+
 def run_workers(script: str, nproc: int, out_dir, timeout: float = 300) -> None:
     """Run ``nproc`` processes of the worker ``script`` (a file here, taking ``PROCESS_ID
     NUM_PROCESSES PORT OUT_DIR``) on one coordinator port; each must exit 0 (its log's tail says
     why not)."""
-    import sys
-
-    from jax_cgx.launch import free_port
-
-    port = free_port()
-    commands = [[sys.executable, str(SUPPORT / script), str(i), str(nproc), str(port), str(out_dir)]
-                for i in range(nproc)]
-    for returncode, log in run_all(commands, timeout=timeout):
+    for returncode, log in run_all(worker_commands(script, nproc, out_dir), timeout=timeout):
         assert returncode == 0, log[-4000:]

@@ -7,24 +7,14 @@ import sys
 import numpy as np
 import pytest
 from bitwise import assert_same_bits
-from processes import SUPPORT, run_all
-
-from jax_cgx.launch import free_port
+from processes import run_all, worker_commands
 
 pytestmark = pytest.mark.multiprocess
 
 
-def _run(tmp_path, nproc: int, mode: str, timeout: float):
-    port = free_port()
-    worker = SUPPORT / "tcp_worker.py"
-    commands = [[sys.executable, str(worker), str(i), str(nproc), str(port), str(tmp_path), mode]
-                for i in range(nproc)]
-    return run_all(commands, timeout=timeout)
-
-
 @pytest.mark.parametrize("nproc", [2, 3])
 def test_tcp_equals_xla_on_every_process(tmp_path, nproc):
-    for returncode, log in _run(tmp_path, nproc, "compare", timeout=300):
+    for returncode, log in run_all(worker_commands("tcp_worker.py", nproc, tmp_path, "compare"), timeout=300):
         assert returncode == 0, log[-4000:]
     results = [np.load(tmp_path / f"process{i}.npz") for i in range(nproc)]
     for name in results[0].files:
@@ -36,7 +26,7 @@ def test_tcp_equals_xla_on_every_process(tmp_path, nproc):
 
 
 def test_a_peer_that_leaves_fails_the_call(tmp_path):
-    outcomes = _run(tmp_path, 2, "dead_peer", timeout=120)
+    outcomes = run_all(worker_commands("tcp_worker.py", 2, tmp_path, "dead_peer"), timeout=120)
     assert outcomes[0][0] == 0, outcomes[0][1][-4000:]
     elapsed, message = (tmp_path / "process0.txt").read_text().split("\n", 1)
     assert "jax_cgx_tcp_allreduce" in message and ("closed the connection" in message or "no bytes moved" in message
@@ -47,7 +37,7 @@ def test_a_peer_that_leaves_fails_the_call(tmp_path):
 
 
 def test_ranks_running_different_reductions_fail_with_both_named(tmp_path):
-    for returncode, log in _run(tmp_path, 2, "mismatch", timeout=120):
+    for returncode, log in run_all(worker_commands("tcp_worker.py", 2, tmp_path, "mismatch"), timeout=120):
         assert returncode == 0, log[-4000:]
     for pid in range(2):
         message = (tmp_path / f"process{pid}.txt").read_text()
