@@ -9,6 +9,7 @@ the public modules (docs/api/). Doctests run on 8 simulated CPU devices (set bel
 is imported).
 """
 
+import fcntl
 import os
 import re
 import subprocess
@@ -36,6 +37,7 @@ extensions = [
     "sphinx.ext.doctest",
     "sphinx.ext.intersphinx",
     "sphinx.ext.viewcode",  # [source] links
+    "sphinx_gallery.gen_gallery",  # examples/*.py as a gallery page
 ]
 # Every cross-reference must resolve: -W makes a dead one an error.
 nitpicky = True
@@ -74,6 +76,24 @@ import numpy as np
 import jax_cgx
 """
 
+# The examples gallery: examples/*.py (their docstring, then their code) written to docs/auto_examples/
+# (generated, git-ignored) and linked from the index. Never run here: they train models, start
+# processes and ask for many devices; tests/ run each of them (tests/test_gallery.py checks that
+# every example has its test).
+sphinx_gallery_conf = {
+    "examples_dirs": "../examples",
+    "gallery_dirs": "auto_examples",
+    "plot_gallery": False,
+    "filename_pattern": r"^$",  # executes nothing, even with -D plot_gallery=1
+    "ignore_pattern": r"^_",  # (the file name) _common.py: the training examples' shared code, not an example
+    "image_scrapers": (),
+    "reset_modules": (),
+    "notebook_extensions": set(),  # no notebooks: the examples are scripts with a command line
+    "download_all_examples": False,
+    "write_computation_times": False,  # nothing runs, nothing to time (and no sg_execution_times page)
+    "within_subsection_order": "FileNameSortKey",
+}
+
 html_theme = "furo"
 html_title = "jax_cgx"
 
@@ -107,5 +127,20 @@ def _summarize_constants(app, what, name, obj, options, lines):
 _DATA = _data_descriptions()
 
 
+# Builds of this checkout at the same time (tests/test_docs.py's html and doctest builds, on two pytest
+# workers) write the same docs/auto_examples/: sphinx-gallery's step (builder-inited, priority 500) takes
+# turns under a lock, the rest of the builds runs side by side.
+def _lock_gallery(app):
+    (HERE / "auto_examples").mkdir(exist_ok=True)
+    app._gallery_lock = open(HERE / "auto_examples" / ".lock", "w")
+    fcntl.flock(app._gallery_lock, fcntl.LOCK_EX)
+
+
+def _unlock_gallery(app):
+    app._gallery_lock.close()  # releases the lock
+
+
 def setup(app):
     app.connect("autodoc-process-docstring", _summarize_constants)
+    app.connect("builder-inited", _lock_gallery, priority=400)
+    app.connect("builder-inited", _unlock_gallery, priority=600)

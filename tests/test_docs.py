@@ -21,6 +21,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 pytest.importorskip("sphinx", reason="the docs extra: pip install -e '.[docs]'")
 pytest.importorskip("myst_parser", reason="the docs extra: pip install -e '.[docs]'")
+pytest.importorskip("sphinx_gallery", reason="the docs extra: pip install -e '.[docs]'")
 
 # Public names documented on another page than their module's, so not in its table.
 ELSEWHERE = {"jax_cgx.tcp.CommunicatorInfo": "jax_cgx.nccl.CommunicatorInfo, the same class"}
@@ -86,6 +87,14 @@ def test_the_site_builds_without_a_warning(tmp_path):
         assert links == [f"#{module_name}.{name}" for name in names], (page.name, links)
         for link in links:
             assert f'id="{link[1:]}"' in html, (page.name, link)
+    # The examples gallery (sphinx-gallery, docs/conf.py) has a page for every example, linked from its
+    # index, which the site's index links. tests/test_gallery.py: each of them is run by a test.
+    gallery = (tmp_path / "html" / "auto_examples" / "index.html").read_text()
+    assert 'href="auto_examples/index.html"' in (tmp_path / "html" / "index.html").read_text()
+    for example in sorted((ROOT / "examples").glob("*.py")):
+        if not example.name.startswith("_"):  # _common.py: the training examples' shared code
+            assert f"auto_examples/{example.stem}.html" in pages, example.name
+            assert f'href="{example.stem}.html"' in gallery, example.name
 
 
 @pytest.mark.slow
