@@ -92,6 +92,31 @@ CGX_HD int64_t packed_bytes(int64_t count, int bits) {
   return (count * bits + 7) / 8;
 }
 
+// ------------------------------------------------------------ parameters and row layout
+
+// The widths the codec has: 1..8 bits per value (Python's 16 and 32 are lanes that never reach a
+// kernel; jax_cgx/_src/config/limits.py's QUANTIZED_BITS is this range, checked equal by
+// tests/codec/test_build.py through the extensions' `codec_bits`).
+constexpr int kMinBits = 1;
+constexpr int kMaxBits = 8;
+
+CGX_HD bool valid_bits(int64_t bits) { return bits >= kMinBits && bits <= kMaxBits; }
+
+// Buckets of `bucket_size` values (>= 1) that `m` values fill: ceil(m / bucket_size).
+CGX_HD int64_t bucket_count(int64_t m, int64_t bucket_size) {
+  return m / bucket_size + (m % bucket_size != 0 ? 1 : 0);
+}
+
+// Payload bytes of one row of `m` values (docs/format.md): each bucket's levels packed on their own,
+// the last bucket holding what is left.
+CGX_HD int64_t row_payload_bytes(int64_t m, int64_t bucket_size, int bits) {
+  const int64_t nb = bucket_count(m, bucket_size);
+  if (nb == 0) return 0;
+  if (nb == 1) return packed_bytes(m, bits);
+  // nb >= 2 means bucket_size < m: the products below cannot overflow.
+  return (nb - 1) * packed_bytes(bucket_size, bits) + packed_bytes(m - (nb - 1) * bucket_size, bits);
+}
+
 // Round a positive finite f32 up to 16 significant bits (clear the low 8
 // mantissa bits, rounding towards +inf), so that level * scale is exact.
 CGX_HD float round_scale_up(float s) {

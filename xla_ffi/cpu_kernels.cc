@@ -95,17 +95,10 @@ const KernelTable& kernels() {
 
 // ------------------------------------------------------------ public API
 
-int64_t bucket_count(int64_t m, int64_t bucket_size) {
-  return m / bucket_size + (m % bucket_size != 0 ? 1 : 0);
-}
+int64_t bucket_count(int64_t m, int64_t bucket_size) { return jax_cgx::bucket_count(m, bucket_size); }
 
 int64_t payload_bytes(int64_t m, int64_t bucket_size, int bits) {
-  const int64_t nb = bucket_count(m, bucket_size);
-  if (nb == 0) return 0;
-  if (nb == 1) return jax_cgx::packed_bytes(m, bits);
-  // nb >= 2 means bucket_size < m: the products below cannot overflow.
-  return (nb - 1) * jax_cgx::packed_bytes(bucket_size, bits) +
-         jax_cgx::packed_bytes(m - (nb - 1) * bucket_size, bits);
+  return jax_cgx::row_payload_bytes(m, bucket_size, bits);
 }
 
 void quantize(const void* x, FloatType x_type, int64_t rows, int64_t n, int64_t m,

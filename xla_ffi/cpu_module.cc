@@ -31,6 +31,8 @@ nb::capsule handler_capsule(Fn* fn) {
 NB_MODULE(_cpu, m) {
   m.doc() = "jax_cgx CPU kernels (XLA FFI handlers for platform 'cpu').";
   m.attr("interface_version") = jax_cgx::ffi_support::kInterfaceVersion;
+  // The widths the kernels take (xla_ffi/codec_math.h): Python's QUANTIZED_BITS must be this range.
+  m.attr("codec_bits") = nb::make_tuple(jax_cgx::kMinBits, jax_cgx::kMaxBits);
 
   m.def(
       "registrations",

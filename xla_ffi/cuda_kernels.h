@@ -15,6 +15,7 @@
 
 #include <cstdint>
 
+#include "xla_ffi/codec_math.h"
 #include "xla_ffi/float_type.h"
 
 // Build-time variants of the quantizing kernels (cuda/quantize_kernels.cuh
@@ -46,9 +47,6 @@ namespace jax_cgx::cuda {
 using ::jax_cgx::FloatType;
 using ::jax_cgx::FloatTypeBytes;
 
-// Bytes taken by `count` packed `bits`-bit levels: ceil(count*bits/8).
-inline int64_t PackedBytes(int64_t count, int bits) { return (count * bits + 7) / 8; }
-
 // Bucket geometry of one row, shared by all rows of a call.
 struct RowLayout {
   int64_t rows = 0;          // R
@@ -77,9 +75,8 @@ inline RowLayout MakeRowLayout(int64_t rows, int64_t m, int64_t bucket_size, int
   // product (bucket*bits, bucket*8) far from int64 overflow.
   l.bucket = bucket_size < m ? bucket_size : m;
   l.buckets = (m - 1) / l.bucket + 1;
-  l.bucket_bytes = PackedBytes(l.bucket, bits);
-  const int64_t last = m - (l.buckets - 1) * l.bucket;
-  l.row_bytes = (l.buckets - 1) * l.bucket_bytes + PackedBytes(last, bits);
+  l.bucket_bytes = packed_bytes(l.bucket, bits);
+  l.row_bytes = row_payload_bytes(m, bucket_size, bits);  // the layout of docs/format.md, as the CPU's
   return l;
 }
 

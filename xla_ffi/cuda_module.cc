@@ -138,6 +138,8 @@ void DefineNccl(nb::module_& m) { m.def("nccl_compiled", []() { return false; })
 NB_MODULE(_cuda, m) {
   m.doc() = "jax_cgx CUDA kernels (XLA FFI handlers) and NCCL communicators";
   m.attr("interface_version") = jax_cgx::ffi_support::kInterfaceVersion;
+  // The widths the kernels take (xla_ffi/codec_math.h): Python's QUANTIZED_BITS must be this range.
+  m.attr("codec_bits") = nb::make_tuple(jax_cgx::kMinBits, jax_cgx::kMaxBits);
   m.def("registrations", []() {
     nb::dict targets;
     targets["jax_cgx_quantize"] = Capsule(CudaQuantize);

@@ -15,6 +15,8 @@
 #include <string>
 #include <utility>
 
+#include "xla_ffi/codec_math.h"
+
 namespace jax_cgx::exchange {
 
 // The most segments a chunk is cut into (jax_cgx._src.config.MAX_SEGMENTS).
@@ -32,7 +34,10 @@ inline std::string CheckArguments(int64_t n, int64_t world, int64_t chunk, int b
     return "chunk=" + std::to_string(chunk) + " does not cut " + std::to_string(n) + " values into " +
            std::to_string(world) + " chunks";
   }
-  if (bits < 1 || bits > 8) return "bits must be in 1..8, got " + std::to_string(bits);
+  if (!valid_bits(bits)) {
+    return "bits must be in " + std::to_string(kMinBits) + ".." + std::to_string(kMaxBits) + ", got " +
+           std::to_string(bits);
+  }
   if (bucket_size < 1) return "bucket_size must be >= 1, got " + std::to_string(bucket_size);
   if (elem_bytes != 2 && elem_bytes != 4) return "values must be f32, bf16 or f16";
   if (segments < 0 || segments > max_segments) {

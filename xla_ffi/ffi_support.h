@@ -19,6 +19,7 @@
 #include <string_view>
 
 #include "xla/ffi/api/ffi.h"
+#include "xla_ffi/codec_math.h"
 #include "xla_ffi/float_type.h"
 
 namespace jax_cgx::ffi_support {
@@ -138,8 +139,9 @@ inline ffi::Error CheckFloatRows(std::string_view target, const char* name,
 
 // The attributes of every codec target.
 inline ffi::Error CheckCodecAttrs(std::string_view target, int32_t bits, int64_t bucket_size) {
-  if (bits < 1 || bits > 8) {
-    return InvalidArgument(target, "attribute bits must be in 1..8, got " + std::to_string(bits));
+  if (!valid_bits(bits)) {
+    return InvalidArgument(target, "attribute bits must be in " + std::to_string(kMinBits) + ".." +
+                                       std::to_string(kMaxBits) + ", got " + std::to_string(bits));
   }
   if (bucket_size < 1) {
     return InvalidArgument(
@@ -198,6 +200,108 @@ inline ffi::Error CheckPacked(std::string_view target, const char* payload_name,
                                  "[R, W, nb, 2] = " + ShapeString({rows, inputs, nb, 2}) + note));
   return CheckShape(target, payload_name, payload_dims, {rows, inputs, p},
                     "[R, W, P] = " + ShapeString({rows, inputs, p}) + note);
+}
+
+// ------------------------------------------------- the codec targets' operands, once for every platform
+//
+// The CPU (xla_ffi/cpu_handlers.cc) and CUDA (xla_ffi/cuda_handlers.cc) handlers of the four codec
+// targets take the same operands (xla_ffi/README.md) and check them here, each target with one call;
+// they differ only in what they launch.
+
+// What a codec target's operands say of the rows it works on.
+struct CodecRows {
+  int64_t rows = 0;                       // R
+  int64_t n = 0;                          // quantize: values per row of x
+  int64_t m = 0;                          // values encoded (decoded) per row
+  int64_t inputs = -1;                    // the reduce targets: W encodings per row
+  FloatType x_type = FloatType::kF32;     // quantize's x
+  FloatType addend_type = FloatType::kF32;
+  FloatType out_type = FloatType::kF32;   // the decoding targets' out
+  const void* addend = nullptr;           // nullptr: no addend (or nothing to add)
+  const int32_t* valid = nullptr;         // per-row real counts; nullptr: every value is real
+};
+
+// valid: s32 [R] counts (each row's values that set its buckets' ranges) or [0] (all of them).
+inline ffi::Error CheckValidCounts(std::string_view target, const ffi::AnyBuffer& valid, CodecRows* r) {
+  CGX_RETURN_IF_ERROR(CheckDType(target, "valid", valid.element_type(), ffi::DataType::S32));
+  bool per_row = false;
+  CGX_RETURN_IF_ERROR(CheckValidShape(target, valid.dimensions(), r->rows, &per_row));
+  r->valid = per_row ? static_cast<const int32_t*>(valid.untyped_data()) : nullptr;
+  return ffi::Error::Success();
+}
+
+// payload[R, (W,) P] u8 and meta[R, (W,) nb, 2] f32 holding r's m values per row at bits and
+// bucket_size (the W axis only when `inputs` >= 0).
+inline ffi::Error CheckEncodings(std::string_view target, const char* payload_name, const ffi::AnyBuffer& payload,
+                                 const char* meta_name, const ffi::AnyBuffer& meta, int64_t rows, int64_t inputs,
+                                 int64_t m, int32_t bits, int64_t bucket_size) {
+  CGX_RETURN_IF_ERROR(CheckDType(target, payload_name, payload.element_type(), ffi::DataType::U8));
+  CGX_RETURN_IF_ERROR(CheckDType(target, meta_name, meta.element_type(), ffi::DataType::F32));
+  return CheckPacked(target, payload_name, payload.dimensions(), meta_name, meta.dimensions(), rows, inputs, m,
+                     bucket_count(m, bucket_size), row_payload_bytes(m, bucket_size, bits), bucket_size, bits);
+}
+
+// jax_cgx_quantize: x[R, n] float, seeds[R, 2] u32, valid[R|0] s32 -> payload[R, P] u8, meta[R, nb, 2] f32.
+// meta's bucket count nb picks m = min(n, nb * B): all of x (nb = ceil(n/B)) or whole buckets only.
+inline ffi::Error CheckQuantizeOperands(std::string_view target, const ffi::AnyBuffer& x,
+                                       const ffi::AnyBuffer& seeds, const ffi::AnyBuffer& valid,
+                                       const ffi::AnyBuffer& payload, const ffi::AnyBuffer& meta, int32_t bits,
+                                       int64_t bucket_size, CodecRows* r) {
+  CGX_RETURN_IF_ERROR(CheckCodecAttrs(target, bits, bucket_size));
+  CGX_RETURN_IF_ERROR(CheckFloatRows(target, "x", x, "[R, n]", &r->x_type, &r->rows, &r->n));
+  CGX_RETURN_IF_ERROR(CheckDType(target, "seeds", seeds.element_type(), ffi::DataType::U32));
+  CGX_RETURN_IF_ERROR(CheckShape(target, "seeds", seeds.dimensions(), {r->rows, 2}, "[R, 2] (R from x)"));
+  CGX_RETURN_IF_ERROR(CheckValidCounts(target, valid, r));
+  const Dims md = meta.dimensions();
+  const int64_t max_nb = bucket_count(r->n, bucket_size);
+  if (md.size() != 3 || md[0] != r->rows || md[2] != 2 || md[1] < 0 || md[1] > max_nb) {
+    return InvalidArgument(target, "meta has shape " + ShapeString(md) + ", expected [R, nb, 2] with R = " +
+                                       std::to_string(r->rows) + " and nb <= ceil(n/B) = " +
+                                       std::to_string(max_nb) + " (n = " + std::to_string(r->n) +
+                                       ", bucket_size = " + std::to_string(bucket_size) + ")");
+  }
+  r->m = md[1] == max_nb ? r->n : md[1] * bucket_size;  // nb < ceil(n/B): nb * B < n
+  return CheckEncodings(target, "payload", payload, "meta", meta, r->rows, -1, r->m, bits, bucket_size);
+}
+
+// jax_cgx_dequantize: payload[R, P] u8, meta[R, nb, 2] f32 -> out[R, m] float; `scale` positive, finite.
+inline ffi::Error CheckDequantizeOperands(std::string_view target, const ffi::AnyBuffer& payload,
+                                         const ffi::AnyBuffer& meta, const ffi::AnyBuffer& out, int32_t bits,
+                                         int64_t bucket_size, float scale, CodecRows* r) {
+  CGX_RETURN_IF_ERROR(CheckCodecAttrs(target, bits, bucket_size));
+  CGX_RETURN_IF_ERROR(CheckOutScale(target, scale));
+  CGX_RETURN_IF_ERROR(CheckFloatRows(target, "out", out, "[R, m]", &r->out_type, &r->rows, &r->m));
+  return CheckEncodings(target, "payload", payload, "meta", meta, r->rows, -1, r->m, bits, bucket_size);
+}
+
+// jax_cgx_dequantize_sum(_requantize)'s common operands: payload[R, W, P] u8, meta[R, W, nb, 2] f32,
+// addend[R, m] or [R, 0] float -> out[R, m] float.
+inline ffi::Error CheckSumOperands(std::string_view target, const ffi::AnyBuffer& payload,
+                                   const ffi::AnyBuffer& meta, const ffi::AnyBuffer& addend,
+                                   const ffi::AnyBuffer& out, int32_t bits, int64_t bucket_size, CodecRows* r) {
+  CGX_RETURN_IF_ERROR(CheckCodecAttrs(target, bits, bucket_size));
+  CGX_RETURN_IF_ERROR(CheckFloatRows(target, "out", out, "[R, m]", &r->out_type, &r->rows, &r->m));
+  CGX_RETURN_IF_ERROR(CheckDType(target, "payload", payload.element_type(), ffi::DataType::U8));
+  CGX_RETURN_IF_ERROR(CheckShape(target, "payload", payload.dimensions(), {r->rows, -1, -1}, "rank 3 [R, W, P]"));
+  r->inputs = payload.dimensions()[1];
+  CGX_RETURN_IF_ERROR(CheckFloatType(target, "addend", addend.element_type(), &r->addend_type));
+  bool has_addend = false;
+  CGX_RETURN_IF_ERROR(CheckAddendShape(target, addend.dimensions(), r->rows, r->m, &has_addend));
+  r->addend = has_addend && r->m > 0 ? addend.untyped_data() : nullptr;
+  return CheckEncodings(target, "payload", payload, "meta", meta, r->rows, r->inputs, r->m, bits, bucket_size);
+}
+
+// jax_cgx_dequantize_sum_requantize's own: seeds[R, 2] u32, valid[R|0] s32 -> the re-quantized
+// payload[R, P] u8 and meta[R, nb, 2] f32 of out's m values (after CheckSumOperands).
+inline ffi::Error CheckRequantizeOperands(std::string_view target, const ffi::AnyBuffer& seeds,
+                                          const ffi::AnyBuffer& valid, const ffi::AnyBuffer& payload,
+                                          const ffi::AnyBuffer& meta, int32_t bits, int64_t bucket_size,
+                                          CodecRows* r) {
+  CGX_RETURN_IF_ERROR(CheckDType(target, "seeds", seeds.element_type(), ffi::DataType::U32));
+  CGX_RETURN_IF_ERROR(CheckShape(target, "seeds", seeds.dimensions(), {r->rows, 2}, "[R, 2] (R from out)"));
+  CGX_RETURN_IF_ERROR(CheckValidCounts(target, valid, r));
+  return CheckEncodings(target, "result payload", payload, "result meta", meta, r->rows, -1, r->m, bits,
+                        bucket_size);
 }
 
 // The row of a whole-exchange all-reduce (jax_cgx_nccl_allreduce,

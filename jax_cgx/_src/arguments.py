@@ -20,9 +20,6 @@ import numpy as np
 
 from jax_cgx._src import compat
 
-# Widths the codec has (bits per value).
-BITS = range(1, 9)
-
 
 def integer(minimum: int) -> Callable[[str], int]:
     """An argparse ``type``: a whole number >= ``minimum``.

@@ -48,8 +48,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_cgx
-from jax_cgx._src.arguments import BITS, integer, number
+from jax_cgx._src.arguments import integer, number
 from jax_cgx._src.collectives import bytes_on_wire
+from jax_cgx._src.config.limits import QUANTIZED_BITS
 from jax_cgx.bench._table import print_table, save
 
 
@@ -265,7 +266,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-f", "--stepfactor", type=number(1, above=True), default=4, help="factor between sizes, default 4")
     p.add_argument("--sizes-mib", type=number(0, above=True), nargs="+", help="explicit sizes in MiB (instead of -b/-e/-f)")
     p.add_argument("-d", "--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--bits", type=int, choices=BITS, nargs="+", default=[2, 4, 8], metavar="BITS")
+    p.add_argument("--bits", type=int, choices=QUANTIZED_BITS, nargs="+", default=[2, 4, 8], metavar="BITS")
     p.add_argument("--bucket-sizes", "--bucket-size", type=integer(1), nargs="+", default=[jax_cgx.CompressionConfig.bucket_size], dest="bucket_sizes")
     p.add_argument("--backends", nargs="+", choices=["xla", "nccl", "tcp"],
                    help="jax_cgx backends to time (default: xla, plus nccl on GPUs); nccl and tcp are set up "

@@ -24,7 +24,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_cgx
-from jax_cgx._src.arguments import BITS, integer, number
+from jax_cgx._src.arguments import integer, number
+from jax_cgx._src.config.limits import QUANTIZED_BITS
 from jax_cgx.bench._table import print_table, save
 
 _CALLS = 20  # calls per timed batch on a GPU
@@ -128,7 +129,7 @@ def run(args: argparse.Namespace) -> list[dict]:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sizes-mib", type=number(0, above=True), nargs="+", default=[1, 16, 64], help="buffer sizes in MiB")
-    p.add_argument("--bits", type=int, choices=BITS, nargs="+", default=[2, 4, 8], metavar="BITS")
+    p.add_argument("--bits", type=int, choices=QUANTIZED_BITS, nargs="+", default=[2, 4, 8], metavar="BITS")
     p.add_argument("--bucket-size", type=integer(1), default=jax_cgx.CompressionConfig.bucket_size)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--stochastic", action="store_true", help="stochastic rounding")

@@ -47,6 +47,15 @@ def test_the_extensions_implement_this_code_s_interface():
             extensions.check_interface(stale)
 
 
+def test_the_kernels_take_the_widths_python_checks():
+    # One rule, one home per language: xla_ffi/codec_math.h's kMinBits..kMaxBits and config's QUANTIZED_BITS.
+    from jax_cgx._src.config import QUANTIZED_BITS
+    widths = (QUANTIZED_BITS.start, QUANTIZED_BITS.stop - 1)
+    assert tuple(extensions.cpu().codec_bits) == widths
+    if extensions.cuda() is not None:
+        assert tuple(extensions.cuda().codec_bits) == widths
+
+
 def test_cpu_lowering_is_the_ffi_custom_call():
     f = jax.jit(lambda x: jax_cgx.dequantize(jax_cgx.quantize(x, CompressionConfig(bits=3, min_size=16)), impl="kernel"))
     hlo = f.lower(jnp.ones(1000)).as_text()

@@ -20,7 +20,7 @@ from jax_cgx._src.codec import reference
 from jax_cgx._src.codec.kernels import Impl, check_impl
 from jax_cgx._src.codec.quantized import Quantized, num_buckets, payload_bytes, quantized_elements
 from jax_cgx._src.codec.rows import dequantize_rows, dequantize_sum_requantize_rows, dequantize_sum_rows, quantize_rows
-from jax_cgx._src.config import CompressionConfig
+from jax_cgx._src.config import QUANTIZED_BITS, CompressionConfig
 
 __all__ = ["quantize", "dequantize", "dequantize_sum", "dequantize_sum_requantize", "check_float_dtype",
            "seeds_from_key", "SUPPORTED_DTYPES"]
@@ -156,8 +156,8 @@ def _check_quantized(q, what: str, stacked: bool) -> None:
             "(payload, meta, tail) and must not be changed on their own (docs/format.md)"
         )
 
-    if isinstance(q.bits, bool) or not isinstance(q.bits, (int, np.integer)) or not 1 <= q.bits <= 8:
-        raise bad(f"bits={q.bits!r}, expected 1..8")
+    if isinstance(q.bits, bool) or not isinstance(q.bits, (int, np.integer)) or q.bits not in QUANTIZED_BITS:
+        raise bad(f"bits={q.bits!r}, expected {QUANTIZED_BITS.start}..{QUANTIZED_BITS.stop - 1}")
     if isinstance(q.bucket_size, bool) or not isinstance(q.bucket_size, (int, np.integer)) or q.bucket_size < 1:
         raise bad(f"bucket_size={q.bucket_size!r}, expected an int >= 1")
     shape = q.shape

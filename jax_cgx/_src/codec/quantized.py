@@ -8,6 +8,8 @@ import math
 import jax
 import numpy as np
 
+from jax_cgx._src.config import QUANTIZED_BITS
+
 __all__ = ["Quantized", "num_buckets", "payload_bytes", "quantized_elements", "META_BYTES"]
 
 # Each bucket carries (min, scale) as two float32.
@@ -22,8 +24,9 @@ def quantized_elements(n: int, bucket_size: int, skip_incomplete_buckets: bool) 
 def _check_sizes(fn: str, m, bucket_size, bits=1) -> None:
     whole = (int, np.integer)
     if not (isinstance(m, whole) and m >= 0 and isinstance(bucket_size, whole) and bucket_size >= 1
-            and isinstance(bits, whole) and 1 <= bits <= 8):
-        raise ValueError(f"{fn}: needs integers m >= 0, bucket_size >= 1 and bits in 1..8, got m={m!r}, "
+            and isinstance(bits, whole) and bits in QUANTIZED_BITS):
+        raise ValueError(f"{fn}: needs integers m >= 0, bucket_size >= 1 and bits in "
+                         f"{QUANTIZED_BITS.start}..{QUANTIZED_BITS.stop - 1}, got m={m!r}, "
                          f"bucket_size={bucket_size!r}, bits={bits!r}")
 
 
