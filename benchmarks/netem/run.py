@@ -55,6 +55,7 @@ import sys
 import time
 from pathlib import Path
 
+from jax_cgx.bench.rates import UNLIMITED, tc_rate_bits
 from jax_cgx.launch import ProcessGroup, describe_status, exit_code
 
 REPO = Path(__file__).resolve().parents[2]
@@ -64,31 +65,12 @@ DEFAULT_BENCH_ARGS = ["--sizes-mib", "64", "--bits", "4", "8", "-n", "5"]
 SUBNET = "10.77.0"
 NETNS_ETC = Path("/etc/netns")
 NAME_RE = re.compile(r"^cgx(\d+)-(br|\d+)$")  # every namespace (and /etc/netns entry) we create
-UNLIMITED = ("unlimited", "none", "off", "0")
 
 # In the new UTS namespace: take the hostname, then become the benchmark process.
 _SET_HOSTNAME = "import os, socket, sys; socket.sethostname(sys.argv[1]); os.execv(sys.argv[2], sys.argv[2:])"
 
-# tc's rate units (tc(8)): SI and IEC bits per second, and bytes per second ("bps" is bytes!).
-_RATE_UNITS = {
-    "": 1, "bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12,
-    "kibit": 2**10, "mibit": 2**20, "gibit": 2**30, "tibit": 2**40,
-    "bps": 8, "kbps": 8e3, "mbps": 8e6, "gbps": 8e9, "tbps": 8e12,
-    "kibps": 8 * 2**10, "mibps": 8 * 2**20, "gibps": 8 * 2**30, "tibps": 8 * 2**40,
-}
-
-
-def parse_rate(text: str) -> float | None:
-    """A tc rate ("1gbit", "10gbit", "500mbit", "125mbps") in bits per second; None for unlimited."""
-    t = text.strip().lower()
-    if t in UNLIMITED:
-        return None
-    m = re.fullmatch(r"(\d+(?:\.\d*)?|\.\d+)\s*([a-z]*)", t)
-    if not m or m.group(2) not in _RATE_UNITS or float(m.group(1)) <= 0:
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is not a tc rate (e.g. 1gbit, 10gbit, 500mbit, 125mbps) or 'unlimited'"
-        )
-    return float(m.group(1)) * _RATE_UNITS[m.group(2)]
+# tc's rate syntax, parsed as the cost model parses it: bits per second, None for no limit.
+parse_rate = tc_rate_bits
 
 
 def _rate_arg(text: str) -> str:

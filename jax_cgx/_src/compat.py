@@ -112,25 +112,45 @@ def vmapped_axes(axes) -> tuple:
     return tuple(a for a in axes if a not in mesh.axis_names)
 
 
+def is_prng_key(x) -> bool:
+    """Whether ``x`` is a PRNG key: a typed key array of any shape (``jax.random.key``) or a raw
+    key of the default implementation (``jax.random.PRNGKey``: ``uint32`` of its key shape, ``[2]``
+    for threefry). The one rule of what a key is; :func:`check_prng_key` and the step's keyword
+    checks read it."""
+    import jax
+    import numpy as np
+
+    dtype, shape = getattr(x, "dtype", None), getattr(x, "shape", None)
+    if dtype is None or shape is None:
+        return False
+    if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+        return True
+    return dtype == np.dtype(np.uint32) and tuple(shape) == _raw_key_shape()
+
+
+def _raw_key_shape() -> tuple[int, ...]:
+    """The shape of the default implementation's raw keys (traced abstractly: no backend started)."""
+    import jax
+
+    return tuple(jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0))).shape)
+
+
 def check_prng_key(key, api_name: str) -> None:
-    """Raise a clear TypeError unless ``key`` is one PRNG key: a typed key array of shape ()
-    (``jax.random.key``) or a legacy raw ``uint32`` key (``jax.random.PRNGKey``)."""
+    """Raise a clear TypeError unless ``key`` is one PRNG key (:func:`is_prng_key`; a typed key
+    array must have shape ``()``)."""
     import jax
     import numpy as np
 
     if key is None:
         return
+    if is_prng_key(key):
+        if not jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key) or key.shape == ():
+            return
+        raise TypeError(
+            f"{api_name}: key must be a single PRNG key, got an array of {key.shape} keys; pass "
+            "one key (the same on every rank), e.g. key=jax.random.key(0)"
+        )
     dtype, shape = getattr(key, "dtype", None), getattr(key, "shape", None)
-    if dtype is not None and shape is not None:
-        if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
-            if shape == ():
-                return
-            raise TypeError(
-                f"{api_name}: key must be a single PRNG key, got an array of {shape} keys; pass "
-                "one key (the same on every rank), e.g. key=jax.random.key(0)"
-            )
-        if dtype == np.dtype(np.uint32) and len(shape) == 1:
-            return  # a legacy raw key; jax.random checks its length
     if isinstance(key, (int, np.integer)) and not isinstance(key, bool):
         got, fix = f"the integer {key!r}", f"key=jax.random.key({int(key)})"
     else:

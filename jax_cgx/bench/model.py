@@ -12,32 +12,22 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import re
 
 import numpy as np
 
-from jax_cgx._src.arguments import BITS, integer, number
+from jax_cgx._src.arguments import integer, number
 from jax_cgx._src.config import ALGORITHMS, CompressionConfig
+from jax_cgx._src.config.limits import QUANTIZED_BITS
 from jax_cgx._src.policy.cost_model import CodecRates, LinkModel, encoded_chunk_bytes, predict, predict_nodes
+from jax_cgx.bench.rates import tc_rate_bits
 
 __all__ = ["CodecRates", "LinkModel", "encoded_chunk_bytes", "predict", "parse_rate"]
 
-_RATE_UNITS = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
-
-
 def parse_rate(text: str) -> float:
-    """A tc-style rate ('1gbit', '10gbit', '100mbit', 'unlimited') in bytes per second."""
-    t = text.strip().lower()
-    if t in ("unlimited", "inf", "none"):
-        return float("inf")
-    m = re.fullmatch(r"([0-9.]+)\s*([kmgt]?)(bit|bps|b)?", t)
-    if not m:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a rate (e.g. 1gbit, 10gbit, 125MB, unlimited)")
-    value = float(m.group(1)) * _RATE_UNITS[m.group(2)]
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"{text!r}: a rate must be above 0 (or 'unlimited')")
-    # tc's units: "bit" or a bare number are bits per second; "bps" and "b" bytes per second.
-    return value / 8 if m.group(3) in ("bit", None) else value
+    """A tc rate ('1gbit', '10gbit', '100mbit', 'unlimited': :func:`~jax_cgx.bench.rates.tc_rate_bits`)
+    in bytes per second; ``inf`` for no limit."""
+    bits = tc_rate_bits(text)
+    return float("inf") if bits is None else bits / 8
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -48,7 +38,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="messages per collective (pipeline_segments; 0: the xla backend's CPU default)")
     p.add_argument("--world", type=integer(1), nargs="+", default=[2, 4])
     p.add_argument("--sizes-mib", type=number(0, above=True), nargs="+", default=[64])
-    p.add_argument("--bits", type=int, choices=BITS, nargs="+", default=[4, 8], metavar="BITS")
+    p.add_argument("--bits", type=int, choices=QUANTIZED_BITS, nargs="+", default=[4, 8], metavar="BITS")
     p.add_argument("--bucket-size", type=integer(1), default=CompressionConfig.bucket_size)
     p.add_argument("--host-cores", type=int, default=None,
                    help="all ranks share one machine with this many cores (as benchmarks/netem runs "

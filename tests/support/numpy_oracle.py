@@ -616,18 +616,19 @@ def all_gather(shards, seeds, *, bits: int, bucket_size: int, stochastic: bool) 
 
 
 def fuse(sizes: Sequence[int], capacity_values: int) -> list[list[int]]:
-    """Fusion buffers of whole leaves (docs/algorithm.md, sharded training): consecutive leaves whose
-    sizes add up to at most ``capacity_values``; a larger leaf is a buffer of its own."""
-    runs: list[list[int]] = []
-    total = 0
-    for k, n in enumerate(sizes):
-        if runs and total + n <= capacity_values:
-            runs[-1].append(k)
-            total += n
-        else:
-            runs.append([k])
-            total = n
-    return runs
+    """Fusion buffers of whole leaves, as docs/algorithm.md ("Sharded training") states them: leaves
+    of consecutive positions "join a buffer while their sizes per rank add up to at most" the
+    capacity, and "a larger leaf is a buffer of its own". Each buffer starts at the first leaf not
+    yet in one and takes the longest run of the leaves after it whose sum stays within the capacity."""
+    buffers: list[list[int]] = []
+    start = 0
+    while start < len(sizes):
+        end = start + 1  # every buffer holds its first leaf, however large
+        while end < len(sizes) and sum(sizes[start:end + 1]) <= capacity_values:
+            end += 1
+        buffers.append(list(range(start, end)))
+        start = end
+    return buffers
 
 
 def psum_scatter_tree(leaves: Sequence, config, key=None) -> list[np.ndarray]:

@@ -7,7 +7,14 @@
 =================  =====================================================================
 """
 
-from jax_cgx._src.config.compression import CompressionConfig, check_environment, default_config, given_link_gbps
+from jax_cgx._src.config.compression import (
+    CompressionConfig,
+    GivenLink,
+    check_environment,
+    default_config,
+    given_link,
+    given_link_gbps,
+)
 from jax_cgx._src.config.limits import (
     ALGORITHMS,
     BACKENDS,
@@ -16,6 +23,8 @@ from jax_cgx._src.config.limits import (
     MAX_SEGMENTS,
     MIN_FUSION_BUFFER_MB,
     POLICIES,
+    QUANTIZED_BITS,
+    VALID_BITS,
 )
 from jax_cgx._src.config.variables import (
     CONFIG_VARIABLES,
@@ -38,8 +47,12 @@ __all__ = [
     "TORCH_CGX_VARIABLES",
     "check_environment",
     "default_config",
+    "GivenLink",
+    "given_link",
     "given_link_gbps",
     "link_gbps_from_env",
     "MIN_FUSION_BUFFER_MB",
     "MAX_FUSION_BUFFERS",
+    "QUANTIZED_BITS",
+    "VALID_BITS",
 ]

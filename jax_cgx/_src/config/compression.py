@@ -5,22 +5,19 @@ from __future__ import annotations
 
 import dataclasses
 import fractions
-import math
 import numbers
 import os
 from collections.abc import Mapping
-from typing import Literal
+from typing import Literal, NamedTuple
 
 from jax_cgx._src.config import variables
 from jax_cgx._src.config.limits import (
-    _QUANT_BITS,
-    _VALID_BITS,
     ALGORITHMS,
     BACKENDS,
-    MAX_BUCKET_SIZE,
-    MAX_SEGMENTS,
-    MIN_FUSION_BUFFER_MB,
     POLICIES,
+    QUANTIZED_BITS,
+    accepted,
+    field_problem,
 )
 from jax_cgx._src.config.variables import (
     _LINK,
@@ -32,7 +29,7 @@ from jax_cgx._src.config.variables import (
     log,
 )
 
-__all__ = ["CompressionConfig", "check_environment", "default_config", "given_link_gbps"]
+__all__ = ["CompressionConfig", "GivenLink", "check_environment", "default_config", "given_link", "given_link_gbps"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,28 +145,14 @@ class CompressionConfig:
     link_gbps: float | None = None
 
     def __post_init__(self) -> None:
-        _check_int("bits", self.bits)
-        if self.bits not in _VALID_BITS:
-            raise ValueError(
-                f"CompressionConfig: bits={self.bits} is not supported; use 1..8 for "
-                "max-min quantization, 16 for a half-precision all-reduce or 32 for no "
-                "compression"
-            )
-        _check_int("bucket_size", self.bucket_size)
-        if not 1 <= self.bucket_size <= MAX_BUCKET_SIZE:
-            raise ValueError(
-                f"CompressionConfig: bucket_size must be in 1..{MAX_BUCKET_SIZE} (2^31 - 1: a buffer's "
-                f"values fit in fewer), got {self.bucket_size}"
-            )
+        for name in ("bits", "bucket_size", "min_size"):
+            _check_int(name, getattr(self, name))
         for name in ("stochastic", "skip_incomplete_buckets"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(
                     f"CompressionConfig: {name} must be a bool, got "
                     f"{getattr(self, name)!r}"
                 )
-        _check_int("min_size", self.min_size)
-        if self.min_size < 0:
-            raise ValueError(f"CompressionConfig: min_size must be >= 0, got {self.min_size}")
         if isinstance(self.fusion_buffer_mb, bool) or not isinstance(
             self.fusion_buffer_mb, numbers.Real
         ):
@@ -180,12 +163,11 @@ class CompressionConfig:
         if not isinstance(self.fusion_buffer_mb, (int, float)):  # a numpy number: as the Python one
             integral = isinstance(self.fusion_buffer_mb, numbers.Integral)
             object.__setattr__(self, "fusion_buffer_mb", (int if integral else float)(self.fusion_buffer_mb))
-        mb = self.fusion_buffer_mb
-        if not ((isinstance(mb, int) or math.isfinite(mb)) and mb >= MIN_FUSION_BUFFER_MB):
-            raise ValueError(
-                "CompressionConfig: fusion_buffer_mb must be a finite number of MiB >= "
-                f"1/1024 (1 KiB), got {mb}; e.g. 64 (the default)"
-            )
+        _check_int("pipeline_segments", self.pipeline_segments)
+        for name in ("bits", "bucket_size", "min_size", "fusion_buffer_mb", "pipeline_segments"):
+            value = getattr(self, name)
+            if problem := field_problem(name, value):
+                raise ValueError(f"CompressionConfig: {name}={value!r} {problem}; {accepted(name)}")
         if not isinstance(self.half_dtype, str) or self.half_dtype not in ("bfloat16", "float16"):
             raise ValueError(
                 "CompressionConfig: half_dtype must be 'bfloat16' or 'float16', got "
@@ -202,13 +184,6 @@ class CompressionConfig:
             )
         if not isinstance(self.hierarchical, bool):
             raise TypeError(f"CompressionConfig: hierarchical must be a bool, got {self.hierarchical!r}")
-        _check_int("pipeline_segments", self.pipeline_segments)
-        if not 0 <= self.pipeline_segments <= MAX_SEGMENTS:
-            raise ValueError(
-                f"CompressionConfig: pipeline_segments must be in 0..{MAX_SEGMENTS} (0 = by size), "
-                f"got {self.pipeline_segments}"
-            )
-
         if self.policy not in POLICIES:
             raise ValueError(
                 f"CompressionConfig: policy must be 'always' or 'auto', got {self.policy!r}"
@@ -231,7 +206,7 @@ class CompressionConfig:
     @property
     def quantizes(self) -> bool:
         """True for max-min quantization (``bits`` in 1..8)."""
-        return self.bits in _QUANT_BITS
+        return self.bits in QUANTIZED_BITS
 
     @property
     def fusion_buffer_bytes(self) -> int:
@@ -333,17 +308,36 @@ def default_config(api: str = "compressed_psum", environ: Mapping[str, str] | No
     return config
 
 
-def given_link_gbps(config: CompressionConfig) -> float | None:
-    """The link's rate per rank where the user gave it: ``config.link_gbps``, else
-    ``JAX_CGX_LINK_GBPS``; None where neither says (or the variable is malformed: logged by
-    :func:`check_environment`, and raised where ``policy='auto'`` calibrates). The xla backend
-    sizes its messages to it (:func:`jax_cgx._src.exchange.wire.message_cap`)."""
-    if config.link_gbps is not None:
-        return float(config.link_gbps)
+class GivenLink(NamedTuple):
+    """The link rate per rank the user gave, and where (:func:`given_link`)."""
+
+    #: Gbit/s per rank; None where nothing gives it (``policy="auto"`` measures it).
+    gbps: float | None
+    #: Where it was given: ``"CompressionConfig.link_gbps"``, ``"JAX_CGX_LINK_GBPS"`` or None.
+    source: str | None
+    #: The error of a malformed ``JAX_CGX_LINK_GBPS`` (``gbps`` is then None), for the caller to
+    #: raise where it may: a process must not raise before an agreement its peers wait in.
+    error: ValueError | None
+
+
+def given_link(config: CompressionConfig | None) -> GivenLink:
+    """Which link rate wins, decided here only: ``config.link_gbps``, else ``JAX_CGX_LINK_GBPS``,
+    else none (``config=None``: the environment's alone)."""
+    if config is not None and config.link_gbps is not None:
+        return GivenLink(float(config.link_gbps), "CompressionConfig.link_gbps", None)
     try:
-        return link_gbps_from_env()
-    except ValueError:
-        return None
+        env = link_gbps_from_env()
+    except ValueError as err:
+        return GivenLink(None, None, err)
+    return GivenLink(env, None if env is None else "JAX_CGX_LINK_GBPS", None)
+
+
+def given_link_gbps(config: CompressionConfig) -> float | None:
+    """The link's rate per rank where the user gave it (:func:`given_link`); None where neither
+    says (or the variable is malformed: logged by :func:`check_environment`, and raised where
+    ``policy='auto'`` calibrates). The xla backend sizes its messages to it
+    (:func:`jax_cgx._src.exchange.wire.message_cap`)."""
+    return given_link(config).gbps
 
 
 def _check_int(name: str, value) -> None:

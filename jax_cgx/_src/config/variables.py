@@ -5,19 +5,16 @@ that names it."""
 from __future__ import annotations
 
 import logging
-import math
 import os
 from collections.abc import Mapping
 
 from jax_cgx._src.config.limits import (
     _MIN_SIZE_FLOOR,
-    _VALID_BITS,
     ALGORITHMS,
     BACKENDS,
-    MAX_BUCKET_SIZE,
-    MAX_SEGMENTS,
-    MIN_FUSION_BUFFER_MB,
     POLICIES,
+    accepted,
+    field_problem,
 )
 
 __all__ = ["CONFIG_VARIABLES", "ENV_VARS", "JAX_CGX_ENV_VARS", "TORCH_CGX_VARIABLES", "fields_from_env",
@@ -68,23 +65,15 @@ def fields_from_env(env: Mapping[str, str]) -> dict:
             raise ValueError(f"{name}={raw!r} is not an integer; {accepted}") from None
 
     fields: dict = {}
-    bits_accepted = "use 1..8 (bits per value), 16 (a half-precision all-reduce) or 32 (no compression)"
-    bits = read_int("CGX_COMPRESSION_QUANTIZATION_BITS", bits_accepted)
-    if bits not in _VALID_BITS:
-        raise ValueError(f"CGX_COMPRESSION_QUANTIZATION_BITS={bits} is not supported; {bits_accepted}")
-    fields["bits"] = bits
-    bucket_accepted = f"use a whole number of values in 1..{MAX_BUCKET_SIZE}, e.g. 512 (the default)"
-    bucket = read_int("CGX_COMPRESSION_BUCKET_SIZE", bucket_accepted)
-    if not 1 <= bucket <= MAX_BUCKET_SIZE:
-        bound = "must be >= 1" if bucket < 1 else f"is above the largest bucket, {MAX_BUCKET_SIZE}"
-        raise ValueError(f"CGX_COMPRESSION_BUCKET_SIZE={bucket} {bound}; {bucket_accepted}")
-    fields["bucket_size"] = bucket
+    for name, field in (("CGX_COMPRESSION_QUANTIZATION_BITS", "bits"), ("CGX_COMPRESSION_BUCKET_SIZE", "bucket_size"),
+                        ("CGX_COMPRESSION_MINIMAL_SIZE", "min_size")):
+        value = read_int(name, accepted(field))
+        if problem := field_problem(field, value):
+            raise ValueError(f"{name}={value} {problem}; {accepted(field)}")
+        fields[field] = value
     fields["skip_incomplete_buckets"] = _flag(env, "CGX_COMPRESSION_SKIP_INCOMPLETE_BUCKETS",
                                               read("CGX_COMPRESSION_SKIP_INCOMPLETE_BUCKETS"))
-    min_size = read_int("CGX_COMPRESSION_MINIMAL_SIZE", "use a whole number of values >= 0 (16 and below: 16)")
-    if min_size < 0:
-        raise ValueError(f"CGX_COMPRESSION_MINIMAL_SIZE={min_size} must be >= 0 (16 and below: 16, "
-                         "torch_cgx's floor)")
+    min_size = fields["min_size"]
     if min_size < _MIN_SIZE_FLOOR and ("min", min_size) not in _said:
         _said.add(("min", min_size))
         log.info("jax_cgx: CGX_COMPRESSION_MINIMAL_SIZE=%d raised to %d, torch_cgx's floor (arrays with fewer "
@@ -92,14 +81,12 @@ def fields_from_env(env: Mapping[str, str]) -> dict:
                  min_size, _MIN_SIZE_FLOOR)
     fields["min_size"] = max(min_size, _MIN_SIZE_FLOOR)
     raw_mb = read("CGX_FUSION_BUFFER_SIZE_MB")
-    mb_accepted = "use a finite number of MiB >= 1/1024 (1 KiB), e.g. 64 (the default)"
     try:
         mb = float(raw_mb)
     except ValueError:
-        raise ValueError(f"CGX_FUSION_BUFFER_SIZE_MB={raw_mb!r} is not a number; {mb_accepted}") from None
-    if not (math.isfinite(mb) and mb >= MIN_FUSION_BUFFER_MB):
-        raise ValueError(f"CGX_FUSION_BUFFER_SIZE_MB={raw_mb} must be a finite number of MiB >= "
-                         "1/1024 (1 KiB); e.g. 64 (the default)")
+        raise ValueError(f"CGX_FUSION_BUFFER_SIZE_MB={raw_mb!r} is not a number; {accepted('fusion_buffer_mb')}") from None
+    if problem := field_problem("fusion_buffer_mb", mb):
+        raise ValueError(f"CGX_FUSION_BUFFER_SIZE_MB={raw_mb} {problem}; {accepted('fusion_buffer_mb')}")
     fields["fusion_buffer_mb"] = int(mb) if mb.is_integer() else mb
     fields.update(_execution_from_env(env))
     return fields
@@ -143,13 +130,13 @@ def _execution_from_env(env: Mapping[str, str]) -> dict:
     if (hier := read("JAX_CGX_HIERARCHICAL")) is not None:
         fields["hierarchical"] = _flag(env, "JAX_CGX_HIERARCHICAL", hier)
     if (segments := read("JAX_CGX_PIPELINE_SEGMENTS")) is not None:
-        accepted = f"use 0..{MAX_SEGMENTS} (0 = by size, the default)"
         try:
             count = int(segments)
         except ValueError:
-            raise ValueError(f"JAX_CGX_PIPELINE_SEGMENTS={segments!r} is not an integer; {accepted}") from None
-        if not 0 <= count <= MAX_SEGMENTS:
-            raise ValueError(f"JAX_CGX_PIPELINE_SEGMENTS={segments} must be in 0..{MAX_SEGMENTS} (0 = by size)")
+            raise ValueError(f"JAX_CGX_PIPELINE_SEGMENTS={segments!r} is not an integer; "
+                             f"{accepted('pipeline_segments')}") from None
+        if problem := field_problem("pipeline_segments", count):
+            raise ValueError(f"JAX_CGX_PIPELINE_SEGMENTS={segments} {problem}; {accepted('pipeline_segments')}")
         fields["pipeline_segments"] = count
     if (policy := read("JAX_CGX_POLICY")) is not None:
         fields["policy"] = _choice(env, "JAX_CGX_POLICY", policy, POLICIES)

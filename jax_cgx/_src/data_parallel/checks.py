@@ -20,6 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from jax_cgx._src import compat
+
 API = "data_parallel_value_and_grad"
 
 
@@ -119,30 +121,20 @@ def check_closures(fun, rows: int, world: int) -> None:
                     "device gets its rows; pass data that is the same for every device as a keyword argument")
 
 
-def _is_key(leaf) -> bool:
-    """A typed PRNG key, or a raw one (uint32[2], what jax.random.PRNGKey makes)."""
-    dtype = getattr(leaf, "dtype", None)
-    if dtype is None:
-        return False
-    if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
-        return True
-    return dtype == jnp.uint32 and tuple(getattr(leaf, "shape", ())) == (2,)
-
-
 def check_keys(kwargs: dict, device_keys: tuple[str, ...], shared_keys: tuple[str, ...]) -> None:
     """Every declared device key is given and is a key; an undeclared key is refused."""
     for name in device_keys:
         if name not in kwargs:
             raise ValueError(f"{API}: device_keys names {name!r}, but grad_fn got no keyword argument {name!r} "
                              f"(it got {sorted(kwargs)})")
-        if not all(_is_key(leaf) for leaf in jax.tree.leaves(kwargs[name])):
+        if not all(compat.is_prng_key(leaf) for leaf in jax.tree.leaves(kwargs[name])):
             raise ValueError(f"{API}: the device key {name!r} is not a PRNG key (jax.random.key or "
                              "jax.random.PRNGKey): each device folds its index into it")
     for name, value in kwargs.items():
         if name in device_keys or name in shared_keys:
             continue
         for path, leaf in jax.tree_util.tree_flatten_with_path(value)[0]:
-            if _is_key(leaf):
+            if compat.is_prng_key(leaf):
                 raise ValueError(
                     f"{API}: keyword argument {name}{jax.tree_util.keystr(path)} is a PRNG key: every device would "
                     "draw the same random numbers from it (the same dropout mask on every device's rows). Declare "
