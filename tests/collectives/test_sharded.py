@@ -323,9 +323,10 @@ def _fixed_codec_rates(pricing) -> None:
     """The codec's rates fixed (a copy at memory speed, 40 GB/s): measured ones make an unlimited
     link a near tie for the sharded collectives on a loaded 2-core machine (copy ~5-12 GB/s), where
     the all-gather compressed once in CI. With a given link nothing else is measured."""
+    from jax_cgx._src.policy import calibration
     from jax_cgx._src.policy.cost_model import CodecRates
 
-    pricing._measured_rates[jax.default_backend()] = CodecRates(quantize=20e9, dequantize=30e9, add=40e9)
+    calibration._measured_rates[jax.default_backend()] = CodecRates(quantize=20e9, dequantize=30e9, add=40e9)
 
 
 @pytest.mark.parametrize("op", list(_SHARDED_OPS))

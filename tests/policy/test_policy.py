@@ -21,7 +21,7 @@ from processes import run_all, run_workers, worker_commands
 
 import jax_cgx
 from jax_cgx._src.collectives import bytes_on_wire
-from jax_cgx._src.policy import cost_model, forms, pricing
+from jax_cgx._src.policy import calibration, cost_model, forms, pricing
 
 W = 8
 BIG = 1 << 18  # values per device of the large leaf: 1 MiB of float32
@@ -430,8 +430,8 @@ def test_explain_measures_nothing_for_a_policy_that_does_not_decide(monkeypatch,
     tree = {"w": jax.ShapeDtypeStruct((W * 4096,), jnp.float32)}
     config = jax_cgx.CompressionConfig(bits=4, policy="always", min_size=16)
     calls = []
-    real = pricing._calibrate_platform
-    monkeypatch.setattr(pricing, "_calibrate_platform", lambda *a: calls.append(a) or real(*a))
+    real = calibration._calibrate_platform
+    monkeypatch.setattr(calibration, "_calibrate_platform", lambda *a: calls.append(a) or real(*a))
     tiled = {"tiled": True} if op == "psum_scatter" else {}
     report = jax_cgx.explain(tree, world=W, config=config, op=op, file=None, **tiled)
     assert not calls and [b.priced for b in report.buffers] == ["not priced"]

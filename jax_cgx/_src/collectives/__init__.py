@@ -1,7 +1,8 @@
 """Compressed collectives: ``compressed_psum`` / ``compressed_pmean`` and how they run.
 
 - :mod:`~jax_cgx._src.collectives.psum`: ``compressed_psum`` / ``compressed_pmean`` on pytrees: lanes,
-  fusion buffers, ``bytes_on_wire``;
+  fusion buffers;
+- :mod:`~jax_cgx._src.collectives.wire_bytes`: ``bytes_on_wire``, what one rank sends, for each op;
 - :mod:`~jax_cgx._src.collectives.backward`: ``reduce_in_backward``, the mean taken in the backward pass;
 - :mod:`~jax_cgx._src.collectives.reduce_scatter`, :mod:`~jax_cgx._src.collectives.all_gather`:
   ``compressed_psum_scatter`` and ``compressed_all_gather`` (sharded training) on pytrees;
@@ -23,8 +24,9 @@ backend (:mod:`jax_cgx._src.backends`); nothing here names a transport.
 from jax_cgx._src.collectives.all_gather import compressed_all_gather
 from jax_cgx._src.collectives.backward import reduce_in_backward
 from jax_cgx._src.collectives.explain import Explanation, explain
-from jax_cgx._src.collectives.psum import ConfigSpec, bytes_on_wire, compressed_pmean, compressed_psum
+from jax_cgx._src.collectives.psum import ConfigSpec, compressed_pmean, compressed_psum
 from jax_cgx._src.collectives.reduce_scatter import compressed_psum_scatter
+from jax_cgx._src.collectives.wire_bytes import bytes_on_wire
 from jax_cgx._src.policy.pricing import Figures, calibrate
 
 __all__ = ["compressed_psum", "compressed_pmean", "compressed_psum_scatter", "compressed_all_gather", "bytes_on_wire", "ConfigSpec", "explain", "Explanation",

@@ -20,14 +20,12 @@ import numpy as np
 from jax import lax
 
 from jax_cgx._src import backends, compat
-from jax_cgx._src.codec.quantized import META_BYTES, num_buckets, payload_bytes
 from jax_cgx._src.collectives.plan import ConfigSpec, Group, lane, leaf_configs, varying_beyond
 from jax_cgx._src.config import CompressionConfig
-from jax_cgx._src.exchange.chunks import chunk_length
 from jax_cgx._src.policy import pricing
 
 __all__ = ["Leaves", "fuse", "buffer_keys", "buffers", "compressed_buffers", "copied", "decide", "check_config",
-           "check_key", "wire_bytes", "timing_key"]
+           "check_key", "timing_key"]
 
 log = logging.getLogger("jax_cgx")
 _logged: set = set()
@@ -154,34 +152,3 @@ def buffers(leaves: Leaves, world: int, op: str) -> list[tuple[Group, list[int]]
     per = (lambda i: leaves.leaves[i].size // world) if op == "psum_scatter" else (lambda i: leaves.leaves[i].size)
     return [(group, [members[k] for k in run]) for group, members in leaves.groups.items()
             for run in fuse([per(i) for i in members], group.capacity // world)]
-
-
-def wire_bytes(x, world: int, config: ConfigSpec, op: str) -> int:
-    """Bytes one rank sends for ``compressed_psum_scatter`` (``x``: each rank's input) or
-    ``compressed_all_gather`` (``x``: each rank's shard): ``W - 1`` blocks or shards, each
-    the leaf's bytes over ``W`` (reduce-scatter) or the shard's (all-gather) uncompressed,
-    packed (payload plus 8 bytes per bucket) when quantized."""
-    if world <= 1:
-        return 0
-    leaves = Leaves(x, config, "bytes_on_wire")
-    if op == "psum_scatter":
-        for i, leaf in enumerate(leaves.leaves):
-            if leaf.size % world:
-                raise ValueError(f"bytes_on_wire: leaf {leaves.name(i)} has {leaf.size} values, which "
-                                 f"compressed_psum_scatter cannot split over {world} ranks")
-    share = (world - 1) / world if op == "psum_scatter" else world - 1
-    total = 0.0
-    for leaf, kind in zip(leaves.leaves, leaves.lanes):
-        if kind == "exact":
-            total += share * leaf.size * np.dtype(leaf.dtype).itemsize
-        elif kind == "half":
-            total += share * leaf.size * 2
-    for group, members in buffers(leaves, world, op):
-        if not decide(leaves, group, members, world, op, measure=False).compress:  # lax, uncompressed
-            total += share * sum(leaves.leaves[i].size * group.dtype.itemsize for i in members)
-            continue
-        m = sum(leaves.leaves[i].size for i in members) // (world if op == "psum_scatter" else 1)
-        c = chunk_length(m * world, world, group.config.bucket_size, False)
-        packed = payload_bytes(c, group.config.bucket_size, group.config.bits)
-        total += (world - 1) * (packed + num_buckets(c, group.config.bucket_size) * META_BYTES)
-    return int(round(total))

@@ -1,8 +1,9 @@
 """``policy="auto"``: whether each fusion buffer is worth compressing on this machine.
 
-- :mod:`~jax_cgx._src.policy.pricing`: the figures agreed across processes (``calibrate``,
-  ``figures``) and each buffer's decision (``decide``): the model, and near a tie a timing of
-  the buffer itself;
+- :mod:`~jax_cgx._src.policy.calibration`: the figures, measured once and agreed across processes
+  (``calibrate``, ``figures``, ``levels`` over nodes);
+- :mod:`~jax_cgx._src.policy.pricing`: each buffer's decision (``decide``): the model, and near a
+  tie a timing of the buffer itself;
 - :mod:`~jax_cgx._src.policy.figures`: the records it keeps and returns,
   :class:`~jax_cgx._src.policy.figures.Figures` and :class:`~jax_cgx._src.policy.figures.Decision`;
 - :mod:`~jax_cgx._src.policy.forms`: over nodes, which form (flat or hierarchical, SRA or ring)
