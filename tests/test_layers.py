@@ -45,10 +45,10 @@ ALLOWED: dict[str, set[str]] = {
     "exits": {"outputs"},
     # A process left in a collective its peers never run: ended by name.
     "unmatched": {"arguments", "exits", "outputs"},
-    "launch": BASE | {"distributed", "allocator", "mps", "ends", "outputs"},  # starts processes with the allocator's settings
+    # The launcher (its processes' ends and --mps's daemon inside it): starts processes with the
+    # allocator's settings and the variables distributed reads.
+    "launch": BASE | {"distributed", "allocator", "outputs"},
     "outputs": set(),  # the processes' output as the launcher reads it: copied, and read for reports
-    "ends": set(),  # the launcher's children's ends, in the order they happen
-    "mps": set(),  # the launcher's --mps: a private CUDA MPS daemon around the job
     "cost_model": {"policy"},
     # The public face and the tools on top of it may use anything.
     "__init__": None,

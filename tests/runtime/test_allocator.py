@@ -99,9 +99,9 @@ def test_imported_after_jax_distributed_it_warns_and_the_launcher_environment_fi
 
 
 def test_the_launcher_starts_processes_with_the_settings():
-    from jax_cgx import launch
+    from jax_cgx._src.launch import processes
 
-    env = launch._environment(0, 2, 4321, None)
+    env = processes._environment(0, 2, 4321, None)
     assert all(env[k] == v for k, v in allocator.ENVIRONMENT.items() if k not in os.environ)
 
 

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 
+import jax
 import numpy as np
 import pytest
 from allreduce_cases import oracle
@@ -17,6 +18,7 @@ from processes import SUPPORT, run_all
 
 from jax_cgx import CompressionConfig, distributed, launch
 from jax_cgx._src import exits, outputs
+from jax_cgx._src.launch import processes as launch_processes
 from jax_cgx.distributed import detect
 from jax_cgx.launch import free_port
 
@@ -482,7 +484,7 @@ def test_a_slurm_node_name_that_does_not_resolve_is_an_error_not_a_wait(monkeypa
                        "SLURM_STEP_NODELIST": "no-such-node.invalid", "SLURM_STEP_TASKS_PER_NODE": "2"}.items():
         monkeypatch.setenv(key, value)
     started = []
-    monkeypatch.setattr(distributed.jax.distributed, "initialize", lambda *a, **k: started.append(a))
+    monkeypatch.setattr(jax.distributed, "initialize", lambda *a, **k: started.append(a))
     with pytest.raises(RuntimeError, match=r"the SLURM node 'no-such-node.invalid', where jax puts the coordinator "
                                            r".* does not resolve"):
         distributed.initialize(cpu_collectives="", exit_on_uncaught_exception=False)
@@ -497,7 +499,7 @@ def test_open_mpi_5_on_one_node_derives_the_coordinator_from_its_namespace(monke
         monkeypatch.setenv(key, value)
     monkeypatch.delenv("OMPI_MCA_orte_hnp_uri", raising=False)
     started = []
-    monkeypatch.setattr(distributed.jax.distributed, "initialize", lambda **k: started.append(k))
+    monkeypatch.setattr(jax.distributed, "initialize", lambda **k: started.append(k))
     distributed.initialize(cpu_collectives="", exit_on_uncaught_exception=False)
     address = started[0]["coordinator_address"]
     assert address.startswith("127.0.0.1:") and 20000 <= int(address.split(":")[1]) < 50000
@@ -532,7 +534,7 @@ def test_the_devices_each_process_drives(monkeypatch, env, kwargs, expected):
     for key, value in env.items():
         monkeypatch.setenv(key, value)
     seen = {}
-    monkeypatch.setattr(distributed.jax.distributed, "initialize", lambda **kw: seen.update(kw))
+    monkeypatch.setattr(jax.distributed, "initialize", lambda **kw: seen.update(kw))
     distributed.initialize(cpu_collectives="", exit_on_uncaught_exception=False, shutdown_timeout_seconds=7,
                            **kwargs)
     assert seen["local_device_ids"] == expected
@@ -553,7 +555,7 @@ def test_stdin_goes_to_rank_0_only(tmp_path):
 def test_too_many_processes_is_an_error_that_starts_nothing(tmp_path, capsys, monkeypatch, n):
     # -n 100000 started spawning with no bound.
     started = []
-    monkeypatch.setattr(launch.subprocess, "Popen", lambda *a, **k: started.append(a))
+    monkeypatch.setattr(launch_processes.subprocess, "Popen", lambda *a, **k: started.append(a))
     with pytest.raises(SystemExit) as exited:
         launch.main(["-n", str(n), CHECK, str(tmp_path)])
     assert exited.value.code == 2
@@ -577,7 +579,7 @@ def test_a_process_that_cannot_start_leaves_none_behind(monkeypatch):
         started.append(real(*args, **kwargs))
         return started[-1]
 
-    monkeypatch.setattr(launch.subprocess, "Popen", popen)
+    monkeypatch.setattr(launch_processes.subprocess, "Popen", popen)
     with pytest.raises(OSError, match="Resource temporarily unavailable"):
         launch.ProcessGroup([["sleep", "600"]] * 3, [dict(os.environ)] * 3)
     assert len(started) == 2 and all(p.poll() is not None for p in started), "a process was left running"
@@ -586,7 +588,7 @@ def test_a_process_that_cannot_start_leaves_none_behind(monkeypatch):
 
 def test_the_coordinator_listens_on_loopback_only(tmp_path):
     # The docstring said 127.0.0.1, but jax's coordinator bound every interface ([::]:port).
-    assert launch._environment(0, 2, 4321, None)["JAX_COORDINATOR_BIND_ADDRESS"] == "127.0.0.1:4321"
+    assert launch_processes._environment(0, 2, 4321, None)["JAX_COORDINATOR_BIND_ADDRESS"] == "127.0.0.1:4321"
     script = _script(tmp_path, """
 import ipaddress
 import os
