@@ -76,45 +76,11 @@ ffi::Error DequantizeSumRequantizeImpl(ffi::AnyBuffer payload, ffi::AnyBuffer me
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(CpuQuantize, QuantizeImpl,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()  // x
-                                  .Arg<ffi::AnyBuffer>()  // seeds
-                                  .Arg<ffi::AnyBuffer>()  // valid
-                                  .Ret<ffi::AnyBuffer>()  // payload
-                                  .Ret<ffi::AnyBuffer>()  // meta
-                                  .Attr<int32_t>("bits")
-                                  .Attr<int64_t>("bucket_size")
-                                  .Attr<bool>("stochastic"));
-
+// Each target's signature is ffi_support.h's, which the CUDA handlers bind too.
+XLA_FFI_DEFINE_HANDLER_SYMBOL(CpuQuantize, QuantizeImpl, jax_cgx::ffi_support::QuantizeSignature(ffi::Ffi::Bind()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(CpuDequantize, DequantizeImpl,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()  // payload
-                                  .Arg<ffi::AnyBuffer>()  // meta
-                                  .Ret<ffi::AnyBuffer>()  // out
-                                  .Attr<int32_t>("bits")
-                                  .Attr<int64_t>("bucket_size")
-                                  .Attr<float>("scale"));  // 1, or 1/W for a mean
-
+                              jax_cgx::ffi_support::DequantizeSignature(ffi::Ffi::Bind()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(CpuDequantizeSum, DequantizeSumImpl,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()  // payload
-                                  .Arg<ffi::AnyBuffer>()  // meta
-                                  .Arg<ffi::AnyBuffer>()  // addend
-                                  .Ret<ffi::AnyBuffer>()  // out
-                                  .Attr<int32_t>("bits")
-                                  .Attr<int64_t>("bucket_size"));
-
+                              jax_cgx::ffi_support::DequantizeSumSignature(ffi::Ffi::Bind()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(CpuDequantizeSumRequantize, DequantizeSumRequantizeImpl,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()  // payload
-                                  .Arg<ffi::AnyBuffer>()  // meta
-                                  .Arg<ffi::AnyBuffer>()  // addend
-                                  .Arg<ffi::AnyBuffer>()  // seeds
-                                  .Arg<ffi::AnyBuffer>()  // valid
-                                  .Ret<ffi::AnyBuffer>()  // payload
-                                  .Ret<ffi::AnyBuffer>()  // meta
-                                  .Ret<ffi::AnyBuffer>()  // out
-                                  .Attr<int32_t>("bits")
-                                  .Attr<int64_t>("bucket_size")
-                                  .Attr<bool>("stochastic"));
+                              jax_cgx::ffi_support::DequantizeSumRequantizeSignature(ffi::Ffi::Bind()));

@@ -119,53 +119,16 @@ ffi::Error DequantizeSumRequantizeImpl(cudaStream_t stream, ffi::AnyBuffer paylo
 }  // namespace
 }  // namespace jax_cgx::cuda
 
-// Attributes as jax_cgx/_src/codec/kernels.py passes them: bits and bucket_size everywhere,
-// stochastic only for the two quantizing targets (XLA rejects extra or missing
-// attributes).
+// Each target's signature is ffi_support.h's (the CPU handlers bind it too), after the stream.
+namespace {
+auto OnStream() { return ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>(); }
+}  // namespace
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(CudaQuantize, jax_cgx::cuda::QuantizeImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()  // x
-                                  .Arg<ffi::AnyBuffer>()  // seeds
-                                  .Arg<ffi::AnyBuffer>()  // valid
-                                  .Ret<ffi::AnyBuffer>()  // payload
-                                  .Ret<ffi::AnyBuffer>()  // meta
-                                  .Attr<int32_t>("bits")
-                                  .Attr<int64_t>("bucket_size")
-                                  .Attr<bool>("stochastic"));
-
+                              jax_cgx::ffi_support::QuantizeSignature(OnStream()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(CudaDequantize, jax_cgx::cuda::DequantizeImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()  // payload
-                                  .Arg<ffi::AnyBuffer>()  // meta
-                                  .Ret<ffi::AnyBuffer>()  // out
-                                  .Attr<int32_t>("bits")
-                                  .Attr<int64_t>("bucket_size")
-                                  .Attr<float>("scale"));  // 1, or 1/W for a mean
-
+                              jax_cgx::ffi_support::DequantizeSignature(OnStream()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(CudaDequantizeSum, jax_cgx::cuda::DequantizeSumImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()  // payload
-                                  .Arg<ffi::AnyBuffer>()  // meta
-                                  .Arg<ffi::AnyBuffer>()  // addend
-                                  .Ret<ffi::AnyBuffer>()  // out
-                                  .Attr<int32_t>("bits")
-                                  .Attr<int64_t>("bucket_size"));
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(CudaDequantizeSumRequantize,
-                              jax_cgx::cuda::DequantizeSumRequantizeImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()  // payload
-                                  .Arg<ffi::AnyBuffer>()  // meta
-                                  .Arg<ffi::AnyBuffer>()  // addend
-                                  .Arg<ffi::AnyBuffer>()  // seeds
-                                  .Arg<ffi::AnyBuffer>()  // valid
-                                  .Ret<ffi::AnyBuffer>()  // payload
-                                  .Ret<ffi::AnyBuffer>()  // meta
-                                  .Ret<ffi::AnyBuffer>()  // out
-                                  .Attr<int32_t>("bits")
-                                  .Attr<int64_t>("bucket_size")
-                                  .Attr<bool>("stochastic"));
+                              jax_cgx::ffi_support::DequantizeSumSignature(OnStream()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(CudaDequantizeSumRequantize, jax_cgx::cuda::DequantizeSumRequantizeImpl,
+                              jax_cgx::ffi_support::DequantizeSumRequantizeSignature(OnStream()));

@@ -17,6 +17,7 @@
 #include <initializer_list>
 #include <string>
 #include <string_view>
+#include <utility>
 
 #include "xla/ffi/api/ffi.h"
 #include "xla_ffi/codec_math.h"
@@ -302,6 +303,35 @@ inline ffi::Error CheckRequantizeOperands(std::string_view target, const ffi::An
   CGX_RETURN_IF_ERROR(CheckValidCounts(target, valid, r));
   return CheckEncodings(target, "result payload", payload, "result meta", meta, r->rows, -1, r->m, bits,
                         bucket_size);
+}
+
+// Each codec target's signature in XLA's binding, written once: its operands, results and
+// attributes, after whatever context a platform's handler takes first (CUDA: its stream). The CPU
+// handlers bind `QuantizeSignature(ffi::Ffi::Bind())`, the CUDA ones the same after `.Ctx<...>()`;
+// jax_cgx/_src/codec/kernels.py passes exactly these attributes (XLA rejects extra or missing ones).
+template <typename Binding>
+auto QuantizeSignature(Binding b) {  // x, seeds, valid -> payload, meta
+  return std::move(b).template Arg<ffi::AnyBuffer>().template Arg<ffi::AnyBuffer>().template Arg<ffi::AnyBuffer>()
+      .template Ret<ffi::AnyBuffer>().template Ret<ffi::AnyBuffer>()
+      .template Attr<int32_t>("bits").template Attr<int64_t>("bucket_size").template Attr<bool>("stochastic");
+}
+template <typename Binding>
+auto DequantizeSignature(Binding b) {  // payload, meta -> out; scale: 1, or 1/W for a mean
+  return std::move(b).template Arg<ffi::AnyBuffer>().template Arg<ffi::AnyBuffer>().template Ret<ffi::AnyBuffer>()
+      .template Attr<int32_t>("bits").template Attr<int64_t>("bucket_size").template Attr<float>("scale");
+}
+template <typename Binding>
+auto DequantizeSumSignature(Binding b) {  // payload, meta, addend -> out
+  return std::move(b).template Arg<ffi::AnyBuffer>().template Arg<ffi::AnyBuffer>().template Arg<ffi::AnyBuffer>()
+      .template Ret<ffi::AnyBuffer>()
+      .template Attr<int32_t>("bits").template Attr<int64_t>("bucket_size");
+}
+template <typename Binding>
+auto DequantizeSumRequantizeSignature(Binding b) {  // payload, meta, addend, seeds, valid -> payload, meta, out
+  return std::move(b).template Arg<ffi::AnyBuffer>().template Arg<ffi::AnyBuffer>().template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::AnyBuffer>().template Arg<ffi::AnyBuffer>()
+      .template Ret<ffi::AnyBuffer>().template Ret<ffi::AnyBuffer>().template Ret<ffi::AnyBuffer>()
+      .template Attr<int32_t>("bits").template Attr<int64_t>("bucket_size").template Attr<bool>("stochastic");
 }
 
 // The row of a whole-exchange all-reduce (jax_cgx_nccl_allreduce,
