@@ -131,14 +131,6 @@ def random_bits(seed0, seed1, index):
     return mix32(mix32(index ^ seed0) ^ seed1) >> (32 - FRAC_BITS)
 
 
-def fixed_position(x, mn, inv, bits: int):
-    t = (flush(x) - mn) * inv
-    t = jnp.where(t > 0, t, _F32(0))
-    top = _F32(max_level(bits))
-    t = jnp.where(t < top, t, top)
-    return (t * FRAC_SCALE).astype(jnp.int32)
-
-
 def level_nearest(fixed):
     return (fixed + (1 << (FRAC_BITS - 1))).astype(_U32) >> FRAC_BITS
 
