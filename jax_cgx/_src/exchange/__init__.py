@@ -16,6 +16,11 @@
 - :mod:`~jax_cgx._src.exchange.wire`: encodings as byte rows and the XLA collectives that move them,
   their messages sized to the platform and the link.
 
+Each op's module reads top to bottom: the per-device program on rows (XLA collectives around the
+codec's kernels), the primitive and its rules (differentiation as lax's collective; vmap folds into
+rows; lowering through the backend chosen while tracing, :mod:`jax_cgx._src.backends`, whose xla
+backend runs the program and any other computes the same bits), and the function that binds it.
+
 Below the collectives' pytree API (:mod:`jax_cgx._src.collectives`) and ``policy="auto"``
 (:mod:`jax_cgx._src.policy`, whose probes time it); above the backends and the codec.
 """

@@ -5,12 +5,9 @@ the alignment padding out of every bucket), the encodings are all-gathered, and 
 decodes all ``W`` of them with the same kernel, its own included, so every replica holds bitwise
 the same result.
 
-The module reads top to bottom: the per-device program on rows, the primitive, its rules
-(differentiation as ``lax.all_gather``: the tangent goes through lax's exact collective, so
-``jax.grad`` gives lax's gradient, a ``psum_scatter``; vmap folds into rows; lowering through the
-backend chosen while tracing, :mod:`jax_cgx._src.backends`, whose xla backend runs the program
-above and any other computes the same bits), and :func:`compressed_gather`, which binds it. The
-pytree API, ``compressed_all_gather``, is :mod:`jax_cgx._src.collectives.all_gather`.
+Differentiation is ``lax.all_gather``'s (``jax.grad`` gives lax's gradient, a ``psum_scatter``).
+Read as its siblings are (:mod:`jax_cgx._src.exchange`): program, primitive and rules,
+:func:`compressed_gather`. Its pytree API is :mod:`jax_cgx._src.collectives.all_gather`.
 """
 
 from __future__ import annotations

@@ -10,12 +10,9 @@
 2. the owner decodes the ``W - 1`` blocks from its peers and adds them to its own block in
    full precision (its own encoding decodes to +0), accumulating in float32, in one kernel.
 
-The module reads top to bottom: the per-device program on rows, the primitive, its rules
-(differentiation as ``lax.psum_scatter``: the tangent goes through lax's exact collective, so
-``jax.grad`` gives lax's gradient, an ``all_gather``; vmap folds into rows; lowering through the
-backend chosen while tracing, :mod:`jax_cgx._src.backends`, whose xla backend runs the program
-above and any other computes the same bits), and :func:`compressed_scatter`, which binds it. The
-pytree API, ``compressed_psum_scatter``, is :mod:`jax_cgx._src.collectives.reduce_scatter`.
+Differentiation is ``lax.psum_scatter``'s (``jax.grad`` gives lax's gradient, an ``all_gather``).
+Read as its siblings are (:mod:`jax_cgx._src.exchange`): program, primitive and rules,
+:func:`compressed_scatter`. Its pytree API is :mod:`jax_cgx._src.collectives.reduce_scatter`.
 """
 
 from __future__ import annotations
