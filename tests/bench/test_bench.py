@@ -30,7 +30,7 @@ def test_parse_bytes_and_sweep():
     (["allreduce", "--bits", "16"], "argument --bits: invalid choice: 16"),
     (["codec", "--world", "0"], "argument --world: must be at least 1, got 0"),
     (["codec", "--bits", "9"], "argument --bits: invalid choice: 9"),
-    (["model", "--codec-json", "x.json", "--link", "0gbit"], "argument --link: '0gbit': a rate must be above 0"),
+    (["model", "--codec-json", "x.json", "--link", "0gbit"], "argument --link: '0gbit' is not a tc rate (e.g. 1gbit"),
     (["model", "--codec-json", "x.json", "--latency-ms", "-1"], "argument --latency-ms: must be a finite number >= 0"),
     (["model", "--codec-json", "x.json", "--world", "0"], "argument --world: must be at least 1"),
 ])

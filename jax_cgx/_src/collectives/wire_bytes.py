@@ -23,7 +23,7 @@ def bytes_on_wire(x, world: int, config: ConfigSpec = None, *, inner_world: int 
                   op: str = "psum") -> int:
     """Bytes one rank sends to reduce the pytree ``x`` (arrays or ShapeDtypeStructs) over ``world`` ranks.
 
-    ``op``: ``"psum"`` (:func:`compressed_psum`, described below), ``"psum_scatter"``
+    ``op``: ``"psum"`` (:func:`~jax_cgx.compressed_psum`, described below), ``"psum_scatter"``
     (:func:`~jax_cgx.compressed_psum_scatter` of ``x``: ``W-1`` of its ``W`` blocks,
     packed when quantized) or ``"all_gather"`` (:func:`~jax_cgx.compressed_all_gather` of the
     shard ``x``: ``W-1`` copies of it, packed when quantized).
@@ -40,7 +40,7 @@ def bytes_on_wire(x, world: int, config: ConfigSpec = None, *, inner_world: int 
     Args:
       x: the pytree.
       world: the number of ranks the sum runs over (all reduced axes together).
-      config: as for :func:`compressed_psum`.
+      config: as for :func:`~jax_cgx.compressed_psum`.
       inner_world: for ``hierarchical`` configs, the size of the inner (last, intra-node)
         axis; required by them, ignored otherwise. A hierarchical buffer is counted as an
         uncompressed reduce-scatter plus all-gather of the (padded) buffer over the inner

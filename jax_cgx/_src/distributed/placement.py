@@ -24,7 +24,7 @@ COORDINATOR_VARIABLE = "JAX_CGX_COORDINATOR"
 class ProcessInfo:
     """Where this process sits in the job.
 
-    Made by :func:`detect` and :func:`initialize`.
+    Made by :func:`~jax_cgx.distributed.detect` and :func:`~jax_cgx.distributed.initialize`.
 
     Attributes:
       process_index: this process's rank, 0..process_count-1.
