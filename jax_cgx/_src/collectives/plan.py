@@ -84,23 +84,23 @@ class _Repeated(list):
     """One config repeated for the leaves of the subtree it covers (not a pytree node)."""
 
 
-def leaf_configs(spec: ConfigSpec, tree, paths: Sequence[tuple], api: str = "compressed_psum"
+def leaf_configs(config: ConfigSpec, tree, paths: Sequence[tuple], api: str = "compressed_psum"
                  ) -> list[CompressionConfig | None]:
-    check_environment(spec is not None, api)  # a malformed variable raises even where a config is given
-    if spec is None:
+    check_environment(config is not None, api)  # a malformed variable raises even where a config is given
+    if config is None:
         return [default_config(api)] * len(paths)
-    if isinstance(spec, CompressionConfig):
-        return [spec] * len(paths)
+    if isinstance(config, CompressionConfig):
+        return [config] * len(paths)
     leaves = jax.tree.leaves(tree)
-    if callable(spec):
-        configs = [spec(path, leaf) for path, leaf in zip(paths, leaves)]
+    if callable(config):
+        configs = [config(path, leaf) for path, leaf in zip(paths, leaves)]
     else:
         is_cfg = lambda c: c is None or isinstance(c, CompressionConfig)  # noqa: E731
         try:
             # Each config repeated for the leaves of its subtree, in a type of our own: the values' own
             # pytrees may hold lists (a model's layers), which must stay nodes.
             configs = jax.tree.leaves(
-                jax.tree.map(lambda c, sub: _Repeated([c] * len(jax.tree.leaves(sub))), spec, tree, is_leaf=is_cfg),
+                jax.tree.map(lambda c, sub: _Repeated([c] * len(jax.tree.leaves(sub))), config, tree, is_leaf=is_cfg),
                 is_leaf=lambda v: isinstance(v, _Repeated),
             )
             configs = [c for group in configs for c in group]
@@ -237,7 +237,7 @@ def varying_beyond(leaf, axes) -> frozenset:
     return frozenset(compat.varying_axes(jax.typeof(leaf)) - set(axes))
 
 
-def make_plan(paths, leaves, spec: ConfigSpec, tree, world: int | None = None,
+def make_plan(paths, leaves, config: ConfigSpec, tree, world: int | None = None,
               inner_world: int | None = None, axes: tuple | None = None, measure: bool = True, *,
               impl: str = "auto", residual: bool = False, api: str = "compressed_psum") -> Plan:
     """The plan for ``leaves`` (with their ``paths``) of ``tree`` reduced over ``world`` ranks.
@@ -249,7 +249,7 @@ def make_plan(paths, leaves, spec: ConfigSpec, tree, world: int | None = None,
     earlier timings; for :func:`jax_cgx.explain` and ``bytes_on_wire``, which one process may call.
     ``api``: the public function the plan is for, named in errors and in ``config=None``'s log line.
     """
-    configs = leaf_configs(spec, tree, paths, api)
+    configs = leaf_configs(config, tree, paths, api)
     lanes, groups = [], {}
     for i, (path, leaf, c) in enumerate(zip(paths, leaves, configs)):
         kind = lane(path, leaf, c, api)

@@ -34,11 +34,11 @@ _logged: set = set()
 class Leaves:
     """A pytree's leaves, their configs and lanes, and the fusion groups of the quantized ones."""
 
-    def __init__(self, x, spec: ConfigSpec, api: str, axes: tuple | None = None):
+    def __init__(self, x, config: ConfigSpec, api: str, axes: tuple | None = None):
         flat, self.treedef = jax.tree_util.tree_flatten_with_path(x)
         self.paths = [p for p, _ in flat]
         self.leaves = [v if isinstance(v, jax.ShapeDtypeStruct) else jax.numpy.asarray(v) for _, v in flat]
-        self.configs = leaf_configs(spec, x, self.paths, api)
+        self.configs = leaf_configs(config, x, self.paths, api)
         self.lanes = [lane(p, v, c, api) for p, v, c in zip(self.paths, self.leaves, self.configs)]
         self.groups: dict[Group, list[int]] = {}
         for i, (kind, leaf, c) in enumerate(zip(self.lanes, self.leaves, self.configs)):
