@@ -1,5 +1,6 @@
 """The few JAX internals jax_cgx touches, in one place (jax 0.10.2 here, 0.11.2 on GPU machines)."""
 
+import functools
 import re
 
 import jax as _jax
@@ -125,11 +126,13 @@ def is_prng_key(x) -> bool:
         return False
     if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
         return True
-    return dtype == np.dtype(np.uint32) and tuple(shape) == _raw_key_shape()
+    return dtype == np.dtype(np.uint32) and tuple(shape) == _raw_key_shape(jax.config.jax_default_prng_impl)
 
 
-def _raw_key_shape() -> tuple[int, ...]:
-    """The shape of the default implementation's raw keys (traced abstractly: no backend started)."""
+@functools.cache
+def _raw_key_shape(impl: str) -> tuple[int, ...]:
+    """The shape of the raw keys of PRNG implementation ``impl`` (the default's, passed so that a
+    changed default is looked up again), traced abstractly once: no backend started."""
     import jax
 
     return tuple(jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0))).shape)
