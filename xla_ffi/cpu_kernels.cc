@@ -95,18 +95,12 @@ const KernelTable& kernels() {
 
 // ------------------------------------------------------------ public API
 
-int64_t bucket_count(int64_t m, int64_t bucket_size) { return jax_cgx::bucket_count(m, bucket_size); }
-
-int64_t payload_bytes(int64_t m, int64_t bucket_size, int bits) {
-  return jax_cgx::row_payload_bytes(m, bucket_size, bits);
-}
-
 void quantize(const void* x, FloatType x_type, int64_t rows, int64_t n, int64_t m,
               const uint32_t* seeds, const int32_t* valid, int bits, int64_t bucket_size,
               bool stochastic, uint8_t* payload, float* meta, int64_t index_base) {
   if (m == 0) return;
   const QuantizeFn fn = kernels().widths[bits - 1]->quantize[stochastic ? 1 : 0];
-  const int64_t p = payload_bytes(m, bucket_size, bits);
+  const int64_t p = row_payload_bytes(m, bucket_size, bits);
   const int64_t nb = bucket_count(m, bucket_size);
   for (int64_t r = 0; r < rows; ++r) {
     if (valid != nullptr && valid[r] <= 0) {
@@ -135,7 +129,7 @@ void dequantize(const uint8_t* payload, const float* meta, int64_t rows, int64_t
                 int64_t bucket_size, void* out, FloatType out_type, float out_scale) {
   if (m == 0) return;
   const DequantizeFn fn = kernels().widths[bits - 1]->dequantize;
-  const int64_t p = payload_bytes(m, bucket_size, bits);
+  const int64_t p = row_payload_bytes(m, bucket_size, bits);
   const int64_t nb = bucket_count(m, bucket_size);
   for (int64_t r = 0; r < rows; ++r) {
     DequantizeRow row{payload + r * p, meta + r * nb * 2, m, bucket_size,
@@ -153,7 +147,7 @@ void reduce(const uint8_t* payload, const float* meta, int64_t rows, int64_t inp
   if (m == 0) return;
   const int mode = requantize ? (stochastic ? 2 : 1) : 0;
   const ReduceFn fn = kernels().widths[bits - 1]->reduce[mode];
-  const int64_t p = payload_bytes(m, bucket_size, bits);
+  const int64_t p = row_payload_bytes(m, bucket_size, bits);
   const int64_t nb = bucket_count(m, bucket_size);
   for (int64_t r = 0; r < rows; ++r) {
     ReduceRow row{payload + r * inputs * p,

@@ -23,12 +23,6 @@ namespace jax_cgx::cpu {
 
 using ::jax_cgx::FloatType;
 
-// Buckets covering m elements: ceil(m / B), without overflow for any B >= 1.
-int64_t bucket_count(int64_t m, int64_t bucket_size);
-
-// Payload bytes of one row: (nb-1) * ceil(B*bits/8) + ceil(last*bits/8).
-int64_t payload_bytes(int64_t m, int64_t bucket_size, int bits);
-
 // All kernels take row-major [rows, ...] arrays as in README.md and assume
 // validated arguments: bits in 1..8, bucket_size >= 1, consistent sizes.
 

@@ -133,7 +133,6 @@ struct Shape {
   int64_t recv_slots = 0;
   int64_t gathered_slots = 0;
   int64_t header_bytes = 0;                 // a header per rank before the segments (0: none)
-  int64_t (*payload_bytes)(int64_t values, int64_t bucket_size, int bits) = nullptr;  // one encoding's
 };
 
 // The whole schedule of one call: a row of n values reduced over W ranks, cut
@@ -190,8 +189,9 @@ inline std::string MakePlan(int64_t n, int64_t world, int64_t chunk, int bits, i
     Segment& seg = p.segment[s];
     seg.offset = s * cut.values;
     seg.length = std::min(chunk, seg.offset + cut.values) - seg.offset;
-    seg.buckets = CeilDiv(seg.length, std::min(bucket_size, seg.length));
-    seg.payload_bytes = shape.payload_bytes(seg.length, bucket_size, bits);
+    // One encoding's layout is the codec's (codec_math.h), whichever backend runs the plan.
+    seg.buckets = bucket_count(seg.length, bucket_size);
+    seg.payload_bytes = row_payload_bytes(seg.length, bucket_size, bits);
     seg.send = workspace.TakeRegion(shape.send_slots, seg.payload_bytes, seg.buckets);
     seg.recv = workspace.TakeRegion(shape.recv_slots, seg.payload_bytes, seg.buckets);
     seg.gathered = workspace.TakeRegion(shape.gathered_slots, seg.payload_bytes, seg.buckets);

@@ -181,16 +181,10 @@ inline xla::ffi::Error CheckUsable(std::string_view target, const NcclApi& api, 
 inline constexpr int64_t kAutoSegmentBytes = int64_t{16} << 20;
 inline constexpr int kAutoMaxSegments = 1;
 
-// Payload bytes of one encoding of m values (the kernels' row layout).
-inline int64_t RowBytes(int64_t m, int64_t bucket_size, int bits) {
-  return cuda::MakeRowLayout(1, m, bucket_size, bits).row_bytes;
-}
-
 // The plan shape (exchange_plan.h) of a nccl call with these encoding slots per segment.
 inline exchange::Shape ShapeOf(int64_t send_slots, int64_t recv_slots, int64_t gathered_slots) {
-  // Alignment, auto segmentation, the slots, no headers, the kernels' row layout.
-  return exchange::Shape{256, kAutoSegmentBytes, kAutoMaxSegments, send_slots, recv_slots, gathered_slots, 0,
-                         RowBytes};
+  // Alignment, auto segmentation, the slots, no headers.
+  return exchange::Shape{256, kAutoSegmentBytes, kAutoMaxSegments, send_slots, recv_slots, gathered_slots, 0};
 }
 
 using exchange::Plan;

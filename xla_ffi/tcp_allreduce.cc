@@ -47,8 +47,7 @@ using exchange::Segment;
 std::string MakeAllreducePlan(int64_t n, int64_t world, int64_t chunk, int bits, int64_t bucket_size,
                               int64_t elem_bytes, int64_t segments, Plan* plan) {
   // Alignment, auto segmentation, W slots of send, recv and gathered, a Header per rank.
-  const exchange::Shape shape{64, kAutoSegmentBytes, exchange::kMaxSegments, world, world, world, sizeof(Header),
-                              cpu::payload_bytes};
+  const exchange::Shape shape{64, kAutoSegmentBytes, exchange::kMaxSegments, world, world, world, sizeof(Header)};
   return exchange::MakePlan(n, world, chunk, bits, bucket_size, elem_bytes, segments, shape, plan);
 }
 
