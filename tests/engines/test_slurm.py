@@ -111,12 +111,20 @@ def test_a_requeued_job_resumes_on_fewer_tasks(cluster, tmp_path, tmp_path_facto
     before = log.read_text()
     requeue = cluster.run(["scontrol", "requeue", job])
     assert requeue.returncode == 0, log_of(requeue)
-    # SLURM holds a requeued job about two minutes before it may start again: start it now.
-    cluster.run(["scontrol", "update", f"JobId={job}", "StartTime=now"])
-    deadline = time.monotonic() + 300
-    while (state := cluster.job_state(job)) not in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "GONE"):
+    # The job still reads FAILED (the first run's end) until slurmctld has requeued it, so wait for the
+    # second run to begin (the job pending or running again, or its output in the log) before waiting
+    # for its end: reading FAILED at once was the first run's state, not the second's (a CI flake).
+    finished = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "GONE")
+    deadline, began = time.monotonic() + 300, False
+    while True:
+        state = cluster.job_state(job)
+        began = began or state not in finished or len(log.read_text()) > len(before)
+        if began and state in finished:
+            break
         assert time.monotonic() < deadline, f"job {job} still {state}:\n{log.read_text()}\n{cluster.logs()}"
-        time.sleep(1)
+        if state == "PENDING":  # SLURM holds a requeued job ~2 minutes before it may start: start it now
+            cluster.run(["scontrol", "update", f"JobId={job}", "StartTime=now"])
+        time.sleep(0.5)
     assert state == "COMPLETED", f"{state}\n{log.read_text()}"
     resumed_text = log.read_text()[len(before):]
     # The uninterrupted 2-task run from the same checkpoint, for the bitwise comparison.
