@@ -54,6 +54,24 @@ def test_replicas_identical_oracle_and_bound(bits, stochastic):
     assert np.all(err <= bound), f"bits={bits}: max excess {np.max(err - bound)}"
 
 
+@pytest.mark.parametrize("op", ["psum", "psum_scatter", "all_gather"])
+def test_rounding_to_nearest_draws_no_seeds_from_a_given_key(op):
+    """A key passed with stochastic=False leaves no PRNG in the program (the seeds are zeros, which
+    nearest rounding never reads); with stochastic=True the key's seeds are drawn. The bytes are
+    the keyless run's: test_replicas_identical_oracle_and_bound passes the key to nearest rounding
+    and compares with the keyless oracle."""
+    call = {"psum": lambda x, c, k: jax_cgx.compressed_psum(x, "d", c, key=k),
+            "psum_scatter": lambda x, c, k: jax_cgx.compressed_psum_scatter(x, "d", c, tiled=True, key=k),
+            "all_gather": lambda x, c, k: jax_cgx.compressed_all_gather(x, "d", c, key=k)}[op]
+    xs = per_device(rows(W * 256), mesh_1d())
+    for stochastic in (False, True):
+        config = CompressionConfig(bits=4, bucket_size=64, min_size=16, stochastic=stochastic)
+        body = jax.shard_map(lambda x, k, c=config: call(x[0], c, k)[None], mesh=mesh_1d(),
+                             in_specs=(P("d"), P()), out_specs=P("d"))
+        text = jax.jit(body).lower(xs, KEY).as_text()
+        assert ("threefry" in text) == stochastic, f"{op} stochastic={stochastic}"
+
+
 @pytest.mark.parametrize("impl", ["kernel", "reference"])
 def test_kernel_and_reference_backends_agree(impl):
     xs = rows(4099)

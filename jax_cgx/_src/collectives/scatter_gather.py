@@ -15,11 +15,10 @@ import logging
 from collections.abc import Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jax_cgx._src import backends, compat
+from jax_cgx._src import backends, codec, compat
 from jax_cgx._src.collectives.plan import ConfigSpec, Group, lane, leaf_configs, varying_beyond
 from jax_cgx._src.config import CompressionConfig
 from jax_cgx._src.policy import pricing
@@ -85,7 +84,7 @@ def compressed_buffers(leaves: Leaves, axes, world: int, op: str, key, seeds_per
         if not decide(leaves, group, members, world, op, bodies=bodies, backend=backend).compress:
             uncompressed.update(members)
             continue
-        seeds = jnp.zeros(shape, jnp.uint32) if k is None else jax.random.bits(k, shape, jnp.uint32)
+        seeds = codec.rounding_seeds(k, shape, group.config.stochastic)
         compressed.append((group, members, seeds, backend))
     return compressed, uncompressed
 

@@ -27,12 +27,11 @@ from __future__ import annotations
 
 import functools
 
-import jax
 import jax.numpy as jnp
 from jax.extend.core import Primitive
 from jax.interpreters import ad
 
-from jax_cgx._src import backends, compat
+from jax_cgx._src import backends, codec, compat
 from jax_cgx._src.config import CompressionConfig, given_link_gbps
 from jax_cgx._src.exchange.chunks import chunk_length
 from jax_cgx._src.exchange.primitives import register
@@ -75,10 +74,7 @@ def compressed_sum(values, axes, world, config: CompressionConfig, key, impl, re
     :func:`reduction`). ``divisor``: the sum divided by it, bitwise ``sum / divisor`` as XLA
     computes it in float32 (:func:`~jax_cgx._src.backends.mean_scale`).
     """
-    if key is None:
-        seeds = jnp.zeros((1, world + 1, 2), jnp.uint32)
-    else:
-        seeds = jax.random.bits(key, (1, world + 1, 2), jnp.uint32)
+    seeds = codec.rounding_seeds(key, (1, world + 1, 2), config.stochastic)
     chunk = chunk_length(values.size, world, config.bucket_size, config.skip_incomplete_buckets)
     prim = compressed_allreduce_residual_p if residual else compressed_allreduce_p
     valid = jnp.full((1,), values.size, jnp.int32) if valid is None else jnp.reshape(valid, (1,))
