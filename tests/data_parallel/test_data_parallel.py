@@ -235,6 +235,33 @@ def test_integer_parameters_need_allow_int_and_get_float0(in_backward):
         np.testing.assert_allclose(grads[k], want[k], rtol=1e-5, atol=1e-6, err_msg=k)
 
 
+@pytest.mark.parametrize("in_backward", [True, False])
+def test_a_config_function_is_resolved_once_and_each_leaf_keeps_its_own(in_backward):
+    """config=f(path, leaf) runs once per leaf per trace (the tree is resolved where the paths are
+    known; the buckets reduced in backward get the resolved configs as they are), and gives
+    bitwise the gradients of the equal config pytree, an integer leaf in the same bucket."""
+    mesh = device_mesh((W,), ("data",), AxisType.Auto)
+    params, x, y = _problem()
+    params = dict(params, steps=np.int32(3))
+    own = {"w1": FOUR_BITS, "b1": None, "w2": jax_cgx.CompressionConfig(bits=8, bucket_size=32, min_size=16),
+           "steps": None}
+    calls = []
+
+    def config(path, leaf):
+        calls.append(jax.tree_util.keystr(path))
+        return own[path[0].key]
+
+    def grads(config):
+        grad_fn = jax_cgx.data_parallel_value_and_grad(_loss, mesh=mesh, in_backward=in_backward, config=config,
+                                                       allow_int=True)
+        return jax.jit(grad_fn)(*_placed(mesh, params, x, y))[1]
+
+    by_function, by_tree = grads(config), grads(own)
+    assert sorted(calls) == sorted(jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0])
+    for k in ("w1", "b1", "w2"):
+        assert_same_bits(by_function[k], by_tree[k], k)
+
+
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
 def test_explicit_mesh_errors_name_the_argument_and_the_fix(jit):
     # jax.make_mesh's default axes are Explicit, where shard_map refuses an argument whose type has

@@ -43,7 +43,7 @@ import jax.numpy as jnp
 
 from jax_cgx._src import compat
 from jax_cgx._src.codec import Impl, check_impl
-from jax_cgx._src.collectives.plan import ConfigSpec
+from jax_cgx._src.collectives.plan import ConfigSpec, LeafConfigs
 from jax_cgx._src.collectives.psum import compressed_pmean
 from jax_cgx._src.collectives.shards import SpecTree, per_leaf
 
@@ -114,6 +114,8 @@ def _identity_bwd(axes, config, impl, treedef, varying, specs, key, cotangents):
     # no gradient, nothing to reduce. They stay out (None), the paths of the others unchanged.
     none = [jnp.result_type(c) == jax.dtypes.float0 for c in cotangents]
     real = [None if n else compat.ensure_varying(c, axes) for c, n in zip(cotangents, none)]
+    if isinstance(config, LeafConfigs):  # resolved for every leaf: keep those of the leaves reduced
+        config = LeafConfigs(leaf_config for leaf_config, n in zip(config, none) if not n)
     reduced = compressed_pmean(treedef.unflatten(real), axes, config, key=key, impl=impl,
                                specs=None if specs is None else treedef.unflatten(specs))
     mean = [c if n else m for c, m, n in zip(cotangents, treedef.flatten_up_to(reduced), none)]

@@ -36,7 +36,8 @@ from jax_cgx._src.config import MAX_FUSION_BUFFERS, CompressionConfig, check_env
 from jax_cgx._src.exchange.all_reduce import reduction
 from jax_cgx._src.policy import forms, pricing
 
-__all__ = ["ConfigSpec", "Group", "Plan", "make_plan", "check_ranks", "leaf_configs", "lane", "check_varying"]
+__all__ = ["ConfigSpec", "Group", "Plan", "make_plan", "check_ranks", "leaf_configs", "LeafConfigs", "lane",
+           "check_varying"]
 
 # A config for every leaf, a pytree of configs (None = reduce exactly), or a function
 # of the leaf's path and value (torch_cgx's layer-wise hook).
@@ -84,8 +85,20 @@ class _Repeated(list):
     """One config repeated for the leaves of the subtree it covers (not a pytree node)."""
 
 
+class LeafConfigs(tuple):
+    """Configs already resolved, one per leaf (:func:`leaf_configs` of a whole tree), handed down to
+    the reduction of some of its leaves (a backward bucket, the leaves split alike) and used there as
+    they are: a config pytree or function is resolved once, where each leaf's path is known."""
+
+
 def leaf_configs(config: ConfigSpec, tree, paths: Sequence[tuple], api: str = "compressed_psum"
                  ) -> list[CompressionConfig | None]:
+    """Each leaf's config (or None) from a config, a pytree of them or a function of
+    ``(path, leaf)``, for the leaves of ``tree`` at ``paths``; a :class:`LeafConfigs` as it is."""
+    if isinstance(config, LeafConfigs):
+        if len(config) != len(paths):
+            raise AssertionError(f"{api}: {len(config)} resolved configs for {len(paths)} leaves")
+        return list(config)
     check_environment(config is not None, api)  # a malformed variable raises even where a config is given
     if config is None:
         return [default_config(api)] * len(paths)
@@ -95,25 +108,26 @@ def leaf_configs(config: ConfigSpec, tree, paths: Sequence[tuple], api: str = "c
     if callable(config):
         configs = [config(path, leaf) for path, leaf in zip(paths, leaves)]
     else:
-        is_cfg = lambda c: c is None or isinstance(c, CompressionConfig)  # noqa: E731
+        is_cfg = lambda node: node is None or isinstance(node, CompressionConfig)  # noqa: E731
         try:
             # Each config repeated for the leaves of its subtree, in a type of our own: the values' own
             # pytrees may hold lists (a model's layers), which must stay nodes.
             configs = jax.tree.leaves(
-                jax.tree.map(lambda c, sub: _Repeated([c] * len(jax.tree.leaves(sub))), config, tree, is_leaf=is_cfg),
+                jax.tree.map(lambda given, sub: _Repeated([given] * len(jax.tree.leaves(sub))), config, tree,
+                             is_leaf=is_cfg),
                 is_leaf=lambda v: isinstance(v, _Repeated),
             )
-            configs = [c for group in configs for c in group]
+            configs = [leaf_config for repeated in configs for leaf_config in repeated]
         except ValueError as err:
             raise ValueError(
                 f"{api}: the config pytree must match the structure of the values "
                 f"(or be a prefix of it): {err}"
             ) from None
-    for path, c in zip(paths, configs):
-        if c is not None and not isinstance(c, CompressionConfig):
+    for path, leaf_config in zip(paths, configs):
+        if leaf_config is not None and not isinstance(leaf_config, CompressionConfig):
             raise TypeError(
                 f"{api}: config for leaf {jax.tree_util.keystr(path)} must be a "
-                f"CompressionConfig or None, got {type(c).__name__}"
+                f"CompressionConfig or None, got {type(leaf_config).__name__}"
             )
     return configs
 
@@ -251,11 +265,11 @@ def make_plan(paths, leaves, config: ConfigSpec, tree, world: int | None = None,
     """
     configs = leaf_configs(config, tree, paths, api)
     lanes, groups = [], {}
-    for i, (path, leaf, c) in enumerate(zip(paths, leaves, configs)):
-        kind = lane(path, leaf, c, api)
+    for i, (path, leaf, leaf_config) in enumerate(zip(paths, leaves, configs)):
+        kind = lane(path, leaf, leaf_config, api)
         lanes.append(kind)
         if kind == "quantized":
-            groups.setdefault(Group(np.dtype(leaf.dtype), c, varying_beyond(leaf, axes)), []).append(i)
+            groups.setdefault(Group(np.dtype(leaf.dtype), leaf_config, varying_beyond(leaf, axes)), []).append(i)
     plan = Plan(lanes, configs, groups, [int(np.prod(np.shape(leaf))) for leaf in leaves], compat.trace_platform())
     for group, members in groups.items():  # the leaves alone first, in tree order, then the others
         groups[group] = alone_first(members, plan.sizes, plan.alone(group))

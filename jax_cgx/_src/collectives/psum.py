@@ -26,7 +26,7 @@ from jax_cgx._src import compat
 from jax_cgx._src.arguments import check_bool
 from jax_cgx._src.codec import Impl, check_impl
 from jax_cgx._src.collectives import shards
-from jax_cgx._src.collectives.plan import ConfigSpec, check_varying, leaf_configs, make_plan
+from jax_cgx._src.collectives.plan import ConfigSpec, LeafConfigs, check_varying, leaf_configs, make_plan
 from jax_cgx._src.config import CompressionConfig
 from jax_cgx._src.exchange.all_reduce import compressed_sum
 from jax_cgx._src.exchange.hierarchical import reduce_hierarchical
@@ -225,7 +225,7 @@ def _sum_own_shards(x, paths, leaves, treedef, axis_name, config, key, impl, ret
         lost = [None] * len(local)
         for g, members in enumerate(groups):
             group_key = local_key if local_key is None or len(groups) == 1 else jax.random.fold_in(local_key, g)
-            result = _sum([local[i] for i in members], axis_name, [configs[i] for i in members], group_key, impl,
+            result = _sum([local[i] for i in members], axis_name, LeafConfigs(configs[i] for i in members), group_key, impl,
                           return_residual, api)
             total, residual = result if return_residual else (result, None)
             for j, i in enumerate(members):

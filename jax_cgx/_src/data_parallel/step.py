@@ -71,7 +71,7 @@ from jax.sharding import PartitionSpec as P
 from jax_cgx._src import compat
 from jax_cgx._src.arguments import check_axes, check_bool
 from jax_cgx._src.collectives.backward import reduce_in_backward
-from jax_cgx._src.collectives.plan import ConfigSpec, leaf_configs
+from jax_cgx._src.collectives.plan import ConfigSpec, LeafConfigs, leaf_configs
 from jax_cgx._src.collectives.psum import compressed_pmean
 from jax_cgx._src.collectives.shards import local_shape
 from jax_cgx._src.data_parallel import checks, model_axes
@@ -219,7 +219,7 @@ def data_parallel_value_and_grad(fun: Callable[..., Any], *, mesh=None, axis_nam
             value, grads = value_and_grad(params)
         else:
             value, grads = value_and_grad(_varying_copy(params, axes))
-            grads = _without_float0(lambda g, s: compressed_pmean(g, axes, config, key=key, specs=s), grads, specs)
+            grads = _mean_of_gradients(grads, axes, config, key, specs)
         if not has_aux:
             return lax.pmean(value, axes), grads
         loss, extra = value
@@ -403,13 +403,17 @@ def _varying_copy(params, axes):
     return jax.tree.map(lambda v: lax.pcast(v, axes, to="varying") if differentiable(v) else v, params)
 
 
-def _without_float0(reduce, grads, specs=None):
-    """``reduce(gradients, their specs)`` of the gradients that are not ``float0`` (an integer
-    leaf's, under ``allow_int``: nothing to average); those are returned as they are."""
-    leaves, treedef = jax.tree.flatten(grads)
+def _mean_of_gradients(grads, axes: tuple, config: ConfigSpec, key, specs=None):
+    """:func:`compressed_pmean` of the whole gradient tree (``in_backward=False``), its config
+    resolved on that tree (a config pytree or function sees the parameters' paths). ``float0``
+    gradients (an integer leaf's, under ``allow_int``: nothing to average) are returned as they are."""
+    with_paths, treedef = jax.tree_util.tree_flatten_with_path(grads)
+    paths, leaves = [p for p, _ in with_paths], [g for _, g in with_paths]
+    configs = leaf_configs(config, grads, paths, API)
     spec_leaves = _spec_leaves(specs, treedef)
     real = [i for i, g in enumerate(leaves) if jnp.result_type(g) != jax.dtypes.float0]
-    reduced = reduce([leaves[i] for i in real], None if specs is None else [spec_leaves[i] for i in real])
+    reduced = compressed_pmean([leaves[i] for i in real], axes, LeafConfigs(configs[i] for i in real), key=key,
+                               specs=None if specs is None else [spec_leaves[i] for i in real])
     for i, g in zip(real, reduced):
         leaves[i] = g
     return treedef.unflatten(leaves)
@@ -429,7 +433,7 @@ def _marked(params, axes: tuple, config: ConfigSpec, key, bucket_bytes: int, spe
     each device's shards)."""
     with_paths, treedef = jax.tree_util.tree_flatten_with_path(params)
     paths, leaves = [p for p, _ in with_paths], [v for _, v in with_paths]
-    configs = leaf_configs(config, params, paths, "data_parallel_value_and_grad")
+    configs = leaf_configs(config, params, paths, API)
     spec_leaves = _spec_leaves(specs, treedef)
     # Integer leaves (allow_int) have float0 gradients: nothing to average, so no bucket.
     nbytes = [math.prod(local_shape(jnp.shape(v), s or P())) * jnp.result_type(v).itemsize
@@ -440,7 +444,7 @@ def _marked(params, axes: tuple, config: ConfigSpec, key, bucket_bytes: int, spe
         if not members:
             continue
         bucket_key = None if key is None else jax.random.fold_in(key, b)
-        marked = reduce_in_backward(tuple(leaves[i] for i in members), axes, tuple(configs[i] for i in members),
+        marked = reduce_in_backward(tuple(leaves[i] for i in members), axes, LeafConfigs(configs[i] for i in members),
                                     key=bucket_key,
                                     specs=None if specs is None else tuple(spec_leaves[i] for i in members))
         for i, leaf in zip(members, marked):
