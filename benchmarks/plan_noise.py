@@ -83,7 +83,8 @@ def main(argv=None) -> dict:
     adam_state = state[0]
     nu = jax.tree.map(lambda v: v / (1 - 0.999 ** int(adam_state.count)), adam_state.nu)  # bias-corrected
     tokens = batch()
-    grads = [jax.grad(loss)(params, t) for t in np.split(tokens, args.devices)]
+    grad_fn = jax.jit(jax.grad(loss))  # one compilation for every part (eagerly: ~200 small ones)
+    grads = [grad_fn(params, t) for t in np.split(tokens, args.devices)]
 
     config = jax_cgx.CompressionConfig(bits=4, min_size=1024, bucket_size=UNIFORM_BUCKET)  # --layer-min-size 1024
 

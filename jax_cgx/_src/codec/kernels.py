@@ -60,9 +60,8 @@ def batch_rows(prim: Primitive, args, dims, **params):
     result.
     """
     if all(d is None for d in dims):
-        out = prim.bind(*args, **params)
-        unmapped = batching.not_mapped
-        return (out, [unmapped] * len(out)) if prim.multiple_results else (out, unmapped)
+        out = prim.bind(*args, **params)  # None: not mapped (jax.interpreters.batching.not_mapped, gone in 0.10)
+        return (out, [None] * len(out)) if prim.multiple_results else (out, None)
     size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
     flat = []
     for a, d in zip(args, dims):
