@@ -225,6 +225,20 @@ def _unpack(packed, length: int, bits: int):
 # -------------------------------------------------------------- the codec
 
 
+def _bucket_ranges(v, inside, finite):
+    """Each bucket's finite minimum and maximum and whether it holds a NaN, +inf, -inf (its real
+    values, ``inside``): one reduction of five operands over the bucket axis, not five (a fifth of
+    the XLA fusions, so of the compile time, of a quantize)."""
+    operands = (jnp.where(finite, v, _F32(np.inf)), jnp.where(finite, v, _F32(-np.inf)),
+                jnp.isnan(v) & inside, inside & (v > MAX_FINITE), inside & (v < -MAX_FINITE))
+    inits = (_F32(np.inf), _F32(-np.inf), False, False, False)
+
+    def combine(a, b):
+        return (jnp.minimum(a[0], b[0]), jnp.maximum(a[1], b[1]), a[2] | b[2], a[3] | b[3], a[4] | b[4])
+
+    return lax.reduce(operands, inits, combine, (v.ndim - 1,))
+
+
 def encode(values, seeds, valid=None, *, bits: int, bucket_size: int, stochastic: bool):
     """Quantize f32 rows ``values[R, m]``: returns ``payload[R, P]``, ``meta[R, nb, 2]``.
 
@@ -241,11 +255,7 @@ def encode(values, seeds, valid=None, *, bits: int, bucket_size: int, stochastic
     for v, idx in zip(_split(values, m, bucket_size, same), _split(index, m, bucket_size, same)):
         inside = True if valid is None else idx.astype(jnp.int32) < valid.astype(jnp.int32)[:, None, None]
         finite = inside & (jnp.abs(v) <= MAX_FINITE)
-        has_nan = jnp.any(jnp.isnan(v) & inside, axis=-1)
-        pos_inf = jnp.any(inside & (v > MAX_FINITE), axis=-1)
-        neg_inf = jnp.any(inside & (v < -MAX_FINITE), axis=-1)
-        mn = jnp.min(jnp.where(finite, v, _F32(np.inf)), axis=-1)
-        mx = jnp.max(jnp.where(finite, v, _F32(-np.inf)), axis=-1)
+        mn, mx, has_nan, pos_inf, neg_inf = _bucket_ranges(v, inside, finite)
         mn, scale = make_meta(mn, mx, has_nan, pos_inf, neg_inf, bits)
         rnd = random_bits(seeds[:, 0, None, None], seeds[:, 1, None, None], idx) if stochastic else None
         inv = inverse_scale(meta_scale(scale))[..., None]
