@@ -162,6 +162,28 @@ def _fresh_qs(count, *, seed: int, sizes: tuple, epsilon: float) -> list:
     return qs
 
 
+def _power_iteration(mat: jax.Array, q: jax.Array, axis_name, epsilon: float) -> tuple[jax.Array, jax.Array]:
+    """One step of the power iteration on this rank's ``mat[n, m]`` from ``q[m, r]``:
+    ``P = orthogonalize(psum(M Q))``, ``Q' = pmean(M^T P)``; returns the rank-``r`` estimate of the
+    mean ``P Q'^T`` (float32 ``[n, m]``) and ``Q'``. A non-finite local matrix sends NaN, so every
+    rank sees it in P (and in Q': the estimate is non-finite everywhere, whatever Gram-Schmidt does
+    with a NaN column)."""
+    mq = jnp.where(jnp.all(jnp.isfinite(mat)), _matmul(mat, q), jnp.nan)
+    p = _orthogonalize(lax.psum(mq, axis_name), epsilon)
+    q = lax.pmean(_matmul(mat.T, p), axis_name)
+    return _matmul(p, q.T), q
+
+
+def _kept_unless(finite, old: list, idx: list, new: list | None) -> list:
+    """``old`` (a state's leaves) with leaf ``idx[k]`` replaced by ``new[k]`` where the step is
+    ``finite``, kept where it is not; ``new`` None: the state part is unused, ``old`` as it is."""
+    out = list(old)
+    if new is not None:
+        for k, i in enumerate(idx):
+            out[i] = jnp.where(finite, new[k], old[i])
+    return out
+
+
 def _varying(x) -> frozenset:
     return compat.varying_axes(jax.typeof(x))
 
@@ -295,13 +317,8 @@ def powersgd_mean(
                     q = jnp.where(dead, fresh[k], qs[k])
                 else:
                     q = fresh[k]
-                # A non-finite local matrix sends NaN, so every rank sees it in P (and in Q: the
-                # estimate is non-finite everywhere, whatever Gram-Schmidt does with a NaN column).
-                mq = jnp.where(jnp.all(jnp.isfinite(mat)), _matmul(mat, q), jnp.nan)
-                p = lax.psum(mq, axis_name)
-                p = _orthogonalize(p, eps)
-                q = lax.pmean(_matmul(mat.T, p), axis_name)
-                o = _matmul(p, q.T).reshape(g.shape).astype(g.dtype)
+                estimate, q = _power_iteration(mat, q, axis_name, eps)
+                o = estimate.reshape(g.shape).astype(g.dtype)
                 outs.append(o)
                 new_qs.append(q)
                 if error_feedback:
@@ -332,16 +349,10 @@ def powersgd_mean(
             out[i] = outs[k]
         # The means are the same on every rank: a non-finite step keeps the whole state, everywhere.
         finite = checks.step_is_finite(out, state.count, axes)
-        new_q_leaves, new_e_leaves = list(q_leaves), list(e_leaves)
-        for k, i in enumerate(idx):
-            if warm_start:
-                new_q_leaves[i] = jnp.where(finite, new_qs[k], q_leaves[i])
-            if error_feedback:
-                new_e_leaves[i] = jnp.where(finite, new_errs[k], e_leaves[i])
         new_state = PowerSGDState(
             count=jnp.where(finite, new_count, state.count),
-            q=treedef.unflatten(new_q_leaves),
-            error=treedef.unflatten(new_e_leaves),
+            q=treedef.unflatten(_kept_unless(finite, q_leaves, idx, new_qs if warm_start else None)),
+            error=treedef.unflatten(_kept_unless(finite, e_leaves, idx, new_errs if error_feedback else None)),
         )
         return treedef.unflatten(out), new_state
 
