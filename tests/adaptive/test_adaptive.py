@@ -137,6 +137,9 @@ def test_bad_arguments_say_what_was_wrong():
         choose_bits({"w": np.array([1.0, np.inf] * 2048, np.float32)}, config=BASE)
     with pytest.raises(TypeError, match="is traced"):
         jax.jit(lambda g: choose_bits(g, config=BASE))(x)
+    for bad in ((0, 4), (9,), (True,), (2.5,)):  # width 0 gave a NaN column
+        with pytest.raises(ValueError, match="expected_errors: widths must be quantized widths, integers in 1..8"):
+            expected_errors([x["w"]], BASE, bad)
 
 
 def test_the_planner_replans_with_bounded_compilations(caplog):

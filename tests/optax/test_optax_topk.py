@@ -477,6 +477,7 @@ def test_topk_bytes():
         (dict(ratio=True), "ratio must be a real number in .*, got True"),
         (dict(sample_ratio=0.0), "sample_ratio must be a real number in"),
         (dict(momentum=-0.1), "momentum must be a real number >= 0.0, got -0.1"),
+        (dict(momentum=1.0), r"momentum must be in \[0, 1\) \(DGC's is 0.9\), got 1.0: at 1 or more"),
         (dict(momentum=0.0, nesterov=True), "nesterov needs momentum > 0"),
         (dict(nesterov="yes"), "nesterov must be True or False, got 'yes'"),
         (dict(warmup_steps=-1), "warmup_steps must be an integer >= 0, got -1"),

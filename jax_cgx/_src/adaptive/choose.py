@@ -95,10 +95,14 @@ class LeafPlan(NamedTuple):
         return self.bits, self.bucket_size
 
 
+def _is_width(b) -> bool:
+    """A quantized width: an integer in 1..8 (not a bool)."""
+    return not isinstance(b, bool) and isinstance(b, (int, np.integer)) and b in QUANTIZED_BITS
+
+
 def _candidates(candidates, api: str) -> tuple[int, ...]:
     cands = tuple(candidates)
-    if not cands or any(isinstance(b, bool) or not isinstance(b, (int, np.integer)) or b not in QUANTIZED_BITS
-                        for b in cands):
+    if not cands or not all(_is_width(b) for b in cands):
         raise ValueError(f"{api}: candidates must be widths in 1..8, got {candidates!r}")
     return tuple(sorted({int(b) for b in cands}))
 
@@ -256,8 +260,11 @@ def expected_errors(leaves: Sequence[jax.Array], config: CompressionConfig, widt
       A float64 numpy array of shape ``[len(leaves), len(widths)]``.
 
     Raises:
-      ValueError: an unknown ``objective``.
+      ValueError: an unknown ``objective``; a width not in 1..8.
     """
+    if not all(_is_width(b) for b in widths):
+        raise ValueError(f"expected_errors: widths must be quantized widths, integers in 1..8, got {widths!r} "
+                         "(a leaf kept exact has no quantization error to estimate)")
     widths = tuple(int(b) for b in widths)
     objective = _objective(objective, "expected_errors")
     rows = [_errors(leaf, config.bucket_size, config.stochastic, widths, objective) for leaf in leaves]

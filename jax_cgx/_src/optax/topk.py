@@ -177,7 +177,7 @@ def topk_mean(
     Raises:
       ValueError: ``ratio``, ``sample_ratio`` or (with ``warmup_steps``) an entry of
         ``warmup_ratios`` not in (0, 1]; ``warmup_ratios`` empty (with ``warmup_steps``); ``momentum``
-        not a finite real >= 0; ``nesterov`` not a bool, or True with ``momentum=0``;
+        not in [0, 1); ``nesterov`` not a bool, or True with ``momentum=0``;
         ``warmup_steps`` not an integer >= 0; ``min_size`` not an integer >= 1; ``seed`` not an
         integer in the int64 range; ``axis_name`` empty or not axis names.
 
@@ -189,6 +189,9 @@ def topk_mean(
     ratio = checks.check_real(fn, "ratio", ratio, low=0.0, high=1.0, low_open=True)
     sample_ratio = checks.check_real(fn, "sample_ratio", sample_ratio, low=0.0, high=1.0, low_open=True)
     momentum = checks.check_real(fn, "momentum", momentum, low=0.0)
+    if momentum >= 1.0:  # u = momentum * u + g would grow without bound
+        raise ValueError(f"{fn}: momentum must be in [0, 1) (DGC's is 0.9), got {momentum}: at 1 or more the "
+                         "momentum grows without bound")
     nesterov = checks.check_bool(fn, "nesterov", nesterov)
     if nesterov and momentum == 0.0:
         raise ValueError("topk_mean: nesterov needs momentum > 0")
