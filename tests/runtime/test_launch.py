@@ -586,6 +586,15 @@ def test_a_process_that_cannot_start_leaves_none_behind(monkeypatch):
     assert stdins[0] is None and stdins[1] == subprocess.DEVNULL  # stdin: rank 0's is the launcher's
 
 
+def test_a_group_needs_one_environment_per_command(monkeypatch):
+    """Commands and environments of different lengths were zipped: the extra processes were
+    silently never started."""
+    monkeypatch.setattr(launch_processes.subprocess, "Popen", lambda *a, **k: pytest.fail("a process started"))
+    for commands, envs in (([["true"]] * 3, [dict(os.environ)] * 2), ([], [])):
+        with pytest.raises(ValueError, match=f"ProcessGroup: {len(commands)} commands and {len(envs)} environments"):
+            launch.ProcessGroup(commands, envs)
+
+
 def test_the_coordinator_listens_on_loopback_only(tmp_path):
     # The docstring said 127.0.0.1, but jax's coordinator bound every interface ([::]:port).
     assert launch_processes._environment(0, 2, 4321, None)["JAX_COORDINATOR_BIND_ADDRESS"] == "127.0.0.1:4321"

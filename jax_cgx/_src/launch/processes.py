@@ -137,10 +137,14 @@ class ProcessGroup:
       cwd: the processes' working directory; None (the default): the launcher's.
 
     Raises:
+      ValueError: ``commands`` and ``envs`` of different lengths, or none (nothing is started).
       OSError: a process could not be started (after the ones already started are stopped).
     """
 
     def __init__(self, commands: list[list[str]], envs: list[dict[str, str]], cwd=None):
+        if len(commands) != len(envs) or not commands:
+            raise ValueError(f"ProcessGroup: {len(commands)} commands and {len(envs)} environments: give one "
+                             "environment per process (and at least one process)")
         self.procs: list[subprocess.Popen] = []
         self.pumps: list[threading.Thread] = []
         # (rank, returncode) in the order the processes ended, noted as each ends (ends.watch):
