@@ -128,6 +128,15 @@ def test_state_specs_follow_the_parameters():
         state_specs(jax.eval_shape(powersgd.init, params), "data", param_specs=SPECS)
 
 
+def test_shard_shapes_refuses_a_dimension_its_axes_do_not_divide():
+    """It rounded down (63 over 2 blocks gave 31), a shape shard_map would never pass."""
+    mesh = jax.sharding.AbstractMesh((4, 2), ("data", "model"))
+    assert shard_shapes({"w": jnp.zeros((16, 64))}, {"w": P(None, "model")}, mesh)["w"].shape == (16, 32)
+    with pytest.raises(ValueError, match=r"shard_shapes: params\['w'\]: dimension 1 of size 63 does not split evenly "
+                                         r"over the mesh axes \('model',\) \(2 blocks\)"):
+        shard_shapes({"w": jnp.zeros((16, 63))}, {"w": P(None, "model")}, mesh)
+
+
 def test_orbax_round_trip_and_resize_over_data(tmp_path):
     params, x, y = _problem(1)
     tx = optax.chain(compressed_mean("data", CONFIG, layer_min_size=16, error_feedback=True), optax.adam(1e-2))

@@ -171,12 +171,28 @@ def split_alike(specs: Sequence[P]) -> list[list[int]]:
     return list(groups.values())
 
 
-def local_shape(shape: Sequence[int], spec: P, mesh=None) -> tuple[int, ...]:
-    """The shape of one device's block of a ``shape`` array sharded as ``spec``."""
+def _splits(shape: Sequence[int], spec: P, mesh) -> list[tuple[int, tuple[str, ...], int]]:
+    """``(size, axes, ways)`` per dimension of a ``shape`` array sharded as ``spec`` on ``mesh``
+    (None: the context's): the mesh axes it is split over and into how many blocks."""
     mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
     sizes = dict(zip(mesh.axis_names, mesh.axis_sizes)) if hasattr(mesh, "axis_sizes") else dict(mesh.shape)
     entries = _entries(spec) + [()] * (len(shape) - len(spec))
-    return tuple(n // math.prod(sizes[a] for a in axes) for n, axes in zip(shape, entries))
+    return [(n, axes, math.prod(sizes[a] for a in axes)) for n, axes in zip(shape, entries)]
+
+
+def local_shape(shape: Sequence[int], spec: P, mesh=None) -> tuple[int, ...]:
+    """The shape of one device's block of a ``shape`` array sharded as ``spec``."""
+    return tuple(n // ways for n, _, ways in _splits(shape, spec, mesh))
+
+
+def check_divides(shape: Sequence[int], spec: P, mesh, what: str) -> None:
+    """A ``ValueError`` naming ``what`` where a dimension of ``shape`` does not split evenly over
+    the mesh axes ``spec`` puts it on (``shard_map`` refuses such an array)."""
+    for dim, (n, axes, ways) in enumerate(_splits(shape, spec, mesh)):
+        if n % ways:
+            raise ValueError(f"{what}: dimension {dim} of size {n} does not split evenly over the mesh axes "
+                             f"{axes} ({ways} blocks), as spec {spec} asks: shard_map would refuse it; pad it "
+                             "or choose a spec whose axes divide it")
 
 
 def on_own_shards(fn: Callable, leaves: list, specs: list[P], key, free: tuple[str, ...], *, outputs: int = 1):

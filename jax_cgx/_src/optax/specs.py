@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec as P
 
-from jax_cgx._src.collectives.shards import local_shape, spec_axes
+from jax_cgx._src.collectives.shards import check_divides, local_shape, spec_axes
 from jax_cgx._src.optax import checks
 from jax_cgx._src.optax.mean import CastMeanState, CompressedMeanState
 from jax_cgx._src.optax.powersgd import PowerSGDState
@@ -174,7 +174,11 @@ def shard_shapes(params, param_specs, mesh):
 
     Returns:
       A pytree like ``params`` of ``jax.ShapeDtypeStruct``: each parameter's dtype, and its shape with
-      every dimension divided by the sizes of the mesh axes its spec splits it over (rounded down).
+      every dimension divided by the sizes of the mesh axes its spec splits it over.
+
+    Raises:
+      ValueError: a dimension that the sizes of its mesh axes do not divide (``shard_map`` would
+        refuse the parameter), named by its path.
 
     Examples:
       >>> from jax.sharding import PartitionSpec as P
@@ -182,8 +186,11 @@ def shard_shapes(params, param_specs, mesh):
       >>> jax_cgx.optax.shard_shapes({"w": jnp.zeros((16, 64))}, {"w": P(None, "model")}, mesh)["w"].shape
       (16, 32)
     """
-    return jax.tree.map(lambda p, spec: jax.ShapeDtypeStruct(local_shape(jnp.shape(p), spec, mesh), jnp.result_type(p)),
-                        params, param_specs, is_leaf=lambda x: isinstance(x, P))
+    def shard(path, p, spec):
+        check_divides(jnp.shape(p), spec, mesh, f"jax_cgx.optax.shard_shapes: params{jax.tree_util.keystr(path)}")
+        return jax.ShapeDtypeStruct(local_shape(jnp.shape(p), spec, mesh), jnp.result_type(p))
+
+    return jax.tree_util.tree_map_with_path(shard, params, param_specs, is_leaf=lambda x: isinstance(x, P))
 
 
 class _ParamSpecs:
