@@ -295,6 +295,19 @@ def test_explain_over_one_rank_and_the_scatter_refusals():
         jax_cgx.explain({"w": tree["w"]}, world=4, op="psum_scatter", file=None)
     report = jax_cgx.explain({"w": tree["w"]}, world=4, op="psum_scatter", tiled=True, file=None)
     assert report.leaves[0].how == "compressed"
+    # Inside a shard_map every op's report names the axes it reduces over (the sharded ops' dropped them).
+    seen = {}
+
+    def body(x):
+        for op in ("psum", "psum_scatter", "all_gather"):
+            seen[op] = jax_cgx.explain({"w": x[0]}, "d", CompressionConfig(bits=4, min_size=16), op=op, tiled=True,
+                                       file=None)
+        return x
+
+    jax.jit(jax.shard_map(body, mesh=mesh_1d(), in_specs=P("d"), out_specs=P("d"))).trace(
+        per_device(jnp.zeros((W, 64, 64)), mesh_1d()))
+    for op, report in seen.items():
+        assert report.axes == ("d",) and f"over ('d',) ({W} ranks)" in str(report), (op, str(report))
 
 
 def test_a_float64_leaf_is_refused_with_a_fix_that_works_for_config_none():

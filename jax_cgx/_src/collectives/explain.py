@@ -89,8 +89,7 @@ class Explanation:
         (the policy is not ``"auto"`` and the machine is not measured yet).
       op: ``"psum"``, ``"psum_scatter"`` or ``"all_gather"``; for the last two a buffer's
         ``psum_ms`` is that ``lax`` collective's.
-      axes: the reduced axis names, where ``explain`` was given ``axis_name`` with ``op="psum"``
-        (else empty).
+      axes: the reduced axis names, where ``explain`` was given ``axis_name`` (else empty).
       model_axes: the mesh axes left to XLA's partitioner, over which each device reduces its own
         shards (else empty).
     """
@@ -228,7 +227,7 @@ def explain(x, axis_name=None, config: ConfigSpec = None, *, world: int | None =
                                   "each device's shard as x")
     if op != "psum":
         result = _explain_sharded(x, config, world, op, scatter_dimension, tiled)
-        result = dataclasses.replace(result, leaves=_with_plans(result.leaves, plans))
+        result = dataclasses.replace(result, leaves=_with_plans(result.leaves, plans), axes=axes or ())
         if file is not None:
             print(result, file=file)
         return result
