@@ -86,8 +86,7 @@ def _fastest_form(buffers: list[int], dtype, world: int, config: CompressionConf
     best = min(priced, key=lambda p: p[0])
     chosen = best[1] if best[3] and best[0] * SWITCH_SPEEDUP < priced[0][0] else config
     key = ("form", tuple(buffers), np.dtype(dtype).name, world, inner_world, config, backend)
-    if log and key not in pricing._logged:  # once, as pricing logs its decisions
-        pricing._logged.add(key)
+    if log and pricing.first_time(key):  # once, as pricing logs its decisions
         nodes = f" (nodes of {inner_world})" if pricing.two_level(world, inner_world) else ""
         prices = ", ".join(f"{pricing.form_name(c)} {t * 1e3:.3g} ms{' measured' if m else ''}"
                            for t, c, m, _ in priced)
@@ -123,8 +122,7 @@ def choose_messages(buffers: list[int], dtype, world: int, config: CompressionCo
     cut_s, one_s = both
     chosen = one if one_s * SWITCH_SPEEDUP < cut_s else config
     key = ("messages", largest, np.dtype(dtype).name, world, inner_world, config, backend)
-    if log and key not in pricing._logged:
-        pricing._logged.add(key)
+    if log and pricing.first_time(key):
         logger.info("jax_cgx: policy='auto': %s for a %.4g MiB %s buffer over %d ranks (%s: timed %.3g ms "
                     "in messages of at most %d KiB, %.3g ms in one; set link_gbps or JAX_CGX_LINK_GBPS to size them "
                     "to the link instead)",

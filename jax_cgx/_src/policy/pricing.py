@@ -71,6 +71,15 @@ _settled: dict[tuple, tuple[float, float]] = {}
 _logged: set = set()
 
 
+def first_time(key) -> bool:
+    """Whether ``key`` (a decision) is seen for the first time since :func:`reset`: each decision
+    of this module's and of :mod:`~jax_cgx._src.policy.forms` is logged once."""
+    if key in _logged:
+        return False
+    _logged.add(key)
+    return True
+
+
 def reset() -> None:
     """Forget the measured figures and logged decisions (tests; a changed network)."""
     with LOCK:
@@ -115,8 +124,7 @@ def _settle(values: int, dtype, world: int, config: CompressionConfig, backend: 
         if key not in _settled and not measure:
             return None
         if key not in _settled and len(_settled) >= _SETTLE_MAX_BUFFERS:
-            if "settle-cap" not in _logged:
-                _logged.add("settle-cap")
+            if first_time("settle-cap"):
                 logger.info("jax_cgx: policy='auto': %d buffer sizes timed already; the cost model decides "
                             "the rest", _SETTLE_MAX_BUFFERS)
             return None
@@ -216,8 +224,7 @@ def decide(values: int, dtype, world: int, config: CompressionConfig, *, inner_w
         psum, compressed = measured[0], measured[1] + fig.share * copied * size / fig.rates.add
     decision = Decision(compressed * MIN_SPEEDUP < psum, psum, compressed, measured is not None, backend)
     key = (values, np.dtype(dtype).name, world, inner_world, config, fig, backend, op)
-    if log and key not in _logged:
-        _logged.add(key)
+    if log and first_time(key):
         prefix, lax_name = _names(op)  # "compress" or "psum (uncompressed)"; "psum_scatter: lax (...)"
         logger.info("jax_cgx: policy='auto': %s%s a %.4g MiB %s buffer over %d ranks at %d bits "
                     "(%s %.3g ms compressed on %s, %.3g ms %s)", prefix,
