@@ -83,7 +83,7 @@ SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
 CredType=cred/munge
-AuthInfo=socket={r / "munge" / "munge.socket"}
+AuthInfo=socket={r / "munge" / "munge.socket"},cred_expire=15
 StateSaveLocation={r / "state"}
 SlurmdSpoolDir={r / "spool"}/%n
 SlurmctldPidFile={r / "slurmctld.pid"}
@@ -165,6 +165,11 @@ PartitionName=debug Nodes={NODE} Default=YES MaxTime=INFINITE State=UP OverSubsc
         """``command`` (``srun ...``, ``sbatch --wait ...``) with this cluster's ``SLURM_CONF``."""
         env = dict(self.env, **kwargs.pop("env", {}))
         return subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout, **kwargs)
+
+    def show_job(self, job_id: str) -> str:
+        """``scontrol show job``'s words about ``job_id`` (for a failure's message)."""
+        out = subprocess.run(["scontrol", "show", "job", job_id], env=self.env, capture_output=True, text=True)
+        return out.stdout + out.stderr
 
     def job_state(self, job_id: str) -> str:
         out = subprocess.run(["scontrol", "show", "job", job_id], env=self.env, capture_output=True, text=True)
