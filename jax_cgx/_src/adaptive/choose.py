@@ -46,14 +46,22 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_cgx._src.adaptive.arguments import (
+    OBJECTIVES,
+    base_config,
+    check_bucket_sizes,
+    check_budget,
+    check_candidates,
+    check_objective,
+    is_width,
+)
 from jax_cgx._src.adaptive.solver import solve
 from jax_cgx._src.collectives.plan import lane
-from jax_cgx._src.config import MAX_BUCKET_SIZE, QUANTIZED_BITS, CompressionConfig
+from jax_cgx._src.config import CompressionConfig
 
 __all__ = ["CANDIDATES", "OBJECTIVES", "LeafPlan", "choose_bits", "describe", "expected_errors", "leaf_bytes",
            "leaf_errors"]
 
-OBJECTIVES = ("squared", "relative", "adam")
 CANDIDATES = (2, 3, 4, 5, 6, 8)  # the widths a leaf may get, by default
 EXACT = 32  # a leaf sent exact (config None), in a plan's "bits"
 _META_BYTES = 8  # per bucket: its minimum and scale
@@ -93,63 +101,6 @@ class LeafPlan(NamedTuple):
     def choice(self) -> tuple[int, int | None]:
         """``(bits, bucket_size)``: what a plan is compared and keyed by."""
         return self.bits, self.bucket_size
-
-
-def _is_width(b) -> bool:
-    """A quantized width: an integer in 1..8 (not a bool)."""
-    return not isinstance(b, bool) and isinstance(b, (int, np.integer)) and b in QUANTIZED_BITS
-
-
-def _candidates(candidates, api: str) -> tuple[int, ...]:
-    cands = tuple(candidates)
-    if not cands or not all(_is_width(b) for b in cands):
-        raise ValueError(f"{api}: candidates must be widths in 1..8, got {candidates!r}")
-    return tuple(sorted({int(b) for b in cands}))
-
-
-def _bucket_sizes(bucket_sizes, base: CompressionConfig, api: str) -> tuple[int, ...]:
-    """``bucket_sizes`` checked and sorted; None: ``base``'s bucket size alone."""
-    if bucket_sizes is None:
-        return (base.bucket_size,)
-    sizes = tuple(bucket_sizes) if not isinstance(bucket_sizes, (str, bytes)) else ()
-    if not sizes or any(isinstance(b, bool) or not isinstance(b, (int, np.integer)) or not 1 <= b <= MAX_BUCKET_SIZE
-                        for b in sizes):
-        raise ValueError(f"{api}: bucket_sizes must be bucket sizes in 1..{MAX_BUCKET_SIZE}, got {bucket_sizes!r}")
-    return tuple(sorted({int(b) for b in sizes}))
-
-
-def _check(budget_bits, candidates, api: str = "choose_bits") -> tuple[float, tuple[int, ...]]:
-    if isinstance(budget_bits, bool) or not isinstance(budget_bits, (int, float)) or not math.isfinite(budget_bits):
-        raise ValueError(f"{api}: budget_bits must be a number of bits, got {budget_bits!r}")
-    cands = _candidates(candidates, api)
-    if budget_bits < cands[0]:
-        raise ValueError(f"{api}: budget_bits={budget_bits} is below the narrowest candidate ({cands[0]} bits): "
-                         "no plan fits; raise budget_bits or add a narrower candidate")
-    return float(budget_bits), cands
-
-
-def _base(config, api: str, with_paths=()) -> tuple[CompressionConfig, list]:
-    """Every setting but the widths, and each leaf's own config (None: exact, outside the plan):
-    ``config``, or ``CompressionConfig()`` for None, for every leaf; for a config function
-    (``jax_cgx.optax.layer_filter(...)``), what it gives each of ``with_paths``' leaves, whose
-    CompressionConfigs must agree (the plan sets widths on one config)."""
-    if callable(config) and not isinstance(config, CompressionConfig):
-        own = [config(path, leaf) for path, leaf in with_paths]
-        given = {c for c in own if c is not None}
-        if not all(c is None or isinstance(c, CompressionConfig) for c in own):
-            bad = next(c for c in own if c is not None and not isinstance(c, CompressionConfig))
-            raise TypeError(f"{api}: the config function must return a CompressionConfig or None, got "
-                            f"{type(bad).__name__}")
-        if len(given) > 1:
-            raise ValueError(f"{api}: the config function gives the leaves {len(given)} different configs; a plan "
-                             "sets the widths of one: give the leaves it compresses one CompressionConfig (None "
-                             "for those sent exact), e.g. jax_cgx.optax.layer_filter(config, 1024)")
-        return (given.pop() if given else CompressionConfig()), own
-    base = CompressionConfig() if config is None else config
-    if not isinstance(base, CompressionConfig):
-        raise TypeError(f"{api}: config must be a CompressionConfig, a config function "
-                        f"(jax_cgx.optax.layer_filter(...)) or None, got {type(base).__name__}")
-    return base, [base] * len(with_paths)
 
 
 def leaf_bytes(size: int, bits: float, bucket_size: int | None) -> int:
@@ -208,11 +159,11 @@ def leaf_errors(grads, config: CompressionConfig | Callable | None = None, candi
       TypeError: ``config`` not a :class:`~jax_cgx.CompressionConfig`, a config function or None, or a
         config function returning something else.
     """
-    cands = _candidates(candidates, "leaf_errors")
+    cands = check_candidates(candidates, "leaf_errors")
     with_paths, treedef = jax.tree_util.tree_flatten_with_path(grads)
-    base, own = _base(config, "leaf_errors", with_paths)
-    buckets = _bucket_sizes(bucket_sizes, base, "leaf_errors")
-    objective = _objective(objective, "leaf_errors")
+    base, own = base_config(config, "leaf_errors", with_paths)
+    buckets = check_bucket_sizes(bucket_sizes, base, "leaf_errors")
+    objective = check_objective(objective, "leaf_errors")
     scales = _second_moments(second_moment, treedef, [v for _, v in with_paths], objective)
     rows = [jnp.concatenate([_errors(v, bucket, base.stochastic, cands, objective, scale) for bucket in buckets])
             for (p, v), scale, c in zip(with_paths, scales, own) if lane(p, v, c, "leaf_errors") == "quantized"]
@@ -236,13 +187,6 @@ def _second_moments(second_moment, treedef, leaves, objective: str) -> list:
     return [m for _, m in with_paths]
 
 
-def _objective(objective, api: str) -> str:
-    """``objective``, checked against :data:`OBJECTIVES`."""
-    if not isinstance(objective, str) or objective not in OBJECTIVES:
-        raise ValueError(f"{api}: objective must be one of {OBJECTIVES}, got {objective!r}")
-    return objective
-
-
 def expected_errors(leaves: Sequence[jax.Array], config: CompressionConfig, widths: Sequence[int],
                     objective: str = "squared") -> np.ndarray:
     """``[leaf, width]``: the squared error (expected, for stochastic rounding) of quantizing each
@@ -262,11 +206,11 @@ def expected_errors(leaves: Sequence[jax.Array], config: CompressionConfig, widt
     Raises:
       ValueError: an unknown ``objective``; a width not in 1..8.
     """
-    if not all(_is_width(b) for b in widths):
+    if not all(is_width(b) for b in widths):
         raise ValueError(f"expected_errors: widths must be quantized widths, integers in 1..8, got {widths!r} "
                          "(a leaf kept exact has no quantization error to estimate)")
     widths = tuple(int(b) for b in widths)
-    objective = _objective(objective, "expected_errors")
+    objective = check_objective(objective, "expected_errors")
     rows = [_errors(leaf, config.bucket_size, config.stochastic, widths, objective) for leaf in leaves]
     return np.asarray(jax.device_get(jnp.stack(rows)), np.float64) if rows else np.zeros((0, len(widths)))
 
@@ -370,10 +314,10 @@ def _choose(grads, budget_bits, candidates, config, exact: bool, api: str, curre
     """``(configs, plans, error of current)``: :func:`choose_bits`'s plan, and the error the choices
     ``current`` (one ``(bits, bucket_size)`` per planned leaf, in order) would have on this gradient
     (None without them)."""
-    budget_bits, cands = _check(budget_bits, candidates, api)
+    budget_bits, cands = check_budget(budget_bits, candidates, api)
     with_paths, treedef = jax.tree_util.tree_flatten_with_path(grads)
-    base, own = _base(config, api, with_paths)
-    buckets = _bucket_sizes(bucket_sizes, base, api)
+    base, own = base_config(config, api, with_paths)
+    buckets = check_bucket_sizes(bucket_sizes, base, api)
     paths = [p for p, _ in with_paths]
     leaves = [v for _, v in with_paths]
     chosen = [i for i, (p, v, c) in enumerate(zip(paths, leaves, own)) if lane(p, v, c, api) == "quantized"]

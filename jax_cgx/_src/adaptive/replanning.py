@@ -31,15 +31,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_cgx._src.adaptive.arguments import base_config, check_bucket_sizes, check_budget, check_objective
 from jax_cgx._src.adaptive.choose import (
     CANDIDATES,
     EXACT,
     LeafPlan,
-    _base,
-    _bucket_sizes,
-    _check,
     _choose,
-    _objective,
     describe,
     leaf_errors,
 )
@@ -93,23 +90,23 @@ class Planner:
     def __init__(self, like, *, budget_bits: float = 4.0, candidates: Sequence[int] = CANDIDATES,
                  bucket_sizes: Sequence[int] | str | None = "auto", config: CompressionConfig | Callable | None = None,
                  exact: bool = True, every: int = 100, min_gain: float = 0.05, objective: str = "squared"):
-        budget, cands = _check(budget_bits, candidates, "Planner")
+        budget, cands = check_budget(budget_bits, candidates, "Planner")
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
             raise ValueError(f"Planner: every must be a positive number of steps, got {every!r}")
         if isinstance(min_gain, bool) or not isinstance(min_gain, (int, float)) or not 0 <= min_gain < 1:
             raise ValueError(f"Planner: min_gain must be in [0, 1), got {min_gain!r}")
         with_paths, treedef = jax.tree_util.tree_flatten_with_path(like)
         self.config = config  # what leaf_errors and the plans read: a config function keeps its exact leaves
-        self.base, own = _base(config, "Planner", with_paths)
+        self.base, own = base_config(config, "Planner", with_paths)
         if isinstance(bucket_sizes, str) and bucket_sizes == "auto":
             # A plan gains most from buckets sized to each leaf's spread (an embedding's few wide rows
             # in small buckets, smooth leaves in large ones): offered by default, with config's own.
             bucket_sizes = sorted({*AUTO_BUCKET_SIZES, self.base.bucket_size})
-        self.bucket_sizes = _bucket_sizes(bucket_sizes, self.base, "Planner")
+        self.bucket_sizes = check_bucket_sizes(bucket_sizes, self.base, "Planner")
         self.budget_bits, self.candidates = budget, cands
         self.exact = check_bool("Planner", "exact", exact)
         self.every, self.min_gain = every, float(min_gain)
-        self.objective = _objective(objective, "Planner")
+        self.objective = check_objective(objective, "Planner")
         planned = [lane(p, v, c, "Planner") == "quantized" for (p, v), c in zip(with_paths, own)]
         self._treedef = treedef
         self._like = [(jax.tree_util.keystr(p), tuple(jnp.shape(v)), jnp.result_type(v)) for p, v in with_paths]
