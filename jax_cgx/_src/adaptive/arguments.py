@@ -1,5 +1,5 @@
-"""What the adaptive functions accept, checked once for all of them (:mod:`.choose` and
-:mod:`.replanning`): widths, candidates, bucket sizes, a budget, an objective, and the config a
+"""What the adaptive functions accept, checked once for all of them
+(:mod:`jax_cgx._src.adaptive.choose` and :mod:`jax_cgx._src.adaptive.replanning`): widths, candidates, bucket sizes, a budget, an objective, and the config a
 plan sets widths on. Each error names the function and the argument."""
 
 from __future__ import annotations
