@@ -112,10 +112,10 @@ def test_a_requeued_job_resumes_on_fewer_tasks(cluster, tmp_path, tmp_path_facto
     requeue = cluster.run(["scontrol", "requeue", job])
     assert requeue.returncode == 0, log_of(requeue)
     # SLURM holds a requeued job for the step credentials' lifetime (tests/support/slurm.py sets
-    # cred_expire=15 s; 120 s by default) and must: started earlier (scontrol update StartTime=now, as
-    # this test did), slurmd still holds the first run's revoked credential and kills the batch job
-    # ("Job credential revoked"), which on a busy machine it did. The job may also still read FAILED,
-    # the first run's end, for a moment: wait for the second run to begin, then for its end.
+    # cred_expire=15 s; 120 s by default) and must: started earlier (scontrol update StartTime=now),
+    # slurmd still holds the first run's revoked credential and kills the batch job ("Job credential
+    # revoked"), as it did on a busy CI machine. The job may also still read FAILED, the first run's
+    # end, for a moment: wait for the second run to begin, then for its end.
     finished = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "GONE")
     deadline, began = time.monotonic() + 300, False
     while True:

@@ -167,13 +167,12 @@ PartitionName=debug Nodes={NODE} Default=YES MaxTime=INFINITE State=UP OverSubsc
         return subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout, **kwargs)
 
     def show_job(self, job_id: str) -> str:
-        """``scontrol show job``'s words about ``job_id`` (for a failure's message)."""
+        """``scontrol show job``'s words about ``job_id`` (what :meth:`job_state` reads; a failure's message)."""
         out = subprocess.run(["scontrol", "show", "job", job_id], env=self.env, capture_output=True, text=True)
         return out.stdout + out.stderr
 
     def job_state(self, job_id: str) -> str:
-        out = subprocess.run(["scontrol", "show", "job", job_id], env=self.env, capture_output=True, text=True)
-        for field in out.stdout.split():
+        for field in self.show_job(job_id).split():
             if field.startswith("JobState="):
                 return field.split("=", 1)[1]
         return "GONE"

@@ -17,7 +17,6 @@ from jax_cgx._src.codec.arrays import (
     dequantize_sum_requantize,
     quantize,
     rounding_seeds,
-    seeds_from_key,
 )
 from jax_cgx._src.codec.kernels import Impl, batch_rows, check_impl, cuda_extension_available
 from jax_cgx._src.codec.quantized import Quantized, num_buckets, payload_bytes
@@ -26,6 +25,6 @@ from jax_cgx._src.codec.rows import dequantize_rows, dequantize_sum_requantize_r
 __all__ = [
     "quantize", "dequantize", "dequantize_sum", "dequantize_sum_requantize", "Quantized", "Impl",
     "num_buckets", "payload_bytes", "quantize_rows", "dequantize_rows", "dequantize_sum_rows",
-    "dequantize_sum_requantize_rows", "check_impl", "check_float_dtype", "seeds_from_key", "rounding_seeds",
+    "dequantize_sum_requantize_rows", "check_impl", "check_float_dtype", "rounding_seeds",
     "SUPPORTED_DTYPES", "batch_rows", "cuda_extension_available",
 ]

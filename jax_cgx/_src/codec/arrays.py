@@ -23,7 +23,7 @@ from jax_cgx._src.codec.rows import dequantize_rows, dequantize_sum_requantize_r
 from jax_cgx._src.config import QUANTIZED_BITS, CompressionConfig
 
 __all__ = ["quantize", "dequantize", "dequantize_sum", "dequantize_sum_requantize", "check_float_dtype",
-           "seeds_from_key", "rounding_seeds", "SUPPORTED_DTYPES"]
+           "rounding_seeds", "SUPPORTED_DTYPES"]
 
 SUPPORTED_DTYPES = (np.dtype(jnp.float32), np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
 # Element indices inside a row feed a 32-bit counter hash.
@@ -41,16 +41,11 @@ def check_float_dtype(dtype, what: str) -> np.dtype:
     return dtype
 
 
-def seeds_from_key(key) -> jax.Array:
-    """The two 32-bit seed words the counter-based hash uses, drawn from a PRNG key."""
-    return jax.random.bits(key, (2,), jnp.uint32)
-
-
 def rounding_seeds(key, shape: tuple[int, ...], stochastic: bool) -> jax.Array:
-    """``uint32[shape]`` seed words for the kernels: drawn from ``key`` for stochastic rounding;
-    zeros for round-to-nearest, which reads none, or without a key. So a program rounding to nearest
-    holds no PRNG computation even when a key is passed (threefry's loops are a fifth of a small
-    reduction's compiled fusions)."""
+    """``uint32[shape]`` seed words for the kernels (pairs: the two 32-bit words the counter-based
+    hash uses): drawn from ``key`` for stochastic rounding; zeros for round-to-nearest, which reads
+    none, or without a key. So a program rounding to nearest holds no PRNG computation even when a
+    key is passed (threefry's loops are a fifth of a small reduction's compiled fusions)."""
     if stochastic and key is not None:
         return jax.random.bits(key, shape, jnp.uint32)
     return jnp.zeros(shape, jnp.uint32)

@@ -63,14 +63,22 @@ def varying_copy(params, axes):
     return jax.tree.map(lambda v: lax.pcast(v, axes, to="varying") if differentiable(v) else v, params)
 
 
+def _resolved(tree, config: ConfigSpec, specs):
+    """``(treedef, leaves, configs, spec_leaves)`` of ``tree`` (the parameters or their gradients,
+    alike): its config resolved once on the whole tree, each leaf's path known; ``specs`` (a pytree
+    like it, or None) one per leaf."""
+    with_paths, treedef = jax.tree_util.tree_flatten_with_path(tree)
+    paths, leaves = [p for p, _ in with_paths], [v for _, v in with_paths]
+    configs = leaf_configs(config, tree, paths, API)
+    spec_leaves = [None] * treedef.num_leaves if specs is None else treedef.flatten_up_to(specs)
+    return treedef, leaves, configs, spec_leaves
+
+
 def mean_of_gradients(grads, axes: tuple, config: ConfigSpec, key, specs=None):
     """:func:`compressed_pmean` of the whole gradient tree (``in_backward=False``), its config
     resolved on that tree (a config pytree or function sees the parameters' paths). ``float0``
     gradients (an integer leaf's, under ``allow_int``: nothing to average) are returned as they are."""
-    with_paths, treedef = jax.tree_util.tree_flatten_with_path(grads)
-    paths, leaves = [p for p, _ in with_paths], [g for _, g in with_paths]
-    configs = leaf_configs(config, grads, paths, API)
-    spec_leaves = _spec_leaves(specs, treedef)
+    treedef, leaves, configs, spec_leaves = _resolved(grads, config, specs)
     real = [i for i, g in enumerate(leaves) if jnp.result_type(g) != jax.dtypes.float0]
     reduced = compressed_pmean([leaves[i] for i in real], axes, LeafConfigs(configs[i] for i in real), key=key,
                                specs=None if specs is None else [spec_leaves[i] for i in real])
@@ -79,22 +87,12 @@ def mean_of_gradients(grads, axes: tuple, config: ConfigSpec, key, specs=None):
     return treedef.unflatten(leaves)
 
 
-def _spec_leaves(specs, treedef) -> list:
-    """``specs`` (a pytree like the parameters, or None) as a list, one per leaf."""
-    if specs is None:
-        return [None] * treedef.num_leaves
-    return treedef.flatten_up_to(specs)
-
-
 def marked(params, axes: tuple, config: ConfigSpec, key, bucket_bytes: int, specs=None):
     """``params`` with each bucket of leaves marked by :func:`reduce_in_backward`, its config the
     leaves' own (a config pytree or function is resolved on the whole tree, with its paths), its
     specs their sharding over the mesh axes left to the partitioner (buckets are filled with
     each device's shards)."""
-    with_paths, treedef = jax.tree_util.tree_flatten_with_path(params)
-    paths, leaves = [p for p, _ in with_paths], [v for _, v in with_paths]
-    configs = leaf_configs(config, params, paths, API)
-    spec_leaves = _spec_leaves(specs, treedef)
+    treedef, leaves, configs, spec_leaves = _resolved(params, config, specs)
     # Integer leaves (allow_int) have float0 gradients: nothing to average, so no bucket.
     nbytes = [math.prod(local_shape(jnp.shape(v), s or P())) * jnp.result_type(v).itemsize
               if differentiable(v) else 0 for v, s in zip(leaves, spec_leaves)]
@@ -110,4 +108,3 @@ def marked(params, axes: tuple, config: ConfigSpec, key, bucket_bytes: int, spec
         for i, leaf in zip(members, marked):
             out[i] = leaf
     return treedef.unflatten(out)
-
